@@ -1,0 +1,1 @@
+"""Attention forward kernels (SM90 and SM100) with fused block_logit."""

@@ -1,0 +1,133 @@
+"""Compile every kernel config for an arch without a GPU and report its resources.
+
+    python -m cute_kernels.check --arch sm_100a [--kernel NAME] [--full] [--json FILE]
+
+For each config prints: kernel, config, compile seconds, registers per thread, spill store/load
+bytes and the dynamic shared memory the launcher requests (vs the arch limit). Exits non-zero when
+any config fails to compile, spills, or asks for more shared memory than the arch has.
+Registers and spills come from ptxas remarks (``remarks{ptx}``) captured from stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+
+_REMARK = re.compile(
+    r"Compiling entry function '(?P<fn>[^']+)'.*?"
+    r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads.*?"
+    r"Used (?P<regs>\d+) registers",
+    re.S,
+)
+
+
+@contextlib.contextmanager
+def _capture_fd2():
+    """Capture everything written to file descriptor 2 (ptxas remarks come from native code)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        box = {"text": ""}
+        try:
+            yield box
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            box["text"] = tmp.read().decode("utf-8", "replace")
+
+
+def parse_remarks(text: str) -> list[dict]:
+    """Per kernel entry function: registers, stack and spill bytes from ptxas remarks."""
+    out = []
+    for m in _REMARK.finditer(text):
+        out.append({"function": m["fn"], "registers": int(m["regs"]), "stack_bytes": int(m["stack"]),
+                    "spill_store_bytes": int(m["st"]), "spill_load_bytes": int(m["ld"])})
+    return out
+
+
+def check(arch_text: str, kernel: str | None = None, full: bool = False) -> list[dict]:
+    from cute_kernels import arch as _arch
+
+    arch = _arch.parse_arch(arch_text)
+    # The DSL reads the target at first use; set it before cutlass is imported (compile-only mode).
+    os.environ["CUTE_DSL_ARCH"] = _arch.arch_name(arch)
+    os.environ["CUTE_KERNELS_EXTRA_OPTS"] = (os.environ.get("CUTE_KERNELS_EXTRA_OPTS", "") + " remarks{ptx}").strip()
+    from cute_kernels.registry import all_checks
+
+    checks = all_checks()
+    if kernel is not None and kernel not in checks:
+        raise SystemExit(f"unknown kernel {kernel!r}; known: {', '.join(sorted(checks))}")
+    smem_max = _arch.SMEM_BYTES_MAX[_arch.family(arch)]
+    results = []
+    for name, (matrix, compile_fn, smem_fn) in checks.items():
+        if kernel is not None and name != kernel:
+            continue
+        for cfg in matrix(arch, full):
+            row = {"kernel": name, "config": repr(cfg), "ok": False}
+            start = time.perf_counter()
+            try:
+                with _capture_fd2() as box:
+                    compile_fn(cfg)
+                row["compile_seconds"] = round(time.perf_counter() - start, 2)
+                fns = parse_remarks(box["text"])
+                row["functions"] = fns
+                row["registers"] = max((f["registers"] for f in fns), default=None)
+                row["spill_bytes"] = sum(f["spill_store_bytes"] + f["spill_load_bytes"] for f in fns)
+                row["smem_bytes"] = smem_fn(cfg)
+                problems = []
+                if not fns:
+                    problems.append("no ptxas remark captured")
+                if row["spill_bytes"]:
+                    problems.append(f"{row['spill_bytes']} spill bytes")
+                if row["smem_bytes"] is not None and row["smem_bytes"] > smem_max:
+                    problems.append(f"smem {row['smem_bytes']} > {smem_max}")
+                row["problems"] = problems
+                row["ok"] = not problems
+            except Exception as exc:  # report and go on: one failure must not hide the others
+                row["compile_seconds"] = round(time.perf_counter() - start, 2)
+                row["problems"] = [f"{type(exc).__name__}: {exc}"]
+                row["traceback"] = traceback.format_exc()
+            results.append(row)
+            _print_row(row)
+    return results
+
+
+def _print_row(row: dict) -> None:
+    status = "ok  " if row["ok"] else "FAIL"
+    regs = row.get("registers")
+    print(f"{status} {row['kernel']:<28} {row.get('compile_seconds', 0):6.2f}s regs={regs} "
+          f"spill={row.get('spill_bytes')} smem={row.get('smem_bytes')}  {row['config']}", flush=True)
+    for p in row.get("problems", []):
+        print(f"     problem: {p}", flush=True)
+    if not row["ok"] and "traceback" in row and os.environ.get("CUTE_KERNELS_CHECK_VERBOSE"):
+        print(row["traceback"], flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cute_kernels.check", description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", required=True, help="sm_90a or sm_100a")
+    ap.add_argument("--kernel", default=None, help="only this kernel (default: all)")
+    ap.add_argument("--full", action="store_true", help="the full config matrix (slow)")
+    ap.add_argument("--json", default=None, help="write the results to this file")
+    args = ap.parse_args(argv)
+    results = check(args.arch, args.kernel, args.full)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    failed = [r for r in results if not r["ok"]]
+    print(f"{len(results) - len(failed)} of {len(results)} configs compiled cleanly for {args.arch}")
+    return 1 if failed or not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Fake tensors and the env stream used to compile kernels once per config, GPU or not.
+
+Compiling against fake tensors with ``--enable-tvm-ffi`` yields a callable that takes any DLPack
+tensor (Paddle or torch) and launches on the caller's current stream (TVM-FFI env stream). TVM-FFI
+validates dtype, static extents, strides and alignment of every argument before the launch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+#: Options every launcher compiles with.
+COMPILE_OPTIONS = "--enable-tvm-ffi"
+
+
+def sym(divisibility: int = 1):
+    """A dynamic extent (one compile serves every value), optionally known divisible."""
+    return cute.sym_int(divisibility=divisibility) if divisibility > 1 else cute.sym_int()
+
+
+def fake_tensor(dtype, shape: Sequence, *, align_bytes: int = 16, stride_order=None):
+    """A compact fake global-memory tensor, row-major unless ``stride_order`` says otherwise.
+
+    ``shape`` entries are ints (static) or ``sym()`` extents. ``align_bytes`` is the base-pointer
+    alignment the kernel may assume; TVM-FFI checks it on every call.
+    """
+    kwargs = {"assumed_align": align_bytes}
+    if stride_order is not None:
+        kwargs["stride_order"] = tuple(stride_order)
+    return make_fake_compact_tensor(dtype, tuple(shape), **kwargs)
+
+
+def fake_stream():
+    """The TVM-FFI env stream: the kernel runs on whatever stream the caller's framework has current."""
+    return make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_options(extra: str = "") -> str:
+    """``COMPILE_OPTIONS`` plus ``extra`` plus ``$CUTE_KERNELS_EXTRA_OPTS`` (check.py adds ptxas remarks)."""
+    import os
+
+    parts = [COMPILE_OPTIONS, extra, os.environ.get("CUTE_KERNELS_EXTRA_OPTS", "")]
+    return " ".join(p for p in parts if p)
+
+
+__all__ = ["COMPILE_OPTIONS", "cutlass", "fake_tensor", "fake_stream", "sym", "compile_options"]

@@ -1,0 +1,61 @@
+"""In-memory compile cache: the compile function's arguments are the key.
+
+``@jit_cache`` wraps ``compile_x(cfg)`` where ``cfg`` is a frozen (hashable) config dataclass that
+holds everything that changes generated code (arch, dtypes, static dims, flags). Dynamic extents
+(batch, sequence lengths) are ``cute.sym_int()`` in the fake tensors, so one compile serves every
+length and there is no second hand-kept key that could drift from the compile arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Callable, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+_ALL_CACHES: list["_JitCache"] = []
+
+
+class _JitCache:
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.entries: dict = {}
+        self.compile_seconds: dict = {}
+        self.lock = threading.Lock()
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        hit = self.entries.get(key)
+        if hit is not None:
+            return hit
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is None:
+                start = time.perf_counter()
+                hit = self.fn(*args, **kwargs)
+                self.compile_seconds[key] = time.perf_counter() - start
+                self.entries[key] = hit
+        return hit
+
+    def cache_info(self) -> dict:
+        return {"entries": len(self.entries), "compile_seconds": sum(self.compile_seconds.values())}
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+            self.compile_seconds.clear()
+
+
+def jit_cache(fn: F) -> F:
+    """Memoise a compile function on its (hashable) arguments."""
+    cache = _JitCache(fn)
+    _ALL_CACHES.append(cache)
+    return cache  # type: ignore[return-value]
+
+
+def clear_all() -> None:
+    for cache in _ALL_CACHES:
+        cache.clear()

@@ -1,0 +1,46 @@
+"""paddle_fa4: FlashAttention-4-class CuTe-DSL attention kernels for PaddlePaddle.
+
+Public API (see ``docs/api.md`` for exact semantics):
+
+- :func:`flash_attn_fwd` — attention forward with fused ``block_logit`` and natural-log LSE
+- :func:`block_log_weight`, :func:`select_topk_blocks`, :func:`blocks_to_indices` — block selection
+- :func:`indexed_attention`, :func:`indexed_attention_plan` — sparse attention over token indices
+- :mod:`paddle_fa4.h2o` — heavy-hitter (H2O) decode ops on the paged KV layout
+
+Every op takes ``backend="auto" | "cute" | "reference"``. Submodules load on first use so that
+``import paddle_fa4`` is cheap and needs no GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "flash_attn_fwd": "attention",
+    "block_log_weight": "selection",
+    "select_topk_blocks": "selection",
+    "blocks_to_indices": "selection",
+    "indexed_attention": "indexed",
+    "indexed_attention_plan": "indexed_plan",
+    "IndexedAttentionPlan": "indexed_plan",
+}
+_SUBMODULES = ("h2o", "backend", "library")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'paddle_fa4' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
