@@ -23,15 +23,18 @@ def sym(divisibility: int = 1):
 
 
 def fake_tensor(dtype, shape: Sequence, *, align_bytes: int = 16, stride_order=None):
-    """A compact fake global-memory tensor, row-major unless ``stride_order`` says otherwise.
+    """A compact fake global-memory tensor, ROW-MAJOR (last mode stride 1) unless ``stride_order``
+    says otherwise, matching how Paddle and torch lay out contiguous tensors.
 
+    Note: cutlass' own default is column-major (first mode fastest); a fake tensor compiled that way
+    makes TVM-FFI reject every contiguous framework tensor ("strides[0] expected to be 1").
+    ``stride_order[i]`` is mode i's rank from fastest (0) to slowest (ndim - 1).
     ``shape`` entries are ints (static) or ``sym()`` extents. ``align_bytes`` is the base-pointer
     alignment the kernel may assume; TVM-FFI checks it on every call.
     """
-    kwargs = {"assumed_align": align_bytes}
-    if stride_order is not None:
-        kwargs["stride_order"] = tuple(stride_order)
-    return make_fake_compact_tensor(dtype, tuple(shape), **kwargs)
+    ndim = len(shape)
+    order = tuple(stride_order) if stride_order is not None else tuple(range(ndim - 1, -1, -1))
+    return make_fake_compact_tensor(dtype, tuple(shape), stride_order=order, assumed_align=align_bytes)
 
 
 def fake_stream():

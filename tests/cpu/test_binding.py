@@ -1,0 +1,100 @@
+"""The cute_kernels binding layer on a machine without a GPU: arch parsing, dtype names, the compile
+cache, compile-only builds for sm_90a and sm_100a, and the check CLI's report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cute_kernels import arch as arch_mod
+from cute_kernels.dtypes import dtype_name
+from cute_kernels.jit_cache import jit_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("text,expected", [("sm_90a", 90), ("sm_100a", 100), ("90", 90), (100, 100), ("sm_100f", 100)])
+def test_parse_arch(text, expected):
+    assert arch_mod.parse_arch(text) == expected
+
+
+def test_parse_arch_rejects_garbage():
+    with pytest.raises(ValueError, match="unknown arch"):
+        arch_mod.parse_arch("hopper")
+
+
+@pytest.mark.parametrize("cc,fam", [(90, 90), (100, 100), (103, 100), (80, 80), (120, 120)])
+def test_family(cc, fam):
+    assert arch_mod.family(cc) == fam
+
+
+def test_dtype_name_accepts_framework_dtypes():
+    import numpy as np
+    import paddle
+
+    assert dtype_name(paddle.bfloat16) == "bfloat16"
+    assert dtype_name(paddle.float32) == "float32"
+    assert dtype_name(np.dtype("int32")) == "int32"
+    assert dtype_name("bf16") == "bfloat16"
+
+
+def test_jit_cache_keys_on_arguments():
+    calls = []
+
+    @jit_cache
+    def build(cfg):
+        calls.append(cfg)
+        return object()
+
+    a1, a2, b = build(("x", 1)), build(("x", 1)), build(("x", 2))
+    assert a1 is a2 and a1 is not b
+    assert calls == [("x", 1), ("x", 2)]
+    assert build.cache_info()["entries"] == 2
+    build.clear()
+    assert build.cache_info()["entries"] == 0
+
+
+def test_no_gpu_query_at_import():
+    """Importing the kernel package must not need a driver (CI has none)."""
+    code = "import cute_kernels, cute_kernels.arch, cute_kernels.registry, paddle_fa4; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_check_cli_reset_scores(arch, tmp_path):
+    """python -m cute_kernels.check compiles reset_scores without a GPU and reports resources."""
+    report = tmp_path / "report.json"
+    env = dict(os.environ)
+    env.pop("CUTE_DSL_ARCH", None)
+    out = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", arch, "--kernel",
+                          "h2o_reset_scores", "--json", str(report)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(report.read_text())
+    assert rows and all(r["ok"] for r in rows)
+    for r in rows:
+        assert r["registers"] > 0 and r["spill_bytes"] == 0
+
+
+def test_check_cli_unknown_kernel():
+    out = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", "sm_90a", "--kernel", "nope"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "unknown kernel" in (out.stdout + out.stderr)
+
+
+def test_parse_remarks():
+    from cute_kernels.check import parse_remarks
+
+    text = ("ptxas info    : Compiling entry function 'kern_a' for 'sm_90a'\n"
+            "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+            "ptxas info    : Used 168 registers, used 1 barriers\n")
+    (row,) = parse_remarks(text)
+    assert row == {"function": "kern_a", "registers": 168, "stack_bytes": 8,
+                   "spill_store_bytes": 4, "spill_load_bytes": 4}
