@@ -1,0 +1,212 @@
+"""block_logit: per (query row, key block) max of the scaled logit, fused into an attention forward.
+
+    block_logit[b, h, i, j] = max_{t in key block j, t visible to row i} softmax_scale * q_i . k_t
+                              (with softcap: softcap * tanh(softmax_scale * q_i . k_t / softcap))
+                            = -inf when no key of block j is visible to row i
+
+Key block j covers the sequence-relative keys ``[j * block_size, (j + 1) * block_size)``. The kernel
+computes it from the S = Q K^T tile while S is still in registers, BEFORE exponentiation, and
+writes every entry of ``[0, nb)`` of each valid row exactly once with plain stores (no global
+reads, no atomics, no read-modify-write), so the caller needs no pre-fill.
+
+ONE copy for SM90 and SM100. The helpers only see
+
+* a per-thread (rows, cols) register view ``acc_mn`` of the S tile (SM90: 2 rows x tile_n/4 columns
+  of a wgmma m64 accumulator, a row shared by ``threads_per_row = 4`` lanes of a quad; SM100: 1 row x
+  tile_n columns, ``threads_per_row = 1``), and
+* ``cols``: the compile-time column (within the n-tile) of each register column for the thread
+  whose column offset is 0. Other threads differ by an offset smaller than 8 (SM90:
+  ``2 * (lane % 4)``), which never crosses a block boundary because ``block_size % 8 == 0``.
+
+API (all device functions are ``@cute.jit``; sizes are compile-time Python ints):
+
+``BlockLogitShape(tile_n, block_size, rows_per_thread, threads_per_row)``
+    Compile-time bookkeeping: ``blocks_per_tile`` (tile_n // block_size, at least 1),
+    ``tiles_per_block`` (1, or 2 for block_size == 2 * tile_n), ``owned`` (values each thread
+    stores per n-tile after the cross-lane reduction). Raises ValueError for a block size that
+    would straddle tiles.
+``partial_block_max(shape, acc_mn, cols) -> (R, blocks_per_tile) rmem``
+    This thread's max per (row, block) over its own columns (tree of fmax, no shuffles).
+``row_max_from_blocks(shape, blk, r) -> Float32``
+    This thread's max of row r from the block maxima (so the softmax's row max needs no second pass
+    over S; fmax is exact, so the result is bitwise the same as a direct row max).
+``reduce_row_threads(shape, blk, lane) -> (owned (K,) rmem, row_sel, first_block, is_owner)``
+    Max across the ``threads_per_row`` lanes sharing a row, as a reduce-scatter (quad: xor-2 then
+    xor-1 butterflies exchanging half the values each) so that every lane ends up owning K
+    finished values: row ``row_sel`` of its R rows, blocks ``first_block + k`` of the tile, k < K.
+    ``is_owner`` is False only for duplicate holders (when fewer values than lanes remain).
+``carry_two_tile_block(owned, carry, n_tile, n_tile_min) -> Boolean``
+    block_size == 2 * tile_n: fold this tile into the running max carried from tile n_tile + 1
+    (tiles are visited in descending order) and say whether the block is finished (even tile, or
+    the last visited tile) and must be stored now. ``carry`` is an rmem tensor like ``owned`` that
+    the kernel fills with -inf at the start of each work tile.
+``store_blocks(gRow, owned, first_block, nb, valid, scale)``
+    Scalar plain stores ``gRow[first_block + k] = owned[k] * scale`` for ``first_block + k < nb``
+    when ``valid`` (row < seqlen_q and is_owner). ``scale`` = softmax_scale (logits are raw q.k), or
+    None when the values are already scaled (softcap path). ``-inf * scale = -inf``.
+``fill_unvisited(gRows, num_rows, nb, block_lo, block_hi, thread, num_threads, warp_size)``
+    -inf for blocks ``[0, block_lo)`` and ``[block_hi, nb)`` of rows ``[0, num_rows)`` of a tile
+    (key tiles the kernel never visits: causal future, left of a window, rows with no keys, blocks
+    past this sequence's keys in varlen). Rows go to warps, columns to lanes (coalesced).
+``visited_block_range(shape, n_tile_min, n_tile_max) -> (block_lo, block_hi)``
+    The blocks touched by the visited key tiles ``[n_tile_min, n_tile_max)``.
+
+Masked columns must already be -inf in ``acc_mn`` (masking happens before these helpers); a
+visited block whose columns are all masked is therefore written as -inf by ``store_blocks``.
+See docs/api.md for the user-facing contract.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, const_expr
+
+
+class BlockLogitShape:
+    """Compile-time description of how block_logit maps onto one thread's part of an S tile."""
+
+    def __init__(self, tile_n: int, block_size: int, rows_per_thread: int, threads_per_row: int):
+        if block_size % 8 != 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_logit: block_size must be a power of two >= 8, got {block_size}")
+        if tile_n % block_size != 0 and block_size != 2 * tile_n:
+            raise ValueError(f"block_logit: block_size {block_size} would straddle key tiles of {tile_n}")
+        if threads_per_row not in (1, 2, 4):
+            raise ValueError(f"block_logit: threads_per_row must be 1, 2 or 4, got {threads_per_row}")
+        self.tile_n = tile_n
+        self.block_size = block_size
+        self.rows = rows_per_thread
+        self.threads_per_row = threads_per_row
+        self.blocks_per_tile = max(1, tile_n // block_size)
+        self.tiles_per_block = max(1, block_size // tile_n)
+        # Reduce-scatter plan: one stage per butterfly distance, each either splitting the values
+        # in halves between the two lanes (when an even count >= 2 remains) or all-reducing them.
+        stages = []
+        count = self.rows * self.blocks_per_tile
+        dist = threads_per_row // 2
+        while dist >= 1:
+            split = count >= 2 and count % 2 == 0
+            stages.append((dist, split))
+            if split:
+                count //= 2
+            dist //= 2
+        self.stages = tuple(stages)
+        self.owned = count
+        if self.owned > self.blocks_per_tile or self.blocks_per_tile % self.owned:
+            raise ValueError("block_logit: reduce-scatter left values spanning two rows")
+
+
+def _tree_max(vals: list):
+    """fmax over a Python list of Float32, as a balanced tree (independent chains, short depth)."""
+    vals = list(vals)
+    while len(vals) > 1:
+        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
+        if len(vals) % 2:
+            nxt.append(vals[-1])
+        vals = nxt
+    return vals[0]
+
+
+@cute.jit
+def partial_block_max(shape: cutlass.Constexpr, acc_mn: cute.Tensor, cols: cutlass.Constexpr) -> cute.Tensor:
+    """(rows, blocks_per_tile) fp32: this thread's max over its columns of each (row, block)."""
+    blk = cute.make_rmem_tensor((shape.rows, shape.blocks_per_tile), Float32)
+    for r in cutlass.range_constexpr(shape.rows):
+        for b in cutlass.range_constexpr(shape.blocks_per_tile):
+            members = [acc_mn[r, c] for c in range(len(cols))
+                       if (cols[c] // shape.block_size) % shape.blocks_per_tile == b]
+            blk[r, b] = _tree_max(members)
+    return blk
+
+
+@cute.jit
+def row_max_from_blocks(shape: cutlass.Constexpr, blk: cute.Tensor, r: cutlass.Constexpr) -> Float32:
+    """This thread's max of row ``r`` over the tile, from its block maxima."""
+    return _tree_max([blk[r, b] for b in range(shape.blocks_per_tile)])
+
+
+@cute.jit
+def reduce_row_threads(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int32):
+    """Reduce-scatter the block maxima across the lanes sharing a row (see module docstring)."""
+    # Flat order: row-major over (row, block), so halves split rows first, then blocks.
+    vals = [blk[r, b] for r in range(shape.rows) for b in range(shape.blocks_per_tile)]
+    start = Int32(0)
+    is_owner = Boolean(True)
+    for dist, split in shape.stages:
+        hi = (lane // dist) % 2
+        if const_expr(split):
+            half = len(vals) // 2
+            keep = []
+            for i in cutlass.range_constexpr(half):
+                lo_v = vals[i]
+                hi_v = vals[i + half]
+                send = hi_v if hi == 0 else lo_v
+                mine = lo_v if hi == 0 else hi_v
+                other = cute.arch.shuffle_sync_bfly(send, offset=dist)
+                keep.append(cute.arch.fmax(mine, other))
+            vals = keep
+            start = start + hi * half
+        else:
+            vals = [cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=dist)) for v in vals]
+            is_owner = is_owner and hi == 0
+    owned = cute.make_rmem_tensor((shape.owned,), Float32)
+    for k in cutlass.range_constexpr(shape.owned):
+        owned[k] = vals[k]
+    row_sel = start // shape.blocks_per_tile
+    first_block = start - row_sel * shape.blocks_per_tile
+    return owned, row_sel, first_block, is_owner
+
+
+@cute.jit
+def carry_two_tile_block(owned: cute.Tensor, carry: cute.Tensor, n_tile: Int32, n_tile_min: Int32) -> Boolean:
+    """block_size == 2 * tile_n: fold ``carry`` into ``owned``; True when the block is finished."""
+    flush = (n_tile % 2 == 0) or (n_tile == n_tile_min)
+    for k in cutlass.range_constexpr(cute.size(owned)):
+        owned[k] = cute.arch.fmax(owned[k], carry[k])
+        carry[k] = -Float32.inf if flush else owned[k]
+    return flush
+
+
+@cute.jit
+def store_blocks(gRow: cute.Tensor, owned: cute.Tensor, first_block: Int32, nb: Int32, valid: Boolean,
+                 scale: Float32 | None):
+    """Plain stores of the finished block maxima of one row (no reads, no atomics)."""
+    if valid:
+        for k in cutlass.range_constexpr(cute.size(owned)):
+            col = first_block + k
+            if col < nb:
+                val = owned[k]
+                if const_expr(scale is not None):
+                    val = val * scale
+                gRow[col] = val
+
+
+@cute.jit
+def visited_block_range(shape: cutlass.Constexpr, n_tile_min: Int32, n_tile_max: Int32):
+    """Blocks covered by key tiles [n_tile_min, n_tile_max): (block_lo, block_hi), empty if lo >= hi."""
+    if const_expr(shape.tiles_per_block == 1):
+        return n_tile_min * shape.blocks_per_tile, n_tile_max * shape.blocks_per_tile
+    else:
+        return n_tile_min // shape.tiles_per_block, (n_tile_max + shape.tiles_per_block - 1) // shape.tiles_per_block
+
+
+@cute.jit
+def fill_unvisited(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_lo: Int32, block_hi: Int32,
+                   thread: Int32, num_threads: cutlass.Constexpr, warp_size: cutlass.Constexpr = 32):
+    """-inf into blocks [0, block_lo) and [block_hi, nb) of rows [0, num_rows) of ``gRows`` (rows, nb).
+
+    With no visited tile (block_lo >= block_hi) the whole row is filled.
+    """
+    num_warps = num_threads // warp_size
+    warp = thread // warp_size
+    lane = thread % warp_size
+    lo = cutlass.min(block_lo, nb)
+    hi = cutlass.max(block_hi, lo)
+    if block_lo >= block_hi:
+        lo = nb
+        hi = nb
+    for r in cutlass.range(warp, num_rows, num_warps, unroll=1):
+        for c in cutlass.range(lane, lo, warp_size, unroll=1):
+            gRows[r, c] = -Float32.inf
+        for c in cutlass.range(hi + lane, nb, warp_size, unroll=1):
+            gRows[r, c] = -Float32.inf
