@@ -1,0 +1,257 @@
+"""HySparse block selection: log-weights, cross-head top-k key blocks, token indices.
+
+A full-attention layer (:func:`paddle_fa4.flash_attn_fwd` with ``block_logit``) says, per query row
+and key block, the largest logit in the block; with the row's ``lse`` that is the log of the largest
+softmax weight in the block. These ops turn it into the key blocks a sparse layer attends to and
+the token index rows :func:`paddle_fa4.indexed_attention` takes. Exact semantics: ``docs/api.md``
+(Selection); the walk-through: ``docs/hysparse.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from .backend import resolve_backend
+
+Backend = Literal["auto", "cute", "reference"]
+
+#: Block sizes flash_attn_fwd emits block_logit for.
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+_NEG_INF = float("-inf")
+
+
+def _dtype_name(t) -> str:
+    from cute_kernels.dtypes import dtype_name
+
+    return dtype_name(t.dtype)
+
+
+def _require_int(op: str, name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_logit_lse(op: str, block_logit, lse) -> bool:
+    """Validate the (block_logit, lse) pair; True for the varlen (3-D) layout."""
+    for name, t in (("block_logit", block_logit), ("lse", lse)):
+        if _dtype_name(t) != "float32":
+            raise TypeError(f"{op}: {name} must be float32, got {_dtype_name(t)}")
+    if block_logit.ndim == 4:
+        want = 3
+    elif block_logit.ndim == 3:
+        want = 2
+    else:
+        raise ValueError(f"{op}: block_logit must be [B, Hq, Sq, nb] (or varlen [Hq, total_q, nb]), "
+                         f"got shape {list(block_logit.shape)}")
+    if lse.ndim != want or list(lse.shape) != list(block_logit.shape[:-1]):
+        raise ValueError(f"{op}: lse must have shape {list(block_logit.shape[:-1])} to match block_logit "
+                         f"{list(block_logit.shape)}, got {list(lse.shape)}")
+    if block_logit.place != lse.place:
+        raise ValueError(f"{op}: block_logit and lse must be on the same place "
+                         f"({block_logit.place} vs {lse.place})")
+    return block_logit.ndim == 3
+
+
+def block_log_weight(block_logit, lse, name: Optional[str] = None):
+    r"""
+    Log of the largest softmax weight in each key block: ``block_logit - lse[..., None]``.
+
+    Args:
+        block_logit (Tensor): float32 ``[B, Hq, Sq, nb]`` (varlen ``[Hq, total_q, nb]``) from
+            :func:`flash_attn_fwd`; ``-inf`` = no visible key in the block.
+        lse (Tensor): float32 ``[B, Hq, Sq]`` (varlen ``[Hq, total_q]``), natural log.
+        name (str|None, optional): Name for the operation. Default: None.
+
+    Returns:
+        Tensor: float32, ``block_logit``'s shape; ``-inf`` wherever ``block_logit`` is ``-inf``
+        (also on rows whose ``lse`` is ``-inf``), so ``exp`` of it is the block's weight in ``[0, 1]``.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> bl = paddle.to_tensor([[[[0.5, float("-inf")]]]])
+            >>> lse = paddle.to_tensor([[[1.0]]])
+            >>> paddle_fa4.block_log_weight(bl, lse).tolist()
+            [[[[-0.5, -inf]]]]
+    """
+    _check_logit_lse("block_log_weight", block_logit, lse)
+    from .reference.selection import block_log_weight as ref
+
+    out = ref(block_logit, lse)
+    out.stop_gradient = True
+    return out
+
+
+def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] = None,
+                       sink_blocks: int = 0, local_blocks: int = 0, backend: Backend = "auto",
+                       name: Optional[str] = None):
+    r"""
+    Pick, for every query row, the ``topk`` key blocks carrying the most attention.
+
+    A block's log-weight ``block_logit - lse`` is the log of its largest softmax weight; it is
+    maxed over the heads of each kv group (``num_kv_heads`` given: query head ``h`` belongs to
+    group ``h // (Hq // num_kv_heads)``) or over all heads, and the ``topk`` largest win. Some
+    blocks are always kept, when visible: the first ``sink_blocks`` blocks, and the
+    ``local_blocks`` blocks ending at the row's **diagonal block** — the last block holding a key
+    the row sees, which for causal attention is ``(i + Sk - Sq) // block_size``::
+
+        row i, nb = 8, causal, sink_blocks=1, local_blocks=2, topk=4:
+        block      0  1  2  3  4  5  6  7
+        visible    1  1  1  1  1  1  0  0     diagonal block = 5
+        forced     S  .  .  .  L  L  .  .     S = sink, L = local
+        chosen     S  .  x  .  L  L  .  .     x = best remaining block by log-weight
+
+    Because the diagonal block is read off the ``-inf`` pattern, no ``block_size``/``seqlen_k``
+    is needed and varlen rows work as they are (blocks are relative to each sequence's start).
+
+    Args:
+        block_logit (Tensor): float32 ``[B, Hq, Sq, nb]`` or varlen ``[Hq, total_q, nb]``;
+            ``-inf`` = no visible key in the block.
+        lse (Tensor): float32 ``[B, Hq, Sq]`` or varlen ``[Hq, total_q]``, natural log, as
+            returned by :func:`flash_attn_fwd`.
+        topk (int): blocks kept per row, ``>= 1``. May exceed ``nb``; slots that no visible block
+            fills are ``-1``.
+        num_kv_heads (int|None, optional): number of kv groups ``Hs`` (must divide ``Hq``); None
+            selects one set per row shared by all heads (``Hs = 1``). Default: None.
+        sink_blocks (int, optional): leading blocks always kept. Default: 0.
+        local_blocks (int, optional): blocks ending at the diagonal block always kept. Default: 0.
+            ``sink_blocks + local_blocks`` must not exceed ``topk``.
+        backend (str, optional): ``"auto"``, ``"cute"`` or ``"reference"``. Default: ``"auto"``.
+        name (str|None, optional): Name for the operation. Default: None.
+
+    Returns:
+        Tensor: int32 ``[B, Hs, Sq, topk]`` (varlen ``[Hs, total_q, topk]``): chosen block ids in
+        ascending order, then ``-1`` in unused slots. Blocks with no visible key are never chosen;
+        equal log-weights go to the lower block id, so the result is deterministic.
+
+    Raises:
+        TypeError: a non-float32 input or a non-int count.
+        ValueError: shapes disagree, ``num_kv_heads`` does not divide ``Hq``, counts out of range.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> bl = paddle.to_tensor([[[[0.0, 3.0, 1.0, float("-inf")]]]])
+            >>> lse = paddle.to_tensor([[[4.0]]])
+            >>> paddle_fa4.select_topk_blocks(bl, lse, topk=2, backend="reference").tolist()
+            [[[[1, 2]]]]
+    """
+    op = "select_topk_blocks"
+    varlen = _check_logit_lse(op, block_logit, lse)
+    _require_int(op, "topk", topk, 1)
+    sink_blocks = _require_int(op, "sink_blocks", sink_blocks, 0)
+    local_blocks = _require_int(op, "local_blocks", local_blocks, 0)
+    if sink_blocks + local_blocks > topk:
+        raise ValueError(f"{op}: sink_blocks + local_blocks ({sink_blocks} + {local_blocks}) must not "
+                         f"exceed topk ({topk})")
+    dense_bl = block_logit.unsqueeze(0) if varlen else block_logit
+    dense_lse = lse.unsqueeze(0) if varlen else lse
+    b, hq, sq, nb = dense_bl.shape
+    if num_kv_heads is None:
+        groups = 1
+    else:
+        groups = _require_int(op, "num_kv_heads", num_kv_heads, 1)
+        if hq % groups:
+            raise ValueError(f"{op}: num_kv_heads ({groups}) must divide the {hq} query heads")
+
+    import paddle
+
+    if b * sq == 0:
+        out = paddle.empty([b, groups, sq, topk], dtype="int32")
+    elif nb == 0:
+        out = paddle.full([b, groups, sq, topk], -1, dtype="int32")
+    else:
+        def reason(arch):
+            from ._cute import selection as glue
+
+            if not (block_logit.is_contiguous() and lse.is_contiguous()):
+                return "block_logit and lse must be contiguous"
+            return glue.topk_unsupported_reason(arch, nb=nb, topk=topk)
+
+        out = paddle.empty([b, groups, sq, topk], dtype="int32")
+        if resolve_backend(op, backend, block_logit, reason) == "cute":
+            from ._cute import selection as glue
+
+            glue.select_topk_blocks(dense_bl, dense_lse, out, topk, groups, sink_blocks, local_blocks)
+        else:
+            from .reference import selection as ref
+
+            ref.select_topk_blocks(dense_bl, dense_lse, out, topk, groups, sink_blocks, local_blocks)
+    out.stop_gradient = True
+    return out[0] if varlen else out
+
+
+def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = True,
+                      backend: Backend = "auto", name: Optional[str] = None):
+    r"""
+    Expand selected key blocks into the token index rows :func:`indexed_attention` takes.
+
+    Slot ``s`` of a row becomes the ``block_size`` keys ``block_idx[s] * block_size + t``; a key
+    the row cannot see becomes ``-1`` (padding): beyond ``seqlen_k``, beyond the row's causal
+    limit ``i + seqlen_k - Sq`` when ``causal``, or in a ``-1`` slot::
+
+        block_size = 4, seqlen_k = 10, Sq = 10, row i = 5 (sees keys 0..5), block_idx = [0, 1, -1]
+        -> [0, 1, 2, 3,  4, 5, -1, -1,  -1, -1, -1, -1]
+
+    Args:
+        block_idx (Tensor): int32 ``[B, Hs, Sq, topk]``, e.g. from :func:`select_topk_blocks`
+            (dense layout; split a varlen selection per sequence).
+        block_size (int): key block size the selection was made with (16, 32, 64, 128 or 256).
+        seqlen_k (int): number of keys ``Sk``.
+        causal (bool, optional): apply the bottom-right causal limit. Default: True.
+        backend (str, optional): ``"auto"``, ``"cute"`` or ``"reference"``. Default: ``"auto"``.
+        name (str|None, optional): Name for the operation. Default: None.
+
+    Returns:
+        Tensor: int32 ``[B, Sq, topk * block_size]`` when ``Hs == 1`` (one selection shared by all
+        heads), else ``[B, Hs, Sq, topk * block_size]`` (one per kv head): exactly the two
+        ``indices`` layouts of :func:`indexed_attention`.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> blk = paddle.to_tensor([[[[0, 1, -1]]]], dtype="int32")
+            >>> paddle_fa4.blocks_to_indices(blk, 16, seqlen_k=20, backend="reference").shape
+            [1, 1, 48]
+    """
+    op = "blocks_to_indices"
+    if _dtype_name(block_idx) != "int32":
+        raise TypeError(f"{op}: block_idx must be int32, got {_dtype_name(block_idx)}")
+    if block_idx.ndim != 4:
+        raise ValueError(f"{op}: block_idx must be [B, Hs, Sq, topk], got shape {list(block_idx.shape)} "
+                         "(split a varlen selection per sequence)")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"{op}: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+    _require_int(op, "seqlen_k", seqlen_k, 0)
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+    b, hs, sq, topk = block_idx.shape
+    width = topk * block_size
+
+    import paddle
+
+    out = paddle.empty([b, hs, sq, width], dtype="int32")
+    if out.numel() > 0:
+        def reason(arch):
+            from ._cute import selection as glue
+
+            if not block_idx.is_contiguous():
+                return "block_idx must be contiguous"
+            return glue.indices_unsupported_reason(arch, topk=topk, block_size=block_size)
+
+        if resolve_backend(op, backend, block_idx, reason) == "cute":
+            from ._cute import selection as glue
+
+            glue.blocks_to_indices(block_idx, out, block_size, seqlen_k, causal)
+        else:
+            from .reference import selection as ref
+
+            ref.blocks_to_indices(block_idx, out, block_size, seqlen_k, causal)
+    out.stop_gradient = True
+    return out[:, 0] if hs == 1 else out
