@@ -1,0 +1,202 @@
+"""Indexed (token-sparse) attention with autograd. See ``docs/api.md`` (indexed_attention).
+
+:func:`indexed_attention` validates into a frozen :class:`IndexedSpec`, resolves the backend and
+runs a private ``paddle.autograd.PyLayer`` whose forward and backward call the chosen
+implementation: the pure-Paddle reference (``paddle_fa4.reference.indexed``) or the CuTe glue
+(``paddle_fa4._cute.indexed``). The reference goes through the same PyLayer, so the CPU tests
+exercise the autograd contract the kernels use.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+from paddle.autograd import PyLayer
+
+from . import _validate as V
+from .backend import resolve_backend
+
+OP = "indexed_attention"
+_GLUE_MODULE = "paddle_fa4._cute.indexed"
+
+
+@dataclass(frozen=True)
+class IndexedSpec:
+    """A validated :func:`indexed_attention` call.
+
+    ``W`` is the index-row width; ``per_kv_head`` is True for ``indices [B, Hkv, Lq, W]`` and False
+    for ``[B, Lq, W]``; ``scale`` is resolved (``D ** -0.5`` by default); ``dtype`` is the query's.
+    """
+
+    B: int
+    Lq: int
+    Lkv: int
+    Hq: int
+    Hkv: int
+    D: int
+    W: int
+    per_kv_head: bool
+    scale: float
+    dtype: str
+
+
+def indexed_attention(query, key, value, indices, scale=None, return_lse=False, backend="auto", plan=None):
+    r"""Attention of each query token over its own set of key tokens, with autograd.
+
+    Query token ``i`` of batch ``b`` attends, in every query head ``h``, to the distinct valid
+    indices of its row (``indices[b, i]``, or ``indices[b, h // (Hq // Hkv), i]`` per kv head):
+    ``out = softmax(scale * q . K[S]^T) V[S]`` with ``S`` that set. Indices ``< 0`` or ``>= Lkv``
+    are padding and never read; duplicates count once. A row with no valid index gives ``out`` 0,
+    ``lse`` -inf and zero gradients.
+
+    Args:
+        query (Tensor): ``[B, Lq, Hq, D]``, bfloat16 or float16 (float32 on the reference backend).
+        key (Tensor): ``[B, Lkv, Hkv, D]``, query's dtype; ``Hq % Hkv == 0``.
+        value (Tensor): ``[B, Lkv, Hkv, D]``, query's dtype.
+        indices (Tensor): int32 token indices into the key axis (global coordinates, so
+            ``Lq != Lkv`` is allowed): ``[B, Lq, W]`` shared by all heads of a token, or
+            ``[B, Hkv, Lq, W]`` one row per kv head.
+        scale (float, optional): softmax scale, default ``D ** -0.5``.
+        return_lse (bool): also return ``lse``.
+        backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
+        plan (IndexedAttentionPlan, optional): a plan from :func:`paddle_fa4.indexed_attention_plan`
+            for these ``indices`` (the CuTe backend builds one when None; the reference ignores it).
+
+    Returns:
+        Tensor | tuple: ``out [B, Lq, Hq, D]`` in query's dtype, or ``(out, lse)`` with
+        ``lse [B, Hq, Lq]`` float32 natural log (-inf on empty rows, not differentiable).
+
+    Raises:
+        TypeError: a non-tensor input, a wrong dtype (``indices`` must be int32), a bad ``plan``.
+        ValueError: shapes, places or head counts that disagree, a non-finite ``scale``, an
+            unknown ``backend``.
+        NotImplementedError: ``backend="cute"`` when no kernel applies.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> q = paddle.randn([1, 4, 2, 32])
+            >>> kv = paddle.randn([1, 6, 1, 32])
+            >>> idx = paddle.to_tensor([[[0, 1], [2, -1], [5, 5], [-1, -1]]], dtype="int32")
+            >>> out, lse = paddle_fa4.indexed_attention(q, kv, kv, idx, return_lse=True, backend="reference")
+            >>> lse.shape
+            [1, 2, 4]
+    """
+    spec = _validate(query, key, value, indices, scale, return_lse, plan)
+    name = resolve_backend(OP, backend, query, functools.partial(_unsupported_reason, spec=spec))
+    out, lse = _IndexedAttentionFn.apply(query, key, value, indices, spec, name, plan)
+    return (out, lse) if return_lse else out
+
+
+def _glue():
+    """The CuTe glue module, or None when it is not part of this install yet."""
+    import importlib
+
+    try:
+        return importlib.import_module(_GLUE_MODULE)
+    except ModuleNotFoundError as err:
+        if err.name == _GLUE_MODULE:
+            return None
+        raise
+
+
+def _unsupported_reason(arch: int, spec: IndexedSpec) -> Optional[str]:
+    glue = _glue()
+    if glue is None:
+        return f"the CuTe indexed attention is not available ({_GLUE_MODULE} is missing)"
+    return glue.unsupported_reason(arch, spec)
+
+
+def _impl(backend: str):
+    if backend == "cute":
+        return _glue()
+    from .reference import indexed
+
+    return indexed
+
+
+class _IndexedAttentionFn(PyLayer):
+    """Autograd of :func:`indexed_attention`; positional tensor inputs: query, key, value, indices."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, indices, spec, backend, plan):
+        out, lse, plan = _impl(backend).forward(spec, query, key, value, indices, plan)
+        ctx.state = (spec, backend, plan)
+        ctx.needs_grad = tuple(not t.stop_gradient for t in (query, key, value))
+        ctx.save_for_backward(query, key, value, indices, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        import paddle
+
+        spec, backend, plan = ctx.state
+        query, key, value, indices, out, lse = ctx.saved_tensor()
+        if not any(ctx.needs_grad):
+            return None, None, None, None
+        if dout is None:
+            dout = paddle.zeros_like(out)
+        if backend == "cute":
+            grads = _glue().backward(spec, query, key, value, out, lse, dout, plan)
+        else:
+            grads = _impl(backend).backward(spec, query, key, value, out, lse, dout, indices)
+        return _grad_slots(ctx.needs_grad, grads)
+
+
+def _grad_slots(needs_grad, grads) -> tuple:
+    """One slot per tensor input (query, key, value, indices); None where no gradient is wanted."""
+    return tuple(g if need else None for need, g in zip(needs_grad, grads)) + (None,)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _validate(query, key, value, indices, scale, return_lse, plan) -> IndexedSpec:
+    """Check every argument of :func:`indexed_attention` and return the call's spec."""
+    for name, t in (("query", query), ("key", key), ("value", value), ("indices", indices)):
+        V.check_tensor(OP, name, t)
+    dtype = V.check_dtype(OP, "query", query, V.REFERENCE_FLOAT_DTYPES)
+    for name, t in (("key", key), ("value", value)):
+        if V.dtype_name(t) != dtype:
+            raise TypeError(f"{OP}: {name} must have query's dtype {dtype}, got {V.dtype_name(t)}")
+    V.check_dtype(OP, "indices", indices, ("int32",))
+    V.check_rank(OP, "query", query, (4,), "[B, Lq, Hq, D]")
+    V.check_rank(OP, "key", key, (4,), "[B, Lkv, Hkv, D]")
+    V.check_rank(OP, "indices", indices, (3, 4), "[B, Lq, W] or [B, Hkv, Lq, W]")
+    b, lq, hq, d = query.shape
+    _, lkv, hkv, _ = key.shape
+    V.check_shape(OP, "key", key, [b, lkv, hkv, d], "[B, Lkv, Hkv, D] with query's B and D")
+    V.check_shape(OP, "value", value, [b, lkv, hkv, d], "[B, Lkv, Hkv, D] like key")
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"{OP}: query's head count {hq} must be a multiple of key's head count {hkv}")
+    if d < 1:
+        raise ValueError(f"{OP}: head dim D must be >= 1, got {d}")
+    per_kv_head = indices.ndim == 4
+    w = indices.shape[-1]
+    expected = [b, hkv, lq, w] if per_kv_head else [b, lq, w]
+    V.check_shape(OP, "indices", indices, expected, "[B, Hkv, Lq, W]" if per_kv_head else "[B, Lq, W]")
+    V.check_same_place(OP, {"query": query, "key": key, "value": value, "indices": indices})
+    scale = d ** -0.5 if scale is None else V.check_float(OP, "scale", scale)
+    V.check_bool(OP, "return_lse", return_lse)
+    _check_plan(plan)
+    return IndexedSpec(B=b, Lq=lq, Lkv=lkv, Hq=hq, Hkv=hkv, D=d, W=w, per_kv_head=per_kv_head,
+                       scale=float(scale), dtype=dtype)
+
+
+def _check_plan(plan) -> None:
+    if plan is None:
+        return
+    try:
+        from .indexed_plan import IndexedAttentionPlan
+    except ModuleNotFoundError as err:  # the plan module is not part of this install yet
+        if err.name != "paddle_fa4.indexed_plan":
+            raise
+        IndexedAttentionPlan = None
+    if IndexedAttentionPlan is None or not isinstance(plan, IndexedAttentionPlan):
+        raise TypeError(f"{OP}: plan must be an IndexedAttentionPlan from indexed_attention_plan, "
+                        f"got {type(plan).__name__}")

@@ -1,0 +1,137 @@
+"""Reference (pure Paddle, float32) attention forward with ``block_logit``.
+
+Works on any place. Inputs are upcast to float32 (CPU Paddle has no bf16/fp16 matmul or exp);
+``out`` is cast back to q's dtype. Query rows are processed in chunks so the ``[Hq, rows, Sk]``
+float32 score tile stays under :data:`TILE_BYTES`, which bounds memory for long sequences.
+Semantics: ``docs/api.md`` (flash_attn_fwd).
+"""
+
+from __future__ import annotations
+
+import math
+
+import paddle
+
+#: Upper bound on one float32 score tile ``[Hq, rows, nb * block_size]`` (a few live at once).
+TILE_BYTES = 64 << 20
+
+
+def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k) -> None:
+    """Fill ``out``, ``lse`` and (when not None) ``block_logit`` for a validated call.
+
+    Args:
+        spec (AttnFwdSpec): the validated call (``paddle_fa4.attention``).
+        q, k, v (Tensor): inputs as described by ``spec``.
+        out (Tensor): ``spec.out_shape()`` in q's dtype, written.
+        lse (Tensor): float32 ``spec.lse_shape()``, written.
+        block_logit (Tensor | None): float32 ``spec.block_logit_shape()``, every entry written.
+        cu_seqlens_q, cu_seqlens_k (Tensor | None): int32 ``[B + 1]`` for varlen calls. Their values
+            are read on the host (a device sync on GPU places, acceptable for a reference).
+    """
+    with paddle.no_grad():
+        if spec.varlen:
+            _varlen(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k)
+        else:
+            for b in range(spec.batch):
+                _sequence(spec, q[b], k[b], v[b], _Writer(out, lse, block_logit, b, 0))
+
+
+def _varlen(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k) -> None:
+    cu_q = cu_seqlens_q.numpy().tolist()
+    cu_k = cu_seqlens_k.numpy().tolist()
+    # Tokens covered by no sequence (possible only when cu_seqlens[-1] < total) still get defined values.
+    paddle.assign(paddle.zeros(out.shape, dtype=out.dtype, device=out.place), out)
+    paddle.assign(paddle.full(lse.shape, -math.inf, dtype="float32", device=lse.place), lse)
+    if block_logit is not None:
+        paddle.assign(paddle.full(block_logit.shape, -math.inf, dtype="float32", device=block_logit.place),
+                      block_logit)
+    for b in range(spec.batch):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if q1 > q0:
+            _sequence(spec, q[q0:q1], k[k0:k1], v[k0:k1], _Writer(out, lse, block_logit, None, q0))
+
+
+class _Writer:
+    """Writes the results of a chunk of query rows of one sequence into the output buffers."""
+
+    def __init__(self, out, lse, block_logit, batch_idx, row_offset: int):
+        self.out, self.lse, self.block_logit = out, lse, block_logit
+        self.b, self.offset = batch_idx, row_offset
+
+    def __call__(self, row0: int, o, row_lse, row_block_logit) -> None:
+        """``o [rows, Hq, Dv]`` float32, ``row_lse [Hq, rows]``, ``row_block_logit [Hq, rows, nb]``."""
+        r0 = self.offset + row0
+        r1 = r0 + o.shape[0]
+        o = o.astype(self.out.dtype)
+        if self.b is None:  # varlen: out [total_q, Hq, Dv], lse [Hq, total_q], bl [Hq, total_q, nb]
+            self.out[r0:r1] = o
+            self.lse[:, r0:r1] = row_lse
+            if self.block_logit is not None:
+                self.block_logit[:, r0:r1] = row_block_logit
+        else:
+            self.out[self.b, r0:r1] = o
+            self.lse[self.b, :, r0:r1] = row_lse
+            if self.block_logit is not None:
+                self.block_logit[self.b, :, r0:r1] = row_block_logit
+
+
+def _sequence(spec, q, k, v, write) -> None:
+    """One sequence: ``q [Sq, Hq, D]``, ``k [Sk, Hkv, D]``, ``v [Sk, Hkv, Dv]``."""
+    sq, sk = q.shape[0], k.shape[0]
+    if spec.block_size and sk > spec.num_blocks * spec.block_size:
+        raise ValueError(f"flash_attn_fwd: a key sequence of length {sk} exceeds max_seqlen_k {spec.seqlen_k}")
+    kf = k.astype("float32").transpose([1, 0, 2])  # [Hkv, Sk, D]
+    vf = v.astype("float32").transpose([1, 0, 2])  # [Hkv, Sk, Dv]
+    width = max(spec.num_blocks * spec.block_size, sk)
+    rows = max(1, min(sq, TILE_BYTES // (4 * spec.num_heads * max(width, 1))))
+    for row0 in range(0, sq, rows):
+        row1 = min(sq, row0 + rows)
+        o, row_lse, row_bl = _chunk(spec, q[row0:row1], kf, vf, row0, sq, sk)
+        write(row0, o, row_lse, row_bl)
+
+
+def visible_mask(spec, row0: int, rows: int, sq: int, sk: int, place):
+    """``[rows, Sk]`` bool: key ``t`` visible to query row ``row0 + r`` (bottom-right aligned)."""
+    i = paddle.arange(row0, row0 + rows, dtype="int64", device=place).unsqueeze(1)
+    t = paddle.arange(0, sk, dtype="int64", device=place).unsqueeze(0)
+    diag = i + (sk - sq)  # the key aligned with row i
+    mask = paddle.ones([rows, sk], dtype="bool", device=place)
+    if spec.window_left is not None:
+        mask = mask & (t >= diag - spec.window_left)
+    if spec.window_right is not None:
+        mask = mask & (t <= diag + spec.window_right)
+    return mask
+
+
+def _chunk(spec, q, kf, vf, row0: int, sq: int, sk: int):
+    """Rows ``row0 .. row0 + q.shape[0]`` of one sequence.
+
+    Returns ``(o [rows, Hq, Dv] fp32, lse [Hq, rows] fp32, block_logit [Hq, rows, nb] fp32 | None)``.
+    """
+    rows, hq = q.shape[0], q.shape[1]
+    hkv, group = kf.shape[0], hq // kf.shape[0]
+    qf = q.astype("float32").transpose([1, 0, 2]).reshape([hkv, group * rows, -1])  # head h = kv * G + g
+    s = paddle.matmul(qf, kf, transpose_y=True).reshape([hq, rows, sk]) * spec.softmax_scale
+    if spec.softcap > 0:
+        s = paddle.tanh(s / spec.softcap) * spec.softcap
+    mask = visible_mask(spec, row0, rows, sq, sk, q.place).unsqueeze(0)
+    s = paddle.where(mask, s, paddle.full([], -math.inf, dtype="float32", device=q.place))
+    row_max = paddle.max(s, axis=-1)  # [Hq, rows], -inf on rows with no visible key
+    safe_max = paddle.where(paddle.isinf(row_max), paddle.zeros_like(row_max), row_max)
+    # CPU Paddle's vectorised exp returns ~3e-39 for -inf, hence the explicit mask.
+    p = paddle.where(mask, paddle.exp(s - safe_max.unsqueeze(-1)), paddle.zeros([], dtype="float32", device=q.place))
+    row_sum = paddle.sum(p, axis=-1)
+    row_lse = safe_max + paddle.log(row_sum)  # log(0) = -inf for empty rows
+    o = paddle.matmul(p.reshape([hkv, group * rows, sk]), vf).reshape([hq, rows, -1])
+    o = o / paddle.where(row_sum > 0, row_sum, paddle.ones_like(row_sum)).unsqueeze(-1)
+    row_bl = _block_max(s, spec.block_size, spec.num_blocks) if spec.block_size else None
+    return o.transpose([1, 0, 2]), row_lse, row_bl
+
+
+def _block_max(s, block_size: int, num_blocks: int):
+    """``s [Hq, rows, Sk]`` (-inf where masked) -> ``[Hq, rows, num_blocks]`` block maxima."""
+    hq, rows, sk = s.shape
+    pad = num_blocks * block_size - sk
+    if pad > 0:
+        s = paddle.concat([s, paddle.full([hq, rows, pad], -math.inf, dtype="float32", device=s.place)], axis=-1)
+    return paddle.max(s.reshape([hq, rows, num_blocks, block_size]), axis=-1)

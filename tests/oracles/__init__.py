@@ -1,0 +1,1 @@
+"""Independent float64 numpy oracles (never import ``paddle_fa4.reference``)."""
