@@ -22,7 +22,7 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
 
 ``BlockLogitShape(tile_n, block_size, rows_per_thread, threads_per_row)``
     Compile-time bookkeeping: ``blocks_per_tile`` (tile_n // block_size, at least 1),
-    ``tiles_per_block`` (1, or 2 for block_size == 2 * tile_n), ``owned`` (values each thread
+    ``tiles_per_block`` (block_size // tile_n when a block spans several tiles, else 1), ``owned`` (values each thread
     stores per n-tile after the cross-lane reduction). Raises ValueError for a block size that
     would straddle tiles.
 ``partial_block_max(shape, acc_mn, cols) -> (R, blocks_per_tile) rmem``
@@ -35,8 +35,9 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
     xor-1 butterflies exchanging half the values each) so that every lane ends up owning K
     finished values: row ``row_sel`` of its R rows, blocks ``first_block + k`` of the tile, k < K.
     ``is_owner`` is False only for duplicate holders (when fewer values than lanes remain).
-``carry_two_tile_block(owned, carry, n_tile, n_tile_min) -> Boolean``
-    block_size == 2 * tile_n: fold this tile into the running max carried from tile n_tile + 1
+``carry_across_tiles(owned, carry, n_tile, n_tile_min, tiles_per_block) -> Boolean``
+    (``carry_two_tile_block`` = the tiles_per_block == 2 case)
+    block_size == tiles_per_block * tile_n: fold this tile into the running max carried from tile n_tile + 1
     (tiles are visited in descending order) and say whether the block is finished (even tile, or
     the last visited tile) and must be stored now. ``carry`` is an rmem tensor like ``owned`` that
     the kernel fills with -inf at the start of each work tile.
@@ -69,7 +70,7 @@ class BlockLogitShape:
     def __init__(self, tile_n: int, block_size: int, rows_per_thread: int, threads_per_row: int):
         if block_size % 8 != 0 or block_size & (block_size - 1):
             raise ValueError(f"block_logit: block_size must be a power of two >= 8, got {block_size}")
-        if tile_n % block_size != 0 and block_size != 2 * tile_n:
+        if tile_n % block_size != 0 and block_size % tile_n != 0:
             raise ValueError(f"block_logit: block_size {block_size} would straddle key tiles of {tile_n}")
         if threads_per_row not in (1, 2, 4):
             raise ValueError(f"block_logit: threads_per_row must be 1, 2 or 4, got {threads_per_row}")
@@ -160,7 +161,15 @@ def reduce_row_threads(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int32):
 @cute.jit
 def carry_two_tile_block(owned: cute.Tensor, carry: cute.Tensor, n_tile: Int32, n_tile_min: Int32) -> Boolean:
     """block_size == 2 * tile_n: fold ``carry`` into ``owned``; True when the block is finished."""
-    flush = (n_tile % 2 == 0) or (n_tile == n_tile_min)
+    return carry_across_tiles(owned, carry, n_tile, n_tile_min, 2)
+
+
+@cute.jit
+def carry_across_tiles(owned: cute.Tensor, carry: cute.Tensor, n_tile: Int32, n_tile_min: Int32,
+                       tiles_per_block: cutlass.Constexpr) -> Boolean:
+    """block_size == tiles_per_block * tile_n: fold ``carry`` into ``owned``; True when the block is
+    finished (its lowest tile, or the last visited tile) and must be stored now."""
+    flush = (n_tile % tiles_per_block == 0) or (n_tile == n_tile_min)
     for k in cutlass.range_constexpr(cute.size(owned)):
         owned[k] = cute.arch.fmax(owned[k], carry[k])
         carry[k] = -Float32.inf if flush else owned[k]

@@ -1,0 +1,511 @@
+"""FlashFwdSm90: warp-specialised Hopper attention forward with fused block_logit.
+
+    O[i]   = sum_t softmax_t(s_it) V[t],   s_it = softmax_scale * q_i . k_t   (or softcap * tanh(. / softcap))
+    lse[i] = log sum_t exp(s_it)                                             (natural log, -inf: no key)
+    block_logit[i, j] = max_{t in key block j, visible} s_it                 (-inf: no visible key)
+
+over the keys t visible to row i (bottom-right causal / sliding window / seqlen; see
+``common/tile_range.py``). Tensors and argument order: ``attention/config.py`` (``FwdArgs``).
+
+Warp roles (384 threads, one CTA per (query tile of 128 rows, head, batch)):
+
+    warp 0        TMA producer: Q once, then K[n], V[n+1] per key tile (descending n), 2 stages
+    warps 1-3     block_logit: -inf into the blocks of key tiles this query tile never visits
+    WG 1, WG 2    consumers, 64 query rows each: S = Q K^T (wgmma, smem x smem), mask, softcap,
+                  block_logit, online softmax, O += P V (P from registers); the QK^T of tile n is in
+                  flight while the PV of tile n+1 runs and softmax of tile n follows
+                  (intra-warpgroup overlap); the two WGs alternate issuing wgmma (named barriers)
+
+    load ──K,V (mbarrier pipelines)──▶ WG1/WG2 ──▶ O, lse, block_logit (plain stores)
+
+Not supported (``unsupported_reason``): other head dims, head_dim != head_dim_v, pack_gqa.
+
+Note [block_logit and bit-identity]: block maxima are taken from the masked (and softcapped) S
+registers before exponentiation. The row max fed to the softmax is then the max of the block maxima,
+which equals the direct row max exactly (fmax is exact), and the tiles do not depend on block_size, so
+``out`` and ``lse`` are bitwise the same with and without block_logit.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from cute_kernels.common import block_logit as bl
+from cute_kernels.common.mask import apply_mask
+from cute_kernels.common.seqlen import SeqlenInfo
+from cute_kernels.common.softmax import OnlineSoftmax
+from cute_kernels.common.tile_range import TileRange, normalize_window
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
+                                       select_modes, sm90_thread0_cols, transpose_view)
+from cute_kernels.dtypes import cutlass_dtype
+
+from .config import FwdConfig
+
+SMEM_BYTES_MAX = 232_448
+NUM_CONSUMER_WG = 2
+THREADS_PER_WG = 128
+# Register split between the producer warpgroup and the two consumer warpgroups (setmaxnreg).
+PRODUCER_REGS, CONSUMER_REGS = 24, 240
+# Named barrier ids (0 is __syncthreads): consumer WG w waits on WG_SCHEDULER_BARRIER + w.
+WG_SCHEDULER_BARRIER = 1
+
+
+def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
+    """(tile_m, tile_n, kv_stages). Independent of block_size so out/lse do not depend on it."""
+    if cfg.head_dim <= 128:
+        return 128, 128, 2
+    return 128, 64, 2
+
+
+class FlashFwdSm90:
+    def __init__(self, cfg: FwdConfig):
+        reason = FlashFwdSm90.unsupported_reason(cfg)
+        if reason is not None:
+            raise ValueError(f"FlashFwdSm90: {reason}")
+        self.cfg = cfg
+        self.dtype = cutlass_dtype(cfg.dtype)
+        self.tile_m, self.tile_n, self.kv_stages = tile_shape(cfg)
+        self.hdim = cfg.head_dim
+        self.hdimv = cfg.head_dim_v
+        self.num_threads = THREADS_PER_WG * (NUM_CONSUMER_WG + 1)
+        self.use_scheduler_barrier = cfg.head_dim <= 128
+        self.bl_shape = (bl.BlockLogitShape(self.tile_n, cfg.block_size, rows_per_thread=2, threads_per_row=4)
+                         if cfg.has_block_logit else None)
+
+    # ------------------------------------------------------------------ host-side facts
+    @staticmethod
+    def unsupported_reason(cfg: FwdConfig) -> str | None:
+        if cfg.arch != 90:
+            return f"FlashFwdSm90 is the SM90 kernel, got arch {cfg.arch}"
+        if cfg.dtype not in ("bfloat16", "float16"):
+            return f"dtype {cfg.dtype} (only bfloat16/float16)"
+        if cfg.head_dim not in (64, 96, 128, 192, 256):
+            return f"head_dim {cfg.head_dim} (supported: 64, 96, 128, 192, 256)"
+        if cfg.head_dim_v != cfg.head_dim:
+            return f"head_dim_v {cfg.head_dim_v} != head_dim {cfg.head_dim} on SM90"
+        if cfg.qhead_per_kvhead < 1:
+            return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
+        if cfg.has_block_logit:
+            if cfg.block_size not in (16, 32, 64, 128, 256):
+                return f"block_size {cfg.block_size} (supported: 16, 32, 64, 128, 256)"
+        return None
+
+    @staticmethod
+    def smem_bytes(cfg: FwdConfig) -> int:
+        tile_m, tile_n, stages = tile_shape(cfg)
+        elem = 2
+        q = tile_m * cfg.head_dim * elem
+        k = tile_n * cfg.head_dim * elem * stages
+        v = tile_n * cfg.head_dim_v * elem * stages
+        barriers = 8 * (2 + 4 * stages)
+        # Each buffer is 1024-byte aligned.
+        return sum(-(-x // 1024) * 1024 for x in (q, k, v)) + 1024 + barriers
+
+    # ------------------------------------------------------------------ host launch
+    def _smem_layout(self, rows: int, cols: int, stages: int | None):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+        shape = (rows, cols) if stages is None else (rows, cols, stages)
+        order = (0, 1) if stages is None else (0, 1, 2)
+        return cute.tile_to_shape(atom, shape, order)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_q: Int32, stream):
+        varlen = const_expr(mCuSeqlensQ is not None)
+        # (B, S, H, D) -> (S, D, H, B); varlen (T, H, D) -> (T, D, H)
+        order = (0, 2, 1) if const_expr(varlen) else (1, 3, 2, 0)
+        mQt, mKt, mVt = [select_modes(t, order) for t in (mQ, mK, mV)]
+
+        sQ_layout = self._smem_layout(self.tile_m, self.hdim, None)
+        sK_layout = self._smem_layout(self.tile_n, self.hdim, self.kv_stages)
+        sV_layout = self._smem_layout(self.tile_n, self.hdimv, self.kv_stages)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQt, sQ_layout, (self.tile_m, self.hdim))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, mKt, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, mVt, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdimv), 1)
+        self.tx_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[Int64, 2]
+            mbar_k: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            mbar_v: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        if const_expr(varlen):
+            batch = mCuSeqlensQ.shape[0] - 1
+            num_heads = mQ.shape[1]
+        else:
+            batch = mQ.shape[0]
+            num_heads = mQ.shape[2]
+        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), num_heads, batch)
+        self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
+                    tma_atom_Q, tma_atom_K, tma_atom_V, sQ_layout, sK_layout, sV_layout,
+                    softmax_scale, softcap, window_left, window_right,
+                    mQt.shape[0], mKt.shape[0]).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+            stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, softmax_scale: Float32, softcap: Float32,
+               window_left: Int32, window_right: Int32, seqlen_q_static: Int32, seqlen_k_static: Int32):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WG * THREADS_PER_WG // 32)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_bytes_q, defer_sync=True)
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_bytes_k, defer_sync=True)
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_bytes_v, defer_sync=False)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        # Work tile: causal/window tiles are launched heaviest (last query tile) first.
+        bidx, head_idx, batch_idx = cute.arch.block_idx()
+        m_tile = bidx
+        if const_expr(cfg.causal):
+            m_tile = cute.arch.grid_dim()[0] - 1 - bidx
+        seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static, mCuSeqlensQ, mCuSeqlensK)
+        m_start = m_tile * self.tile_m
+        if m_start < seqlen.seqlen_q:
+            left, right = normalize_window(window_left, window_right, seqlen.seqlen_q, seqlen.seqlen_k,
+                                           cfg.causal, cfg.has_window)
+            mask_right = const_expr(cfg.causal or cfg.has_window)
+            tiles = TileRange.create(m_start, seqlen.seqlen_q, seqlen.seqlen_k, left, right,
+                                     self.tile_m, self.tile_n, mask_right, cfg.has_window)
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp_idx == 0:
+                    self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                              pipeline_q, pipeline_k, pipeline_v, seqlen, tiles, m_tile, head_idx, batch_idx)
+                else:
+                    if const_expr(cfg.has_block_logit):
+                        self.fill_block_logit(mBlockLogit, seqlen, tiles, m_start, head_idx, batch_idx, tidx - 32)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                self.consume(mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
+                             seqlen, tiles, left, right, m_tile, head_idx, batch_idx, tidx - THREADS_PER_WG,
+                             softmax_scale, softcap)
+
+    # ------------------------------------------------------------------ producer
+    def _batch_view(self, t: cute.Tensor, offset, batch_idx, varlen: bool):
+        """(S, D, H[, B]) -> (S, D, H) of this sequence (varlen: shifted to its first row)."""
+        if const_expr(varlen):
+            return cute.domain_offset((offset, 0, 0), t)
+        return t[None, None, None, batch_idx]
+
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+             pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, tiles: TileRange,
+             m_tile: Int32, head_idx: Int32, batch_idx: Int32):
+        cfg = self.cfg
+        head_kv = head_idx // cfg.qhead_per_kvhead
+        mQ_cur = self._batch_view(mQ, seqlen.offset_q, batch_idx, cfg.varlen)[None, None, head_idx]
+        mK_cur = self._batch_view(mK, seqlen.offset_k, batch_idx, cfg.varlen)[None, None, head_kv]
+        mV_cur = self._batch_view(mV, seqlen.offset_k, batch_idx, cfg.varlen)[None, None, head_kv]
+        gQ = cute.local_tile(mQ_cur, (self.tile_m, self.hdim), (m_tile, 0))  # (tile_m, D)
+        gK = cute.local_tile(mK_cur, (self.tile_n, self.hdim), (None, 0))  # (tile_n, D, n_tiles)
+        gV = cute.local_tile(mV_cur, (self.tile_n, self.hdimv), (None, 0))  # (tile_n, Dv, n_tiles)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        if tiles.n_min < tiles.n_max:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            # 1. K of the first (highest) tile, then Q.
+            n_tile = tiles.n_max - 1
+            pipeline_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, n_tile], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            # 2. K[n - 1] with V[n]: the consumers run QK^T of tile n-1 next to PV of tile n.
+            for i in cutlass.range(tiles.n_max - 1 - tiles.n_min, unroll=1):
+                n_prev = tiles.n_max - 1 - i
+                prev_state = kv_state.clone()
+                kv_state.advance()
+                pipeline_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                pipeline_v.producer_acquire(prev_state)
+                cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, prev_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(prev_state))
+            # 3. V of the last (lowest) tile.
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, tiles.n_min], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+
+    def _block_logit_rows(self, mBlockLogit, seqlen: SeqlenInfo, head_idx, batch_idx):
+        """(Sq, nb) view of this (batch, head)'s block_logit rows (varlen: shifted to the sequence)."""
+        if const_expr(self.cfg.varlen):
+            return cute.domain_offset((0, seqlen.offset_q, 0), mBlockLogit)[head_idx, None, None]
+        return mBlockLogit[batch_idx, head_idx, None, None]
+
+    @cute.jit
+    def fill_block_logit(self, mBlockLogit, seqlen: SeqlenInfo, tiles: TileRange, m_start: Int32,
+                         head_idx: Int32, batch_idx: Int32, thread: Int32):
+        """Warps 1-3: -inf into the blocks of key tiles this query tile never visits."""
+        mRows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
+        gRows = cute.domain_offset((m_start, 0), mRows)
+        nb = mRows.shape[1]
+        lo, hi = bl.visited_block_range(self.bl_shape, tiles.n_min, tiles.n_max)
+        num_rows = cutlass.min(seqlen.seqlen_q - m_start, self.tile_m)
+        bl.fill_unvisited(gRows, num_rows, nb, lo, hi, thread, 3 * 32)
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+             zero_init: cutlass.Constexpr, wait: cutlass.Constexpr):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        if const_expr(wait >= 0):
+            warpgroup.wait_group(wait)
+
+    def scheduler_sync(self, wg: Int32):
+        if const_expr(self.use_scheduler_barrier):
+            cute.arch.barrier(barrier_id=WG_SCHEDULER_BARRIER + wg, number_of_threads=2 * THREADS_PER_WG)
+
+    def scheduler_arrive(self, wg: Int32):
+        if const_expr(self.use_scheduler_barrier):
+            cute.arch.barrier_arrive(barrier_id=WG_SCHEDULER_BARRIER + 1 - wg,
+                                     number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def consume(self, mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
+                seqlen: SeqlenInfo, tiles: TileRange, left: Int32, right: Int32, m_tile: Int32,
+                head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32):
+        cfg = self.cfg
+        wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
+        lane = ctidx % 32
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.tile_n))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.hdimv),
+            a_source=warpgroup.OperandSource.RMEM)
+        thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * THREADS_PER_WG)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * THREADS_PER_WG)
+        sVt = transpose_view(sV)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))  # (.., .., k, stage)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))  # (.., .., k, stage)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_S_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.hdimv)), Float32)
+        acc_O_mn = acc_mn_view(acc_O)
+
+        # Rows (sequence-relative) and column offset of this thread's S fragment.
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_mn = acc_mn_view(thr_mma_qk.partition_C(cS))
+        m_start = m_tile * self.tile_m
+        rows = [m_start + tScS_mn[r, 0][0] for r in range(2)]
+        thr_col = tScS_mn[0, 0][1]
+        cols = sm90_thread0_cols(self.tile_n)
+        shift = seqlen.seqlen_k - seqlen.seqlen_q
+
+        if const_expr(cfg.has_softcap):
+            scale_log2 = Float32(LOG2_E)
+            softcap_in = softmax_scale / softcap
+            bl_scale = None
+        else:
+            scale_log2 = softmax_scale * LOG2_E
+            softcap_in = Float32(0.0)
+            bl_scale = softmax_scale
+        softmax = OnlineSoftmax(scale_log2, 2, 4)
+        softmax.reset()
+        acc_O.fill(0.0)
+
+        bl_rows = None
+        nb = Int32(0)
+        carry = None
+        if const_expr(cfg.has_block_logit):
+            bl_rows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
+            nb = bl_rows.shape[1]
+            carry = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
+            carry.fill(-Float32.inf)
+
+        ctx = SimpleNamespace(rows=rows, thr_col=thr_col, cols=cols, shift=shift, left=left, right=right,
+                              seqlen=seqlen, tiles=tiles, lane=lane, bl_rows=bl_rows, nb=nb, carry=carry,
+                              bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        if tiles.n_min < tiles.n_max:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_q.consumer_wait(q_state)
+            # 1. First tile (highest n): QK^T alone, full mask (seqlen tail + causal/window).
+            n_tile = tiles.n_max - 1
+            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+            pipeline_k.consumer_wait(kv_state)
+            self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+            pipeline_k.consumer_release(kv_state)
+            self.process_scores(ctx, acc_S, n_tile, True, True, True)
+            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+            # 2. Remaining tiles, descending; masked where causal/window cut through them.
+            n_hi = n_tile
+            n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
+            for i in cutlass.range(n_hi - n_lo_a, unroll=1):
+                kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
+                                             tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                             pipeline_k, pipeline_v, wg, ctx)
+            n_hi = cutlass.min(n_hi, n_lo_a)
+            n_lo_b = cutlass.min(cutlass.max(tiles.n_left_mask, tiles.n_min), n_hi)
+            for i in cutlass.range(n_hi - n_lo_b, unroll=1):
+                kv_state = self.overlap_step(n_hi - 1 - i, False, kv_state, tiled_mma_qk, tiled_mma_pv,
+                                             tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                             pipeline_k, pipeline_v, wg, ctx)
+            n_hi = n_lo_b
+            if const_expr(cfg.has_window):
+                for i in cutlass.range(n_hi - tiles.n_min, unroll=1):
+                    kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
+                                                 tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                                 pipeline_k, pipeline_v, wg, ctx)
+            pipeline_q.consumer_release(q_state)
+            # 3. PV of the last tile.
+            pipeline_v.consumer_wait(kv_state)
+            self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
+            pipeline_v.consumer_release(kv_state)
+
+        # 4. Epilogue: O /= l, lse; rows past seqlen_q are not written.
+        row_scale, lse = softmax.finalize()
+        softmax.rescale(acc_O_mn, row_scale)
+        self.epilogue(acc_O, lse, mO, mLSE, seqlen, thr_mma_pv, m_tile, head_idx, batch_idx)
+
+    @cute.jit
+    def overlap_step(self, n_tile: Int32, masked: cutlass.Constexpr, kv_state, tiled_mma_qk, tiled_mma_pv,
+                     tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape, pipeline_k, pipeline_v,
+                     wg: Int32, ctx):
+        """QK^T of tile n in flight with PV of tile n+1; then softmax of tile n and O rescale."""
+        v_state = kv_state.clone()
+        kv_state.advance()
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.scheduler_sync(wg)
+        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
+        pipeline_v.consumer_wait(v_state)
+        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+        self.scheduler_arrive(wg)
+        warpgroup.wait_group(1)
+        pipeline_k.consumer_release(kv_state)
+        row_scale = self.process_scores(ctx, acc_S, n_tile, False, False, masked)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+        ctx.softmax.rescale(acc_O_mn, row_scale)
+        convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+        return kv_state
+
+    @cute.jit
+    def process_scores(self, ctx, acc_S: cute.Tensor, n_tile: Int32, is_first: cutlass.Constexpr,
+                       mask_seqlen: cutlass.Constexpr, masked: cutlass.Constexpr) -> cute.Tensor:
+        """softcap, mask, block_logit, online softmax of one S tile -> P in acc_S; returns the O rescale."""
+        cfg = self.cfg
+        acc_S_mn = acc_mn_view(acc_S)
+        if const_expr(cfg.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * ctx.softcap_in, fastmath=False) * ctx.softcap
+        if const_expr(masked):
+            apply_mask(acc_S_mn, ctx.cols, ctx.rows, ctx.thr_col + n_tile * self.tile_n, ctx.seqlen.seqlen_k,
+                       ctx.shift, ctx.left, ctx.right, mask_seqlen, cfg.causal or cfg.has_window,
+                       cfg.has_window)
+        local_max = None
+        if const_expr(cfg.has_block_logit):
+            local_max = self.block_logit_step(acc_S_mn, ctx.cols, ctx.rows, ctx.lane, n_tile, ctx.tiles.n_min,
+                                              ctx.bl_rows, ctx.nb, ctx.carry, ctx.seqlen.seqlen_q, ctx.bl_scale)
+        return ctx.softmax.update(acc_S_mn, is_first, local_max)
+
+    @cute.jit
+    def block_logit_step(self, acc_S_mn, cols: cutlass.Constexpr, rows: list, lane: Int32, n_tile: Int32,
+                         n_tile_min: Int32, bl_rows: cute.Tensor, nb: Int32, carry, seqlen_q: Int32,
+                         scale):
+        """Block maxima of this S tile -> plain stores; returns this thread's row maxima for the softmax."""
+        shape = self.bl_shape
+        blk = bl.partial_block_max(shape, acc_S_mn, cols)
+        local_max = [bl.row_max_from_blocks(shape, blk, r) for r in range(2)]
+        owned, row_sel, first_block, is_owner = bl.reduce_row_threads(shape, blk, lane)
+        valid = is_owner
+        if const_expr(shape.tiles_per_block > 1):
+            flush = bl.carry_across_tiles(owned, carry, n_tile, n_tile_min, shape.tiles_per_block)
+            valid = valid and flush
+            block0 = n_tile // shape.tiles_per_block
+        else:
+            block0 = n_tile * shape.blocks_per_tile + first_block
+        row = rows[0] if row_sel == 0 else rows[1]
+        valid = valid and row < seqlen_q
+        bl.store_blocks(bl_rows[row, None], owned, block0, nb, valid, scale)
+        return local_max
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, m_tile: Int32,
+                 head_idx: Int32, batch_idx: Int32):
+        cfg = self.cfg
+        if const_expr(cfg.varlen):
+            mO_cur = cute.domain_offset((seqlen.offset_q, 0, 0), mO)[None, head_idx, None]
+            mLSE_cur = cute.domain_offset((0, seqlen.offset_q), mLSE)[head_idx, None]
+        else:
+            mO_cur = mO[batch_idx, None, head_idx, None]
+            mLSE_cur = mLSE[batch_idx, head_idx, None]
+        gO = cute.local_tile(mO_cur, (self.tile_m, self.hdimv), (m_tile, 0))
+        tOgO_mn = acc_mn_view(thr_mma_pv.partition_C(gO))
+        cO = cute.make_identity_tensor((self.tile_m, self.hdimv))
+        tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cO))
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        convert_to_16bit(acc_O, rO)
+        rO_mn = acc_mn_view(rO)
+        m_start = m_tile * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+            row = m_start + tOcO_mn[r, 0][0]
+            if row < seqlen.seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
+                    tOgO_mn[r, c] = rO_mn[r, c]
+                if tOcO_mn[0, 0][1] == 0:
+                    mLSE_cur[row] = lse[r]

@@ -1,0 +1,166 @@
+"""Host launchers of the attention forward: config, compile cache, run with any DLPack tensors.
+
+``fwd_config(...)`` builds the compile key, ``unsupported_reason(cfg)`` says why a config cannot run
+(the Paddle layer turns it into NotImplementedError), ``compile_fwd(cfg)`` compiles once per config
+against fake tensors (``--enable-tvm-ffi``: the compiled function takes Paddle or torch tensors and
+runs on the caller's current stream), ``run_fwd(...)`` launches with out-parameters.
+Arguments were validated one layer up; only internal invariants are asserted here.
+"""
+
+from __future__ import annotations
+
+from cute_kernels import arch as _arch
+from cute_kernels.dtypes import cutlass_dtype, dtype_name
+from cute_kernels.jit_cache import jit_cache
+
+from .config import BLOCK_SIZES, DTYPES, FwdArgs, FwdConfig
+
+
+def fwd_config(arch: int, dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
+               has_window: bool, has_softcap: bool, block_size: int, varlen: bool) -> FwdConfig:
+    """The compile key for one forward call (``block_size`` 0 = no block_logit)."""
+    return FwdConfig(arch=_arch.family(int(arch)), dtype=dtype_name(dtype), head_dim=int(head_dim),
+                     head_dim_v=int(head_dim_v), qhead_per_kvhead=int(qhead_per_kvhead), causal=bool(causal),
+                     has_window=bool(has_window), has_softcap=bool(has_softcap), block_size=int(block_size),
+                     varlen=bool(varlen))
+
+
+def _kernel_class(arch: int):
+    if arch == 90:
+        from .fwd_sm90 import FlashFwdSm90
+
+        return FlashFwdSm90
+    if arch == 100:
+        from .fwd_sm100 import FlashFwdSm100  # written by the SM100 issue; imported lazily
+
+        return FlashFwdSm100
+    return None
+
+
+def unsupported_reason(cfg: FwdConfig) -> str | None:
+    """None when ``cfg`` compiles and runs, else a reason naming the unsupported case."""
+    if cfg.arch not in (90, 100):
+        return f"no attention forward kernel for compute capability {cfg.arch}"
+    if cfg.has_block_logit and cfg.block_size not in BLOCK_SIZES:
+        return f"block_size {cfg.block_size} (supported: {', '.join(map(str, BLOCK_SIZES))})"
+    try:
+        cls = _kernel_class(cfg.arch)
+    except ImportError as exc:
+        return f"attention forward for sm_{cfg.arch}a is not available ({exc})"
+    return cls.unsupported_reason(cfg)
+
+
+def smem_bytes(cfg: FwdConfig) -> int | None:
+    return _kernel_class(cfg.arch).smem_bytes(cfg)
+
+
+def fake_fwd_args(cfg: FwdConfig) -> FwdArgs:
+    """Fake tensors/scalars in FwdArgs order: every extent but head dims and nb's alignment is dynamic."""
+    import cutlass
+
+    from cute_kernels.fake import fake_tensor, sym
+
+    dt = cutlass_dtype(cfg.dtype)
+    f32 = cutlass.Float32
+    hq = sym()
+    hkv = sym()
+    if cfg.varlen:
+        tq, tk, bp1 = sym(), sym(), sym()
+        q = fake_tensor(dt, (tq, hq, cfg.head_dim))
+        k = fake_tensor(dt, (tk, hkv, cfg.head_dim))
+        v = fake_tensor(dt, (tk, hkv, cfg.head_dim_v))
+        o = fake_tensor(dt, (tq, hq, cfg.head_dim_v))
+        lse = fake_tensor(f32, (hq, tq), align_bytes=4)
+        blk = fake_tensor(f32, (hq, tq, sym()), align_bytes=4) if cfg.has_block_logit else None
+        cu_q = fake_tensor(cutlass.Int32, (bp1,), align_bytes=4)
+        cu_k = fake_tensor(cutlass.Int32, (bp1,), align_bytes=4)
+    else:
+        b, sq, sk = sym(), sym(), sym()
+        q = fake_tensor(dt, (b, sq, hq, cfg.head_dim))
+        k = fake_tensor(dt, (b, sk, hkv, cfg.head_dim))
+        v = fake_tensor(dt, (b, sk, hkv, cfg.head_dim_v))
+        o = fake_tensor(dt, (b, sq, hq, cfg.head_dim_v))
+        lse = fake_tensor(f32, (b, hq, sq), align_bytes=4)
+        blk = fake_tensor(f32, (b, hq, sq, sym()), align_bytes=4) if cfg.has_block_logit else None
+        cu_q = cu_k = None
+    return FwdArgs(q, k, v, o, lse, blk, cu_q, cu_k, f32(1.0), f32(0.0), cutlass.Int32(-1),
+                   cutlass.Int32(-1), cutlass.Int32(1))
+
+
+@jit_cache
+def compile_fwd(cfg: FwdConfig):
+    """Compile the arch kernel for ``cfg`` once (fake tensors; TVM-FFI env stream)."""
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import compile_options, fake_stream
+
+    reason = unsupported_reason(cfg)
+    if reason is not None:
+        raise NotImplementedError(f"flash_attn_fwd: {reason}")
+    kernel = _kernel_class(cfg.arch)(cfg)
+    return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(),
+                        options=compile_options(f"--gpu-arch {_arch.arch_name(cfg.arch)}"))
+
+
+def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, *,
+            softmax_scale: float, softcap: float, window_left: int, window_right: int,
+            max_seqlen_q: int) -> None:
+    """Launch the forward on the caller's current stream; writes ``out``, ``lse``, ``block_logit``.
+
+    Shapes as in ``config.FwdArgs``; ``block_logit`` is None iff ``cfg.block_size == 0``;
+    ``cu_seqlens_*`` are None iff not ``cfg.varlen``; window sizes -1 = unbounded.
+    """
+    assert (block_logit is None) == (not cfg.has_block_logit), "block_logit must match cfg.block_size"
+    assert (cu_seqlens_q is None) == (not cfg.varlen), "cu_seqlens must match cfg.varlen"
+    if cfg.varlen:
+        if int(q.shape[0]) == 0 or int(cu_seqlens_q.shape[0]) <= 1:
+            return
+    elif int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
+        return
+    if max_seqlen_q <= 0:
+        return
+    fn = compile_fwd(cfg)
+    fn(q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
+       float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q))
+
+
+# ---------------------------------------------------------------------------- config matrix
+_SM90_HEAD_DIMS = (64, 96, 128, 192, 256)
+_SM100_HEAD_DIMS = (64, 128, 192, 256)
+
+
+def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
+    """Configs compiled by ``python -m cute_kernels.check`` (and the CPU compile tests)."""
+    arch = _arch.family(int(arch))
+    if full:
+        hdims = _SM90_HEAD_DIMS if arch == 90 else _SM100_HEAD_DIMS
+        out = []
+        for dt in DTYPES:
+            for d in hdims:
+                for mask in ("none", "causal", "window"):
+                    for ratio in (1, 4):
+                        for varlen in (False, True):
+                            for bsz in (0,) + BLOCK_SIZES:
+                                out.append(fwd_config(arch, dt, d, d, ratio, mask == "causal", mask == "window",
+                                                      False, bsz, varlen))
+        if arch == 90:
+            out += [fwd_config(arch, "bfloat16", d, d, 1, c, False, True, 64, False)
+                    for d in (128, 256) for c in (False, True)]
+        return out
+    rep = [
+        ("bfloat16", 128, 1, True, False, False, 0, False),
+        ("bfloat16", 128, 1, True, False, False, 64, False),
+        ("bfloat16", 128, 4, False, False, False, 16, True),
+        ("float16", 64, 1, False, True, False, 128, False),
+        ("bfloat16", 256, 2, True, False, False, 256, False),
+        ("bfloat16", 192, 1, False, False, False, 32, True),
+    ]
+    if arch == 90:
+        rep += [("bfloat16", 96, 1, True, False, True, 64, False)]
+    return [fwd_config(arch, dt, d, d, r, c, w, sc, b, vl) for dt, d, r, c, w, sc, b, vl in rep]
+
+
+CHECKS = {"attention_fwd": (config_matrix, compile_fwd, smem_bytes)}
+
+__all__ = ["fwd_config", "unsupported_reason", "compile_fwd", "run_fwd", "config_matrix", "CHECKS",
+           "fake_fwd_args", "smem_bytes"]

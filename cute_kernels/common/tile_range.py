@@ -1,0 +1,73 @@
+"""Key-tile range of a query tile under bottom-right causal / sliding-window masks.
+
+Row i of a sequence with lengths (Sq, Sk) sees keys t with
+    i + Sk - Sq - window_left <= t <= i + Sk - Sq + window_right
+where causal means window_right = 0, and an unbounded side is represented here by a window
+large enough to cover the whole sequence (``normalize_window``). Tiles are [n*tile_n, (n+1)*tile_n).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+
+@cute.jit
+def normalize_window(window_left: Int32, window_right: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                     causal: cutlass.Constexpr, has_window: cutlass.Constexpr):
+    """(left, right) reach in keys, with -1 (unbounded) replaced by Sq + Sk; causal forces right = 0."""
+    big = seqlen_q + seqlen_k
+    left = big
+    right = big
+    if const_expr(has_window):
+        left = window_left if window_left >= 0 else big
+        right = window_right if window_right >= 0 else big
+    if const_expr(causal):
+        if const_expr(has_window):
+            right = cutlass.min(right, 0)
+        else:
+            right = Int32(0)
+    return left, right
+
+
+@dataclass(frozen=True)
+class TileRange:
+    """Key tiles [n_min, n_max) a query tile visits, and where masking is needed.
+
+    Tiles n >= n_right_mask need the right (causal/window) mask, tiles n < n_left_mask the left
+    window mask; tiles in between are fully visible (except the seqlen tail, masked on tile n_max-1).
+    """
+
+    n_min: Int32
+    n_max: Int32
+    n_right_mask: Int32
+    n_left_mask: Int32
+
+    @staticmethod
+    @cute.jit
+    def create(m_start: Int32, seqlen_q: Int32, seqlen_k: Int32, left: Int32, right: Int32,
+               tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+               mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr):
+        shift = seqlen_k - seqlen_q
+        m_end = cutlass.min(m_start + tile_m, seqlen_q)  # exclusive; m_end > m_start for a live tile
+        n_max = (seqlen_k + tile_n - 1) // tile_n
+        n_min = Int32(0)
+        n_right_mask = n_max
+        n_left_mask = Int32(0)
+        if const_expr(mask_right):
+            # Last row's exclusive key limit; first row's limit decides which tiles need a mask.
+            end_last = m_end - 1 + shift + right + 1
+            n_max = cutlass.min(n_max, cutlass.max(end_last + tile_n - 1, 0) // tile_n)
+            end_first = m_start + shift + right + 1
+            n_right_mask = cutlass.max(end_first, 0) // tile_n
+        if const_expr(mask_left):
+            start_first = m_start + shift - left
+            n_min = cutlass.max(start_first, 0) // tile_n
+            start_last = m_end - 1 + shift - left
+            n_left_mask = (cutlass.max(start_last, 0) + tile_n - 1) // tile_n
+        n_right_mask = cutlass.max(cutlass.min(n_right_mask, n_max), n_min)
+        n_left_mask = cutlass.min(cutlass.max(n_left_mask, n_min), n_right_mask)
+        return TileRange(n_min, n_max, n_right_mask, n_left_mask)

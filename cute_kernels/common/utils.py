@@ -1,0 +1,84 @@
+"""Small device helpers shared by the kernels: accumulator views, fp32 -> 16-bit packing, tensor views.
+
+All functions are trace-time layout algebra or ``@cute.jit`` device code; no host logic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
+    """A view of ``t`` with its modes reordered (e.g. (B, S, H, D) -> (S, D, H, B))."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(modes)))
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a (possibly swizzled) shared-memory tensor."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N)) = (rows, cols)."""
+    col_major = cute.make_layout(acc_layout.shape)
+    shape = ((col_major.shape[0][1], col_major.shape[1]),
+             (col_major.shape[0][0], *col_major.shape[0][2:], col_major.shape[2]))
+    stride = ((col_major.stride[0][1], col_major.stride[1]),
+              (col_major.stride[0][0], *col_major.stride[0][2:], col_major.stride[2]))
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """(rows, cols) register view of a wgmma accumulator: row r, column c of this thread."""
+    return cute.make_tensor(acc.iterator, acc_mn_layout(acc.layout))
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View an fp32 S accumulator ((2, 2, N/8), M, N) as the 16-bit A operand ((2, 2, 2), M, (N/16, N))."""
+    layout = acc.layout
+    div = 2 if const_expr(layout.shape[0][2] % 2 == 0) else 1
+    l = cute.logical_divide(layout, ((None, None, div), None, None))
+    a_layout = cute.make_layout(
+        ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2])),
+        stride=((l.stride[0][0], l.stride[0][1], l.stride[0][2][0]), l.stride[1],
+                (l.stride[0][2][1], l.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, a_layout)
+
+
+def sm90_thread0_cols(tile_n: int) -> list:
+    """Compile-time column (within an n-tile) of each mn-view register column for lane 0 of a quad.
+
+    A wgmma m64nN accumulator gives each thread columns 8*j + 2*(lane % 4) + {0, 1}; the mn view
+    orders them (pair element, j). Other lanes add 2*(lane % 4) < 8.
+    """
+    return [8 * (c // 2) + c % 2 for c in range(tile_n // 4)]
+
+
+@dsl_user_op
+def _cvt_pack2(a, b, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{'bf16x2' if to_bf16 else 'f16x2'}.f32 $0, $2, $1;",
+        "=r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
+    """fp32 ``src`` -> bf16/fp16 ``dst`` (same size), two elements per cvt instruction."""
+    dst_i32 = cute.recast_tensor(dst, Int32)
+    to_bf16 = const_expr(dst.element_type is cutlass.BFloat16)
+    for i in cutlass.range_constexpr(cute.size(dst_i32)):
+        dst_i32[i] = _cvt_pack2(src[2 * i], src[2 * i + 1], to_bf16)
