@@ -11,6 +11,7 @@ import importlib
 
 LAUNCH_MODULES = (
     "cute_kernels.h2o.launch",
+    "cute_kernels.select.launch",
 )
 
 

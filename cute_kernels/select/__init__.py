@@ -1,0 +1,1 @@
+"""Block selection kernels: cross-head top-k key blocks and their token indices (HySparse)."""

@@ -1,0 +1,247 @@
+"""select_topk_blocks: per query row, the top-k key blocks by log-weight maxed over a head group.
+
+    w[b, g, i, j] = max over heads h of group g of (block_logit[b, h, i, j] - lse[b, h, i])
+                    (-inf where block_logit is -inf: no visible key in the block)
+    out[b, g, i, :] = the topk blocks j with the largest w, ties to the lower j, after forcing
+                    j < sink_blocks and j > diag - local_blocks (diag = last visible block) in;
+                    ascending, -1 padded; invisible blocks are never chosen
+
+Tensors:
+    mBlockLogit  [B, Hq, Sq, nb] float32 (varlen callers pass [1, Hq, total_q, nb])
+    mLSE         [B, Hq, Sq] float32, natural log
+    mOut         [B, Hs, Sq, topk] int32; Hs = Hq // group_size
+
+One warp per output row (b, g, i), four warps per CTA. The warp streams the group's heads once,
+holding the row's nb log-weights in registers (lane l owns blocks m*32*vec + l*vec + v, so every
+load of the warp is one contiguous 128*vec-byte segment); nothing but the int32 ids is written, so
+the [B, Hq, Sq, nb] log-weight tensor never exists. Then:
+
+    1. load     w = max over the group's heads of (block_logit - lse), vectorised, branch-free
+                (out-of-range chunks re-read the row's last chunk and are masked to -inf)
+    2. diag     warp max of the last visible block id
+    3. force    sink and local blocks that are visible get w = +inf (they sort first)
+    4. select   topk rounds of a warp arg-max over the keys (w, -j) strictly below the previous
+                pick; see Note [selection without a heap]
+    5. write    a block is chosen iff its key is >= the last pick; its slot is its rank among the
+                chosen blocks, counted with warp ballots, so ids come out ascending
+
+Note [selection without a heap]
+    Keys (w, -j) are distinct, so "the k-th largest key" is well defined and the chosen set is
+    exactly the keys >= the k-th pick. Each round every lane scans its registers for its best key
+    below the previous pick (no register is ever written, so nothing is indexed dynamically), and a
+    5-step butterfly picks the warp's best. Rounds whose best is -inf change nothing, which is
+    how rows with fewer than topk visible blocks end up -1 padded.
+
+Supported: nb <= nb_cap <= 2048, topk <= 64 (see ``unsupported_reason``). Any Hq, any group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+#: Output rows (warps) per CTA.
+WARPS_PER_CTA = 4
+#: Largest nb (2,048 blocks = 128K keys at block 64) and topk the register-resident kernel takes.
+NB_MAX = 2048
+TOPK_MAX = 64
+#: A block id larger than any real one (sorts after every real id on equal weights).
+_NO_BLOCK = 1 << 30
+
+
+@dataclass(frozen=True)
+class TopkBlocksConfig:
+    arch: int
+    group_size: int  # heads maxed into one output row (Hq // Hs), static: the head loop is unrolled
+    nb_cap: int  # register slots per row, a power of two >= 32 * vec; nb <= nb_cap
+    topk: int
+    vec: int = 4  # fp32 per lane per load: 4 when nb % 4 == 0 (16-byte rows), else 1
+
+    @property
+    def chunks(self) -> int:
+        """Loads per lane per head."""
+        return self.nb_cap // (32 * self.vec)
+
+    @property
+    def per_lane(self) -> int:
+        """Log-weights each lane holds."""
+        return self.nb_cap // 32
+
+
+def nb_cap_for(nb: int, vec: int) -> int:
+    """Smallest power-of-two capacity >= nb that a warp of ``vec``-wide loads covers."""
+    cap = 32 * vec
+    while cap < nb:
+        cap *= 2
+    return cap
+
+
+class TopkBlocks:
+    def __init__(self, cfg: TopkBlocksConfig):
+        reason = self.unsupported_reason(cfg)
+        if reason is not None:
+            raise ValueError(f"select_topk_blocks: {reason}")
+        self.cfg = cfg
+
+    @staticmethod
+    def unsupported_reason(cfg: TopkBlocksConfig) -> str | None:
+        if cfg.vec not in (1, 4):
+            return f"vec must be 1 or 4, got {cfg.vec}"
+        if cfg.nb_cap > NB_MAX or cfg.nb_cap < 32 * cfg.vec or cfg.nb_cap & (cfg.nb_cap - 1):
+            return f"nb_cap must be a power of two in [{32 * cfg.vec}, {NB_MAX}], got {cfg.nb_cap}"
+        if not 1 <= cfg.topk <= TOPK_MAX:
+            return f"topk must be in [1, {TOPK_MAX}], got {cfg.topk}"
+        if cfg.group_size < 1:
+            return f"group_size must be >= 1, got {cfg.group_size}"
+        return None
+
+    @cute.jit
+    def __call__(self, mBlockLogit: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
+                 sink_blocks: Int32, local_blocks: Int32, stream):
+        # mBlockLogit: (B, Hq, Sq, nb); mLSE: (B, Hq, Sq); mOut: (B, Hs, Sq, topk)
+        n_rows = mOut.shape[0] * mOut.shape[1] * mOut.shape[2]
+        grid = cute.ceil_div(n_rows, WARPS_PER_CTA)
+        self.kernel(mBlockLogit, mLSE, mOut, sink_blocks, local_blocks).launch(
+            grid=[grid, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mBlockLogit: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
+               sink_blocks: Int32, local_blocks: Int32):
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_groups = mOut.shape[1]
+        seqlen_q = mOut.shape[2]
+        row = bidx * WARPS_PER_CTA + warp
+        if row < mOut.shape[0] * num_groups * seqlen_q:
+            i = row % seqlen_q
+            bg = row // seqlen_q
+            group = bg % num_groups
+            batch = bg // num_groups
+            # (per_lane,) fp32: log-weights of blocks m*32*vec + lane*vec + v at slot m*vec + v
+            tWrW = cute.make_rmem_tensor((self.cfg.per_lane,), Float32)
+            self.load_log_weight(mBlockLogit, mLSE, tWrW, batch, group, i, lane)
+            self.force_sink_local(tWrW, mBlockLogit.shape[3], sink_blocks, local_blocks, lane)
+            last_v, last_j = self.select(tWrW, lane)
+            self.write_ids(tWrW, mOut, batch, group, i, last_v, last_j, lane)
+
+    @cute.jit
+    def block_id(self, lane: Int32, m: int, v: int) -> Int32:
+        return m * 32 * self.cfg.vec + lane * self.cfg.vec + v
+
+    @cute.jit
+    def load_log_weight(self, mBlockLogit: cute.Tensor, mLSE: cute.Tensor, tWrW: cute.Tensor,
+                        batch: Int32, group: Int32, i: Int32, lane: Int32):
+        cfg = self.cfg
+        nb = mBlockLogit.shape[3]
+        n_vec = nb // cfg.vec  # >= 1: the launcher never runs nb == 0
+        neg_inf = Float32(-Float32.inf)
+        for e in cutlass.range_constexpr(cfg.per_lane):
+            tWrW[e] = neg_inf
+        # (per_lane,) fp32: one head's raw block_logit slots
+        tWrRaw = cute.make_rmem_tensor((cfg.per_lane,), Float32)
+        unroll = max(1, min(cfg.group_size, 8 // cfg.chunks))
+        for g in cutlass.range(cfg.group_size, unroll=unroll):
+            head = group * cfg.group_size + g
+            lse = mLSE[batch, head, i]
+            gRow = mBlockLogit[batch, head, i, None]  # (nb,)
+            # 1. issue every load of the head first (clamped in range, so no branch around them)
+            for m in cutlass.range_constexpr(cfg.chunks):
+                chunk = Int32(cutlass.select_(m * 32 + lane < n_vec, m * 32 + lane, n_vec - 1))
+                cute.autovec_copy(cute.local_tile(gRow, (cfg.vec,), (chunk,)),
+                                  cute.local_tile(tWrRaw, (cfg.vec,), (m,)))
+            # 2. log-weight and the max over heads; -inf block_logit stays -inf whatever lse is
+            for m in cutlass.range_constexpr(cfg.chunks):
+                for v in cutlass.range_constexpr(cfg.vec):
+                    e = m * cfg.vec + v
+                    x = tWrRaw[e]
+                    keep = (x > neg_inf) & (self.block_id(lane, m, v) < nb)
+                    logw = Float32(cutlass.select_(keep, x - lse, neg_inf))
+                    tWrW[e] = cute.arch.fmax(tWrW[e], logw)
+
+    @cute.jit
+    def force_sink_local(self, tWrW: cute.Tensor, nb: Int32, sink_blocks: Int32, local_blocks: Int32,
+                         lane: Int32):
+        cfg = self.cfg
+        neg_inf = Float32(-Float32.inf)
+        # The row's diagonal block is its last visible one (for causal rows (i + Sk - Sq) // block).
+        last = Int32(-1)
+        for m in cutlass.range_constexpr(cfg.chunks):
+            for v in cutlass.range_constexpr(cfg.vec):
+                j = self.block_id(lane, m, v)
+                last = Int32(cutlass.select_(tWrW[m * cfg.vec + v] > neg_inf, j, last))
+        diag = cute.arch.warp_reduction_max(last)
+        for m in cutlass.range_constexpr(cfg.chunks):
+            for v in cutlass.range_constexpr(cfg.vec):
+                e = m * cfg.vec + v
+                j = self.block_id(lane, m, v)
+                forced = (tWrW[e] > neg_inf) & ((j < sink_blocks) | (j > diag - local_blocks))
+                tWrW[e] = Float32(cutlass.select_(forced, Float32(Float32.inf), tWrW[e]))
+
+    @cute.jit
+    def select(self, tWrW: cute.Tensor, lane: Int32):
+        """The topk-th largest key (w, -j) of the row, or (+inf, -1) when nothing is visible.
+
+        See Note [selection without a heap].
+        """
+        cfg = self.cfg
+        neg_inf = Float32(-Float32.inf)
+        pick_v = Float32(Float32.inf)
+        pick_j = Int32(-1)
+        for _ in cutlass.range(cfg.topk):
+            best_v = neg_inf
+            best_j = Int32(_NO_BLOCK)
+            # lane's best key strictly below the previous pick; ascending j keeps the lower id on ties
+            for m in cutlass.range_constexpr(cfg.chunks):
+                for v in cutlass.range_constexpr(cfg.vec):
+                    x = tWrW[m * cfg.vec + v]
+                    j = self.block_id(lane, m, v)
+                    below = (x < pick_v) | ((x == pick_v) & (j > pick_j))
+                    better = below & (x > best_v)
+                    best_v = Float32(cutlass.select_(better, x, best_v))
+                    best_j = Int32(cutlass.select_(better, j, best_j))
+            # warp arg-max, lower id on equal weight: every lane ends with the same (best_v, best_j)
+            for offset in cutlass.range_constexpr(5):
+                other_v = cute.arch.shuffle_sync_bfly(best_v, offset=16 >> offset)
+                other_j = cute.arch.shuffle_sync_bfly(best_j, offset=16 >> offset)
+                take = (other_v > best_v) | ((other_v == best_v) & (other_j < best_j))
+                best_v = Float32(cutlass.select_(take, other_v, best_v))
+                best_j = Int32(cutlass.select_(take, other_j, best_j))
+            found = best_v > neg_inf
+            pick_v = Float32(cutlass.select_(found, best_v, pick_v))
+            pick_j = Int32(cutlass.select_(found, best_j, pick_j))
+        return pick_v, pick_j
+
+    @cute.jit
+    def write_ids(self, tWrW: cute.Tensor, mOut: cute.Tensor, batch: Int32, group: Int32, i: Int32,
+                  last_v: Float32, last_j: Int32, lane: Int32):
+        cfg = self.cfg
+        neg_inf = Float32(-Float32.inf)
+        lanes_below = (Int32(1) << lane) - 1
+        base = Int32(0)  # chosen blocks in earlier chunks (warp-uniform)
+        for m in cutlass.range_constexpr(cfg.chunks):
+            chosen = []
+            below = Int32(0)
+            total = Int32(0)
+            for v in cutlass.range_constexpr(cfg.vec):
+                x = tWrW[m * cfg.vec + v]
+                j = self.block_id(lane, m, v)
+                pred = (x > neg_inf) & ((x > last_v) | ((x == last_v) & (j <= last_j)))
+                ballot = cute.arch.vote_ballot_sync(pred)
+                below = below + cute.arch.popc(ballot & lanes_below)
+                total = total + cute.arch.popc(ballot)
+                chosen.append(pred)
+            own = Int32(0)
+            for v in cutlass.range_constexpr(cfg.vec):
+                rank = base + below + own
+                if chosen[v] & (rank < cfg.topk):
+                    mOut[batch, group, i, rank] = self.block_id(lane, m, v)
+                own = own + Int32(cutlass.select_(chosen[v], 1, 0))
+            base = base + total
+        for q in cutlass.range_constexpr((cfg.topk + 31) // 32):
+            slot = q * 32 + lane
+            if (slot < cfg.topk) & (slot >= base):
+                mOut[batch, group, i, slot] = Int32(-1)

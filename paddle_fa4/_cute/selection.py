@@ -1,0 +1,31 @@
+"""CuTe backend of ``paddle_fa4.selection``: out-parameter calls into ``cute_kernels.select``."""
+
+from __future__ import annotations
+
+from .._bridge import arch_of, kernel_arg
+
+
+def topk_unsupported_reason(arch: int, *, nb: int, topk: int) -> str | None:
+    from cute_kernels.select.launch import topk_unsupported_reason
+
+    return topk_unsupported_reason(nb, topk)
+
+
+def indices_unsupported_reason(arch: int, *, topk: int, block_size: int) -> str | None:
+    return None
+
+
+def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, local_blocks) -> None:
+    """Dense 4-D ``block_logit``/``lse`` (varlen callers add a batch axis of 1), ``out [B, Hs, Sq, topk]``."""
+    from cute_kernels.select.launch import run_select_topk_blocks
+
+    assert out.shape[1] == num_groups and out.shape[3] == topk
+    run_select_topk_blocks(kernel_arg(block_logit), kernel_arg(lse), kernel_arg(out),
+                           sink_blocks=sink_blocks, local_blocks=local_blocks, arch=arch_of(block_logit))
+
+
+def blocks_to_indices(block_idx, out, block_size, seqlen_k, causal) -> None:
+    from cute_kernels.select.launch import run_blocks_to_indices
+
+    run_blocks_to_indices(kernel_arg(block_idx), kernel_arg(out), block_size=block_size,
+                          seqlen_k=seqlen_k, causal=causal, arch=arch_of(block_idx))

@@ -1,0 +1,190 @@
+"""select_topk_blocks / blocks_to_indices / block_log_weight on the reference backend vs the fp64
+numpy oracle (tests/oracles/selection.py), plus the API contracts and error cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+paddle = pytest.importorskip("paddle")
+
+import paddle_fa4  # noqa: E402
+from tests.oracles import selection as oracle  # noqa: E402
+
+REF = {"backend": "reference"}
+
+
+def _t(a):
+    return paddle.to_tensor(a)
+
+
+# (b, hq, sq, sk, block_size, num_kv_heads, topk, sink, local, window, ties)
+CASES = [
+    pytest.param(2, 4, 37, 300, 16, None, 5, 1, 2, None, False, id="all-heads-sink-local"),
+    pytest.param(1, 8, 50, 50, 16, 2, 4, 0, 1, None, True, id="gqa-8to2-ties"),
+    pytest.param(1, 8, 33, 64, 16, 1, 3, 0, 0, None, False, id="gqa-8to1-explicit"),
+    pytest.param(1, 4, 29, 90, 16, 4, 3, 1, 1, None, False, id="per-head"),
+    pytest.param(1, 4, 20, 100, 16, 2, 3, 1, 1, 40, False, id="window"),
+    pytest.param(2, 2, 70, 40, 16, None, 8, 0, 0, None, True, id="sq-gt-sk-empty-rows"),
+    pytest.param(1, 2, 5, 250, 32, None, 20, 2, 2, None, False, id="topk-gt-nb"),
+    pytest.param(1, 3, 1, 1, 64, None, 2, 1, 1, None, False, id="one-token"),
+    pytest.param(1, 2, 40, 63, 64, None, 1, 0, 1, None, False, id="one-block-local-only"),
+    pytest.param(1, 2, 96, 96, 16, None, 16, 0, 0, None, True, id="all-ties-lower-id"),
+]
+
+
+@pytest.mark.parametrize("b,hq,sq,sk,bs,hs,topk,sink,local,window,ties", CASES)
+def test_select_matches_oracle(b, hq, sq, sk, bs, hs, topk, sink, local, window, ties):
+    rng = np.random.default_rng(7)
+    bl, lse = oracle.causal_block_logit(rng, b, hq, sq, sk, bs, window=window, ties=ties)
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, num_kv_heads=hs, sink_blocks=sink,
+                                        local_blocks=local, **REF)
+    want = oracle.select_topk_blocks(bl, lse, topk, hs, sink, local)
+    assert got.dtype == paddle.int32 and list(got.shape) == [b, hs or 1, sq, topk]
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_selection_contract_properties():
+    """Ascending ids then -1; every chosen block visible; sinks and the diagonal block kept."""
+    rng = np.random.default_rng(3)
+    b, hq, sq, sk, bs, topk = 2, 4, 80, 160, 16, 4
+    bl, lse = oracle.causal_block_logit(rng, b, hq, sq, sk, bs)
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, sink_blocks=1, local_blocks=1, **REF).numpy()
+    visible = np.isfinite(bl).any(axis=1)  # [B, Sq, nb]
+    for bi in range(b):
+        for i in range(sq):
+            row = got[bi, 0, i]
+            ids = row[row >= 0]
+            assert (row[len(ids):] == -1).all()
+            assert (np.diff(ids) > 0).all()
+            assert visible[bi, i, ids].all()
+            diag = (i + sk - sq) // bs
+            if diag >= 0:
+                assert diag in ids and 0 in ids
+                assert len(ids) == min(topk, diag + 1)
+            else:
+                assert len(ids) == 0
+
+
+def test_ties_go_to_lower_block():
+    """Equal log-weights: the lower block id wins (regression guard for unstable top-k)."""
+    bl = np.zeros((1, 1, 1, 6), np.float32)
+    bl[..., 4] = -1.0
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(np.ones((1, 1, 1), np.float32)), 3, **REF)
+    assert got.numpy().tolist() == [[[[0, 1, 2]]]]
+
+
+def test_max_over_heads_not_sum():
+    bl = np.array([[[[5.0, 0.0, 0.0]], [[0.0, 4.0, 4.0]]]], np.float32)  # [1, 2, 1, 3]
+    lse = np.array([[[6.0], [5.0]]], np.float32)  # log-weights: head0 [-1,-6,-6], head1 [-5,-1,-1]
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 2, **REF)
+    assert got.numpy().tolist() == [[[[0, 1]]]]  # max: [-1, -1, -1] -> ties -> 0, 1
+    per_head = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 1, num_kv_heads=2, **REF)
+    assert per_head.numpy().tolist() == [[[[0]], [[1]]]]
+
+
+def test_varlen_matches_oracle_per_sequence():
+    """Varlen [Hq, total_q, nb]: each sequence's rows select on their own (document-relative) blocks."""
+    rng = np.random.default_rng(11)
+    hq, bs, topk, nb_max = 4, 16, 3, 7
+    parts_bl, parts_lse, wants = [], [], []
+    for sq, sk in [(30, 30), (5, 100), (17, 17)]:
+        bl, lse = oracle.causal_block_logit(rng, 1, hq, sq, sk, bs)
+        pad = np.full((1, hq, sq, nb_max - bl.shape[-1]), -np.inf, np.float32)
+        bl = np.concatenate([bl, pad], axis=-1)
+        parts_bl.append(bl[0])
+        parts_lse.append(lse[0])
+        wants.append(oracle.select_topk_blocks(bl, lse, topk, 2, 1, 1)[0])
+    bl = np.concatenate(parts_bl, axis=1)
+    lse = np.concatenate(parts_lse, axis=1)
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, num_kv_heads=2, sink_blocks=1,
+                                        local_blocks=1, **REF)
+    assert list(got.shape) == [2, bl.shape[1], topk]
+    np.testing.assert_array_equal(got.numpy(), np.concatenate(wants, axis=1))
+    np.testing.assert_array_equal(got.numpy(), oracle.select_topk_blocks(bl, lse, topk, 2, 1, 1))
+
+
+def test_block_log_weight_matches_oracle():
+    rng = np.random.default_rng(5)
+    bl, lse = oracle.causal_block_logit(rng, 1, 2, 40, 30, 16)  # rows 0..9 see no key: lse -inf
+    got = paddle_fa4.block_log_weight(_t(bl), _t(lse)).numpy()
+    want = oracle.block_log_weight(bl, lse)
+    assert np.isneginf(lse).any()
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hs", [1, 2])
+@pytest.mark.parametrize("sq,sk,bs", [(37, 300, 16), (64, 40, 32), (10, 10, 64)], ids=["sq<sk", "sq>sk", "sk<block"])
+def test_blocks_to_indices_matches_oracle(causal, hs, sq, sk, bs):
+    rng = np.random.default_rng(2)
+    nb = -(-sk // bs)
+    blk = rng.integers(-1, nb + 2, size=(2, hs, sq, 4)).astype(np.int32)  # ids past nb must pad too
+    got = paddle_fa4.blocks_to_indices(_t(blk), bs, sk, causal=causal, **REF)
+    want = oracle.blocks_to_indices(blk, bs, sk, causal=causal)
+    assert got.dtype == paddle.int32 and list(got.shape) == list(want.shape)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_blocks_to_indices_round_trip():
+    """Selected blocks -> token ids -> blocks: same set, and exactly the visible keys of those blocks."""
+    rng = np.random.default_rng(9)
+    b, hq, sq, sk, bs, topk = 1, 4, 48, 120, 16, 3
+    bl, lse = oracle.causal_block_logit(rng, b, hq, sq, sk, bs)
+    blk = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, num_kv_heads=2, local_blocks=1, **REF)
+    idx = paddle_fa4.blocks_to_indices(blk, bs, sk, **REF).numpy()  # [B, 2, Sq, topk * bs]
+    blk = blk.numpy()
+    for g in range(2):
+        for i in range(sq):
+            ids = idx[0, g, i]
+            chosen = set(blk[0, g, i][blk[0, g, i] >= 0].tolist())
+            assert set((ids[ids >= 0] // bs).tolist()) == chosen
+            last = i + sk - sq
+            expect = sorted(t for j in chosen for t in range(j * bs, min((j + 1) * bs, sk)) if t <= last)
+            assert sorted(ids[ids >= 0].tolist()) == expect
+
+
+def test_zero_size_and_no_blocks():
+    empty = paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 0, 4]), paddle.zeros([1, 2, 0]), 3, **REF)
+    assert list(empty.shape) == [1, 1, 0, 3]
+    none = paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 3, 0]), paddle.zeros([1, 2, 3]), 2, **REF)
+    assert none.numpy().tolist() == [[[[-1, -1]] * 3]]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"bl_dtype": "float16"}, TypeError, "block_logit must be float32"),
+    ({"lse_shape": [1, 2, 5]}, ValueError, "lse must have shape"),
+    ({"topk": 0}, ValueError, "topk must be >= 1"),
+    ({"topk": 2.0}, TypeError, "topk must be an int"),
+    ({"num_kv_heads": 3}, ValueError, "num_kv_heads .3. must divide"),
+    ({"sink_blocks": 2, "local_blocks": 2, "topk": 3}, ValueError, "sink_blocks \\+ local_blocks"),
+    ({"sink_blocks": -1}, ValueError, "sink_blocks must be >= 0"),
+    ({"backend": "triton"}, ValueError, "backend must be one of"),
+])
+def test_select_errors(kwargs, exc, match):
+    bl = paddle.zeros([1, 4, 6, 5], dtype=kwargs.pop("bl_dtype", "float32"))
+    lse = paddle.zeros(kwargs.pop("lse_shape", [1, 4, 6]))
+    args = {"topk": 3, **kwargs}
+    with pytest.raises(exc, match=f"select_topk_blocks: {match}"):
+        paddle_fa4.select_topk_blocks(bl, lse, **args)
+
+
+@pytest.mark.parametrize("blk,kwargs,exc,match", [
+    ("int64", {}, TypeError, "block_idx must be int32"),
+    ("3d", {}, ValueError, "block_idx must be \\[B, Hs, Sq, topk\\]"),
+    ("int32", {"block_size": 48}, ValueError, "block_size must be one of"),
+    ("int32", {"seqlen_k": -1}, ValueError, "seqlen_k must be >= 0"),
+    ("int32", {"causal": 1}, TypeError, "causal must be a bool"),
+])
+def test_blocks_to_indices_errors(blk, kwargs, exc, match):
+    t = paddle.zeros([1, 2, 3] if blk == "3d" else [1, 1, 2, 3], dtype="int64" if blk == "int64" else "int32")
+    args = {"block_size": 16, "seqlen_k": 32, **kwargs}
+    with pytest.raises(exc, match=f"blocks_to_indices: {match}"):
+        paddle_fa4.blocks_to_indices(t, **args)
+
+
+def test_cute_backend_on_cpu_says_why():
+    with pytest.raises(NotImplementedError, match="select_topk_blocks: backend='cute'.*CUDA place"):
+        paddle_fa4.select_topk_blocks(paddle.zeros([1, 1, 2, 4]), paddle.zeros([1, 1, 2]), 1, backend="cute")
