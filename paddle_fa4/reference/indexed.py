@@ -84,11 +84,14 @@ def _unflatten(spec, flat):
 
 
 class _KeyValues:
-    """One batch's keys and values flattened to ``[Hkv * Lkv, D]`` (row ``kv_head * Lkv + t``)."""
+    """One batch's keys and values as float32 ``[Hkv * Lkv, D]`` (row ``kv_head * Lkv + t``).
+
+    Upcast once per batch: CPU Paddle has no float16 gather.
+    """
 
     def __init__(self, spec, key, value):
-        self.key = key.transpose([1, 0, 2]).reshape([spec.Hkv * spec.Lkv, spec.D])
-        self.value = value.transpose([1, 0, 2]).reshape([spec.Hkv * spec.Lkv, spec.D])
+        self.key = key.astype("float32").transpose([1, 0, 2]).reshape([spec.Hkv * spec.Lkv, spec.D])
+        self.value = value.astype("float32").transpose([1, 0, 2]).reshape([spec.Hkv * spec.Lkv, spec.D])
 
 
 class _Rows:
@@ -111,7 +114,7 @@ class _Rows:
 
     def _gather(self, table):
         """``[rows, Hkv, W, D]`` float32 rows of ``table``; 0 in unused slots (never read values)."""
-        g = paddle.gather(table, self.flat_index).astype("float32")
+        g = paddle.gather(table, self.flat_index)
         g = g.reshape([self.rows, self.spec.Hkv, self.spec.W, self.spec.D])
         return paddle.where(self.keep.unsqueeze(-1), g, paddle.zeros_like(g))
 
