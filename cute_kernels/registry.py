@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 
 LAUNCH_MODULES = (
+    "cute_kernels.attention.launch",
     "cute_kernels.h2o.launch",
+    "cute_kernels.indexed.launch",
     "cute_kernels.select.launch",
 )
 

@@ -1,0 +1,157 @@
+"""Attention forward speed on one GPU: ours with/without block_logit vs FA4 b36 and the unfused path.
+
+    python bench/bench_fwd.py [--hdims 64,128,256] [--seqlens 2048,4096,8192,16384] [--tokens 32768]
+                              [--heads 16] [--block-size 64] [--modes causal,full] [--json FILE]
+
+Rows: bf16, B = tokens / S, Hq = Hkv = heads. Columns (TFLOPs/s, 4*B*H*Sq*Sk*d, halved for causal):
+  ours        cute_kernels SM90 forward, lse, no block_logit
+  ours+bl     the same with fused block_logit (block_size)
+  fa4         FA4 b36 ``flash_attn.cute.interface.flash_attn_func(..., return_lse=True)``
+  unfused     FA4 + a separate block-max pass (chunked torch bf16 S = QK^T, masked, amax per block)
+Ratios: ours+bl / fa4 (target >= 0.90 at d=128), ours+bl / ours (overhead), ours+bl / unfused.
+CUDA events, warm-up then median of ``--iters`` runs, all in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+
+def _time_ms(fn, iters: int, warmup: int = 2) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def block_max_torch(q, k, block_size, causal, scale, out, chunk_rows=1024):
+    """The unfused alternative's second pass: block_logit from a chunked bf16 S = QK^T."""
+    import torch
+
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    nb = out.shape[-1]
+    qt = q.permute(0, 2, 1, 3)
+    kt = k.permute(0, 2, 3, 1)
+    cols = torch.arange(nb * block_size, device=q.device)
+    for r0 in range(0, sq, chunk_rows):
+        r1 = min(sq, r0 + chunk_rows)
+        s = torch.matmul(qt[:, :, r0:r1], kt).float() * scale  # (b, h, rows, sk)
+        s = torch.nn.functional.pad(s, (0, nb * block_size - sk), value=float("-inf"))
+        if causal:
+            rows = torch.arange(r0, r1, device=q.device)[:, None] + (sk - sq)
+            s.masked_fill_(cols[None, :] > rows, float("-inf"))
+        else:
+            s[..., sk:] = float("-inf")
+        out[:, :, r0:r1] = s.view(b, h, r1 - r0, nb, block_size).amax(-1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hdims", default="64,128,256")
+    ap.add_argument("--seqlens", default="2048,4096,8192,16384")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--modes", default="full,causal")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-fa4", action="store_true")
+    ap.add_argument("--no-unfused", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from cute_kernels.attention.launch import fwd_config, run_fwd
+
+    fa4 = None
+    if not args.no_fa4:
+        try:
+            from flash_attn.cute.interface import flash_attn_func as fa4
+        except Exception as exc:  # noqa: BLE001 - report and go on without the anchor
+            print(f"FA4 not available: {exc}", file=sys.stderr)
+    dev = torch.cuda.get_device_name()
+    bs = args.block_size
+    rows = []
+    print(f"# {dev}  bf16  tokens={args.tokens} heads={args.heads} block_size={bs}")
+    print(f"{'d':>4} {'S':>6} {'mode':>6} | {'ours':>7} {'ours+bl':>7} {'fa4':>7} {'unfused':>7} | "
+          f"{'bl/fa4':>6} {'bl/ours':>7} {'bl/unf':>6}")
+    for d in [int(x) for x in args.hdims.split(",")]:
+        for s in [int(x) for x in args.seqlens.split(",")]:
+            b = max(1, args.tokens // s)
+            h = args.heads
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+            scale = 1.0 / math.sqrt(d)
+            out = torch.empty_like(q)
+            lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
+            nb = -(-s // bs)
+            blk = torch.empty(b, h, s, nb, device="cuda", dtype=torch.float32)
+            for mode in args.modes.split(","):
+                causal = mode == "causal"
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                cfg0 = fwd_config(90, "bfloat16", d, d, 1, causal, False, False, 0, False)
+                cfg1 = fwd_config(90, "bfloat16", d, d, 1, causal, False, False, bs, False)
+
+                def ours(cfg=cfg0, bl=None):
+                    run_fwd(cfg, q, k, v, out, lse, bl, None, None, softmax_scale=scale, softcap=0.0,
+                            window_left=-1, window_right=-1, max_seqlen_q=s)
+
+                row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal, "block_size": bs}
+                row["ours_ms"] = _time_ms(lambda: ours(cfg0, None), args.iters)
+                row["ours_bl_ms"] = _time_ms(lambda: ours(cfg1, blk), args.iters)
+                if fa4 is not None:
+                    def fa4_fn():
+                        return fa4(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+
+                    row["fa4_ms"] = _time_ms(fa4_fn, args.iters)
+                    if not args.no_unfused:
+                        def unfused():
+                            fa4_fn()
+                            block_max_torch(q, k, bs, causal, scale, blk)
+
+                        row["unfused_ms"] = _time_ms(unfused, max(3, args.iters // 3), warmup=1)
+                for key in ("ours", "ours_bl", "fa4", "unfused"):
+                    if f"{key}_ms" in row:
+                        row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
+                if "fa4_ms" in row:
+                    row["bl_over_fa4"] = row["fa4_ms"] / row["ours_bl_ms"]
+                if "unfused_ms" in row:
+                    row["bl_over_unfused"] = row["unfused_ms"] / row["ours_bl_ms"]
+                row["bl_over_ours"] = row["ours_ms"] / row["ours_bl_ms"]
+                rows.append(row)
+
+                def f(key):
+                    return f"{row[key]:7.1f}" if key in row else f"{'-':>7}"
+
+                def r(key, w=6):
+                    return f"{row[key]:{w}.3f}" if key in row else f"{'-':>{w}}"
+
+                print(f"{d:>4} {s:>6} {mode:>6} | {f('ours_tflops')} {f('ours_bl_tflops')} {f('fa4_tflops')} "
+                      f"{f('unfused_tflops')} | {r('bl_over_fa4')} {r('bl_over_ours', 7)} {r('bl_over_unfused')}",
+                      flush=True)
+            del q, k, v, out, lse, blk
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"gpu": dev, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
