@@ -88,7 +88,8 @@ def block_log_weight(block_logit, lse, name: Optional[str] = None):
 
 def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] = None,
                        sink_blocks: int = 0, local_blocks: int = 0, backend: Backend = "auto",
-                       name: Optional[str] = None):
+                       name: Optional[str] = None, *, block_size: Optional[int] = None,
+                       seqlen_k: Optional[int] = None):
     r"""
     Pick, for every query row, the ``topk`` key blocks carrying the most attention.
 
@@ -107,6 +108,10 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
 
     Because the diagonal block is read off the ``-inf`` pattern, no ``block_size``/``seqlen_k``
     is needed and varlen rows work as they are (blocks are relative to each sequence's start).
+    Passing them anyway (dense causal attention) is a read limit: row ``i`` then looks only at
+    blocks ``<= (i + Sk - Sq) // block_size`` and treats later ones as invisible, which halves the
+    bytes the kernel reads for causal self-attention and changes nothing for a causal
+    ``block_logit``.
 
     Args:
         block_logit (Tensor): float32 ``[B, Hq, Sq, nb]`` or varlen ``[Hq, total_q, nb]``;
@@ -122,6 +127,9 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
             ``sink_blocks + local_blocks`` must not exceed ``topk``.
         backend (str, optional): ``"auto"``, ``"cute"`` or ``"reference"``. Default: ``"auto"``.
         name (str|None, optional): Name for the operation. Default: None.
+        block_size (int|None, optional): with ``seqlen_k``, the causal read limit above (dense
+            layout only; ``nb`` must be ``ceil(seqlen_k / block_size)``). Default: None.
+        seqlen_k (int|None, optional): number of keys ``Sk`` for the read limit. Default: None.
 
     Returns:
         Tensor: int32 ``[B, Hs, Sq, topk]`` (varlen ``[Hs, total_q, topk]``): chosen block ids in
@@ -152,6 +160,21 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
     dense_bl = block_logit.unsqueeze(0) if varlen else block_logit
     dense_lse = lse.unsqueeze(0) if varlen else lse
     b, hq, sq, nb = dense_bl.shape
+    causal_limit = None
+    if (block_size is None) != (seqlen_k is None):
+        raise ValueError(f"{op}: block_size and seqlen_k go together (the causal read limit); got "
+                         f"block_size={block_size!r}, seqlen_k={seqlen_k!r}")
+    if block_size is not None:
+        if varlen:
+            raise ValueError(f"{op}: block_size/seqlen_k (causal read limit) need the dense layout; "
+                             "varlen rows find their diagonal block from block_logit")
+        if block_size not in BLOCK_SIZES:
+            raise ValueError(f"{op}: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+        _require_int(op, "seqlen_k", seqlen_k, 0)
+        if nb != -(-seqlen_k // block_size):
+            raise ValueError(f"{op}: block_logit has {nb} blocks but seqlen_k={seqlen_k} at "
+                             f"block_size={block_size} gives {-(-seqlen_k // block_size)}")
+        causal_limit = (block_size, seqlen_k)
     if num_kv_heads is None:
         groups = 1
     else:
@@ -177,11 +200,13 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
         if resolve_backend(op, backend, block_logit, reason) == "cute":
             from ._cute import selection as glue
 
-            glue.select_topk_blocks(dense_bl, dense_lse, out, topk, groups, sink_blocks, local_blocks)
+            glue.select_topk_blocks(dense_bl, dense_lse, out, topk, groups, sink_blocks, local_blocks,
+                                    causal_limit)
         else:
             from .reference import selection as ref
 
-            ref.select_topk_blocks(dense_bl, dense_lse, out, topk, groups, sink_blocks, local_blocks)
+            ref.select_topk_blocks(dense_bl, dense_lse, out, topk, groups, sink_blocks, local_blocks,
+                                   causal_limit)
     out.stop_gradient = True
     return out[0] if varlen else out
 

@@ -33,27 +33,32 @@ def compile_topk_blocks(cfg: TopkBlocksConfig):
     lse = fake_tensor(cutlass.Float32, (sym(), sym(), sym()), align_bytes=4)
     out = fake_tensor(cutlass.Int32, (sym(), sym(), sym(), cfg.topk), align_bytes=4)
     return cute.compile(TopkBlocks(cfg), block_logit, lse, out, cutlass.Int32(0), cutlass.Int32(0),
-                        fake_stream(), options=compile_options(f"--gpu-arch {_arch.arch_name(cfg.arch)}"))
+                        cutlass.Int32(0), cutlass.Int32(64), fake_stream(), options=compile_options(f"--gpu-arch {_arch.arch_name(cfg.arch)}"))
 
 
-def topk_config(arch: int, num_heads: int, num_groups: int, nb: int, topk: int, ptr: int = 0) -> TopkBlocksConfig:
+def topk_config(arch: int, num_heads: int, num_groups: int, nb: int, topk: int, ptr: int = 0,
+                causal_rows: bool = False) -> TopkBlocksConfig:
     """The config a [B, Hq, Sq, nb] problem with Hs groups compiles to."""
     vec = 4 if nb % 4 == 0 and ptr % 16 == 0 else 1
     return TopkBlocksConfig(arch=arch, group_size=num_heads // num_groups, nb_cap=nb_cap_for(nb, vec),
-                            topk=topk, vec=vec)
+                            topk=topk, vec=vec, causal_rows=causal_rows)
 
 
 def run_select_topk_blocks(block_logit, lse, out, *, sink_blocks: int = 0, local_blocks: int = 0,
-                           arch: int | None = None) -> None:
-    """``out [B, Hs, Sq, topk]`` int32 <- top-k blocks of ``block_logit [B, Hq, Sq, nb]``, ``lse [B, Hq, Sq]``."""
+                           causal_limit: tuple[int, int] | None = None, arch: int | None = None) -> None:
+    """``out [B, Hs, Sq, topk]`` int32 <- top-k blocks of ``block_logit [B, Hq, Sq, nb]``, ``lse [B, Hq, Sq]``.
+
+    ``causal_limit = (block_size, seqlen_k)``: row i reads only blocks <= (i + Sk - Sq) // block_size.
+    """
     b, hq, sq, nb = (int(d) for d in block_logit.shape)
     hs, topk = int(out.shape[1]), int(out.shape[3])
     if b * sq * hs == 0:
         return
     assert nb > 0 and hq % hs == 0 and topk_unsupported_reason(nb, topk) is None
     arch = _arch.family(arch if arch is not None else _arch.device_arch())
-    cfg = topk_config(arch, hq, hs, nb, topk, block_logit.data_ptr())
-    compile_topk_blocks(cfg)(block_logit, lse, out, sink_blocks, local_blocks)
+    cfg = topk_config(arch, hq, hs, nb, topk, block_logit.data_ptr(), causal_rows=causal_limit is not None)
+    block_size, seqlen_k = causal_limit if causal_limit is not None else (1, sq)
+    compile_topk_blocks(cfg)(block_logit, lse, out, sink_blocks, local_blocks, seqlen_k - sq, block_size)
 
 
 @jit_cache
@@ -84,10 +89,12 @@ def run_blocks_to_indices(block_idx, out, *, block_size: int, seqlen_k: int, cau
 # Configs compiled by ``python -m cute_kernels.check`` (and in CI for both archs).
 def topk_config_matrix(arch: int, full: bool = False):
     if full:
-        return [TopkBlocksConfig(arch=arch, group_size=g, nb_cap=cap, topk=k, vec=vec)
-                for g in (1, 4, 32) for cap in (128, 512, 2048) for k in (1, 16, 64) for vec in (1, 4)]
+        return [TopkBlocksConfig(arch=arch, group_size=g, nb_cap=cap, topk=k, vec=vec, causal_rows=c)
+                for g in (1, 4, 32) for cap in (128, 512, 2048) for k in (1, 16, 64) for vec in (1, 4)
+                for c in (False, True)]
     return [
         TopkBlocksConfig(arch=arch, group_size=32, nb_cap=512, topk=16, vec=4),  # HySparse, 32K, Hs=1
+        TopkBlocksConfig(arch=arch, group_size=32, nb_cap=2048, topk=16, vec=4, causal_rows=True),  # 128K
         TopkBlocksConfig(arch=arch, group_size=4, nb_cap=2048, topk=64, vec=4),  # the largest row
         TopkBlocksConfig(arch=arch, group_size=1, nb_cap=32, topk=3, vec=1),  # unaligned nb
     ]

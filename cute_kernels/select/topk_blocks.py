@@ -32,6 +32,9 @@ Note [selection without a heap]
     5-step butterfly picks the warp's best. Rounds whose best is -inf change nothing, which is
     how rows with fewer than topk visible blocks end up -1 padded.
 
+With ``causal_rows`` the row reads only blocks up to (i + Sk - Sq) // block_size (the causal read
+limit the caller vouches for) and treats the rest as -inf: half the bytes for causal self-attention.
+
 Supported: nb <= nb_cap <= 2048, topk <= 64 (see ``unsupported_reason``). Any Hq, any group size.
 """
 
@@ -59,6 +62,7 @@ class TopkBlocksConfig:
     nb_cap: int  # register slots per row, a power of two >= 32 * vec; nb <= nb_cap
     topk: int
     vec: int = 4  # fp32 per lane per load: 4 when nb % 4 == 0 (16-byte rows), else 1
+    causal_rows: bool = False  # read only blocks <= (i + Sk - Sq) // block_size; the rest is -inf
 
     @property
     def chunks(self) -> int:
@@ -100,16 +104,18 @@ class TopkBlocks:
 
     @cute.jit
     def __call__(self, mBlockLogit: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
-                 sink_blocks: Int32, local_blocks: Int32, stream):
+                 sink_blocks: Int32, local_blocks: Int32, seqlen_k_minus_q: Int32, block_size: Int32,
+                 stream):
         # mBlockLogit: (B, Hq, Sq, nb); mLSE: (B, Hq, Sq); mOut: (B, Hs, Sq, topk)
+        # seqlen_k_minus_q, block_size: the causal read limit, used only when cfg.causal_rows
         n_rows = mOut.shape[0] * mOut.shape[1] * mOut.shape[2]
         grid = cute.ceil_div(n_rows, WARPS_PER_CTA)
-        self.kernel(mBlockLogit, mLSE, mOut, sink_blocks, local_blocks).launch(
+        self.kernel(mBlockLogit, mLSE, mOut, sink_blocks, local_blocks, seqlen_k_minus_q, block_size).launch(
             grid=[grid, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mBlockLogit: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
-               sink_blocks: Int32, local_blocks: Int32):
+               sink_blocks: Int32, local_blocks: Int32, seqlen_k_minus_q: Int32, block_size: Int32):
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -123,7 +129,14 @@ class TopkBlocks:
             batch = bg // num_groups
             # (per_lane,) fp32: log-weights of blocks m*32*vec + lane*vec + v at slot m*vec + v
             tWrW = cute.make_rmem_tensor((self.cfg.per_lane,), Float32)
-            self.load_log_weight(mBlockLogit, mLSE, tWrW, batch, group, i, lane)
+            nb_row = mBlockLogit.shape[3]  # blocks this row reads
+            if cutlass.const_expr(self.cfg.causal_rows):
+                # Blocks past (i + Sk - Sq) // block_size hold no visible key: skip their bytes.
+                # (Written without a negative floor division: a row seeing no key reads nothing.)
+                last_key = i + seqlen_k_minus_q
+                nb_row = Int32(cutlass.select_(last_key < 0, 0, last_key // block_size + 1))
+                nb_row = Int32(cutlass.select_(nb_row < mBlockLogit.shape[3], nb_row, mBlockLogit.shape[3]))
+            self.load_log_weight(mBlockLogit, mLSE, tWrW, batch, group, i, nb_row, lane)
             self.force_sink_local(tWrW, mBlockLogit.shape[3], sink_blocks, local_blocks, lane)
             last_v, last_j = self.select(tWrW, lane)
             self.write_ids(tWrW, mOut, batch, group, i, last_v, last_j, lane)
@@ -134,10 +147,12 @@ class TopkBlocks:
 
     @cute.jit
     def load_log_weight(self, mBlockLogit: cute.Tensor, mLSE: cute.Tensor, tWrW: cute.Tensor,
-                        batch: Int32, group: Int32, i: Int32, lane: Int32):
+                        batch: Int32, group: Int32, i: Int32, nb: Int32, lane: Int32):
+        """tWrW <- max over the group's heads of the log-weights of blocks < nb (others -inf)."""
         cfg = self.cfg
-        nb = mBlockLogit.shape[3]
-        n_vec = nb // cfg.vec  # >= 1: the launcher never runs nb == 0
+        # Chunks that hold a block < nb; at least 1 so the clamped loads below stay in the row.
+        n_vec = (nb + cfg.vec - 1) // cfg.vec
+        n_vec = Int32(cutlass.select_(n_vec > 0, n_vec, 1))
         neg_inf = Float32(-Float32.inf)
         for e in cutlass.range_constexpr(cfg.per_lane):
             tWrW[e] = neg_inf

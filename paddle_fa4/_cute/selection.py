@@ -15,13 +15,15 @@ def indices_unsupported_reason(arch: int, *, topk: int, block_size: int) -> str 
     return None
 
 
-def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, local_blocks) -> None:
+def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, local_blocks,
+                       causal_limit=None) -> None:
     """Dense 4-D ``block_logit``/``lse`` (varlen callers add a batch axis of 1), ``out [B, Hs, Sq, topk]``."""
     from cute_kernels.select.launch import run_select_topk_blocks
 
     assert out.shape[1] == num_groups and out.shape[3] == topk
     run_select_topk_blocks(kernel_arg(block_logit), kernel_arg(lse), kernel_arg(out),
-                           sink_blocks=sink_blocks, local_blocks=local_blocks, arch=arch_of(block_logit))
+                           sink_blocks=sink_blocks, local_blocks=local_blocks, causal_limit=causal_limit,
+                           arch=arch_of(block_logit))
 
 
 def blocks_to_indices(block_idx, out, block_size, seqlen_k, causal) -> None:

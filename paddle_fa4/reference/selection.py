@@ -20,14 +20,19 @@ def block_log_weight(block_logit, lse):
     return paddle.where(bl == _NEG_INF, paddle.full_like(bl, _NEG_INF), diff)
 
 
-def _select_rows(block_logit, lse, topk, num_groups, sink_blocks, local_blocks):
-    """``block_logit [B, Hq, c, nb]``, ``lse [B, Hq, c]`` -> int32 ``[B, Hs, c, topk]``."""
+def _select_rows(block_logit, lse, topk, num_groups, sink_blocks, local_blocks, last_blocks):
+    """``block_logit [B, Hq, c, nb]``, ``lse [B, Hq, c]`` -> int32 ``[B, Hs, c, topk]``.
+
+    ``last_blocks [c]`` int64 (or None): the causal read limit, blocks past it count as invisible.
+    """
     b, hq, c, nb = block_logit.shape
     group = hq // num_groups
     logw = block_log_weight(block_logit, lse)
     logw = logw.reshape([b, num_groups, group, c, nb]).max(axis=2)  # [B, Hs, c, nb]
-    visible = logw > _NEG_INF
     col = paddle.arange(nb, dtype="int64").reshape([1, 1, 1, nb])
+    if last_blocks is not None:
+        logw = paddle.where(col <= last_blocks.reshape([1, 1, c, 1]), logw, paddle.full_like(logw, _NEG_INF))
+    visible = logw > _NEG_INF
     # Diagonal block = last block with a visible key (see docs/api.md, "local blocks").
     last = paddle.where(visible, col.expand_as(logw), paddle.full_like(col, -1).expand_as(logw))
     last = last.max(axis=-1, keepdim=True)
@@ -46,14 +51,24 @@ def _select_rows(block_logit, lse, topk, num_groups, sink_blocks, local_blocks):
     return ids
 
 
-def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, local_blocks) -> None:
-    """Dense 4-D inputs, ``out [B, Hs, Sq, topk]`` int32 (varlen callers add a batch axis of 1)."""
+def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, local_blocks,
+                       causal_limit=None) -> None:
+    """Dense 4-D inputs, ``out [B, Hs, Sq, topk]`` int32 (varlen callers add a batch axis of 1).
+
+    ``causal_limit = (block_size, seqlen_k)``: row i sees only blocks <= (i + Sk - Sq) // block_size.
+    """
     b, hq, sq, nb = block_logit.shape
     rows = max(1, _ROW_ELEMS // max(1, b * hq * nb))
     for s0 in range(0, sq, rows):
         s1 = min(sq, s0 + rows)
+        last_blocks = None
+        if causal_limit is not None:
+            block_size, seqlen_k = causal_limit
+            # floor division: a row that sees no key gets -1 (nothing visible)
+            last_blocks = paddle.floor_divide(paddle.arange(s0, s1, dtype="int64") + (seqlen_k - sq),
+                                              paddle.to_tensor(block_size, dtype="int64"))
         out[:, :, s0:s1] = _select_rows(block_logit[:, :, s0:s1], lse[:, :, s0:s1], topk, num_groups,
-                                        sink_blocks, local_blocks)
+                                        sink_blocks, local_blocks, last_blocks)
 
 
 def blocks_to_indices(block_idx, out, block_size, seqlen_k, causal) -> None:

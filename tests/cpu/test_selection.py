@@ -188,3 +188,31 @@ def test_blocks_to_indices_errors(blk, kwargs, exc, match):
 def test_cute_backend_on_cpu_says_why():
     with pytest.raises(NotImplementedError, match="select_topk_blocks: backend='cute'.*CUDA place"):
         paddle_fa4.select_topk_blocks(paddle.zeros([1, 1, 2, 4]), paddle.zeros([1, 1, 2]), 1, backend="cute")
+
+
+@pytest.mark.parametrize("sq,sk,bs", [(40, 100, 16), (70, 40, 16), (33, 33, 32)], ids=["sq<sk", "sq>sk", "square"])
+def test_causal_read_limit(sq, sk, bs):
+    """block_size/seqlen_k: blocks past the causal limit are ignored (poisoned there), and on a causal
+    block_logit the result is the same as without the limit."""
+    rng = np.random.default_rng(4)
+    bl, lse = oracle.causal_block_logit(rng, 1, 4, sq, sk, bs)
+    plain = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 4, sink_blocks=1, local_blocks=1, **REF).numpy()
+    limited = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 4, sink_blocks=1, local_blocks=1,
+                                            block_size=bs, seqlen_k=sk, **REF).numpy()
+    np.testing.assert_array_equal(limited, plain)
+    poisoned = np.where(np.isneginf(bl), np.float32(50.0), bl)  # huge weights on invisible blocks
+    got = paddle_fa4.select_topk_blocks(_t(poisoned), _t(lse), 4, sink_blocks=1, local_blocks=1,
+                                        block_size=bs, seqlen_k=sk, **REF).numpy()
+    want = oracle.select_topk_blocks(poisoned, lse, 4, None, 1, 1, causal_limit=(bs, sk))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, plain)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"block_size": 16}, "block_size and seqlen_k go together"),
+    ({"block_size": 16, "seqlen_k": 100}, "block_logit has 5 blocks but seqlen_k=100"),
+    ({"block_size": 24, "seqlen_k": 80}, "block_size must be one of"),
+])
+def test_causal_read_limit_errors(kwargs, match):
+    with pytest.raises(ValueError, match=f"select_topk_blocks: {match}"):
+        paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 3, 5]), paddle.zeros([1, 2, 3]), 2, **kwargs)

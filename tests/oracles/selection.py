@@ -38,8 +38,13 @@ def _select_row(scores, topk, sink_blocks, local_blocks):
     return row
 
 
-def select_topk_blocks(block_logit, lse, topk, num_kv_heads=None, sink_blocks=0, local_blocks=0):
-    """Oracle of ``paddle_fa4.select_topk_blocks`` (dense 4-D or varlen 3-D inputs)."""
+def select_topk_blocks(block_logit, lse, topk, num_kv_heads=None, sink_blocks=0, local_blocks=0,
+                       causal_limit=None):
+    """Oracle of ``paddle_fa4.select_topk_blocks`` (dense 4-D or varlen 3-D inputs).
+
+    ``causal_limit = (block_size, seqlen_k)``: blocks past row i's (i + Sk - Sq) // block_size are
+    invisible (the op's read limit).
+    """
     bl = np.asarray(block_logit, np.float64)
     varlen = bl.ndim == 3
     if varlen:
@@ -57,6 +62,12 @@ def select_topk_blocks(block_logit, lse, topk, num_kv_heads=None, sink_blocks=0,
                 # The op's log-weight is an fp32 number (fp32 inputs, one fp32 subtraction): round
                 # the exact fp64 difference once so that ties are the ties the op sees.
                 scores = heads[:, i, :].max(axis=0).astype(np.float32).astype(np.float64)
+                if causal_limit is not None:
+                    block_size, seqlen_k = causal_limit
+                    last_key = i + seqlen_k - sq
+                    for j in range(nb):
+                        if last_key < 0 or j > last_key // block_size:
+                            scores[j] = NEG_INF
                 out[bi, g, i] = _select_row(scores, topk, sink_blocks, local_blocks)
     return out[0] if varlen else out
 
