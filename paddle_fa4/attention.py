@@ -209,8 +209,9 @@ def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q
               max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit,
               pack_gqa) -> AttnFwdSpec:
     """Check every argument of :func:`flash_attn_fwd` and return the call's spec."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        V.check_tensor(OP, name, t)
+    for name, t in (("q", q), ("k", k), ("v", v), ("block_logit", block_logit)):
+        if t is not None or name != "block_logit":
+            V.check_tensor(OP, name, t)
     dtype = V.check_dtype(OP, "q", q, V.REFERENCE_FLOAT_DTYPES)
     for name, t in (("k", k), ("v", v)):
         if V.dtype_name(t) != dtype:
@@ -359,7 +360,6 @@ def _check_pack_gqa(pack_gqa, wants_block_logit: bool) -> bool:
 
 
 def _check_block_logit_buffer(block_logit, spec: AttnFwdSpec) -> None:
-    V.check_tensor(OP, "block_logit", block_logit)
     V.check_dtype(OP, "block_logit", block_logit, ("float32",))
     layout = "[Hq, total_q, ceil(max_seqlen_k / block_size)]" if spec.varlen else \
         "[B, Hq, Sq, ceil(Sk / block_size)]"
