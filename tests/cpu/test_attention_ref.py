@@ -219,9 +219,38 @@ def test_no_keys_at_all():
     assert out.shape == [2, 0, 2, 16] and lse.shape == [2, 2, 0] and bl.shape == [2, 2, 0, 1]
 
 
-def test_oracle_mask_picture():
-    """The oracle's bottom-right mask on a 3 x 5 causal case, as drawn in docs/api.md."""
-    expected = np.array([[1, 1, 1, 0, 0],
-                         [1, 1, 1, 1, 0],
-                         [1, 1, 1, 1, 1]], dtype=bool)
-    np.testing.assert_array_equal(oracle.visible(3, 5, causal=True), expected)
+DOC_PICTURES = [  # the 0/1 pictures of docs/api.md: (sq, sk, causal, window, picture)
+    pytest.param(3, 5, True, (None, None), ["11100", "11110", "11111"], id="causal-sq-lt-sk"),
+    pytest.param(5, 3, True, (None, None), ["000", "000", "100", "110", "111"], id="causal-sq-gt-sk"),
+    pytest.param(5, 5, False, (1, 1), ["11000", "11100", "01110", "00111", "00011"], id="window-1-1"),
+    pytest.param(4, 6, True, (2, None), ["111000", "011100", "001110", "000111"], id="causal-window-2"),
+]
+
+
+@pytest.mark.parametrize("sq,sk,causal,window,picture", DOC_PICTURES)
+def test_doc_pictures(sq, sk, causal, window, picture):
+    """The masks drawn in docs/api.md are what the reference computes (lse -inf exactly on empty rows,
+    block_logit with block_size 16 > Sk is -inf exactly on empty rows)."""
+    expected = np.array([[c == "1" for c in row] for row in picture])
+    np.testing.assert_array_equal(oracle.visible(sq, sk, causal, window), expected)
+    q, k, v = make_inputs(15, 1, sq, sk, 1, 1, 8)
+    _, lse, bl = paddle_fa4.flash_attn_fwd(q, k, v, causal=causal, window_size=window, block_size=16,
+                                           return_block_logit=True, backend="reference")
+    empty = ~expected.any(axis=1)
+    np.testing.assert_array_equal(np.isneginf(lse.numpy()[0, 0]), empty)
+    np.testing.assert_array_equal(np.isneginf(bl.numpy()[0, 0, :, 0]), empty)
+
+
+def test_doc_block_logit_picture():
+    """docs/api.md: causal Sq=3, Sk=5, block_size 2 -> only block 2 of rows 0 and 1 is -inf (oracle and
+    the reference's block reduction; the public op takes block sizes from 16 up)."""
+    from paddle_fa4.reference.attention import _block_max
+
+    expected = [[False, False, True], [False, False, True], [False, False, False]]
+    rng = np.random.default_rng(16)
+    q, k = rng.standard_normal((1, 3, 1, 8)), rng.standard_normal((1, 5, 1, 8))
+    _, _, bl = oracle.attention(q, k, k, causal=True, block_size=2)
+    np.testing.assert_array_equal(np.isneginf(bl[0, 0]), expected)
+    s = paddle.where(paddle.to_tensor(oracle.visible(3, 5, causal=True)).unsqueeze(0),
+                     paddle.ones([1, 3, 5]), paddle.full([1, 3, 5], -math.inf))
+    np.testing.assert_array_equal(np.isneginf(_block_max(s, 2, 3).numpy()[0]), expected)
