@@ -89,8 +89,8 @@ class PageSummary:
         # The run goes on when the next write is the next offset of the same page.
         nxt = mSlot[cutlass.min(i + 1, n_slots - 1)]
         continues = (i + 1 < n_slots) & (nxt == slot + 1) & (off + 1 < P)
-        valid = (slot >= 0) & (page < num_pages) & (tidx < self.threads)
-        if valid & (continues == False):  # noqa: E712 (DSL booleans)
+        cont = Int32(cutlass.select_(continues, 1, 0))
+        if (slot >= 0) & (page < num_pages) & (tidx < self.threads) & (cont == 0):
             head = tidx // self.lanes
             lane = tidx - head * self.lanes
             acc_sum = cute.make_rmem_tensor(cute.make_layout(vec), Float32)

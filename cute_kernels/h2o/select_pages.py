@@ -64,8 +64,9 @@ class SelectPages:
         """Signed int32 whose order is the order of the fp32 value with these bits.
 
         Non-negative floats already order as integers; for negative ones the magnitude bits are
-        flipped so that a larger magnitude gives a smaller integer.
+        flipped so that a larger magnitude gives a smaller integer. -0.0 counts as +0.0 (a tie).
         """
+        bits = Int32(cutlass.select_(bits == Int32(_s32(0x80000000)), Int32(0), bits))  # -0.0 -> +0.0
         return bits ^ ((bits >> 31) & Int32(0x7FFFFFFF))
 
     @cute.kernel

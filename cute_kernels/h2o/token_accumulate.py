@@ -131,6 +131,7 @@ class TokenLogits:
         lane = tidx - grp * lanes
         warp = tidx // 32
         num_pages = mKey.shape[0]
+        max_tok = mTable.shape[1] * P  # a seq_len beyond the table never reads or writes past it
 
         smem = cutlass.memory.SmemAllocator()
         sStat = smem.allocate_tensor(Float32, cute.make_layout((WARPS, R, 2)), byte_alignment=16)
@@ -182,7 +183,7 @@ class TokenLogits:
                             acc = acc + rQ[h, j] * rK[u, j]
                         acc = group_sum(acc, lanes)
                         logit = Float32(cutlass.select_(rOk[u] != 0, acc, NEG_BIG))
-                        if (lane == 0) & (t < w_end):
+                        if (lane == 0) & (t < w_end) & (t < max_tok):
                             mLogit[b, g, h, t - bos] = logit
                             m_new = cute.arch.fmax(rMax[h], logit)
                             rSum[h] = rSum[h] * cute.arch.exp2(rMax[h] - m_new) + cute.arch.exp2(logit - m_new)
@@ -249,7 +250,7 @@ class TokenUpdate:
         w_end = mSeqLen[b] - eos
         t0 = bos + chunk * CHUNK
         if t0 < w_end:
-            n_chunks = (w_end - bos + CHUNK - 1) // CHUNK
+            n_chunks = cutlass.min((w_end - bos + CHUNK - 1) // CHUNK, mStat.shape[3])
             # 1. merge the (max, sum) of the row's chunks: thread i takes chunks i, i + 128, ...
             rMax = cute.make_rmem_tensor(cute.make_layout(R), Float32)
             rInv = cute.make_rmem_tensor(cute.make_layout(R), Float32)
