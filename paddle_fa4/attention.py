@@ -283,7 +283,8 @@ def _check_shapes(q, k, v, varlen: bool, cu_seqlens_q) -> dict:
         total_k, hkv, dk = k.shape
         batch = cu_seqlens_q.shape[0] - 1
         if list(v.shape[:2]) != [total_k, hkv]:
-            raise ValueError(f"{OP}: v must be [total_k, Hkv, Dv] = [{total_k}, {hkv}, Dv] like k, got {list(v.shape)}")
+            raise ValueError(f"{OP}: v must be [total_k, Hkv, Dv] = [{total_k}, {hkv}, Dv] like k, "
+                             f"got {list(v.shape)}")
     else:
         V.check_rank(OP, "q", q, (4,), "[B, Sq, Hq, D] (or [total_q, Hq, D] with cu_seqlens)")
         V.check_rank(OP, "k", k, (4,), "[B, Sk, Hkv, D]")
@@ -293,7 +294,8 @@ def _check_shapes(q, k, v, varlen: bool, cu_seqlens_q) -> dict:
         if bk != batch:
             raise ValueError(f"{OP}: k must have q's batch size {batch}, got {bk}")
         if list(v.shape[:3]) != [batch, sk, hkv]:
-            raise ValueError(f"{OP}: v must be [B, Sk, Hkv, Dv] = [{batch}, {sk}, {hkv}, Dv] like k, got {list(v.shape)}")
+            raise ValueError(f"{OP}: v must be [B, Sk, Hkv, Dv] = [{batch}, {sk}, {hkv}, Dv] like k, "
+                             f"got {list(v.shape)}")
         total_q, total_k = batch * sq, batch * sk
     dv = v.shape[-1]
     if dk != d:

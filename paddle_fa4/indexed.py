@@ -87,8 +87,14 @@ def indexed_attention(query, key, value, indices, scale=None, return_lse=False, 
     """
     spec = _validate(query, key, value, indices, scale, return_lse, plan)
     name = resolve_backend(OP, backend, query, functools.partial(_unsupported_reason, spec=spec))
+    if _no_work(spec):  # zero-size or W == 0: zeros / -inf and zero gradients, no launch
+        name = "reference"
     out, lse = _IndexedAttentionFn.apply(query, key, value, indices, spec, name, plan)
     return (out, lse) if return_lse else out
+
+
+def _no_work(spec: IndexedSpec) -> bool:
+    return spec.B * spec.Lq * spec.Hq == 0 or spec.Lkv == 0 or spec.W == 0
 
 
 def _glue():

@@ -86,7 +86,8 @@ def _cu(values):
 VARLEN_Q, VARLEN_K = t([9, 4, 32]), t([12, 2, 32])
 
 FWD_ERRORS = [  # (kwargs overriding a valid call, exception, message fragment)
-    pytest.param(dict(q=np.zeros([1, 8, 4, 32], np.float32)), TypeError, "q must be a paddle.Tensor", id="q-not-tensor"),
+    pytest.param(dict(q=np.zeros([1, 8, 4, 32], np.float32)), TypeError, "q must be a paddle.Tensor",
+                 id="q-not-tensor"),
     pytest.param(dict(q=t([1, 8, 4, 32], "int32")), TypeError, "q must be", id="q-int"),
     pytest.param(dict(k=t([1, 10, 2, 32], "bfloat16")), TypeError, "k must have q's dtype", id="k-dtype"),
     pytest.param(dict(v=t([1, 10, 2, 32], "float16")), TypeError, "v must have q's dtype", id="v-dtype"),

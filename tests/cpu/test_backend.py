@@ -228,3 +228,18 @@ def test_indexed_auto_without_glue_uses_reference(monkeypatch, fresh_warnings):
     q = t([1, 3, 2, 64], "bfloat16")
     with pytest.warns(UserWarning, match="paddle_fa4._cute.indexed is missing"):
         paddle_fa4.indexed_attention(q, q, q, paddle.zeros([1, 3, 2], dtype="int32"))
+
+
+def test_indexed_zero_width_never_launches(monkeypatch):
+    """W = 0 (no index at all) returns zeros / -inf and zero grads without calling the kernels."""
+    fake = FakeIndexedGlue()
+    monkeypatch.setattr(backend_mod, "tensor_arch", lambda tensor: 90)
+    monkeypatch.setattr(indexed_mod, "_glue", lambda: fake)
+    q = t([1, 3, 2, 64], "bfloat16")
+    q.stop_gradient = False
+    out, lse = paddle_fa4.indexed_attention(q, q, q, paddle.zeros([1, 3, 0], dtype="int32"), return_lse=True,
+                                            backend="cute")
+    out.astype("float32").sum().backward()
+    assert not fake.calls
+    assert float(out.astype("float32").abs().max()) == 0.0 and np.all(np.isneginf(lse.numpy()))
+    assert float(q.grad.astype("float32").abs().max()) == 0.0
