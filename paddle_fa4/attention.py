@@ -147,7 +147,7 @@ def flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None,
             >>> out, lse, bl = paddle_fa4.flash_attn_fwd(q, k, k, causal=True, block_size=16,
             ...                                          return_block_logit=True, backend="reference")
             >>> bl.shape
-            [1, 2, 8, 1]
+            paddle.Size([1, 2, 8, 1])
     """
     import paddle
 

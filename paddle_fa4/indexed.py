@@ -83,7 +83,7 @@ def indexed_attention(query, key, value, indices, scale=None, return_lse=False, 
             >>> idx = paddle.to_tensor([[[0, 1], [2, -1], [5, 5], [-1, -1]]], dtype="int32")
             >>> out, lse = paddle_fa4.indexed_attention(q, kv, kv, idx, return_lse=True, backend="reference")
             >>> lse.shape
-            [1, 2, 4]
+            paddle.Size([1, 2, 4])
     """
     spec = _validate(query, key, value, indices, scale, return_lse, plan)
     name = resolve_backend(OP, backend, query, functools.partial(_unsupported_reason, spec=spec))

@@ -246,3 +246,12 @@ def test_zero_size_inputs():
                                             paddle.zeros([0, 5, 3], dtype="int32"), return_lse=True,
                                             backend="reference")
     assert out.shape == [0, 5, 4, 16] and lse.shape == [0, 4, 5]
+
+
+@pytest.mark.parametrize("module", ["paddle_fa4.attention", "paddle_fa4.indexed"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
