@@ -1,0 +1,1 @@
+"""Windowed indexed (QSA) attention: plan, forward, deterministic backward (CuTe DSL, SM90/SM100)."""

@@ -1,0 +1,252 @@
+"""Windowed indexed-attention backward, dK/dV part: key-major, deterministic, no atomics.
+
+One program per (32-key tile t, kv head h, batch b). The tile's K and V rows stay in shared memory;
+the program walks the windows that select any of its keys, in ascending window order (the plan's
+transpose ``mTileWin[mTilePtr[row] : mTilePtr[row + 1]]``, row = s * NT + t), and per window:
+
+    1. cp.async the window's Q and dO rows (64 = WQ queries x G heads), its LSE and delta rows, and
+       the window queries' bitmask of each of the tile's 32 keys (from the window's sorted key list,
+       starting at ``mTileStart``)
+    2. S^T = K Q^T, dP^T = V dO^T                     (32 x 64, mma.sync, 8 warps as 2 x 4)
+    3. P^T = exp2(S^T * scale * log2 e - lse * log2 e) on selected pairs, 0 elsewhere;
+       dS^T = P^T * (dP^T - delta)                    -> bf16 in shared memory
+    4. dV += P^T dO, dK += dS^T Q                     (32 x D fp32 accumulators in registers)
+
+then writes dK * scale and dV once, as bf16. Tiles no window selects write exact zeros. The
+summation order is fixed by the plan, so dK/dV are bitwise reproducible.
+Tensors: mQ/mdO [B, Lq, Hq, D] bf16, mK/mV/mdK/mdV [B, Lkv, Hkv, D] bf16, mLSE/mDelta [B, Hq, Lq] fp32.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import common as C
+from .config import KEY_TILE, TILE_M, AttnConfig
+
+THREADS = 256
+
+
+class IndexedBwdDKDV:
+    def __init__(self, cfg: AttnConfig):
+        self.cfg = cfg
+        self.d = cfg.head_dim
+        self.g = cfg.group
+        self.wq = cfg.window_queries
+
+    @staticmethod
+    def smem_bytes(cfg: AttnConfig) -> int:
+        return ((2 * KEY_TILE + 2 * TILE_M) * cfg.head_dim + 2 * KEY_TILE * TILE_M) * 2 \
+            + KEY_TILE * 4 + 2 * TILE_M * 4
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE: cute.Tensor, mDelta: cute.Tensor, mWinKey: cute.Tensor, mWinMask: cute.Tensor,
+                 mWinCount: cute.Tensor, mTilePtr: cute.Tensor, mTileWin: cute.Tensor,
+                 mTileStart: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
+                 stream):
+        bf16 = cutlass.BFloat16
+        sQ_layout = C.smem_layout(bf16, TILE_M, self.d)
+        sKV_layout = C.smem_layout(bf16, KEY_TILE, self.d)
+        sP_layout = C.smem_layout(bf16, KEY_TILE, TILE_M)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
+            sPt: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sP_layout)], 1024]
+            sdSt: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sP_layout)], 1024]
+            sKeyMask: cute.struct.Align[cute.struct.MemRange[Int32, KEY_TILE], 16]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M], 16]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M], 16]
+
+        g2s, plain = C.gmem_copies(bf16, THREADS, self.d)
+        tiled_mma = C.mma_bf16(2, 4)
+        num_tiles = cute.ceil_div(mK.shape[1], KEY_TILE)
+        grid = [num_tiles, self.cfg.num_kv_heads, mK.shape[0]]
+        self.kernel(mQ, mK, mV, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTilePtr, mTileWin,
+                    mTileStart, mdK, mdV, softmax_scale * C.LOG2_E, softmax_scale, sQ_layout,
+                    sKV_layout, sP_layout, g2s, plain, tiled_mma, SharedStorage).launch(
+            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+               mLSE: cute.Tensor, mDelta: cute.Tensor, mWinKey: cute.Tensor, mWinMask: cute.Tensor,
+               mWinCount: cute.Tensor, mTilePtr: cute.Tensor, mTileWin: cute.Tensor,
+               mTileStart: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32,
+               softmax_scale: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout, g2s: cute.TiledCopy, plain: cute.TiledCopy,
+               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        t, h, b = cute.arch.block_idx()
+        G = self.g
+        D = self.d
+        lane = tidx % 32
+        kv_len = mK.shape[1]
+        num_q = mQ.shape[1]
+        num_tiles = (kv_len + KEY_TILE - 1) // KEY_TILE
+        t0 = t * KEY_TILE
+        s = b
+        if cutlass.const_expr(self.cfg.per_kv_head):
+            s = b * self.cfg.num_kv_heads + h
+        row = s * num_tiles + t
+        p0 = mTilePtr[row]
+        p1 = mTilePtr[row + 1]
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sdO = storage.sdO.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sPt = storage.sPt.get_tensor(sP_layout)
+        sdSt = storage.sdSt.get_tensor(sP_layout)
+        sKeyMask = storage.sKeyMask.get_tensor(cute.make_layout(KEY_TILE))
+        sLSE = storage.sLSE.get_tensor(cute.make_layout(TILE_M))
+        sDelta = storage.sDelta.get_tensor(cute.make_layout(TILE_M))
+        sQt = C.transposed_view(sQ, TILE_M, D)
+        sdOt = C.transposed_view(sdO, TILE_M, D)
+
+        thr_g2s = g2s.get_slice(tidx)
+        tQsQ = thr_g2s.partition_D(sQ)
+        tQsdO = thr_g2s.partition_D(sdO)
+        tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((TILE_M, D)))
+        tKsK = thr_g2s.partition_D(sK)
+        tKsV = thr_g2s.partition_D(sV)
+        tKcK = thr_g2s.partition_S(cute.make_identity_tensor((KEY_TILE, D)))
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
+        tSrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
+        tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
+        tSrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdO))
+        tdrPt = thr_mma.make_fragment_A(thr_mma.partition_A(sPt))
+        tdrdSt = thr_mma.make_fragment_A(thr_mma.partition_A(sdSt))
+        tdrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(sdOt))
+        tdrQt = thr_mma.make_fragment_B(thr_mma.partition_B(sQt))
+        acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((KEY_TILE, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((KEY_TILE, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        copy_A, copy_B, copy_Bt = C.ldmatrix_copies(tiled_mma)
+        thr_cA = copy_A.get_slice(tidx)
+        thr_cB = copy_B.get_slice(tidx)
+        thr_cBt = copy_Bt.get_slice(tidx)
+        tSsK, tSrK_v = thr_cA.partition_S(sK), thr_cA.retile(tSrK)
+        tSsV, tSrV_v = thr_cA.partition_S(sV), thr_cA.retile(tSrV)
+        tSsQ, tSrQ_v = thr_cB.partition_S(sQ), thr_cB.retile(tSrQ)
+        tSsdO, tSrdO_v = thr_cB.partition_S(sdO), thr_cB.retile(tSrdO)
+        tdsPt, tdrPt_v = thr_cA.partition_S(sPt), thr_cA.retile(tdrPt)
+        tdsdSt, tdrdSt_v = thr_cA.partition_S(sdSt), thr_cA.retile(tdrdSt)
+        tdsdOt, tdrdOt_v = thr_cBt.partition_S(sdOt), thr_cBt.retile(tdrdOt)
+        tdsQt, tdrQt_v = thr_cBt.partition_S(sQt), thr_cBt.retile(tdrQt)
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16),
+                                     tiled_mma)
+        thr_r2s = r2s.get_slice(tidx)
+
+        tScS = C.mn_view(thr_mma.partition_C(cute.make_identity_tensor((KEY_TILE, TILE_M))))
+
+        # ---- the tile's K and V rows ----
+        for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
+            i = tKcK[0, m, 0][0]
+            if t0 + i < kv_len:
+                C.copy_row(g2s, C.row_ptr(mK, (b, t0 + i, h, 0)), tKsK, tKcK, m, D)
+                C.copy_row(g2s, C.row_ptr(mV, (b, t0 + i, h, 0)), tKsV, tKcK, m, D)
+            else:
+                tKsK[None, m, None].fill(0)
+                tKsV[None, m, None].fill(0)
+        cute.arch.cp_async_commit_group()
+
+        for p in range(p0, p1):
+            w = mTileWin[p]
+            start = mTileStart[p]
+            cnt = mWinCount[s, w]
+            q0 = w * self.wq
+            rows_valid = cutlass.min(num_q - q0, self.wq) * G
+            # 1. window rows, stats and key masks
+            for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+                r = tQcQ[0, m, 0][0]
+                if r < rows_valid:
+                    qi = r // G
+                    hq = h * G + r - qi * G
+                    C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ, tQcQ, m, D)
+                    C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO, tQcQ, m, D)
+                else:
+                    tQsQ[None, m, None].fill(0)
+                    tQsdO[None, m, None].fill(0)
+            cute.arch.cp_async_commit_group()
+            if tidx < KEY_TILE:
+                sKeyMask[lane] = Int32(0)
+                cute.arch.sync_warp()
+                pos = start + lane
+                if pos < cnt:
+                    key = mWinKey[s, w, pos]
+                    if key < t0 + KEY_TILE:
+                        sKeyMask[key - t0] = mWinMask[s, w, pos]
+            elif tidx >= THREADS - TILE_M:
+                r = tidx - (THREADS - TILE_M)
+                lse2 = Float32(0.0)
+                delta = Float32(0.0)
+                if r < rows_valid:
+                    qi = r // G
+                    hq = h * G + r - qi * G
+                    lse = mLSE[b, hq, q0 + qi]
+                    if lse != -Float32.inf:
+                        lse2 = lse * C.LOG2_E
+                    delta = mDelta[b, hq, q0 + qi]
+                sLSE[r] = lse2
+                sDelta[r] = delta
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            # 2. S^T = K Q^T, dP^T = V dO^T
+            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
+            acc_S.fill(0.0)
+            C.gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, copy_A, tSsK, tSrK_v, copy_B, tSsQ, tSrQ_v)
+            acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
+            acc_dP.fill(0.0)
+            C.gemm_ss(tiled_mma, acc_dP, tSrV, tSrdO, copy_A, tSsV, tSrV_v, copy_B, tSsdO, tSrdO_v)
+            # 3. P^T and dS^T
+            S = C.mn_view(acc_S)
+            dP = C.mn_view(acc_dP)
+            for i in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                msk = sKeyMask[tScS[i, 0][0]]
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    r = tScS[0, c][1]
+                    p_val = Float32(0.0)
+                    if C.selected(msk, r // G, self.wq):
+                        p_val = cute.math.exp2(S[i, c] * scale_log2 - sLSE[r], fastmath=True)
+                    dP[i, c] = p_val * (dP[i, c] - sDelta[r])
+                    S[i, c] = p_val
+            rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
+            rP.store(acc_S.load().to(cutlass.BFloat16))
+            rdS = cute.make_fragment_like(acc_dP, cutlass.BFloat16)
+            rdS.store(acc_dP.load().to(cutlass.BFloat16))
+            cute.copy(r2s, thr_r2s.retile(rP), thr_r2s.partition_D(sPt))
+            cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(sdSt))
+            cute.arch.barrier()
+            # 4. dV += P^T dO, dK += dS^T Q
+            C.gemm_ss(tiled_mma, acc_dV, tdrPt, tdrdOt, copy_A, tdsPt, tdrPt_v, copy_Bt, tdsdOt, tdrdOt_v)
+            C.gemm_ss(tiled_mma, acc_dK, tdrdSt, tdrQt, copy_A, tdsdSt, tdrdSt_v, copy_Bt, tdsQt, tdrQt_v)
+            cute.arch.barrier()  # sQ, sdO, sPt, sdSt and the stats are rewritten for the next window
+
+        # ---- epilogue: dK * scale, dV -> bf16 rows of the tile ----
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        rdK = cute.make_fragment_like(acc_dK, cutlass.BFloat16)
+        rdK.store((acc_dK.load() * softmax_scale).to(cutlass.BFloat16))
+        rdV = cute.make_fragment_like(acc_dV, cutlass.BFloat16)
+        rdV.store(acc_dV.load().to(cutlass.BFloat16))
+        cute.copy(r2s, thr_r2s.retile(rdK), thr_r2s.partition_D(sK))
+        cute.copy(r2s, thr_r2s.retile(rdV), thr_r2s.partition_D(sV))
+        cute.arch.barrier()
+        thr_plain = plain.get_slice(tidx)
+        tKsdK = thr_plain.partition_S(sK)
+        tKsdV = thr_plain.partition_S(sV)
+        for m in cutlass.range_constexpr(cute.size(tKsdK, mode=[1])):
+            i = tKcK[0, m, 0][0]
+            if t0 + i < kv_len:
+                C.copy_row(plain, C.row_ptr(mdK, (b, t0 + i, h, 0)), tKsdK, tKcK, m, D, to_gmem=True)
+                C.copy_row(plain, C.row_ptr(mdV, (b, t0 + i, h, 0)), tKsdV, tKcK, m, D, to_gmem=True)

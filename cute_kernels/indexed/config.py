@@ -1,0 +1,71 @@
+"""Indexed-attention configs (compile-cache keys) and the windowed-plan geometry.
+
+Shape letters: B batch, Lq queries, Lkv keys, Hq = Hkv * G query heads, D head dim, Wsel index
+row width, S index sets (B for shared indices ``[B, Lq, Wsel]``, B * Hkv for per-kv-head indices
+``[B, Hkv, Lq, Wsel]``), NW = ceil(Lq / WQ) windows, NT = ceil(Lkv / KEY_TILE) key tiles.
+
+Window geometry: a window holds ``WQ = window_queries(G)`` consecutive queries so that WQ * G query
+heads fill the 64 MMA rows of one program (5 x 12 for the production 24/2 layout, 4 rows idle).
+Row ``r`` of a window tile is query ``w * WQ + r // G``, query head ``h * G + r % G``. The plan's
+per-key bitmask has one bit per window query, so WQ <= 32 (G = 1 uses 32 queries, half the rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: MMA rows per program (4 warps x m16).
+TILE_M = 64
+#: Keys per key tile of the key-major dK/dV pass and of the plan's tile transpose.
+KEY_TILE = 32
+#: Query-head group sizes and head dims we compile.
+GROUP_SIZES = (1, 2, 4, 8, 12, 16)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("bfloat16",)
+
+
+def window_queries(group: int) -> int:
+    """Queries per window for ``group`` query heads per kv head (64 // G, at most 32)."""
+    if group < 1 or group > TILE_M:
+        raise ValueError(f"indexed_attention: heads per kv head must be in [1, {TILE_M}], got {group}")
+    return min(TILE_M // group, 32)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Plan kernels depend only on the window size (all extents are dynamic)."""
+
+    arch: int
+    window_queries: int
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Forward / dQ / dK-dV kernels: everything that changes generated code."""
+
+    arch: int
+    head_dim: int
+    group: int  # G = Hq // Hkv
+    num_kv_heads: int  # Hkv (static: head strides are compile-time)
+    per_kv_head: bool  # indices [B, Hkv, Lq, Wsel] (plan set = b * Hkv + h) vs [B, Lq, Wsel]
+    dtype: str = "bfloat16"
+
+    @property
+    def window_queries(self) -> int:
+        return window_queries(self.group)
+
+    @property
+    def rows(self) -> int:
+        """Used MMA rows of a window (the rest of the 64 are masked)."""
+        return self.window_queries * self.group
+
+
+def unsupported_reason(head_dim: int, group: int, dtype: str) -> str | None:
+    """Why the CuTe kernels cannot run this case, or None."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (CuTe indexed kernels are bf16 only)"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (supported: {HEAD_DIMS})"
+    if group not in GROUP_SIZES:
+        return f"{group} query heads per kv head (supported: {GROUP_SIZES})"
+    return None

@@ -1,0 +1,250 @@
+"""Windowed indexed-attention forward: one program per (window, kv head, batch).
+
+    out[b, q, hq] = sum_k softmax_k(scale * q . K[k]) V[k]  over the distinct valid keys k of q's row
+    lse[b, hq, q] = natural log of the softmax normaliser (-inf for an empty row, whose out is 0)
+
+Tensors: mQ/mO [B, Lq, Hq, D] bf16, mK/mV [B, Lkv, Hkv, D] bf16, mLSE [B, Hq, Lq] fp32, and the plan's
+mWinKey/mWinMask [S, NW, CAP], mWinCount [S, NW] int32 (see ``plan.py``).
+
+The 64 MMA rows are the window's WQ queries x G heads of kv head h (row r = query r // G, head
+h * G + r % G). The program walks the window's sorted key union in chunks of TILE_N keys:
+
+    prologue: cp.async Q rows, K rows of chunk 0 (+ their query masks into sMask[0])
+    per chunk n:  wait K(n) | issue V(n) | S = Q K^T | wait V(n) | issue K(n+1) |
+                  mask S[r, j] = -inf unless bit r // G of mask[j] | online softmax (base 2) |
+                  O += P V
+    epilogue: O /= rowsum (0 for empty rows), LSE, rows stored to their (query, head) places
+
+Keys are visited in ascending order whatever the order of the index row, so the result does not
+depend on it. Chunk slots past the window's key count are zero rows with an all-zero mask.
+Warp-level mma.sync m16n8k16 (4 warps x 16 rows).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import common as C
+from .config import TILE_M, AttnConfig
+
+THREADS = 128
+
+
+def fwd_tile_n(head_dim: int) -> int:
+    """Keys per chunk: 32 at D = 256 keeps the 64 x 256 fp32 O accumulator spill-free."""
+    return 32 if head_dim > 128 else 64
+
+
+class IndexedFwd:
+    def __init__(self, cfg: AttnConfig):
+        self.cfg = cfg
+        self.d = cfg.head_dim
+        self.g = cfg.group
+        self.wq = cfg.window_queries
+        self.tile_n = fwd_tile_n(cfg.head_dim)
+
+    @staticmethod
+    def smem_bytes(cfg: AttnConfig) -> int:
+        tn = fwd_tile_n(cfg.head_dim)
+        return (TILE_M + 2 * tn) * cfg.head_dim * 2 + 2 * tn * 4
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mWinKey: cute.Tensor,
+                 mWinMask: cute.Tensor, mWinCount: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 softmax_scale: Float32, stream):
+        bf16 = cutlass.BFloat16
+        sQ_layout = C.smem_layout(bf16, TILE_M, self.d)
+        sKV_layout = C.smem_layout(bf16, self.tile_n, self.d)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
+            sMask: cute.struct.Align[cute.struct.MemRange[Int32, 2 * self.tile_n], 16]
+
+        g2s, plain = C.gmem_copies(bf16, THREADS, self.d)
+        tiled_mma = C.mma_bf16(THREADS // 32, 1)
+        grid = [mWinCount.shape[1], self.cfg.num_kv_heads, mQ.shape[0]]
+        self.kernel(mQ, mK, mV, mWinKey, mWinMask, mWinCount, mO, mLSE, softmax_scale * C.LOG2_E,
+                    softmax_scale, sQ_layout, sKV_layout, g2s, plain, tiled_mma, SharedStorage).launch(
+            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mWinKey: cute.Tensor,
+               mWinMask: cute.Tensor, mWinCount: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               scale_log2: Float32, softmax_scale: Float32, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, g2s: cute.TiledCopy, plain: cute.TiledCopy,
+               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        win, h, b = cute.arch.block_idx()
+        G = self.g
+        D = self.d
+        TN = self.tile_n
+        s = b
+        if cutlass.const_expr(self.cfg.per_kv_head):
+            s = b * self.cfg.num_kv_heads + h
+        count = mWinCount[s, win]
+        num_chunks = (count + TN - 1) // TN
+        q0 = win * self.wq
+        rows_valid = cutlass.min(mQ.shape[1] - q0, self.wq) * G
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sMask = storage.sMask.get_tensor(cute.make_layout((TN, 2), stride=(1, TN)))  # (key slot, parity)
+        sVt = C.transposed_view(sV, TN, D)
+
+        # ---- gmem -> smem partitions (row-gathered) ----
+        thr_g2s = g2s.get_slice(tidx)
+        tQsQ = thr_g2s.partition_D(sQ)
+        tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((TILE_M, D)))
+        tKsK = thr_g2s.partition_D(sK)
+        tVsV = thr_g2s.partition_D(sV)
+        tKcK = thr_g2s.partition_S(cute.make_identity_tensor((TN, D)))
+
+        # ---- MMA partitions ----
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, D)), Float32)
+        acc_O.fill(0.0)
+        copy_A, copy_B, copy_Bt = C.ldmatrix_copies(tiled_mma)
+        thr_cA = copy_A.get_slice(tidx)
+        thr_cB = copy_B.get_slice(tidx)
+        thr_cBt = copy_Bt.get_slice(tidx)
+        tSsQ = thr_cA.partition_S(sQ)
+        tSrQ_v = thr_cA.retile(tSrQ)
+        tSsK = thr_cB.partition_S(sK)
+        tSrK_v = thr_cB.retile(tSrK)
+        tOsVt = thr_cBt.partition_S(sVt)
+        tOrVt_v = thr_cBt.retile(tOrVt)
+
+        # accumulator coordinates: which window query each of this thread's rows is
+        tScS = C.mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TN))))
+        n_rows = cute.size(tScS, mode=[0])
+        row_q = cute.make_rmem_tensor((n_rows,), Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            row_q[r] = tScS[r, 0][0] // G
+
+        # ---- prologue: Q rows, K rows of chunk 0 ----
+        for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            r = tQcQ[0, m, 0][0]
+            if r < rows_valid:
+                qi = r // G
+                C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, h * G + r - qi * G, 0)), tQsQ, tQcQ, m, D)
+            else:
+                tQsQ[None, m, None].fill(0)
+        if num_chunks > 0:
+            self.load_keys(mK, mWinKey, mWinMask, sMask, g2s, tKsK, tKcK, s, win, h, b, count, 0, True)
+        cute.arch.cp_async_commit_group()
+
+        row_max = cute.make_rmem_tensor((n_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        for n in range(num_chunks):
+            parity = n % 2
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            self.load_keys(mV, mWinKey, mWinMask, sMask, g2s, tVsV, tKcK, s, win, h, b, count, n, False)
+            cute.arch.cp_async_commit_group()
+
+            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TN)), Float32)
+            acc_S.fill(0.0)
+            C.gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, copy_A, tSsQ, tSrQ_v, copy_B, tSsK, tSrK_v)
+
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            if n + 1 < num_chunks:
+                self.load_keys(mK, mWinKey, mWinMask, sMask, g2s, tKsK, tKcK, s, win, h, b, count,
+                               n + 1, True)
+            cute.arch.cp_async_commit_group()
+
+            # masked online softmax (base 2); see Note [empty rows] in the module docstring
+            S = C.mn_view(acc_S)
+            O = C.mn_view(acc_O)
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                msk = sMask[tScS[0, c][1], parity]
+                for r in cutlass.range_constexpr(n_rows):
+                    if not C.selected(msk, row_q[r], self.wq):
+                        S[r, c] = -Float32.inf
+            for r in cutlass.range_constexpr(n_rows):
+                srow = S[r, None].load()
+                m_new = quad_max_row(srow, row_max[r])
+                m_use = m_new
+                if m_new == -Float32.inf:
+                    m_use = Float32(0.0)
+                p = cute.math.exp2(srow * scale_log2 - m_use * scale_log2, fastmath=True)
+                corr = cute.math.exp2(row_max[r] * scale_log2 - m_use * scale_log2, fastmath=True)
+                row_sum[r] = row_sum[r] * corr + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                row_max[r] = m_new
+                O[r, None] = O[r, None].load() * corr
+                S[r, None] = p
+            rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
+            rP.store(acc_S.load().to(cutlass.BFloat16))
+            C.gemm_rs(tiled_mma, acc_O, C.as_a_operand(rP), tOrVt, copy_Bt, tOsVt, tOrVt_v)
+
+        # ---- epilogue ----
+        O = C.mn_view(acc_O)
+        lane = tidx % 32
+        for r in cutlass.range_constexpr(n_rows):
+            total = C.quad_sum(row_sum[r])
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if total > 0.0:
+                inv = cute.arch.rcp_approx(total)
+                lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * C.LN_2
+            O[r, None] = O[r, None].load() * inv
+            row = tScS[r, 0][0]
+            if lane % 4 == 0 and row < rows_valid:
+                qi = row // G
+                mLSE[b, h * G + row - qi * G, q0 + qi] = lse
+        cute.arch.barrier()  # every warp is done reading sQ
+        rO = cute.make_fragment_like(acc_O, cutlass.BFloat16)
+        rO.store(acc_O.load().to(cutlass.BFloat16))
+        sO = sQ
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16),
+                                     tiled_mma)
+        thr_r2s = r2s.get_slice(tidx)
+        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+        cute.arch.barrier()
+        thr_plain = plain.get_slice(tidx)
+        tOsO = thr_plain.partition_S(sO)
+        for m in cutlass.range_constexpr(cute.size(tOsO, mode=[1])):
+            r = tQcQ[0, m, 0][0]
+            if r < rows_valid:
+                qi = r // G
+                C.copy_row(plain, C.row_ptr(mO, (b, q0 + qi, h * G + r - qi * G, 0)), tOsO, tQcQ, m, D,
+                           to_gmem=True)
+
+    @cute.jit
+    def load_keys(self, mX: cute.Tensor, mWinKey: cute.Tensor, mWinMask: cute.Tensor, sMask: cute.Tensor,
+                  g2s: cute.TiledCopy, tXsX: cute.Tensor, tXcX: cute.Tensor, s: Int32, win: Int32,
+                  h: Int32, b: Int32, count: Int32, n: Int32, with_mask: cutlass.Constexpr):
+        """cp.async the K or V rows of chunk ``n`` of the window's key union into smem."""
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            j = tXcX[0, m, 0][0]
+            pos = n * self.tile_n + j
+            if pos < count:
+                key = mWinKey[s, win, pos]
+                C.copy_row(g2s, C.row_ptr(mX, (b, key, h, 0)), tXsX, tXcX, m, self.d)
+                if cutlass.const_expr(with_mask):
+                    if tXcX[0, m, 0][1] == 0:
+                        sMask[j, n % 2] = mWinMask[s, win, pos]
+            else:
+                tXsX[None, m, None].fill(0)
+                if cutlass.const_expr(with_mask):
+                    if tXcX[0, m, 0][1] == 0:
+                        sMask[j, n % 2] = Int32(0)
+
+
+@cute.jit
+def quad_max_row(srow, prev: Float32) -> Float32:
+    m = srow.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+    return cute.arch.fmax(C.quad_max(m), prev)
