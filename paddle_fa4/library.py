@@ -11,7 +11,7 @@ is idempotent.
 Registered names: ``flash_attn_fwd``, ``indexed_attention``, ``block_log_weight``,
 ``select_topk_blocks``, ``blocks_to_indices`` and the H2O ops as ``h2o_<op>``
 (``h2o_update_page_summary``, ``h2o_page_scores``, ``h2o_reset_scores``, ``h2o_token_accumulate``,
-``h2o_select_pages``).
+``h2o_token_page_scores``, ``h2o_select_pages``).
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ OPS: Dict[str, Tuple[str, str]] = {
     "h2o_reset_scores": ("h2o", "reset_scores"),
     "h2o_token_accumulate": ("h2o", "token_accumulate"),
     "h2o_select_pages": ("h2o", "select_pages"),
+    "h2o_token_page_scores": ("h2o", "token_page_scores"),
 }
 
 #: Ops that write into one of their arguments (informational: Paddle 3.3 ignores mutates_args).
-_MUTATES = {"h2o_reset_scores": ("state",)}
+_MUTATES = {"h2o_reset_scores": ("state",), "h2o_update_page_summary": ("summary",),
+            "h2o_token_accumulate": ("state",)}
 
 
 def resolve(name: str) -> Callable:

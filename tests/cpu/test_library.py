@@ -12,7 +12,7 @@ import paddle_fa4.library as library
 
 EXPECTED = {"flash_attn_fwd", "indexed_attention", "block_log_weight", "select_topk_blocks", "blocks_to_indices",
             "h2o_update_page_summary", "h2o_page_scores", "h2o_reset_scores", "h2o_token_accumulate",
-            "h2o_select_pages"}
+            "h2o_select_pages", "h2o_token_page_scores"}
 
 
 def test_every_op_is_registered_on_import():
@@ -59,5 +59,17 @@ def test_wrappers_resolve_lazily_to_the_public_ops():
     assert library.resolve("flash_attn_fwd") is paddle_fa4.flash_attn_fwd
     assert library.resolve("indexed_attention") is paddle_fa4.indexed_attention
     assert library.resolve("h2o_reset_scores") is paddle_fa4.h2o.reset_scores
+    for name, (module, attr) in library.OPS.items():  # every registered name reaches a public op
+        target = getattr(paddle_fa4, module) if module else paddle_fa4
+        assert library.resolve(name) is getattr(target, attr), name
     with pytest.raises(KeyError):
         library.resolve("nope")
+
+
+def test_in_place_h2o_op_through_paddle_ops():
+    """h2o_reset_scores mutates its state argument when called through the registry too."""
+    state = paddle.ones([2, 1, 4], dtype="float32")
+    paddle.ops.paddle_fa4.h2o_reset_scores(state, paddle.to_tensor([1, 6, -1], dtype="int32"), backend="reference")
+    expected = np.ones([2, 1, 4], np.float32)
+    expected[0, 0, 1] = expected[1, 0, 2] = 0
+    np.testing.assert_array_equal(state.numpy(), expected)
