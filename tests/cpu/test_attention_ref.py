@@ -254,3 +254,15 @@ def test_doc_block_logit_picture():
     s = paddle.where(paddle.to_tensor(oracle.visible(3, 5, causal=True)).unsqueeze(0),
                      paddle.ones([1, 3, 5]), paddle.full([1, 3, 5], -math.inf))
     np.testing.assert_array_equal(np.isneginf(_block_max(s, 2, 3).numpy()[0]), expected)
+
+
+def test_varlen_sentinel_buffer_fully_overwritten():
+    """Varlen: blocks past a shorter sequence's end and rows of empty documents are written too."""
+    lq, lk = [3, 0, 6], [2, 4, 40]
+    cu_q = paddle.to_tensor(np.cumsum([0] + lq), dtype="int32")
+    cu_k = paddle.to_tensor(np.cumsum([0] + lk), dtype="int32")
+    q, k, v = make_inputs(17, None, sum(lq), sum(lk), 2, 1, 16, varlen=True)
+    buf = paddle.full([2, sum(lq), 3], float("nan"), dtype="float32")
+    out = check_against_oracle(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6,
+                               max_seqlen_k=40, block_logit=buf, block_size=16)
+    assert out[2] is buf and not np.isnan(buf.numpy()).any()
