@@ -1,15 +1,92 @@
-"""CuTe backend of ``paddle_fa4.h2o``."""
+"""CuTe backend of ``paddle_fa4.h2o``: allocate with ``paddle.empty``, call the cute_kernels launchers."""
 
 from __future__ import annotations
 
 from .._bridge import arch_of, kernel_arg
 
 
-def unsupported_reason(arch: int, op: str, **_) -> str | None:
-    return None if op == "reset_scores" else f"no CuTe kernel for h2o.{op} yet"
+def unsupported_reason(arch: int, op: str, **kw) -> str | None:
+    """None when the CuTe kernel of ``h2o.<op>`` handles these tensors on ``arch``, else why not."""
+    from cute_kernels.dtypes import dtype_name
+
+    if op in ("reset_scores", "select_pages", "token_page_scores"):
+        return None
+    if op == "update_page_summary":
+        from cute_kernels.h2o.launch import page_summary_config
+        from cute_kernels.h2o.page_summary import unsupported_reason as why
+
+        return why(page_summary_config(kw["key_cache"], kw["summary"], arch))
+    if op == "page_scores":
+        from cute_kernels.h2o.page_scores import PageScoresConfig
+        from cute_kernels.h2o.page_scores import unsupported_reason as why
+
+        q, summary = kw["q"], kw["summary"]
+        return why(PageScoresConfig(arch=arch, q_dtype=dtype_name(q.dtype), summary_dtype=dtype_name(summary.dtype),
+                                    num_kv_heads=int(summary.shape[1]), group=kw["group"],
+                                    head_dim=int(summary.shape[3])))
+    if op == "token_accumulate":
+        from cute_kernels.h2o.launch import token_config
+        from cute_kernels.h2o.token_accumulate import unsupported_reason as why
+
+        return why(token_config(kw["q"], kw["key_cache"], kw["state"], kw["gqa_reduce"], arch))
+    return f"no CuTe kernel for h2o.{op}"
 
 
 def reset_scores(state, slot_mapping) -> None:
     from cute_kernels.h2o.launch import run_reset_scores
 
     run_reset_scores(kernel_arg(state), kernel_arg(slot_mapping), arch=arch_of(state))
+
+
+def update_page_summary(key_cache, slot_mapping, summary) -> None:
+    from cute_kernels.h2o.launch import run_update_page_summary
+
+    run_update_page_summary(kernel_arg(key_cache), kernel_arg(slot_mapping), kernel_arg(summary),
+                            arch=arch_of(key_cache))
+
+
+def page_scores(q, summary, block_tables, seq_lens, page_size, w_avg, w_peak, gqa_reduce):
+    import paddle
+
+    from cute_kernels.h2o.launch import run_page_scores
+
+    out = paddle.empty([q.shape[0], summary.shape[1], block_tables.shape[1]], dtype="float32", device=q.place)
+    run_page_scores(kernel_arg(q), kernel_arg(summary), kernel_arg(block_tables), kernel_arg(seq_lens), out,
+                    page_size=page_size, w_avg=w_avg, w_peak=w_peak, gqa_reduce=gqa_reduce, arch=arch_of(q))
+    return out
+
+
+def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale, decay, gqa_reduce, bos, eos) -> None:
+    import paddle
+
+    from cute_kernels.h2o.launch import run_token_accumulate, token_workspace_shapes
+
+    lg_shape, st_shape = token_workspace_shapes(q, key_cache, block_tables, gqa_reduce)
+    logits = paddle.empty(list(lg_shape), dtype="float32", device=q.place)
+    stats = paddle.empty(list(st_shape), dtype="float32", device=q.place)
+    run_token_accumulate(kernel_arg(q), kernel_arg(key_cache), kernel_arg(state), kernel_arg(block_tables),
+                         kernel_arg(seq_lens), logits, stats, scale=scale, decay=decay, bos=bos, eos=eos,
+                         gqa_reduce=gqa_reduce, arch=arch_of(q))
+
+
+def token_page_scores(state, block_tables, seq_lens):
+    import paddle
+
+    from cute_kernels.h2o.launch import run_token_page_scores
+
+    out = paddle.empty([block_tables.shape[0], state.shape[1], block_tables.shape[1]], dtype="float32", device=state.place)
+    run_token_page_scores(kernel_arg(state), kernel_arg(block_tables), kernel_arg(seq_lens), out, arch=arch_of(state))
+    return out
+
+
+def select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos):
+    import paddle
+
+    from cute_kernels.h2o.launch import run_select_pages
+
+    b, hkv = scores.shape[0], scores.shape[1]
+    out = paddle.empty([b, hkv, bos + topk + eos], dtype="int32", device=scores.place)
+    out_lens = paddle.empty([b, hkv], dtype="int32", device=scores.place)
+    run_select_pages(kernel_arg(scores), kernel_arg(block_tables), kernel_arg(seq_lens), out, out_lens,
+                     page_size=page_size, topk=topk, bos=bos, eos=eos, arch=arch_of(scores))
+    return out, out_lens
