@@ -274,18 +274,23 @@ def _summary_matrix(arch: int, full: bool = False):
 
 
 def _page_scores_matrix(arch: int, full: bool = False):
-    groups = (1, 3, 4, 5, 7, 8) if full else (4,)
-    return [PageScoresConfig(arch=arch, q_dtype="bfloat16", summary_dtype=sd, group=g, gqa=gqa)
-            for sd in ("float32", "bfloat16") for g in groups for gqa in (_PAGE_GQA_MEAN_Q, _PAGE_GQA_MAX)]
+    if not full:  # the two reductions, the two summary dtypes
+        return [PageScoresConfig(arch=arch, summary_dtype="float32", gqa=_PAGE_GQA_MEAN_Q),
+                PageScoresConfig(arch=arch, summary_dtype="bfloat16", gqa=_PAGE_GQA_MAX)]
+    return [PageScoresConfig(arch=arch, q_dtype=qd, summary_dtype=sd, group=g, gqa=gqa)
+            for qd in ("bfloat16", "float32") for sd in ("float32", "bfloat16") for g in (1, 3, 4, 5, 7, 8)
+            for gqa in (_PAGE_GQA_MEAN_Q, _PAGE_GQA_MAX)]
 
 
 def _token_matrix(arch: int, full: bool = False):
-    groups = (1, 3, 4, 5, 7, 8) if full else (4,)
-    pages = (1, 16, 64) if full else (1, 16)
-    cfgs = [TokenConfig(arch=arch, state_dtype=sd, group=g, page_size=p, gqa=gqa)
-            for sd in ("float32", "bfloat16") for g in groups for p in pages for gqa in TOKEN_GQA.values()
-            if full or sd == "float32" or gqa == GQA_MEAN_Q]
-    return cfgs
+    if not full:  # every reduction, page sizes 1 and 16, both state dtypes
+        return [TokenConfig(arch=arch, page_size=1, gqa=GQA_MEAN_Q),
+                TokenConfig(arch=arch, page_size=16, gqa=GQA_MAX),
+                TokenConfig(arch=arch, page_size=16, gqa=GQA_SUM, state_dtype="bfloat16"),
+                TokenConfig(arch=arch, page_size=1, gqa=GQA_MEAN_P, group=5)]
+    return [TokenConfig(arch=arch, state_dtype=sd, group=g, page_size=p, gqa=gqa)
+            for sd in ("float32", "bfloat16") for g in (1, 3, 4, 5, 7, 8) for p in (1, 16, 64)
+            for gqa in TOKEN_GQA.values()]
 
 
 def _token_page_matrix(arch: int, full: bool = False):
