@@ -216,9 +216,11 @@ class IndexedBwdDKDV:
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     r = tScS[0, c][1]
                     p_val = Float32(0.0)
+                    ds = Float32(0.0)  # unselected keys of the tile may hold anything (even NaN)
                     if C.selected(msk, r // G, self.wq):
                         p_val = cute.math.exp2(S[i, c] * scale_log2 - sLSE[r], fastmath=True)
-                    dP[i, c] = p_val * (dP[i, c] - sDelta[r])
+                        ds = p_val * (dP[i, c] - sDelta[r])
+                    dP[i, c] = ds
                     S[i, c] = p_val
             rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
             rP.store(acc_S.load().to(cutlass.BFloat16))

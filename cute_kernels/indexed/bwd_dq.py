@@ -177,10 +177,11 @@ class IndexedBwdDQ:
                 delta = sDelta[row]
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     msk = sMask[tScS[0, c][1]]
-                    p = Float32(0.0)
+                    ds = Float32(0.0)
                     if C.selected(msk, qbit, self.wq):
                         p = cute.math.exp2(S[r, c] * scale_log2 - lse2, fastmath=True)
-                    S[r, c] = p * (dP[r, c] - delta)
+                        ds = p * (dP[r, c] - delta)
+                    S[r, c] = ds
             rdS = cute.make_fragment_like(acc_S, cutlass.BFloat16)
             rdS.store(acc_S.load().to(cutlass.BFloat16))
             # 4. dQ += dS K
