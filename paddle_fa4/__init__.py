@@ -22,6 +22,7 @@ _EXPORTS = {
     "block_log_weight": "selection",
     "select_topk_blocks": "selection",
     "blocks_to_indices": "selection",
+    "select_topk_blocks_chunked": "selection",
     "indexed_attention": "indexed",
     "indexed_attention_plan": "indexed_plan",
     "IndexedAttentionPlan": "indexed_plan",

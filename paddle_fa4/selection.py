@@ -242,8 +242,9 @@ def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = 
 
             >>> import paddle, paddle_fa4
             >>> blk = paddle.to_tensor([[[[0, 1, -1]]]], dtype="int32")
-            >>> paddle_fa4.blocks_to_indices(blk, 16, seqlen_k=20, backend="reference").shape
-            [1, 1, 48]
+            >>> idx = paddle_fa4.blocks_to_indices(blk, 16, seqlen_k=20, backend="reference")
+            >>> idx.shape, idx[0, 0, 14:22].tolist()
+            (paddle.Size([1, 1, 48]), [14, 15, 16, 17, 18, 19, -1, -1])
     """
     op = "blocks_to_indices"
     if _dtype_name(block_idx) != "int32":
@@ -280,3 +281,129 @@ def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = 
             ref.blocks_to_indices(block_idx, out, block_size, seqlen_k, causal)
     out.stop_gradient = True
     return out[:, 0] if hs == 1 else out
+
+
+#: Bytes of one chunk's fp32 block_logit buffer when ``chunk_q`` is left to the driver.
+CHUNK_BLOCK_LOGIT_BYTES = 1 << 30
+
+
+def select_topk_blocks_chunked(q, k, v, topk: int, softmax_scale: Optional[float] = None,
+                               causal: bool = True, window_size=(None, None), softcap: float = 0.0,
+                               block_size: int = 64, num_kv_heads: Optional[int] = None,
+                               sink_blocks: int = 0, local_blocks: int = 0,
+                               chunk_q: Optional[int] = None, backend: Backend = "auto",
+                               name: Optional[str] = None):
+    r"""
+    The full-attention layer of HySparse in query chunks: forward, block_logit and selection.
+
+    Runs :func:`flash_attn_fwd` (with ``block_logit``) and :func:`select_topk_blocks` on ``chunk_q``
+    query rows at a time, so the ``[B, Hq, Sq, nb]`` block_logit buffer never exists whole (at
+    32 heads, 128K tokens and block 64 it would be 32 GiB); only a ``[B, Hq, chunk_q, nb]`` one
+    does. Each chunk's keys are cut at its last row's causal limit, which keeps bottom-right
+    alignment: row ``i`` sees exactly the keys it sees in one call over all rows (see
+    :func:`chunk_plan`: a causal mask, with any left window, or no mask). The selection uses the
+    causal read limit (``block_size``/``seqlen_k``) when causal.
+
+    The ids equal those of one :func:`flash_attn_fwd` over all rows followed by
+    :func:`select_topk_blocks`, bit for bit. ``out``/``lse`` agree to rounding: the reference
+    backend sums each row over the chunk's key range, so the last bit may differ.
+
+    Args:
+        q (Tensor): ``[B, Sq, Hq, D]`` (dense layout; varlen is not supported here).
+        k (Tensor): ``[B, Sk, Hkv, D]``.
+        v (Tensor): ``[B, Sk, Hkv, Dv]``.
+        topk (int): blocks per row, as :func:`select_topk_blocks`.
+        softmax_scale, causal, window_size, softcap, block_size: as :func:`flash_attn_fwd`
+            (``causal`` defaults to True here).
+        num_kv_heads, sink_blocks, local_blocks: as :func:`select_topk_blocks`.
+        chunk_q (int|None, optional): query rows per chunk; None picks the largest multiple of 128
+            whose block_logit fits in ``CHUNK_BLOCK_LOGIT_BYTES`` (1 GiB). Default: None.
+        backend (str, optional): passed to both ops. Default: ``"auto"``.
+        name (str|None, optional): Name for the operation. Default: None.
+
+    Returns:
+        tuple: ``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32, block_idx [B, Hs, Sq, topk] int32)``,
+        the same as one :func:`flash_attn_fwd` call followed by :func:`select_topk_blocks`.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> q = paddle.randn([1, 40, 2, 16])
+            >>> out, lse, blk = paddle_fa4.select_topk_blocks_chunked(
+            ...     q, q, q, topk=2, block_size=16, local_blocks=1, chunk_q=16, backend="reference")
+            >>> blk[0, 0, 39].tolist()
+            [0, 2]
+    """
+    op = "select_topk_blocks_chunked"
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if getattr(t, "ndim", None) != 4:
+            raise ValueError(f"{op}: {arg} must be 4-D [B, S, H, D] (varlen is not supported by the "
+                             f"chunked driver), got shape {list(getattr(t, 'shape', []))}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+    _require_int(op, "topk", topk, 1)
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"{op}: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+    b, sq, hq, _ = q.shape
+    sk, dv = k.shape[1], v.shape[3]
+    nb = -(-sk // block_size)
+    if chunk_q is None:
+        chunk_q = max(128, CHUNK_BLOCK_LOGIT_BYTES // max(1, 4 * b * hq * nb) // 128 * 128)
+    _require_int(op, "chunk_q", chunk_q, 1)
+    plan = chunk_plan(sq, sk, chunk_q, causal, window_size)
+
+    import paddle
+
+    from .attention import flash_attn_fwd
+
+    groups = 1 if num_kv_heads is None else num_kv_heads
+    out = paddle.zeros([b, sq, hq, dv], dtype=q.dtype, device=q.place)
+    lse = paddle.full([b, hq, sq], _NEG_INF, dtype="float32", device=q.place)
+    block_idx = paddle.full([b, groups, sq, topk], -1, dtype="int32", device=q.place)
+    for c0, c1, keys, read_limit in plan:
+        if keys == 0:
+            continue  # these rows see no key: out 0, lse -inf, no block (already filled)
+        o, row_lse, bl = flash_attn_fwd(q[:, c0:c1], k[:, :keys], v[:, :keys], softmax_scale=softmax_scale,
+                                         causal=causal, window_size=window_size, softcap=softcap,
+                                         block_size=block_size, return_block_logit=True, backend=backend)
+        limit = {"block_size": block_size, "seqlen_k": keys} if read_limit else {}
+        blk = select_topk_blocks(bl, row_lse, topk, num_kv_heads=num_kv_heads, sink_blocks=sink_blocks,
+                                 local_blocks=local_blocks, backend=backend, **limit)
+        del bl
+        out[:, c0:c1] = o
+        lse[:, :, c0:c1] = row_lse
+        block_idx[:, :, c0:c1] = blk
+    for t in (out, lse, block_idx):
+        t.stop_gradient = True
+    return out, lse, block_idx
+
+
+def chunk_plan(seqlen_q: int, seqlen_k: int, chunk_q: int, causal: bool, window_size=(None, None)):
+    """``[(c0, c1, keys, read_limit)]``: query rows ``[c0, c1)`` attend to keys ``[0, keys)``.
+
+    Bottom-right alignment fixes ``keys``: row ``i`` of the chunk (``i - c0`` in it) keeps its
+    limits only when ``keys - (c1 - c0) = Sk - Sq + c0``, i.e. ``keys = c1 + Sk - Sq``. That cut
+    drops only invisible keys when the right limit is the diagonal (causal), so chunking takes a
+    causal mask (any left window) or no mask at all (every row sees every key, no cut); a right
+    window above 0 or a left window without causal raises ``NotImplementedError``. ``read_limit``
+    says the selection may skip blocks past each row's diagonal. Pure Python, so the GPU tests can
+    drive the kernels with the same plan.
+    """
+    if window_size is None:
+        window_size = (None, None)
+    left, right = (None if w is None or w == -1 else w for w in window_size)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if right != 0 and (left is not None or right is not None):
+        raise NotImplementedError(f"select_topk_blocks_chunked: window_size={tuple(window_size)} with "
+                                  f"causal={causal}: chunking keeps alignment only for a causal mask "
+                                  "or no mask")
+    plan = []
+    for c0 in range(0, seqlen_q, chunk_q):
+        c1 = min(seqlen_q, c0 + chunk_q)
+        if right == 0:
+            plan.append((c0, c1, max(0, c1 + seqlen_k - seqlen_q), True))
+        else:
+            plan.append((c0, c1, seqlen_k, False))
+    return plan

@@ -216,3 +216,12 @@ def test_causal_read_limit(sq, sk, bs):
 def test_causal_read_limit_errors(kwargs, match):
     with pytest.raises(ValueError, match=f"select_topk_blocks: {match}"):
         paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 3, 5]), paddle.zeros([1, 2, 3]), 2, **kwargs)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import paddle_fa4.selection as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0

@@ -146,3 +146,48 @@ def test_runs_on_current_stream():
         run_select_topk_blocks(blt, lset, out)
     stream.synchronize()
     np.testing.assert_array_equal(out.cpu().numpy(), oracle.select_topk_blocks(bl, lse, 4))
+
+
+def test_chunked_plan_equals_one_shot_with_our_forward():
+    """The chunked driver's plan (paddle_fa4.selection.chunk_plan) on the CuTe forward + selection:
+    ids bit for bit equal to one forward over all rows + one selection. Last in the file: it runs
+    the attention forward kernel, whose failure must not disturb the selection tests above."""
+    import math
+
+    from cute_kernels.attention.launch import fwd_config, run_fwd, unsupported_reason
+    from cute_kernels.select.launch import run_select_topk_blocks
+    from paddle_fa4.selection import chunk_plan
+
+    s, hq, hkv, d, bs, topk = 1000, 4, 2, 64, 64, 4
+    cfg = fwd_config(torch_cuda_arch(), "bfloat16", d, d, hq // hkv, True, False, False, bs, False)
+    reason = unsupported_reason(cfg)
+    if reason is not None:
+        pytest.skip(f"attention forward unavailable: {reason}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, s, h, d, device="cuda", generator=gen).to(torch.bfloat16) for h in (hq, hkv, hkv))
+
+    def forward(qc, kc, vc):
+        sq, sk = qc.shape[1], kc.shape[1]
+        out = torch.empty_like(qc)
+        lse = torch.empty(1, hq, sq, device="cuda")
+        bl = torch.empty(1, hq, sq, -(-sk // bs), device="cuda")
+        run_fwd(cfg, qc, kc, vc, out, lse, bl, None, None, softmax_scale=1 / math.sqrt(d), softcap=0.0,
+                window_left=-1, window_right=0, max_seqlen_q=sq)
+        return out, lse, bl
+
+    out1, lse1, bl1 = forward(q, k, v)
+    ids1 = torch.empty(1, hkv, s, topk, dtype=torch.int32, device="cuda")
+    run_select_topk_blocks(bl1, lse1, ids1, sink_blocks=1, local_blocks=1)
+    ids2 = torch.full_like(ids1, 99)
+    out2, lse2 = torch.zeros_like(out1), torch.full_like(lse1, float("-inf"))
+    for c0, c1, keys, read_limit in chunk_plan(s, s, 333, True):
+        o, l, bl = forward(q[:, c0:c1].contiguous(), k[:, :keys].contiguous(), v[:, :keys].contiguous())
+        blk = torch.empty(1, hkv, c1 - c0, topk, dtype=torch.int32, device="cuda")
+        run_select_topk_blocks(bl, l, blk, sink_blocks=1, local_blocks=1,
+                               causal_limit=(bs, keys) if read_limit else None)
+        out2[:, c0:c1], lse2[:, :, c0:c1], ids2[:, :, c0:c1] = o, l, blk
+    torch.cuda.synchronize()
+    print(f"chunked vs one-shot: out bitwise {torch.equal(out1, out2)}, lse bitwise {torch.equal(lse1, lse2)}, "
+          f"max |dlse| {(lse1 - lse2).abs().max().item():.3g}")
+    assert torch.equal(ids1, ids2)
+    torch.testing.assert_close(lse2, lse1, rtol=0, atol=1e-5)
