@@ -1,0 +1,908 @@
+"""FlashFwdSm100: Blackwell (sm_100a) attention forward with fused block_logit.
+
+    S = Q K^T (fp32, TMEM)        P = exp(softmax_scale * S - lse)       O = P V
+    lse[i]            = log sum_t exp(logit[i, t])                    (natural log, fp32)
+    block_logit[i, j] = max_{t in key block j} logit[i, t]            (-inf: no visible key)
+    logit[i, t]       = softmax_scale * q_i.k_t, or softcap * tanh(softmax_scale * q_i.k_t / softcap)
+
+Tensors, shapes and the mask convention (bottom-right causal / window) are those of
+``cute_kernels/attention/config.py``. block_logit columns are relative to each sequence.
+
+One CTA = 512 threads, warp-specialised, persistent over work tiles of ``q_stage * 128`` query rows
+of one (batch, head):
+
+    warps 0-3    softmax WG 0: thread t owns query row t of Q stage 0 (TMEM lane t) for all key tiles
+    warps 4-7    softmax WG 1: the same for Q stage 1 (idle when q_stage == 1)
+    warps 8-11   correction WG: rescales O in TMEM when a row max moved, then the epilogue
+                 (O / row_sum -> bf16/fp16 -> global, and lse); warp 8 owns the TMEM allocation
+    warp 12      MMA: single-thread tcgen05 issue of S_i = Q_i K^T and O_i += P_i V
+    warp 13      load: TMA of Q (once per tile) and of K, V (ring of kv_stage buffers)
+    warps 14-15  idle (registers given back)
+
+    TMEM columns: S_i at 128*i (P_i written over its upper half as 16-bit), O_i at 128*q_stage + dv*i.
+    q_stage = 2 for head_dim <= 128 (two 128-row Q tiles ping-pong through S_0 / S_1: while the
+    softmax WG of one stage works, the tensor core runs the other stage's GEMMs), 1 above.
+
+Pipeline edges per key tile (see Note [SM100 handshakes] for why each is sufficient):
+
+    load --Q, K, V (TMA mbarriers)--> MMA --S_i full (tcgen05.commit)--> softmax_i
+    softmax_i --acc_scale_i (smem + mbarrier)--> correction
+    softmax_i + correction --P_i written, O_i rescaled (mbarrier, 256 arrivals)--> MMA
+    MMA --O_i final (tcgen05.commit)--> correction;  softmax_i --row sum/max (smem)--> correction
+
+Not supported (``unsupported_reason``): head_dim != head_dim_v, head dims other than 64/128/192/256,
+pack_gqa (query heads are never folded into M), 2-CTA MMA, split-KV, paged KV.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from cute_kernels.common.math_sm100 import exp2_poly_x2, max_tree
+
+from .config import FwdConfig
+
+# Note [SM100 handshakes]
+# Every role walks the same sequence of work tiles and computes the same key-tile range, so the
+# number of arrivals on each barrier matches the number of waits. Per Q stage i and key step j:
+# * S_i(j) overwrites TMEM that softmax_i read at step j-1 and that PV_i(j-1) reads as P_i(j-1).
+#   The MMA warp issues S_i(j) only after waiting "P_i(j-1) written" (softmax finished reading S)
+#   and after issuing PV_i(j-1); tcgen05 MMAs from one thread execute in issue order.
+# * correction rescales O_i for step j after softmax_i signalled acc_scale(j). softmax_i signals
+#   after waiting S_i(j) full, and S_i(j) was issued after PV_i(j-1), and tcgen05.commit tracks
+#   all earlier MMAs, so O_i is stable while correction rewrites it. PV_i(j) waits for
+#   correction's arrival on "P_i ready", so it accumulates into the rescaled O_i.
+# * At step 0 of a tile PV_i zero-initialises O_i: correction arrives for step 0 only after its
+#   epilogue of the previous tile has read O_i (tcgen05.wait::ld before the arrive).
+# * sScale_i(j) is rewritten at step j+1 only after S_i(j+1) full, which needed correction's
+#   arrival for step j (after it read sScale_i(j)). Row stats use their own full/empty pair,
+#   because S_i(0) of the next tile is issued without waiting for the correction WG.
+
+# Conditional rescaling (FA4): the running row max only moves when the new tile max exceeds it
+# by more than RESCALE_THRESHOLD_LOG2 (log2 units), so most tiles need no O rescale and P stays
+# <= 2^8, far inside bf16/fp16 range. The final lse uses the max actually used, so it is exact.
+RESCALE_THRESHOLD_LOG2 = 8.0
+# One exp2 in EXP2_POLY_EVERY is computed on the FMA pipe (pairs: k % EVERY == EVERY - 2), the
+# rest on MUFU. 0 disables. FA4 b36 uses 10-32 for head_dim 128/192 (its _TUNING_CONFIG); this
+# value is not tuned on hardware (no Blackwell GPU was available).
+EXP2_POLY_EVERY = 16
+
+SMEM_BYTES_MAX_SM100 = 232_448
+TILE_M = 128  # query rows per Q stage (one TMEM lane per row)
+TILE_N = 128  # keys per key tile
+NUM_THREADS = 512
+REGS_SOFTMAX, REGS_CORRECTION, REGS_OTHER = 192, 80, 48  # 2*4*192 + 4*80 + 4*48 = 4 * 512 regs/thr
+
+_WARPS_SOFTMAX = ((0, 1, 2, 3), (4, 5, 6, 7))
+_WARPS_CORRECTION = (8, 9, 10, 11)
+_WARP_MMA, _WARP_LOAD = 12, 13
+_BAR_CORRECTION = 1  # named barrier id (0 is __syncthreads)
+_UNBOUNDED = 1 << 30  # "no window limit", keeps row +/- bound inside int32
+_LN2 = math.log(2.0)
+_LOG2E = math.log2(math.e)
+
+
+def _q_stage(cfg: FwdConfig) -> int:
+    # TMEM has 512 columns: q_stage * (TILE_N + head_dim_v) must fit.
+    return 2 if cfg.head_dim_v <= 128 else 1
+
+
+def _kv_stage(cfg: FwdConfig) -> int:
+    tile_bytes = TILE_N * cfg.head_dim * 2
+    free = SMEM_BYTES_MAX_SM100 - _q_stage(cfg) * TILE_M * cfg.head_dim * 2 - 2048
+    return max(2, min(6, free // tile_bytes))
+
+
+class FlashFwdSm100:
+    """Blackwell forward kernel for one ``FwdConfig`` (compile key); see the module docstring."""
+
+    def __init__(self, cfg: FwdConfig, sm_count: int = 148):
+        reason = self.unsupported_reason(cfg)
+        if reason is not None:
+            raise ValueError(f"FlashFwdSm100: {reason}")
+        self.cfg = cfg
+        self.sm_count = int(sm_count)
+        self.q_stage = _q_stage(cfg)
+        self.kv_stage = _kv_stage(cfg)
+        self.head_dim = cfg.head_dim
+        self.head_dim_v = cfg.head_dim_v
+        self.tile_m_total = self.q_stage * TILE_M
+        self.tmem_s_offset = [TILE_N * i for i in range(self.q_stage)]
+        self.tmem_o_offset = [TILE_N * self.q_stage + cfg.head_dim_v * i for i in range(self.q_stage)]
+        self.tmem_p_offset = TILE_N // 2  # P_i (16-bit, packed in pairs) over the upper half of S_i
+        self.tmem_cols = 512
+        self.block_size = cfg.block_size
+        # block slots per key tile (B <= 128) or key tiles per block (B = 256)
+        self.blocks_per_tile = TILE_N // cfg.block_size if 0 < cfg.block_size <= TILE_N else 1
+        self.tiles_per_block = cfg.block_size // TILE_N if cfg.block_size > TILE_N else 1
+
+    # ------------------------------------------------------------------ host-side facts
+    @staticmethod
+    def unsupported_reason(cfg: FwdConfig) -> str | None:
+        if cfg.arch != 100:
+            return f"arch {cfg.arch} is not SM100"
+        if cfg.dtype not in ("bfloat16", "float16"):
+            return f"dtype {cfg.dtype} (bfloat16/float16 only)"
+        if cfg.head_dim not in (64, 128, 192, 256):
+            return f"head_dim {cfg.head_dim} (SM100 kernel supports 64, 128, 192, 256)"
+        if cfg.head_dim_v != cfg.head_dim:
+            return f"head_dim_v {cfg.head_dim_v} != head_dim {cfg.head_dim}"
+        if cfg.block_size not in (0, 16, 32, 64, 128, 256):
+            return f"block_size {cfg.block_size} (0, 16, 32, 64, 128 or 256)"
+        if cfg.qhead_per_kvhead < 1:
+            return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
+        return None
+
+    @staticmethod
+    def smem_bytes(cfg: FwdConfig) -> int:
+        """Dynamic shared memory the launch requests (tiles + barriers + stats), in bytes."""
+        q_stage, kv_stage = _q_stage(cfg), _kv_stage(cfg)
+        q_bytes = q_stage * TILE_M * cfg.head_dim * 2
+        kv_bytes = kv_stage * TILE_N * cfg.head_dim * 2
+        small = 8 * (2 * q_stage + 2 * kv_stage + 6 * q_stage) + 4 + 3 * q_stage * TILE_M * 4
+        # SharedStorage: barriers/stats first, then sQ and sK (each aligned to 1024 B)
+        return 1024 + q_bytes + kv_bytes + ((small + 1023) // 1024) * 1024
+
+    # ------------------------------------------------------------------ host (jit) side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_q: Int32, stream):
+        cfg = self.cfg
+        self.dtype = mQ.element_type
+        varlen = const_expr(mCuSeqlensQ is not None)
+        # Re-view as (seq, dim, head[, batch]); V as (dim, seq, head[, batch]) (MN-major B operand).
+        qo_modes = [0, 2, 1] if const_expr(varlen) else [1, 3, 2, 0]
+        v_modes = [2, 0, 1] if const_expr(varlen) else [3, 1, 2, 0]
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=qo_modes))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=qo_modes))
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=v_modes))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=qo_modes))
+        # lse -> (seq, head[, batch]); block_logit -> (seq, nb, head[, batch])
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] if const_expr(varlen) else [2, 1, 0]))
+        if const_expr(mBlockLogit is not None):
+            bl_modes = [1, 2, 0] if const_expr(varlen) else [2, 3, 1, 0]
+            mBlockLogit = cute.make_tensor(mBlockLogit.iterator, cute.select(mBlockLogit.layout, mode=bl_modes))
+
+        cta_group = tcgen05.CtaGroup.ONE
+        mma_tiler_qk = (TILE_M, TILE_N, self.head_dim)
+        mma_tiler_pv = (TILE_M, self.head_dim_v, TILE_N)
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, cta_group, mma_tiler_qk[:2])
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, cta_group, mma_tiler_pv[:2], tcgen05.OperandSource.TMEM)
+
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, self.q_stage)
+        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, self.kv_stage)
+        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, self.kv_stage)
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
+
+        tma_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        cluster_vmnk = (1, 1, 1, 1)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_op, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster_vmnk)
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_op, mK, cute.select(sK_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster_vmnk)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_op, mV, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv, cluster_vmnk)
+        self.q_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
+        self.kv_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+
+        q_stage, kv_stage = self.q_stage, self.kv_stage
+
+        @cute.struct
+        class SharedStorage:
+            q_full_empty: cute.struct.MemRange[Int64, 2 * q_stage]
+            kv_full_empty: cute.struct.MemRange[Int64, 2 * kv_stage]
+            s_full: cute.struct.MemRange[Int64, q_stage]
+            p_ready: cute.struct.MemRange[Int64, q_stage]
+            o_full: cute.struct.MemRange[Int64, q_stage]
+            scale_ready: cute.struct.MemRange[Int64, q_stage]
+            stats_full: cute.struct.MemRange[Int64, q_stage]
+            stats_empty: cute.struct.MemRange[Int64, q_stage]
+            tmem_holding: Int32
+            sScale: cute.struct.MemRange[Float32, q_stage * TILE_M]
+            sRowSum: cute.struct.MemRange[Float32, q_stage * TILE_M]
+            sRowMax: cute.struct.MemRange[Float32, q_stage * TILE_M]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        # Scales: without softcap S stays raw q.k and the scale lives in the exp2 FMA; with softcap
+        # the softmax warps turn S into the scaled logit first, so the exp2 scale is log2(e).
+        if const_expr(cfg.has_softcap):
+            scale_log2 = Float32(_LOG2E)
+            softcap_in = softmax_scale / softcap
+            logit_scale = Float32(1.0)
+        else:
+            scale_log2 = softmax_scale * Float32(_LOG2E)
+            softcap_in = Float32(0.0)
+            logit_scale = softmax_scale
+
+        if const_expr(varlen):
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            num_batch = mQ.shape[3]
+        num_heads = mQ.shape[2]
+        num_m_tiles = (max_seqlen_q + self.tile_m_total - 1) // self.tile_m_total
+        total_tiles = num_m_tiles * num_heads * num_batch
+        grid_x = cutlass.min(total_tiles, Int32(self.sm_count))
+        grid_x = cutlass.max(grid_x, Int32(1))
+
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            mO, mLSE, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
+            sQ_layout, sK_layout, sV_layout, tP_layout,
+            scale_log2, softcap_in, softcap, logit_scale, window_left, window_right,
+            num_m_tiles, num_heads, total_tiles,
+        ).launch(grid=[grid_x, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
+               tma_atom_V: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
+               scale_log2: Float32, softcap_in: Float32, softcap: Float32, logit_scale: Float32,
+               window_left: Int32, window_right: Int32,
+               num_m_tiles: Int32, num_heads: Int32, total_tiles: Int32):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+
+        if warp_idx == _WARP_LOAD:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # ---- barriers
+        def thread_group(n):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+        pipe_q = pipeline.PipelineTmaUmma.create(
+            num_stages=self.q_stage, producer_group=thread_group(1), consumer_group=thread_group(1),
+            tx_count=self.q_tile_bytes, barrier_storage=storage.q_full_empty.data_ptr(), defer_sync=True)
+        pipe_kv = pipeline.PipelineTmaUmma.create(
+            num_stages=self.kv_stage, producer_group=thread_group(1), consumer_group=thread_group(1),
+            tx_count=self.kv_tile_bytes, barrier_storage=storage.kv_full_empty.data_ptr(), defer_sync=True)
+        bar_s_full = storage.s_full.data_ptr()
+        bar_p_ready = storage.p_ready.data_ptr()
+        bar_o_full = storage.o_full.data_ptr()
+        bar_scale = storage.scale_ready.data_ptr()
+        bar_stats_full = storage.stats_full.data_ptr()
+        bar_stats_empty = storage.stats_empty.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(self.q_stage):
+                    cute.arch.mbarrier_init(bar_s_full + i, 1)
+                    cute.arch.mbarrier_init(bar_p_ready + i, 2 * TILE_M)
+                    cute.arch.mbarrier_init(bar_o_full + i, 1)
+                    cute.arch.mbarrier_init(bar_scale + i, TILE_M)
+                    cute.arch.mbarrier_init(bar_stats_full + i, TILE_M)
+                    cute.arch.mbarrier_init(bar_stats_empty + i, TILE_M)
+        if warp_idx == _WARPS_CORRECTION[0]:
+            cute.arch.alloc_tmem(self.tmem_cols, storage.tmem_holding.ptr)
+            cute.arch.relinquish_tmem_alloc_permit()
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+        pipeline.pipeline_init_wait()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sScale = storage.sScale.get_tensor(cute.make_layout((TILE_M, self.q_stage)))
+        sRowSum = storage.sRowSum.get_tensor(cute.make_layout((TILE_M, self.q_stage)))
+        sRowMax = storage.sRowMax.get_tensor(cute.make_layout((TILE_M, self.q_stage)))
+
+        tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, storage.tmem_holding.ptr)
+        thr_mma_qk = tiled_mma_qk.get_slice(0)
+        thr_mma_pv = tiled_mma_pv.get_slice(0)
+        tStS_shape = thr_mma_qk.partition_shape_C((TILE_M, TILE_N))
+        tStS_layout = thr_mma_qk.make_fragment_C(tStS_shape).layout
+        tOtO_shape = thr_mma_pv.partition_shape_C((TILE_M, self.head_dim_v))
+        tOtO_layout = thr_mma_pv.make_fragment_C(tOtO_shape).layout
+        tStS = [cute.make_tensor(tmem_ptr + self.tmem_s_offset[i], tStS_layout) for i in range(self.q_stage)]
+        tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o_offset[i], tOtO_layout) for i in range(self.q_stage)]
+
+        tile_args = (mCuSeqlensQ, mCuSeqlensK, mQ.shape[0], mK.shape[0], window_left, window_right,
+                     num_m_tiles, num_heads)
+
+        # ---------------------------------------------------------------- LOAD
+        if warp_idx == _WARP_LOAD:
+            cute.arch.setmaxregister_decrease(REGS_OTHER)
+            self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
+                      sQ, sK, sV, pipe_q, pipe_kv, tile_args, total_tiles)
+        if warp_idx > _WARP_LOAD:
+            cute.arch.setmaxregister_decrease(REGS_OTHER)
+        # ---------------------------------------------------------------- SOFTMAX
+        if warp_idx < 4 * self.q_stage:
+            cute.arch.setmaxregister_increase(REGS_SOFTMAX)
+            stage = Int32(0) if const_expr(self.q_stage == 1) else warp_idx // 4
+            self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, mBlockLogit,
+                         bar_s_full, bar_p_ready, bar_scale, bar_stats_full, bar_stats_empty,
+                         scale_log2, softcap_in, softcap, logit_scale, tile_args, total_tiles)
+        if const_expr(self.q_stage == 1):
+            if warp_idx >= 4 and warp_idx < 8:
+                cute.arch.setmaxregister_decrease(REGS_OTHER)
+        # ---------------------------------------------------------------- CORRECTION + EPILOGUE
+        if warp_idx >= _WARPS_CORRECTION[0] and warp_idx <= _WARPS_CORRECTION[-1]:
+            cute.arch.setmaxregister_decrease(REGS_CORRECTION)
+            self.correction(thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, mO, mLSE,
+                            bar_p_ready, bar_o_full, bar_scale, bar_stats_full, bar_stats_empty,
+                            scale_log2, tile_args, total_tiles)
+            # All TMEM traffic is over once the correction WG leaves its loop (its last wait was on
+            # the final PV MMAs, which follow every softmax access): free the columns.
+            pipeline.NamedBarrier(barrier_id=_BAR_CORRECTION, num_threads=4 * 32).arrive_and_wait()
+            if warp_idx == _WARPS_CORRECTION[0]:
+                cute.arch.dealloc_tmem(tmem_ptr, self.tmem_cols)
+        # ---------------------------------------------------------------- MMA
+        # Last in program order: the MMA loop re-sets the ACCUMULATE field of the tiled MMAs, and
+        # no role after it may reuse those objects.
+        if warp_idx == _WARP_MMA:
+            cute.arch.setmaxregister_decrease(REGS_OTHER)
+            self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
+                     tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, bar_s_full, bar_p_ready, bar_o_full,
+                     tile_args, total_tiles)
+
+    # ------------------------------------------------------------------ work tiles
+    @cute.jit
+    def tile_info(self, work_idx: Int32, tile_args):
+        """(m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end) of a work tile.
+
+        Key tiles [n_begin, n_end) are the ones any row of the tile can see; n_end <= n_begin means
+        no key is visible (outputs are written as empty rows). Rows are ordered so that, for causal
+        masks, the longest tiles of a (batch, head) run first.
+        """
+        cu_q, cu_k, total_q, total_k, window_left, window_right, num_m_tiles, num_heads = tile_args
+        m_idx = work_idx % num_m_tiles
+        bh = work_idx // num_m_tiles
+        head = bh % num_heads
+        batch = bh // num_heads
+        m_tile = m_idx
+        if const_expr(self.cfg.causal):
+            m_tile = num_m_tiles - 1 - m_idx
+        offset_q = Int32(0)
+        offset_k = Int32(0)
+        seqlen_q = total_q
+        seqlen_k = total_k
+        if const_expr(cu_q is not None):
+            offset_q = cu_q[batch]
+            seqlen_q = cu_q[batch + 1] - offset_q
+            offset_k = cu_k[batch]
+            seqlen_k = cu_k[batch + 1] - offset_k
+        left, right = self.window_bounds(window_left, window_right)
+        m0 = m_tile * self.tile_m_total
+        row_last = cutlass.min(m0 + self.tile_m_total, seqlen_q) - 1
+        n_end = (seqlen_k + TILE_N - 1) // TILE_N
+        if const_expr(self.cfg.causal or self.cfg.has_window):
+            key_end = cutlass.min(seqlen_k, row_last + seqlen_k - seqlen_q + right + 1)
+            n_end = (cutlass.max(key_end, 0) + TILE_N - 1) // TILE_N
+        n_begin = Int32(0)
+        if const_expr(self.cfg.has_window):
+            n_begin = cutlass.max(m0 + seqlen_k - seqlen_q - left, 0) // TILE_N
+        return m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end
+
+    @cute.jit
+    def window_bounds(self, window_left: Int32, window_right: Int32):
+        """(left, right) key distances from the diagonal; _UNBOUNDED when absent (-1 or no window)."""
+        left = Int32(_UNBOUNDED)
+        right = Int32(_UNBOUNDED)
+        if const_expr(self.cfg.has_window):
+            if window_left >= 0:
+                left = window_left
+            if window_right >= 0:
+                right = window_right
+        if const_expr(self.cfg.causal):
+            right = cutlass.min(right, Int32(0))
+        return left, right
+
+    # ------------------------------------------------------------------ load warp
+    @cute.jit
+    def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
+             sQ, sK, sV, pipe_q, pipe_kv, tile_args, total_tiles: Int32):
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
+        work_idx = cute.arch.block_idx()[0]
+        while work_idx < total_tiles:
+            m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end = self.tile_info(
+                work_idx, tile_args)
+            if (m_tile * self.tile_m_total < seqlen_q) & (n_begin < n_end):
+                head_kv = head // self.cfg.qhead_per_kvhead
+                if const_expr(self.cfg.varlen):
+                    mQ_cur = cute.domain_offset((offset_q, 0), mQ[None, None, head])
+                    mK_cur = cute.domain_offset((offset_k, 0), mK[None, None, head_kv])
+                    mV_cur = cute.domain_offset((0, offset_k), mV[None, None, head_kv])
+                else:
+                    mQ_cur = mQ[None, None, head, batch]
+                    mK_cur = mK[None, None, head_kv, batch]
+                    mV_cur = mV[None, None, head_kv, batch]
+                gQ = cute.local_tile(mQ_cur, (TILE_M, self.head_dim), (None, 0))  # (128, d, m)
+                gK = cute.local_tile(mK_cur, (TILE_N, self.head_dim), (None, 0))  # (128, d, n)
+                gV = cute.local_tile(mV_cur, (self.head_dim_v, TILE_N), (0, None))  # (dv, 128, n)
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                    cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
+                tKsK, tKgK = cpasync.tma_partition(
+                    tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+                    cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
+                tVsV, tVgV = cpasync.tma_partition(
+                    tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+                    cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
+                # Order: Q0, K(last), Q1, V(last), then K, V of each earlier key tile (descending).
+                # It is the order the MMA warp consumes the K/V ring in.
+                for i in cutlass.range_constexpr(self.q_stage):
+                    pipe_q.producer_acquire(q_state)
+                    cute.copy(tma_atom_Q, tQgQ[None, m_tile * self.q_stage + i], tQsQ[None, q_state.index],
+                              tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                    q_state.advance()
+                    if const_expr(i == 0):
+                        self.load_kv_tile(tma_atom_K, tKgK, tKsK, n_end - 1, pipe_kv, kv_state)
+                        kv_state.advance()
+                self.load_kv_tile(tma_atom_V, tVgV, tVsV, n_end - 1, pipe_kv, kv_state)
+                kv_state.advance()
+                for n_tile in cutlass.range(n_end - 2, n_begin - 1, -1, unroll=1):
+                    self.load_kv_tile(tma_atom_K, tKgK, tKsK, n_tile, pipe_kv, kv_state)
+                    kv_state.advance()
+                    self.load_kv_tile(tma_atom_V, tVgV, tVsV, n_tile, pipe_kv, kv_state)
+                    kv_state.advance()
+            work_idx += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def load_kv_tile(self, tma_atom, tXgX, tXsX, n_tile: Int32, pipe_kv, kv_state):
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_atom, tXgX[None, n_tile], tXsX[None, kv_state.index],
+                  tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+    # ------------------------------------------------------------------ MMA warp
+    @cute.jit
+    def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
+            tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, bar_s_full, bar_p_ready, bar_o_full,
+            tile_args, total_tiles: Int32):
+        tSrQ = thr_mma_qk.make_fragment_A(sQ)
+        tSrK = thr_mma_qk.make_fragment_B(sK)
+        tOrV = thr_mma_pv.make_fragment_B(sV)
+        tP = cute.make_tensor(tStS[0].iterator, tP_layout.outer)
+        tOrP_layout = thr_mma_pv.make_fragment_A(tP)[None, None, None, 0].layout
+        tOrP = [
+            cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_s_offset[i] + self.tmem_p_offset,
+                                             dtype=self.dtype), tOrP_layout)
+            for i in range(self.q_stage)
+        ]
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
+        p_phase = Int32(0)
+        work_idx = cute.arch.block_idx()[0]
+        while work_idx < total_tiles:
+            m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end = self.tile_info(
+                work_idx, tile_args)
+            if (m_tile * self.tile_m_total < seqlen_q) & (n_begin < n_end):
+                # prologue: S_i = Q_i K(n_end-1)^T for every stage
+                q_release = q_state.clone()
+                for i in cutlass.range_constexpr(self.q_stage):
+                    pipe_q.consumer_wait(q_state)
+                    q_state.advance()
+                    if const_expr(i == 0):
+                        pipe_kv.consumer_wait(kv_state)
+                    self.gemm(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i],
+                              tSrK[None, None, None, kv_state.index], False)
+                    self.commit(bar_s_full + i)
+                pipe_kv.consumer_release(kv_state)
+                kv_state.advance()
+                # steady state: PV_i(previous key tile) then S_i(next key tile), per stage
+                for step in cutlass.range(n_end - 1 - n_begin, unroll=1):
+                    pipe_kv.consumer_wait(kv_state)  # V of the previous key tile
+                    v_state = kv_state.clone()
+                    kv_state.advance()
+                    for i in cutlass.range_constexpr(self.q_stage):
+                        cute.arch.mbarrier_wait(bar_p_ready + i, p_phase)
+                        self.gemm(tiled_mma_pv, tOtO[i], tOrP[i], tOrV[None, None, None, v_state.index],
+                                  step > 0)
+                        if const_expr(i == 0):
+                            pipe_kv.consumer_wait(kv_state)  # K of this key tile
+                        self.gemm(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i],
+                                  tSrK[None, None, None, kv_state.index], False)
+                        self.commit(bar_s_full + i)
+                    p_phase ^= 1
+                    pipe_kv.consumer_release(v_state)
+                    pipe_kv.consumer_release(kv_state)
+                    kv_state.advance()
+                # Q is no longer read once the last S GEMMs complete
+                for i in cutlass.range_constexpr(self.q_stage):
+                    pipe_q.consumer_release(q_release)
+                    q_release.advance()
+                # epilogue: PV_i(last key tile), then O_i is final
+                pipe_kv.consumer_wait(kv_state)
+                for i in cutlass.range_constexpr(self.q_stage):
+                    cute.arch.mbarrier_wait(bar_p_ready + i, p_phase)
+                    self.gemm(tiled_mma_pv, tOtO[i], tOrP[i], tOrV[None, None, None, kv_state.index],
+                              n_end - 1 > n_begin)
+                    self.commit(bar_o_full + i)
+                p_phase ^= 1
+                pipe_kv.consumer_release(kv_state)
+                kv_state.advance()
+            work_idx += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+             accumulate):
+        """acc = A B (accumulate False) or acc += A B over the K modes of one tile (tcgen05 MMAs
+        are issued by one elected thread of the MMA warp inside cute.gemm)."""
+        # A fresh atom per call: the ACCUMULATE field is runtime state of the atom, and mutating the
+        # shared tiled MMA inside staged loops/branches would leak values out of their regions.
+        mma = cute.make_tiled_mma(tiled_mma.op)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            if const_expr(k == 0):
+                mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+            else:
+                mma.set(tcgen05.Field.ACCUMULATE, True)
+            cute.gemm(mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+    @cute.jit
+    def commit(self, mbar):
+        with cute.arch.elect_one():
+            tcgen05.commit(mbar)
+
+    # ------------------------------------------------------------------ softmax warpgroups
+    @cute.jit
+    def softmax(self, stage: Int32, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, mBlockLogit,
+                bar_s_full, bar_p_ready, bar_scale, bar_stats_full, bar_stats_empty,
+                scale_log2: Float32, softcap_in: Float32, softcap: Float32, logit_scale: Float32,
+                tile_args, total_tiles: Int32):
+        cfg = self.cfg
+        tidx = cute.arch.thread_idx()[0] % TILE_M  # = TMEM lane = query row in the Q stage tile
+        tSAcc = tStS[0][(None, None), 0, 0]  # (128, 128) fp32 in TMEM, stage 0 (offset added below)
+        t2r_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+        thr_t2r = tcgen05.make_tmem_copy(t2r_atom, tSAcc).get_slice(tidx)
+        tStS_t2r = thr_t2r.partition_S(tSAcc)
+        cS = cute.make_identity_tensor((TILE_M, TILE_N))
+        tScS_t2r = thr_t2r.partition_D(thr_mma_qk.partition_C(cS)[(None, None), 0, 0])
+        # P (16-bit pairs as fp32 columns) over the upper half of S
+        p_cols = TILE_N * self.dtype.width // 32
+        tStP = cute.make_tensor(tSAcc.iterator + self.tmem_p_offset,
+                                cute.composition(tSAcc.layout, cute.make_layout((TILE_M, p_cols))))
+        r2t_atom = cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols // 4)), Float32)
+        thr_r2t = tcgen05.make_tmem_copy(r2t_atom, tStP).get_slice(tidx)
+        tStP_r2t = thr_r2t.partition_D(tStP)
+        tPcP = thr_r2t.partition_S(cute.make_identity_tensor((TILE_M, p_cols)))
+        stage_cols = stage * TILE_N  # TMEM column offset of S_stage
+        tStS_t2r = cute.make_tensor(tStS_t2r.iterator + stage_cols, tStS_t2r.layout)
+        tStP_r2t = cute.make_tensor(tStP_r2t.iterator + stage_cols, tStP_r2t.layout)
+
+        s_phase = Int32(0)
+        scale_arrivals = Int32(0)  # unused phase counter kept implicit: arrivals need no phase
+        stats_phase = Int32(1)  # producer side of stats_empty: the first wait passes
+        carry = Float32(-Float32.inf)
+        work_idx = cute.arch.block_idx()[0]
+        while work_idx < total_tiles:
+            m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end = self.tile_info(
+                work_idx, tile_args)
+            row = m_tile * self.tile_m_total + stage * TILE_M + tidx  # row within the sequence
+            left, right = self.window_bounds(tile_args[4], tile_args[5])
+            # keys visible to this row: [row + sk - sq - left, row + sk - sq + right] and < sk
+            diag = row + seqlen_k - seqlen_q
+            key_hi = seqlen_k
+            if const_expr(cfg.causal or cfg.has_window):
+                key_hi = cutlass.min(seqlen_k, diag + right + 1)
+            key_lo = Int32(-_UNBOUNDED)
+            if const_expr(cfg.has_window):
+                key_lo = diag - left
+            # the same bounds for the first / last row of this stage (warp-uniform mask decision)
+            stage_row0 = m_tile * self.tile_m_total + stage * TILE_M
+            stage_hi_min = seqlen_k
+            if const_expr(cfg.causal or cfg.has_window):
+                stage_hi_min = cutlass.min(seqlen_k, stage_row0 + seqlen_k - seqlen_q + right + 1)
+            stage_lo_max = Int32(-_UNBOUNDED)
+            if const_expr(cfg.has_window):
+                stage_lo_max = stage_row0 + TILE_M - 1 + seqlen_k - seqlen_q - left
+            bl_row = None
+            if const_expr(mBlockLogit is not None):
+                bl_row = self.block_logit_row(mBlockLogit, offset_q, row, head, batch)
+            has_rows = m_tile * self.tile_m_total < seqlen_q
+            row_max = Float32(-Float32.inf)
+            row_sum = Float32(0.0)
+            if has_rows & (n_begin < n_end):
+                for step in cutlass.range(n_end - n_begin, unroll=1):
+                    n_tile = n_end - 1 - step
+                    col0 = n_tile * TILE_N
+                    need_mask = (col0 + TILE_N > stage_hi_min) | (col0 < stage_lo_max)
+                    row_max, row_sum, carry = self.softmax_step(
+                        step, need_mask, n_tile, n_begin, col0, key_lo, key_hi,
+                        row_max, row_sum, carry, row < seqlen_q, bl_row, stage,
+                        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP, sScale,
+                        bar_s_full, bar_p_ready, bar_scale, s_phase,
+                        scale_log2, softcap_in, softcap, logit_scale, tidx)
+                    s_phase ^= 1
+                # final row stats for the correction WG's epilogue
+                cute.arch.mbarrier_wait(bar_stats_empty + stage, stats_phase)
+                stats_phase ^= 1
+                sRowSum[tidx, stage] = row_sum
+                sRowMax[tidx, stage] = row_max
+                cute.arch.mbarrier_arrive(bar_stats_full + stage)
+            if const_expr(mBlockLogit is not None):
+                if has_rows & (row < seqlen_q):
+                    self.block_logit_fill_unvisited(bl_row, n_begin, n_end, seqlen_k, mBlockLogit.shape[1])
+            work_idx += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def softmax_step(self, step: Int32, need_mask, n_tile: Int32, n_begin: Int32, col0: Int32,
+                     key_lo: Int32, key_hi: Int32, row_max: Float32, row_sum: Float32, carry: Float32,
+                     row_valid, bl_row, stage: Int32, thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r,
+                     tPcP, sScale, bar_s_full, bar_p_ready, bar_scale, s_phase: Int32,
+                     scale_log2: Float32, softcap_in: Float32, softcap: Float32,
+                     logit_scale: Float32, tidx: Int32):
+        """One key tile of one query row: S -> (softcap, mask) -> block maxima, row max -> P, sum."""
+        cfg = self.cfg
+        # 1. wait for S_stage = Q K^T of this key tile and load the whole row (128 fp32)
+        cute.arch.mbarrier_wait(bar_s_full + stage, s_phase)
+        tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
+        cute.copy(thr_t2r, tStS_t2r, tSrS)
+        n = cute.size(tSrS)
+        # 2. softcap turns raw q.k into the scaled logit softcap * tanh(scale * q.k / softcap)
+        if const_expr(cfg.has_softcap):
+            for k in cutlass.range_constexpr(n):
+                tSrS[k] = cute.math.tanh(tSrS[k] * softcap_in, fastmath=True) * softcap
+        # 3. mask (only key tiles crossing a row's limits): column c is visible iff lo <= c < hi
+        if need_mask:
+            hi_c = key_hi - col0
+            lo_c = key_lo - col0
+            for k in cutlass.range_constexpr(n):
+                c = tScS_t2r[k][1]
+                keep = (c < hi_c) & (c >= lo_c)
+                tSrS[k] = Float32(cutlass.select_(keep, tSrS[k], Float32(-Float32.inf)))
+        # 4. block maxima and the tile max from the same fmax tree
+        blocks = []
+        if const_expr(cfg.has_block_logit):
+            bpt = self.blocks_per_tile
+            per = n // bpt
+            for b in cutlass.range_constexpr(bpt):
+                blocks.append(max_tree([tSrS[k] for k in range(b * per, (b + 1) * per)]))
+            tile_max = max_tree(blocks)
+        else:
+            tile_max = max_tree([tSrS[k] for k in range(n)])
+        # 5. running max with conditional rescale; acc_scale goes to the correction WG
+        row_max_new = cute.arch.fmax(row_max, tile_max)
+        row_max_use = row_max_new
+        acc_scale = Float32(1.0)
+        if step > 0:
+            safe_new = row_max_new
+            if row_max_new == -Float32.inf:
+                safe_new = Float32(0.0)
+            delta = (row_max - safe_new) * scale_log2
+            if delta >= -RESCALE_THRESHOLD_LOG2:
+                row_max_use = row_max
+            else:
+                acc_scale = cute.math.exp2(delta, fastmath=True)
+            sScale[tidx, stage] = acc_scale
+            cute.arch.mbarrier_arrive(bar_scale + stage)
+        max_safe = row_max_use
+        if row_max_use == -Float32.inf:
+            max_safe = Float32(0.0)
+        # 6. block_logit: scaled block maxima of this key tile, plain stores (see block_logit_store)
+        if const_expr(cfg.has_block_logit):
+            carry = self.block_logit_store(bl_row, blocks, carry, n_tile, n_begin, row_valid, logit_scale)
+        # 7. P = exp2(S * scale_log2 - max * scale_log2), 32 columns at a time, into TMEM
+        bias = -max_safe * scale_log2
+        rP = cute.make_rmem_tensor(tPcP.shape, Float32)
+        rP_h = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), tSrS.layout)
+        sums = [Float32(0.0), Float32(0.0)]
+        chunks = cute.size(tStP_r2t.shape[2])
+        per_chunk = n // chunks
+        for j in cutlass.range_constexpr(chunks):
+            for k0 in cutlass.range_constexpr(j * per_chunk, (j + 1) * per_chunk, 2):
+                x0, x1 = cute.arch.fma_packed_f32x2((tSrS[k0], tSrS[k0 + 1]), (scale_log2, scale_log2),
+                                                    (bias, bias))
+                if const_expr(EXP2_POLY_EVERY > 0 and k0 % EXP2_POLY_EVERY == EXP2_POLY_EVERY - 2
+                              and j > 0 and j < chunks - 1):
+                    x0, x1 = exp2_poly_x2(x0, x1)
+                else:
+                    x0 = cute.math.exp2(x0, fastmath=True)
+                    x1 = cute.math.exp2(x1, fastmath=True)
+                tSrS[k0] = x0
+                tSrS[k0 + 1] = x1
+                sums[0], sums[1] = cute.arch.add_packed_f32x2((sums[0], sums[1]), (x0, x1))
+            chunk_s = cute.logical_divide(tSrS, cute.make_layout(per_chunk))[None, j]
+            chunk_p = cute.logical_divide(rP_h, cute.make_layout(per_chunk))[None, j]
+            chunk_p.store(chunk_s.load().to(self.dtype))
+            cute.copy(thr_r2t, rP[None, None, j], tStP_r2t[None, None, j])
+        # 8. P visible to the tensor core, then hand the stage to the MMA warp
+        cute.arch.fence_view_async_tmem_store()
+        cute.arch.mbarrier_arrive(bar_p_ready + stage)
+        tile_sum = sums[0] + sums[1]
+        if step == 0:
+            row_sum = tile_sum
+        else:
+            row_sum = row_sum * acc_scale + tile_sum
+        return row_max_use, row_sum, carry
+
+    # ------------------------------------------------------------------ block_logit
+    @cute.jit
+    def block_logit_row(self, mBlockLogit, offset_q: Int32, row: Int32, head: Int32, batch: Int32):
+        """This thread's row of block_logit, (nb,) fp32."""
+        if const_expr(self.cfg.varlen):
+            return mBlockLogit[offset_q + row, None, head]
+        return mBlockLogit[row, None, head, batch]
+
+    @cute.jit
+    def block_logit_store(self, bl_row, blocks, carry: Float32, n_tile: Int32, n_begin: Int32,
+                          row_valid, logit_scale: Float32):
+        """Store this key tile's block maxima (scaled once, after the max: max(s*x) == s*max(x) for
+        s > 0, and -inf stays -inf). Each (row, block) has exactly one writer; no global reads.
+        B = 256 spans two key tiles: the odd tile's max is carried into its even partner (key tiles
+        run in descending order), or stored alone when the partner is not visited."""
+        nb = bl_row.shape[0]
+        if const_expr(self.tiles_per_block == 1):
+            bpt = self.blocks_per_tile
+            base = n_tile * bpt
+            if row_valid:
+                for b in cutlass.range_constexpr(bpt):
+                    if base + b < nb:
+                        bl_row[base + b] = blocks[b] * logit_scale
+        else:
+            merged = cute.arch.fmax(carry, blocks[0])
+            carry = merged
+            if n_tile % 2 == 0 or n_tile == n_begin:
+                if row_valid and n_tile // 2 < nb:
+                    bl_row[n_tile // 2] = merged * logit_scale
+                carry = Float32(-Float32.inf)
+        return carry
+
+    @cute.jit
+    def block_logit_fill_unvisited(self, bl_row, n_begin: Int32, n_end: Int32, seqlen_k: Int32, nb: Int32):
+        """-inf into the blocks of key tiles this work tile never visits (causal future, left of the
+        window, past this sequence's end, or every block when no key is visible)."""
+        neg_inf = Float32(-Float32.inf)
+        first = Int32(0)
+        last = Int32(0)
+        if n_begin < n_end:
+            if const_expr(self.tiles_per_block == 1):
+                first = n_begin * self.blocks_per_tile
+                last = n_end * self.blocks_per_tile
+            else:
+                first = n_begin // 2
+                last = (n_end + 1) // 2
+        for b in cutlass.range(0, cutlass.min(first, nb), unroll=1):
+            bl_row[b] = neg_inf
+        for b in cutlass.range(cutlass.max(last, 0), nb, unroll=1):
+            bl_row[b] = neg_inf
+
+    # ------------------------------------------------------------------ correction warpgroup
+    @cute.jit
+    def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, mO, mLSE,
+                   bar_p_ready, bar_o_full, bar_scale, bar_stats_full, bar_stats_empty,
+                   scale_log2: Float32, tile_args, total_tiles: Int32):
+        tidx = cute.arch.thread_idx()[0] % TILE_M
+        dv = self.head_dim_v
+        chunk = 32
+        # one 32-column chunk of O_stage (128 lanes x 32 fp32 columns); chunk c is at column +32*c
+        tOAcc = tOtO[0][(None, None), 0, 0]
+        tOchunk = cute.composition(tOAcc, cute.make_layout((TILE_M, chunk)))
+        t2r_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(chunk)), Float32)
+        r2t_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(chunk)), Float32)
+        thr_t2r = tcgen05.make_tmem_copy(t2r_atom, tOchunk).get_slice(tidx)
+        thr_r2t = tcgen05.make_tmem_copy(r2t_atom, tOchunk).get_slice(tidx)
+        tOt_t2r0 = thr_t2r.partition_S(tOchunk)
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((TILE_M, self.head_dim_v)))
+        tOcO_chunk = cute.composition(tOcO[(None, None), 0, 0], cute.make_layout((TILE_M, chunk)))
+        rO_shape = thr_t2r.partition_D(tOcO_chunk).shape  # 32 fp32 registers: one row, 32 columns
+        tOt_r2t0 = thr_r2t.partition_D(tOchunk)
+        tOt_t2r = []
+        tOt_r2t = []
+        for i in cutlass.range_constexpr(self.q_stage):
+            delta = self.tmem_o_offset[i] - self.tmem_o_offset[0]
+            tOt_t2r.append((thr_t2r, cute.make_tensor(tOt_t2r0.iterator + delta, tOt_t2r0.layout), rO_shape))
+            tOt_r2t.append((thr_r2t, cute.make_tensor(tOt_r2t0.iterator + delta, tOt_r2t0.layout)))
+        num_chunks = dv // chunk
+
+        scale_phase = Int32(0)
+        o_phase = Int32(0)
+        stats_phase = Int32(0)
+        work_idx = cute.arch.block_idx()[0]
+        while work_idx < total_tiles:
+            m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end = self.tile_info(
+                work_idx, tile_args)
+            if m_tile * self.tile_m_total < seqlen_q:
+                has_work = n_begin < n_end
+                if has_work:
+                    # step 0: O_i is free (previous epilogue done): let PV_i(0) zero-initialise it
+                    for i in cutlass.range_constexpr(self.q_stage):
+                        cute.arch.mbarrier_arrive(bar_p_ready + i)
+                    for step in cutlass.range(n_end - n_begin - 1, unroll=1):
+                        for i in cutlass.range_constexpr(self.q_stage):
+                            cute.arch.mbarrier_wait(bar_scale + i, scale_phase)
+                            acc_scale = sScale[tidx, i]
+                            if cute.arch.vote_any_sync(acc_scale != 1.0):
+                                self.rescale_o(tOt_t2r[i], tOt_r2t[i], acc_scale, num_chunks)
+                            cute.arch.mbarrier_arrive(bar_p_ready + i)
+                        scale_phase ^= 1
+                for i in cutlass.range_constexpr(self.q_stage):
+                    row = m_tile * self.tile_m_total + i * TILE_M + tidx
+                    row_sum = Float32(0.0)
+                    row_max = Float32(-Float32.inf)
+                    if has_work:
+                        cute.arch.mbarrier_wait(bar_o_full + i, o_phase)
+                        cute.arch.mbarrier_wait(bar_stats_full + i, stats_phase)
+                        row_sum = sRowSum[tidx, i]
+                        row_max = sRowMax[tidx, i]
+                        cute.arch.mbarrier_arrive(bar_stats_empty + i)
+                    self.epilogue_row(tOt_t2r[i], mO, mLSE, row_sum, row_max, has_work, row,
+                                      seqlen_q, offset_q, head, batch, scale_log2, num_chunks)
+                if has_work:
+                    o_phase ^= 1
+                    stats_phase ^= 1
+            work_idx += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def rescale_o(self, t2r, r2t, acc_scale: Float32, num_chunks: cutlass.Constexpr):
+        thr_t2r, tOt_src, rO_shape = t2r
+        thr_r2t, tOt_dst = r2t
+        for c in cutlass.range_constexpr(num_chunks):
+            rO = cute.make_rmem_tensor(rO_shape, Float32)
+            cute.copy(thr_t2r, cute.make_tensor(tOt_src.iterator + c * 32, tOt_src.layout), rO)
+            for k in cutlass.range_constexpr(0, cute.size(rO), 2):
+                rO[k], rO[k + 1] = cute.arch.mul_packed_f32x2((rO[k], rO[k + 1]), (acc_scale, acc_scale))
+            cute.copy(thr_r2t, rO, cute.make_tensor(tOt_dst.iterator + c * 32, tOt_dst.layout))
+        cute.arch.fence_view_async_tmem_store()
+
+    @cute.jit
+    def epilogue_row(self, t2r, mO, mLSE, row_sum: Float32, row_max: Float32, has_work, row: Int32,
+                     seqlen_q: Int32, offset_q: Int32, head: Int32, batch: Int32, scale_log2: Float32,
+                     num_chunks: cutlass.Constexpr):
+        """O row = O_acc / row_sum (0 for a row with no visible key), lse = ln(row_sum) + max.
+
+        The TMEM loads run in every thread of the warp (tcgen05.ld is warp-collective); only the
+        global stores are predicated on the row being inside the sequence.
+        """
+        thr_t2r, tOt_src, rO_shape = t2r
+        empty = (row_sum == 0.0) | (row_sum != row_sum)
+        inv_sum = Float32(0.0)
+        lse = Float32(-Float32.inf)
+        if not empty:
+            inv_sum = cute.arch.rcp_approx(row_sum)
+            lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(_LN2)
+        row_ok = row < seqlen_q
+        row_g = row
+        if const_expr(self.cfg.varlen):
+            row_g = offset_q + row
+        if row_ok:
+            if const_expr(self.cfg.varlen):
+                mLSE[row_g, head] = lse
+            else:
+                mLSE[row_g, head, batch] = lse
+        gO_row = None
+        if const_expr(self.cfg.varlen):
+            gO_row = mO[row_g, None, head]
+        else:
+            gO_row = mO[row_g, None, head, batch]
+        for c in cutlass.range_constexpr(num_chunks):
+            tOt_c = cute.make_tensor(tOt_src.iterator + c * 32, tOt_src.layout)
+            rO = cute.make_rmem_tensor(rO_shape, Float32)
+            if has_work:
+                cute.copy(thr_t2r, tOt_c, rO)
+                for k in cutlass.range_constexpr(0, cute.size(rO), 2):
+                    rO[k], rO[k + 1] = cute.arch.mul_packed_f32x2((rO[k], rO[k + 1]), (inv_sum, inv_sum))
+            else:
+                rO.fill(0.0)
+            if row_ok:
+                rO_h = cute.make_rmem_tensor(rO.shape, self.dtype)
+                rO_h.store(rO.load().to(self.dtype))
+                gO_v = cute.make_tensor(
+                    cute.make_ptr(self.dtype, (gO_row.iterator + c * 32).toint(), cute.AddressSpace.gmem,
+                                  assumed_align=16),
+                    cute.make_layout(32))
+                cute.autovec_copy(cute.make_tensor(rO_h.iterator, cute.make_layout(32)), gO_v)
+        cute.arch.fence_view_async_tmem_load()
