@@ -36,7 +36,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common import block_logit as bl
 from cute_kernels.common.mask import apply_mask
@@ -325,6 +325,10 @@ class FlashFwdSm90:
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         lane = ctidx % 32
+        if const_expr(self.use_scheduler_barrier):
+            # WG 1 issues first: pre-arrive on its own scheduler barrier (the other half comes from WG 2).
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=WG_SCHEDULER_BARRIER, number_of_threads=2 * THREADS_PER_WG)
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.tile_m // 64, 1, 1), tiler_mn=(64, self.tile_n))
