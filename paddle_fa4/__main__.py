@@ -1,0 +1,24 @@
+"""``python -m paddle_fa4 demo [options]``: the HySparse walk-through (``paddle_fa4/demo.py``)."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = "usage: python -m paddle_fa4 demo [--seq N] [--heads H] [--kv-heads G] [--seed S] [--out PNG] ...\n"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(USAGE + "commands:\n  demo   the HySparse layer-pair walk-through (--help for options)\n")
+        return 0 if argv else 2
+    if argv[0] != "demo":
+        sys.stderr.write(f"unknown command {argv[0]!r}\n" + USAGE)
+        return 2
+    from .demo import main as demo_main
+
+    return demo_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
