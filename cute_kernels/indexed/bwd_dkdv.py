@@ -32,14 +32,16 @@ THREADS = 256
 class IndexedBwdDKDV:
     def __init__(self, cfg: AttnConfig):
         self.cfg = cfg
+        self.stages = cfg.dkdv_stages
         self.d = cfg.head_dim
         self.g = cfg.group
         self.wq = cfg.window_queries
 
     @staticmethod
     def smem_bytes(cfg: AttnConfig) -> int:
-        return ((2 * KEY_TILE + 2 * TILE_M) * cfg.head_dim + 2 * KEY_TILE * TILE_M) * 2 \
-            + KEY_TILE * 4 + 2 * TILE_M * 4
+        st = cfg.dkdv_stages
+        return ((2 * KEY_TILE + 2 * TILE_M * st) * cfg.head_dim + 2 * KEY_TILE * TILE_M) * 2 \
+            + st * (KEY_TILE * 4 + 2 * TILE_M * 4)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -48,7 +50,7 @@ class IndexedBwdDKDV:
                  mTileStart: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                  stream):
         bf16 = cutlass.BFloat16
-        sQ_layout = C.smem_layout(bf16, TILE_M, self.d)
+        sQ_layout = C.smem_layout(bf16, TILE_M, self.d, self.stages)
         sKV_layout = C.smem_layout(bf16, KEY_TILE, self.d)
         sP_layout = C.smem_layout(bf16, KEY_TILE, TILE_M)
 
@@ -60,9 +62,9 @@ class IndexedBwdDKDV:
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
             sPt: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sP_layout)], 1024]
             sdSt: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sP_layout)], 1024]
-            sKeyMask: cute.struct.Align[cute.struct.MemRange[Int32, KEY_TILE], 16]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M], 16]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M], 16]
+            sKeyMask: cute.struct.Align[cute.struct.MemRange[Int32, KEY_TILE * self.stages], 16]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * self.stages], 16]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * self.stages], 16]
 
         g2s, plain = C.gmem_copies(bf16, THREADS, self.d)
         tiled_mma = C.mma_bf16(2, 4)
@@ -98,21 +100,25 @@ class IndexedBwdDKDV:
         p1 = mTilePtr[row + 1]
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        sQ = storage.sQ.get_tensor(sQ_layout)
-        sdO = storage.sdO.get_tensor(sQ_layout)
+        sQ_all = storage.sQ.get_tensor(sQ_layout)  # (64, D, stages)
+        sdO_all = storage.sdO.get_tensor(sQ_layout)
+        sQ = sQ_all[None, None, 0]  # one stage: the shape MMA fragments are made for
+        sdO = sdO_all[None, None, 0]
         sK = storage.sK.get_tensor(sKV_layout)
         sV = storage.sV.get_tensor(sKV_layout)
         sPt = storage.sPt.get_tensor(sP_layout)
         sdSt = storage.sdSt.get_tensor(sP_layout)
-        sKeyMask = storage.sKeyMask.get_tensor(cute.make_layout(KEY_TILE))
-        sLSE = storage.sLSE.get_tensor(cute.make_layout(TILE_M))
-        sDelta = storage.sDelta.get_tensor(cute.make_layout(TILE_M))
-        sQt = C.transposed_view(sQ, TILE_M, D)
-        sdOt = C.transposed_view(sdO, TILE_M, D)
+        sKeyMask = storage.sKeyMask.get_tensor(cute.make_layout((KEY_TILE, self.stages)))
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((TILE_M, self.stages)))
+        sDelta = storage.sDelta.get_tensor(cute.make_layout((TILE_M, self.stages)))
+        sQt_all = C.transposed_view(sQ_all, TILE_M, D, self.stages)  # (D, 64, stages)
+        sdOt_all = C.transposed_view(sdO_all, TILE_M, D, self.stages)
+        sQt = sQt_all[None, None, 0]
+        sdOt = sdOt_all[None, None, 0]
 
         thr_g2s = g2s.get_slice(tidx)
-        tQsQ = thr_g2s.partition_D(sQ)
-        tQsdO = thr_g2s.partition_D(sdO)
+        tQsQ = thr_g2s.partition_D(sQ_all)  # (CPY, M, K, stages)
+        tQsdO = thr_g2s.partition_D(sdO_all)
         tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((TILE_M, D)))
         tKsK = thr_g2s.partition_D(sK)
         tKsV = thr_g2s.partition_D(sV)
@@ -137,12 +143,12 @@ class IndexedBwdDKDV:
         thr_cBt = copy_Bt.get_slice(tidx)
         tSsK, tSrK_v = thr_cA.partition_S(sK), thr_cA.retile(tSrK)
         tSsV, tSrV_v = thr_cA.partition_S(sV), thr_cA.retile(tSrV)
-        tSsQ, tSrQ_v = thr_cB.partition_S(sQ), thr_cB.retile(tSrQ)
-        tSsdO, tSrdO_v = thr_cB.partition_S(sdO), thr_cB.retile(tSrdO)
+        tSsQ, tSrQ_v = thr_cB.partition_S(sQ_all), thr_cB.retile(tSrQ)
+        tSsdO, tSrdO_v = thr_cB.partition_S(sdO_all), thr_cB.retile(tSrdO)
         tdsPt, tdrPt_v = thr_cA.partition_S(sPt), thr_cA.retile(tdrPt)
         tdsdSt, tdrdSt_v = thr_cA.partition_S(sdSt), thr_cA.retile(tdrdSt)
-        tdsdOt, tdrdOt_v = thr_cBt.partition_S(sdOt), thr_cBt.retile(tdrdOt)
-        tdsQt, tdrQt_v = thr_cBt.partition_S(sQt), thr_cBt.retile(tdrQt)
+        tdsdOt, tdrdOt_v = thr_cBt.partition_S(sdOt_all), thr_cBt.retile(tdrdOt)
+        tdsQt, tdrQt_v = thr_cBt.partition_S(sQt_all), thr_cBt.retile(tdrQt)
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16),
                                      tiled_mma)
         thr_r2s = r2s.get_slice(tidx)
@@ -160,66 +166,47 @@ class IndexedBwdDKDV:
                 tKsV[None, m, None].fill(0)
         cute.arch.cp_async_commit_group()
 
-        for p in range(p0, p1):
-            w = mTileWin[p]
-            start = mTileStart[p]
-            cnt = mWinCount[s, w]
-            q0 = w * self.wq
-            rows_valid = cutlass.min(num_q - q0, self.wq) * G
-            # 1. window rows, stats and key masks
-            for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-                r = tQcQ[0, m, 0][0]
-                if r < rows_valid:
-                    qi = r // G
-                    hq = h * G + r - qi * G
-                    C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ, tQcQ, m, D)
-                    C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO, tQcQ, m, D)
-                else:
-                    tQsQ[None, m, None].fill(0)
-                    tQsdO[None, m, None].fill(0)
+        if cutlass.const_expr(self.stages == 2):
+            if p0 < p1:
+                self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTileWin, mTileStart,
+                                 g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p0, 0, s, h, b, t0, tidx)
             cute.arch.cp_async_commit_group()
-            if tidx < KEY_TILE:
-                sKeyMask[lane] = Int32(0)
-                cute.arch.sync_warp()
-                pos = start + lane
-                if pos < cnt:
-                    key = mWinKey[s, w, pos]
-                    if key < t0 + KEY_TILE:
-                        sKeyMask[key - t0] = mWinMask[s, w, pos]
-            elif tidx >= THREADS - TILE_M:
-                r = tidx - (THREADS - TILE_M)
-                lse2 = Float32(0.0)
-                delta = Float32(0.0)
-                if r < rows_valid:
-                    qi = r // G
-                    hq = h * G + r - qi * G
-                    lse = mLSE[b, hq, q0 + qi]
-                    if lse != -Float32.inf:
-                        lse2 = lse * C.LOG2_E
-                    delta = mDelta[b, hq, q0 + qi]
-                sLSE[r] = lse2
-                sDelta[r] = delta
+        for p in range(p0, p1):
+            buf = (p - p0) % self.stages
+            # 1. the window's rows, stats and key masks (prefetched one window ahead with 2 stages)
+            if cutlass.const_expr(self.stages == 1):
+                self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTileWin, mTileStart,
+                                 g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p, 0, s, h, b, t0, tidx)
+                cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
+            if cutlass.const_expr(self.stages == 2):
+                if p + 1 < p1:
+                    self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTileWin,
+                                     mTileStart, g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p + 1,
+                                     1 - buf, s, h, b, t0, tidx)
+                cute.arch.cp_async_commit_group()
             # 2. S^T = K Q^T, dP^T = V dO^T
             acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
             acc_S.fill(0.0)
-            C.gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, copy_A, tSsK, tSrK_v, copy_B, tSsQ, tSrQ_v)
+            C.gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, copy_A, tSsK, tSrK_v, copy_B, tSsQ[None, None, None, buf],
+                      tSrQ_v)
             acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
             acc_dP.fill(0.0)
-            C.gemm_ss(tiled_mma, acc_dP, tSrV, tSrdO, copy_A, tSsV, tSrV_v, copy_B, tSsdO, tSrdO_v)
+            C.gemm_ss(tiled_mma, acc_dP, tSrV, tSrdO, copy_A, tSsV, tSrV_v, copy_B,
+                      tSsdO[None, None, None, buf], tSrdO_v)
             # 3. P^T and dS^T
             S = C.mn_view(acc_S)
             dP = C.mn_view(acc_dP)
             for i in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                msk = sKeyMask[tScS[i, 0][0]]
+                msk = sKeyMask[tScS[i, 0][0], buf]
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     r = tScS[0, c][1]
                     p_val = Float32(0.0)
                     ds = Float32(0.0)  # unselected keys of the tile may hold anything (even NaN)
                     if C.selected(msk, r // G, self.wq):
-                        p_val = cute.math.exp2(S[i, c] * scale_log2 - sLSE[r], fastmath=True)
-                        ds = p_val * (dP[i, c] - sDelta[r])
+                        p_val = cute.math.exp2(S[i, c] * scale_log2 - sLSE[r, buf], fastmath=True)
+                        ds = p_val * (dP[i, c] - sDelta[r, buf])
                     dP[i, c] = ds
                     S[i, c] = p_val
             rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
@@ -230,9 +217,12 @@ class IndexedBwdDKDV:
             cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(sdSt))
             cute.arch.barrier()
             # 4. dV += P^T dO, dK += dS^T Q
-            C.gemm_ss(tiled_mma, acc_dV, tdrPt, tdrdOt, copy_A, tdsPt, tdrPt_v, copy_Bt, tdsdOt, tdrdOt_v)
-            C.gemm_ss(tiled_mma, acc_dK, tdrdSt, tdrQt, copy_A, tdsdSt, tdrdSt_v, copy_Bt, tdsQt, tdrQt_v)
-            cute.arch.barrier()  # sQ, sdO, sPt, sdSt and the stats are rewritten for the next window
+            C.gemm_ss(tiled_mma, acc_dV, tdrPt, tdrdOt, copy_A, tdsPt, tdrPt_v, copy_Bt,
+                      tdsdOt[None, None, None, buf], tdrdOt_v)
+            C.gemm_ss(tiled_mma, acc_dK, tdrdSt, tdrQt, copy_A, tdsdSt, tdrdSt_v, copy_Bt,
+                      tdsQt[None, None, None, buf], tdrQt_v)
+            if cutlass.const_expr(self.stages == 1):
+                cute.arch.barrier()  # sQ, sdO and the stats are rewritten for the next window
 
         # ---- epilogue: dK * scale, dV -> bf16 rows of the tile ----
         cute.arch.cp_async_wait_group(0)
@@ -252,3 +242,54 @@ class IndexedBwdDKDV:
             if t0 + i < kv_len:
                 C.copy_row(plain, C.row_ptr(mdK, (b, t0 + i, h, 0)), tKsdK, tKcK, m, D, to_gmem=True)
                 C.copy_row(plain, C.row_ptr(mdV, (b, t0 + i, h, 0)), tKsdV, tKcK, m, D, to_gmem=True)
+
+    @cute.jit
+    def load_window(self, mQ: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                    mWinKey: cute.Tensor, mWinMask: cute.Tensor, mWinCount: cute.Tensor,
+                    mTileWin: cute.Tensor, mTileStart: cute.Tensor, g2s: cute.TiledCopy,
+                    tQsQ: cute.Tensor, tQsdO: cute.Tensor, tQcQ: cute.Tensor, sKeyMask: cute.Tensor,
+                    sLSE: cute.Tensor, sDelta: cute.Tensor, p: Int32, buf: Int32, s: Int32, h: Int32,
+                    b: Int32, t0: Int32, tidx: Int32):
+        """Stage ``buf``: cp.async the Q / dO rows of pair ``p``'s window; LSE (log2 units), delta and
+        the window queries' bitmask of each of the tile's keys with plain stores."""
+        G = self.g
+        D = self.d
+        w = mTileWin[p]
+        start = mTileStart[p]
+        cnt = mWinCount[s, w]
+        q0 = w * self.wq
+        rows_valid = cutlass.min(mQ.shape[1] - q0, self.wq) * G
+        tQsQ_b = tQsQ[None, None, None, buf]
+        tQsdO_b = tQsdO[None, None, None, buf]
+        for m in cutlass.range_constexpr(cute.size(tQsQ_b, mode=[1])):
+            r = tQcQ[0, m, 0][0]
+            if r < rows_valid:
+                qi = r // G
+                hq = h * G + r - qi * G
+                C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_b, tQcQ, m, D)
+                C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_b, tQcQ, m, D)
+            else:
+                tQsQ_b[None, m, None].fill(0)
+                tQsdO_b[None, m, None].fill(0)
+        lane = tidx % 32
+        if tidx < KEY_TILE:
+            sKeyMask[lane, buf] = Int32(0)
+            cute.arch.sync_warp()
+            pos = start + lane
+            if pos < cnt:
+                key = mWinKey[s, w, pos]
+                if key < t0 + KEY_TILE:
+                    sKeyMask[key - t0, buf] = mWinMask[s, w, pos]
+        elif tidx >= THREADS - TILE_M:
+            r = tidx - (THREADS - TILE_M)
+            lse2 = Float32(0.0)
+            delta = Float32(0.0)
+            if r < rows_valid:
+                qi = r // G
+                hq = h * G + r - qi * G
+                lse = mLSE[b, hq, q0 + qi]
+                if lse != -Float32.inf:
+                    lse2 = lse * C.LOG2_E
+                delta = mDelta[b, hq, q0 + qi]
+            sLSE[r, buf] = lse2
+            sDelta[r, buf] = delta

@@ -19,16 +19,22 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
-def smem_layout(dtype, rows: int, cols: int):
-    """Swizzled row-major ``(rows, cols)`` smem tile of 16-bit elements (conflict-free ldmatrix)."""
+def smem_layout(dtype, rows: int, cols: int, stages: int = 0):
+    """Swizzled row-major ``(rows, cols)`` smem tile of 16-bit elements (conflict-free ldmatrix);
+    ``(rows, cols, stages)`` when ``stages`` > 0."""
     k_tile = 64 if cols % 64 == 0 else 32
     atom = cute.make_composed_layout(cute.make_swizzle(3 if k_tile == 64 else 2, 3, 3), 0,
                                      cute.make_layout((8, k_tile), stride=(k_tile, 1)))
+    if stages:
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
     return cute.tile_to_shape(atom, (rows, cols), (0, 1))
 
 
-def transposed_view(s: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
-    """``(cols, rows)`` view of a ``(rows, cols)`` smem tile (B operand read with ldmatrix.trans)."""
+def transposed_view(s: cute.Tensor, rows: int, cols: int, stages: int = 0) -> cute.Tensor:
+    """``(cols, rows[, stages])`` view of a ``(rows, cols[, stages])`` smem tile (B operand read
+    with ldmatrix.trans)."""
+    if stages:
+        return cute.composition(s, cute.make_layout((cols, rows, stages), stride=(rows, 1, rows * cols)))
     return cute.composition(s, cute.make_layout((cols, rows), stride=(rows, 1)))
 
 

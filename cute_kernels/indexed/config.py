@@ -49,6 +49,8 @@ class AttnConfig:
     num_kv_heads: int  # Hkv (static: head strides are compile-time)
     per_kv_head: bool  # indices [B, Hkv, Lq, Wsel] (plan set = b * Hkv + h) vs [B, Lq, Wsel]
     dtype: str = "bfloat16"
+    #: dK/dV pass: 2 = prefetch the next window's Q/dO while computing (double buffer), 1 = not
+    dkdv_stages: int = 2
 
     @property
     def window_queries(self) -> int:
