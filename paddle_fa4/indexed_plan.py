@@ -149,7 +149,7 @@ def reference_plan(indices, *, num_sets: int, num_queries: int, width: int, kv_l
     wq = window_queries(heads_per_kv)
     shapes = plan_shapes(num_sets, num_queries, width, kv_len, wq)
     nw, cap = shapes["win_key"][1], shapes["win_key"][2]
-    nt = shapes["tile_ptr"][0] - 1 if num_sets else -(-kv_len // KEY_TILE)
+    nt = -(-kv_len // KEY_TILE)
     place = indices.place
 
     def full(shape, value=0):

@@ -1,0 +1,95 @@
+"""The windowed indexed-attention kernels compile for sm_90a and sm_100a without a GPU (no spills,
+shared memory within the arch limit), and the launch module's host helpers behave as documented."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cute_kernels.indexed.config import AttnConfig, unsupported_reason, window_queries
+from cute_kernels.indexed.launch import CHECKS, attn_matrix, plan_shapes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KERNELS = ("indexed_plan", "indexed_fwd", "indexed_bwd_dq", "indexed_bwd_dkdv")
+
+
+def _check(arch, kernel, tmp_path, full=False):
+    report = tmp_path / "report.json"
+    env = dict(os.environ)
+    env.pop("CUTE_DSL_ARCH", None)
+    cmd = [sys.executable, "-m", "cute_kernels.check", "--arch", arch, "--kernel", kernel, "--json", str(report)]
+    out = subprocess.run(cmd + (["--full"] if full else []), cwd=ROOT, capture_output=True, text=True,
+                         timeout=3000, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(report.read_text())
+    assert rows and all(r["ok"] for r in rows)
+    assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)
+    return rows
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_check_cli_compiles_indexed_kernels(arch, kernel, tmp_path):
+    rows = _check(arch, kernel, tmp_path)
+    assert all(r["smem_bytes"] <= 232_448 for r in rows)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_check_cli_full_matrix(arch, kernel, tmp_path):
+    rows = _check(arch, kernel, tmp_path, full=True)
+    assert len(rows) == 3 * 6 * 2  # D x G x layout
+
+
+def test_checks_registered_and_matrices_cover_production():
+    from cute_kernels.registry import LAUNCH_MODULES
+
+    assert "cute_kernels.indexed.launch" in LAUNCH_MODULES
+    assert set(CHECKS) == set(KERNELS)
+    prod = [c for c in attn_matrix(90) if (c.head_dim, c.group, c.num_kv_heads) == (256, 12, 2)]
+    assert {c.dkdv_stages for c in prod} == {1, 2}
+
+
+@pytest.mark.parametrize("group,wq", [(1, 32), (2, 32), (4, 16), (8, 8), (12, 5), (16, 4)])
+def test_window_fills_64_rows(group, wq):
+    assert window_queries(group) == wq
+    assert AttnConfig(arch=90, head_dim=256, group=group, num_kv_heads=2, per_kv_head=False).rows <= 64
+
+
+def test_window_queries_rejects_bad_groups():
+    with pytest.raises(ValueError, match="heads per kv head"):
+        window_queries(0)
+    with pytest.raises(ValueError, match="heads per kv head"):
+        window_queries(65)
+
+
+def test_unsupported_reason_names_the_case():
+    assert unsupported_reason(256, 12, "bfloat16") is None
+    assert "float16" in unsupported_reason(256, 12, "float16")
+    assert "head_dim 96" in unsupported_reason(96, 12, "bfloat16")
+    assert "3 query heads" in unsupported_reason(128, 3, "bfloat16")
+
+
+def test_plan_shapes_bound_the_transpose():
+    s = plan_shapes(num_sets=2, num_queries=11, width=7, kv_len=100, wq=5)
+    assert s.win_key == (2, 3, 35) and s.win_count == (2, 3)
+    assert s.tile_bits == (2, 4, 1) and s.tile_ptr == (9,)
+    assert s.tile_win == (2 * 3 * 4,)  # every window touches at most min(CAP, NT) tiles
+    empty = plan_shapes(num_sets=1, num_queries=0, width=0, kv_len=0, wq=5)
+    assert min(min(v) for v in empty) >= 0 and empty.tile_win == (1,)
+
+
+def test_paddle_plan_shapes_agree_with_launcher():
+    from paddle_fa4.indexed_plan import plan_shapes as paddle_shapes
+
+    for args in [(1, 400, 2051, 400, 5), (3, 7, 3, 33, 32), (2, 0, 5, 9, 4)]:
+        a = plan_shapes(*args)._asdict()
+        b = paddle_shapes(*args)
+        assert {k: tuple(v) for k, v in b.items()} == a
