@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fa4", action="store_true")
     ap.add_argument("--no-unfused", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", action="store_true", help="also print a markdown table (docs/benchmarks.md)")
     ap.add_argument("--start-after", default=None,
                     help="compile everything first, then wait for this file to exist before timing")
     args = ap.parse_args(argv)
@@ -167,6 +168,17 @@ def main(argv=None) -> int:
                       flush=True)
             del q, k, v, out, lse, blk
             torch.cuda.empty_cache()
+    if args.markdown:
+        print()
+        print("| d | S | B | mode | ours | ours+bl | FA4 b36 | unfused | ours+bl / FA4 | ours+bl / ours | ours+bl / unfused |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for row in rows:
+            def g(key, fmt):
+                return format(row[key], fmt) if key in row else "-"
+            print(f"| {row['head_dim']} | {row['seqlen']} | {row['batch']} | {'causal' if row['causal'] else 'full'} | "
+                  f"{g('ours_tflops', '.0f')} | {g('ours_bl_tflops', '.0f')} | {g('fa4_tflops', '.0f')} | "
+                  f"{g('unfused_tflops', '.0f')} | {g('bl_over_fa4', '.3f')} | {g('bl_over_ours', '.3f')} | "
+                  f"{g('bl_over_unfused', '.2f')} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"gpu": dev, "rows": rows}, fh, indent=1)
