@@ -45,6 +45,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from cute_kernels.common import block_logit as blk
 from cute_kernels.common.math_sm100 import exp2_poly_x2, max_tree
 
 from .config import FwdConfig
@@ -65,6 +66,14 @@ from .config import FwdConfig
 #   arrival for step j (after it read sScale_i(j)). Row stats use their own full/empty pair,
 #   because S_i(0) of the next tile is issued without waiting for the correction WG.
 
+# Note [block_logit of unvisited blocks]
+# Key tiles outside [n_begin, n_end) of a work tile are never loaded: every key in them is masked
+# for every row of the tile (causal future, left of the window, past this sequence's keys), so
+# their blocks are -inf by definition. The softmax WG writes those entries itself after its key
+# loop (fill_unvisited, coalesced), and writes all nb entries of rows that see no key at all.
+# Visited tiles store every block they cover (fully masked blocks come out -inf from the mask),
+# so each entry of [0, nb) of a valid row is written exactly once and no pre-fill is needed.
+
 # Conditional rescaling (FA4): the running row max only moves when the new tile max exceeds it
 # by more than RESCALE_THRESHOLD_LOG2 (log2 units), so most tiles need no O rescale and P stays
 # <= 2^8, far inside bf16/fp16 range. The final lse uses the max actually used, so it is exact.
@@ -78,7 +87,8 @@ SMEM_BYTES_MAX_SM100 = 232_448
 TILE_M = 128  # query rows per Q stage (one TMEM lane per row)
 TILE_N = 128  # keys per key tile
 NUM_THREADS = 512
-REGS_SOFTMAX, REGS_CORRECTION, REGS_OTHER = 192, 80, 48  # 2*4*192 + 4*80 + 4*48 = 4 * 512 regs/thr
+REGS_SOFTMAX, REGS_CORRECTION, REGS_OTHER = 192, 64, 64  # per thread; 2*192 + 64 + 64 = 4 * 128
+O_CHUNK = 16  # O columns the correction WG moves per TMEM load/store (16 fp32 registers)
 
 _WARPS_SOFTMAX = ((0, 1, 2, 3), (4, 5, 6, 7))
 _WARPS_CORRECTION = (8, 9, 10, 11)
@@ -118,10 +128,9 @@ class FlashFwdSm100:
         self.tmem_o_offset = [TILE_N * self.q_stage + cfg.head_dim_v * i for i in range(self.q_stage)]
         self.tmem_p_offset = TILE_N // 2  # P_i (16-bit, packed in pairs) over the upper half of S_i
         self.tmem_cols = 512
-        self.block_size = cfg.block_size
-        # block slots per key tile (B <= 128) or key tiles per block (B = 256)
-        self.blocks_per_tile = TILE_N // cfg.block_size if 0 < cfg.block_size <= TILE_N else 1
-        self.tiles_per_block = cfg.block_size // TILE_N if cfg.block_size > TILE_N else 1
+        # block_logit bookkeeping (shared with SM90): one thread owns a whole S row, so
+        # rows_per_thread = threads_per_row = 1 and no cross-lane reduction is needed.
+        self.bl_shape = blk.BlockLogitShape(TILE_N, cfg.block_size, 1, 1) if cfg.has_block_logit else None
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -543,12 +552,11 @@ class FlashFwdSm100:
         are issued by one elected thread of the MMA warp inside cute.gemm)."""
         # A fresh atom per call: the ACCUMULATE field is runtime state of the atom, and mutating the
         # shared tiled MMA inside staged loops/branches would leak values out of their regions.
+        # The K-phase loop stays rolled: unrolled, the descriptors of every phase are hoisted out of
+        # the persistent loop and the MMA warp runs out of its small register budget.
         mma = cute.make_tiled_mma(tiled_mma.op)
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            if const_expr(k == 0):
-                mma.set(tcgen05.Field.ACCUMULATE, accumulate)
-            else:
-                mma.set(tcgen05.Field.ACCUMULATE, True)
+        for k in cutlass.range(cute.size(tCrA.shape[2]), unroll=1):
+            mma.set(tcgen05.Field.ACCUMULATE, accumulate | (k != 0))
             cute.gemm(mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
     @cute.jit
@@ -586,7 +594,8 @@ class FlashFwdSm100:
         s_phase = Int32(0)
         scale_arrivals = Int32(0)  # unused phase counter kept implicit: arrivals need no phase
         stats_phase = Int32(1)  # producer side of stats_empty: the first wait passes
-        carry = Float32(-Float32.inf)
+        carry = cute.make_rmem_tensor((1,), Float32)  # B = 2 * TILE_N: max of the odd key tile so far
+        carry.fill(-Float32.inf)
         work_idx = cute.arch.block_idx()[0]
         while work_idx < total_tiles:
             m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end = self.tile_info(
@@ -609,9 +618,9 @@ class FlashFwdSm100:
             stage_lo_max = Int32(-_UNBOUNDED)
             if const_expr(cfg.has_window):
                 stage_lo_max = stage_row0 + TILE_M - 1 + seqlen_k - seqlen_q - left
-            bl_row = None
+            gBL = None  # (TILE_M, nb): block_logit rows of this Q stage
             if const_expr(mBlockLogit is not None):
-                bl_row = self.block_logit_row(mBlockLogit, offset_q, row, head, batch)
+                gBL = self.block_logit_rows(mBlockLogit, offset_q + stage_row0, head, batch)
             has_rows = m_tile * self.tile_m_total < seqlen_q
             row_max = Float32(-Float32.inf)
             row_sum = Float32(0.0)
@@ -620,9 +629,9 @@ class FlashFwdSm100:
                     n_tile = n_end - 1 - step
                     col0 = n_tile * TILE_N
                     need_mask = (col0 + TILE_N > stage_hi_min) | (col0 < stage_lo_max)
-                    row_max, row_sum, carry = self.softmax_step(
+                    row_max, row_sum = self.softmax_step(
                         step, need_mask, n_tile, n_begin, col0, key_lo, key_hi,
-                        row_max, row_sum, carry, row < seqlen_q, bl_row, stage,
+                        row_max, row_sum, carry, row < seqlen_q, gBL, stage,
                         thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP, sScale,
                         bar_s_full, bar_p_ready, bar_scale, s_phase,
                         scale_log2, softcap_in, softcap, logit_scale, tidx)
@@ -634,14 +643,17 @@ class FlashFwdSm100:
                 sRowMax[tidx, stage] = row_max
                 cute.arch.mbarrier_arrive(bar_stats_full + stage)
             if const_expr(mBlockLogit is not None):
-                if has_rows & (row < seqlen_q):
-                    self.block_logit_fill_unvisited(bl_row, n_begin, n_end, seqlen_k, mBlockLogit.shape[1])
+                # see Note [block_logit of unvisited blocks]
+                if has_rows:
+                    block_lo, block_hi = blk.visited_block_range(self.bl_shape, n_begin, n_end)
+                    stage_rows = cutlass.max(cutlass.min(seqlen_q - stage_row0, TILE_M), 0)
+                    blk.fill_unvisited(gBL, stage_rows, gBL.shape[1], block_lo, block_hi, tidx, TILE_M)
             work_idx += cute.arch.grid_dim()[0]
 
     @cute.jit
     def softmax_step(self, step: Int32, need_mask, n_tile: Int32, n_begin: Int32, col0: Int32,
-                     key_lo: Int32, key_hi: Int32, row_max: Float32, row_sum: Float32, carry: Float32,
-                     row_valid, bl_row, stage: Int32, thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r,
+                     key_lo: Int32, key_hi: Int32, row_max: Float32, row_sum: Float32, carry: cute.Tensor,
+                     row_valid, gBL, stage: Int32, thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r,
                      tPcP, sScale, bar_s_full, bar_p_ready, bar_scale, s_phase: Int32,
                      scale_log2: Float32, softcap_in: Float32, softcap: Float32,
                      logit_scale: Float32, tidx: Int32):
@@ -664,14 +676,16 @@ class FlashFwdSm100:
                 c = tScS_t2r[k][1]
                 keep = (c < hi_c) & (c >= lo_c)
                 tSrS[k] = Float32(cutlass.select_(keep, tSrS[k], Float32(-Float32.inf)))
-        # 4. block maxima and the tile max from the same fmax tree
-        blocks = []
+        # 4. block maxima and the tile max from the same fmax3 tree (register column k is key
+        #    column k of the tile: the 32x32b TMEM load gives each thread its row in order)
+        blocks = None
         if const_expr(cfg.has_block_logit):
-            bpt = self.blocks_per_tile
+            bpt = self.bl_shape.blocks_per_tile
             per = n // bpt
+            blocks = cute.make_rmem_tensor((bpt,), Float32)
             for b in cutlass.range_constexpr(bpt):
-                blocks.append(max_tree([tSrS[k] for k in range(b * per, (b + 1) * per)]))
-            tile_max = max_tree(blocks)
+                blocks[b] = max_tree([tSrS[k] for k in range(b * per, (b + 1) * per)])
+            tile_max = max_tree([blocks[b] for b in range(bpt)])
         else:
             tile_max = max_tree([tSrS[k] for k in range(n)])
         # 5. running max with conditional rescale; acc_scale goes to the correction WG
@@ -692,9 +706,17 @@ class FlashFwdSm100:
         max_safe = row_max_use
         if row_max_use == -Float32.inf:
             max_safe = Float32(0.0)
-        # 6. block_logit: scaled block maxima of this key tile, plain stores (see block_logit_store)
+        # 6. block_logit: this tile's block maxima, scaled once, plain stores (one writer per entry)
         if const_expr(cfg.has_block_logit):
-            carry = self.block_logit_store(bl_row, blocks, carry, n_tile, n_begin, row_valid, logit_scale)
+            scale = None if const_expr(cfg.has_softcap) else logit_scale
+            gRow = gBL[tidx, None]
+            nb = gBL.shape[1]
+            if const_expr(self.bl_shape.tiles_per_block == 1):
+                blk.store_blocks(gRow, blocks, n_tile * self.bl_shape.blocks_per_tile, nb, row_valid, scale)
+            else:
+                tpb = self.bl_shape.tiles_per_block
+                if blk.carry_across_tiles(blocks, carry, n_tile, n_begin, tpb):
+                    blk.store_blocks(gRow, blocks, n_tile // tpb, nb, row_valid, scale)
         # 7. P = exp2(S * scale_log2 - max * scale_log2), 32 columns at a time, into TMEM
         bias = -max_safe * scale_log2
         rP = cute.make_rmem_tensor(tPcP.shape, Float32)
@@ -727,58 +749,15 @@ class FlashFwdSm100:
             row_sum = tile_sum
         else:
             row_sum = row_sum * acc_scale + tile_sum
-        return row_max_use, row_sum, carry
+        return row_max_use, row_sum
 
     # ------------------------------------------------------------------ block_logit
     @cute.jit
-    def block_logit_row(self, mBlockLogit, offset_q: Int32, row: Int32, head: Int32, batch: Int32):
-        """This thread's row of block_logit, (nb,) fp32."""
+    def block_logit_rows(self, mBlockLogit, row0: Int32, head: Int32, batch: Int32):
+        """(TILE_M, nb) view of block_logit starting at global row ``row0`` of (head, batch)."""
         if const_expr(self.cfg.varlen):
-            return mBlockLogit[offset_q + row, None, head]
-        return mBlockLogit[row, None, head, batch]
-
-    @cute.jit
-    def block_logit_store(self, bl_row, blocks, carry: Float32, n_tile: Int32, n_begin: Int32,
-                          row_valid, logit_scale: Float32):
-        """Store this key tile's block maxima (scaled once, after the max: max(s*x) == s*max(x) for
-        s > 0, and -inf stays -inf). Each (row, block) has exactly one writer; no global reads.
-        B = 256 spans two key tiles: the odd tile's max is carried into its even partner (key tiles
-        run in descending order), or stored alone when the partner is not visited."""
-        nb = bl_row.shape[0]
-        if const_expr(self.tiles_per_block == 1):
-            bpt = self.blocks_per_tile
-            base = n_tile * bpt
-            if row_valid:
-                for b in cutlass.range_constexpr(bpt):
-                    if base + b < nb:
-                        bl_row[base + b] = blocks[b] * logit_scale
-        else:
-            merged = cute.arch.fmax(carry, blocks[0])
-            carry = merged
-            if n_tile % 2 == 0 or n_tile == n_begin:
-                if row_valid and n_tile // 2 < nb:
-                    bl_row[n_tile // 2] = merged * logit_scale
-                carry = Float32(-Float32.inf)
-        return carry
-
-    @cute.jit
-    def block_logit_fill_unvisited(self, bl_row, n_begin: Int32, n_end: Int32, seqlen_k: Int32, nb: Int32):
-        """-inf into the blocks of key tiles this work tile never visits (causal future, left of the
-        window, past this sequence's end, or every block when no key is visible)."""
-        neg_inf = Float32(-Float32.inf)
-        first = Int32(0)
-        last = Int32(0)
-        if n_begin < n_end:
-            if const_expr(self.tiles_per_block == 1):
-                first = n_begin * self.blocks_per_tile
-                last = n_end * self.blocks_per_tile
-            else:
-                first = n_begin // 2
-                last = (n_end + 1) // 2
-        for b in cutlass.range(0, cutlass.min(first, nb), unroll=1):
-            bl_row[b] = neg_inf
-        for b in cutlass.range(cutlass.max(last, 0), nb, unroll=1):
-            bl_row[b] = neg_inf
+            return cute.domain_offset((row0, 0), mBlockLogit[None, None, head])
+        return cute.domain_offset((row0, 0), mBlockLogit[None, None, head, batch])
 
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
@@ -787,7 +766,7 @@ class FlashFwdSm100:
                    scale_log2: Float32, tile_args, total_tiles: Int32):
         tidx = cute.arch.thread_idx()[0] % TILE_M
         dv = self.head_dim_v
-        chunk = 32
+        chunk = O_CHUNK
         # one 32-column chunk of O_stage (128 lanes x 32 fp32 columns); chunk c is at column +32*c
         tOAcc = tOtO[0][(None, None), 0, 0]
         tOchunk = cute.composition(tOAcc, cute.make_layout((TILE_M, chunk)))
@@ -798,7 +777,7 @@ class FlashFwdSm100:
         tOt_t2r0 = thr_t2r.partition_S(tOchunk)
         tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((TILE_M, self.head_dim_v)))
         tOcO_chunk = cute.composition(tOcO[(None, None), 0, 0], cute.make_layout((TILE_M, chunk)))
-        rO_shape = thr_t2r.partition_D(tOcO_chunk).shape  # 32 fp32 registers: one row, 32 columns
+        rO_shape = thr_t2r.partition_D(tOcO_chunk).shape  # one row, O_CHUNK fp32 columns
         tOt_r2t0 = thr_r2t.partition_D(tOchunk)
         tOt_t2r = []
         tOt_r2t = []
@@ -852,10 +831,10 @@ class FlashFwdSm100:
         thr_r2t, tOt_dst = r2t
         for c in cutlass.range_constexpr(num_chunks):
             rO = cute.make_rmem_tensor(rO_shape, Float32)
-            cute.copy(thr_t2r, cute.make_tensor(tOt_src.iterator + c * 32, tOt_src.layout), rO)
+            cute.copy(thr_t2r, cute.make_tensor(tOt_src.iterator + c * O_CHUNK, tOt_src.layout), rO)
             for k in cutlass.range_constexpr(0, cute.size(rO), 2):
                 rO[k], rO[k + 1] = cute.arch.mul_packed_f32x2((rO[k], rO[k + 1]), (acc_scale, acc_scale))
-            cute.copy(thr_r2t, rO, cute.make_tensor(tOt_dst.iterator + c * 32, tOt_dst.layout))
+            cute.copy(thr_r2t, rO, cute.make_tensor(tOt_dst.iterator + c * O_CHUNK, tOt_dst.layout))
         cute.arch.fence_view_async_tmem_store()
 
     @cute.jit
@@ -889,7 +868,7 @@ class FlashFwdSm100:
         else:
             gO_row = mO[row_g, None, head, batch]
         for c in cutlass.range_constexpr(num_chunks):
-            tOt_c = cute.make_tensor(tOt_src.iterator + c * 32, tOt_src.layout)
+            tOt_c = cute.make_tensor(tOt_src.iterator + c * O_CHUNK, tOt_src.layout)
             rO = cute.make_rmem_tensor(rO_shape, Float32)
             if has_work:
                 cute.copy(thr_t2r, tOt_c, rO)
@@ -901,8 +880,8 @@ class FlashFwdSm100:
                 rO_h = cute.make_rmem_tensor(rO.shape, self.dtype)
                 rO_h.store(rO.load().to(self.dtype))
                 gO_v = cute.make_tensor(
-                    cute.make_ptr(self.dtype, (gO_row.iterator + c * 32).toint(), cute.AddressSpace.gmem,
+                    cute.make_ptr(self.dtype, (gO_row.iterator + c * O_CHUNK).toint(), cute.AddressSpace.gmem,
                                   assumed_align=16),
-                    cute.make_layout(32))
-                cute.autovec_copy(cute.make_tensor(rO_h.iterator, cute.make_layout(32)), gO_v)
+                    cute.make_layout(O_CHUNK))
+                cute.autovec_copy(cute.make_tensor(rO_h.iterator, cute.make_layout(O_CHUNK)), gO_v)
         cute.arch.fence_view_async_tmem_load()
