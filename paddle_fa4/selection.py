@@ -331,8 +331,9 @@ def select_topk_blocks_chunked(q, k, v, topk: int, softmax_scale: Optional[float
             >>> import paddle, paddle_fa4
             >>> q = paddle.randn([1, 40, 2, 16])
             >>> out, lse, blk = paddle_fa4.select_topk_blocks_chunked(
-            ...     q, q, q, topk=2, block_size=16, local_blocks=1, chunk_q=16, backend="reference")
-            >>> blk[0, 0, 39].tolist()
+            ...     q, q, q, topk=2, block_size=16, sink_blocks=1, local_blocks=1, chunk_q=16,
+            ...     backend="reference")
+            >>> blk[0, 0, 39].tolist()  # row 39 sees blocks 0..2: the sink and the diagonal block
             [0, 2]
     """
     op = "select_topk_blocks_chunked"
