@@ -124,11 +124,12 @@ def time_ms(fn, iters: int) -> list:
     return out
 
 
-def bench_windowed(q, k, v, idx, dout, iters: int, dkdv_stages: int = 2) -> dict:
+def bench_windowed(q, k, v, idx, dout, iters: int, stages: int = 2) -> dict:
     from cute_kernels.indexed.config import window_queries
-    from cute_kernels.indexed.launch import attn_config, plan_shapes, run_bwd, run_fwd, run_plan
+    from cute_kernels.indexed.launch import (attn_config, plan_shapes, run_bwd_dkdv, run_bwd_dq, run_fwd,
+                                             run_plan)
 
-    cfg = attn_config(q, k, per_kv_head=False, dkdv_stages=dkdv_stages)
+    cfg = attn_config(q, k, per_kv_head=False, stages=stages)
     wq = window_queries(cfg.group)
     kv_len = k.shape[1]
     scale = D ** -0.5
@@ -146,19 +147,23 @@ def bench_windowed(q, k, v, idx, dout, iters: int, dkdv_stages: int = 2) -> dict
     def fwd_fn():
         run_fwd(cfg, q, k, v, plan["win_key"], plan["win_mask"], plan["win_count"], out, lse, scale)
 
-    def bwd_fn():
-        run_bwd(cfg, q, k, v, out, dout, lse, plan["win_key"], plan["win_mask"], plan["win_count"],
-                plan["tile_ptr"], plan["tile_win"], plan["tile_start"], dq, dk, dv, delta, scale)
+    def dq_fn():
+        run_bwd_dq(cfg, q, k, v, out, dout, lse, plan["win_key"], plan["win_mask"], plan["win_count"], dq,
+                   delta, scale)
+
+    def dkdv_fn():
+        run_bwd_dkdv(cfg, q, k, v, dout, lse, delta, plan["win_key"], plan["win_mask"], plan["win_count"],
+                     plan["tile_ptr"], plan["tile_win"], plan["tile_start"], dk, dv, scale)
 
     def all_fn():
         plan_fn()
         fwd_fn()
-        bwd_fn()
+        dq_fn()
+        dkdv_fn()
 
-    res = {"plan_ms": statistics.median(time_ms(plan_fn, iters)),
-           "fwd_ms": statistics.median(time_ms(fwd_fn, iters)),
-           "bwd_ms": statistics.median(time_ms(bwd_fn, iters)),
-           "total_ms": statistics.median(time_ms(all_fn, iters))}
+    res = {f"{name}_ms": statistics.median(time_ms(fn, iters))
+           for name, fn in (("plan", plan_fn), ("fwd", fwd_fn), ("dq", dq_fn), ("dkdv", dkdv_fn))}
+    res["total_ms"] = statistics.median(time_ms(all_fn, iters))
     res["mean_window_keys"] = float(plan["win_count"].float().mean())
     res["pairs"] = int(plan["tile_ptr"][-1])
     return res
@@ -191,7 +196,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--baseline-max", type=int, default=16384)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--dkdv-stages", type=int, default=2, help="1 = no Q/dO prefetch in the dK/dV pass")
+    ap.add_argument("--stages", default="2", help="comma list; 1 = no prefetch in the dQ and dK/dV passes")
     args = ap.parse_args(argv)
     from cute_kernels.indexed.config import window_queries
 
@@ -206,8 +211,11 @@ def main(argv=None):
             dout = torch.randn_like(q)
             idx = prime_rl_indices_gpu(lq, lkv, rho, seed=1)
             row = {"shape": shape, "rho": rho, "union_ratio": round(union_ratio_gpu(idx, lkv, window_queries(HQ // HKV)), 3)}
-            row.update({k_: round(v_, 3) if isinstance(v_, float) else v_
-                        for k_, v_ in bench_windowed(q, k, v, idx[None], dout, args.iters, args.dkdv_stages).items()})
+            for i, st in enumerate(int(x) for x in args.stages.split(",")):
+                res = bench_windowed(q, k, v, idx[None], dout, args.iters, st)
+                row.update({(k_ if i == 0 else f"stages{st}_{k_}"): round(v_, 3) if isinstance(v_, float) else v_
+                            for k_, v_ in res.items() if i == 0 or k_.endswith("_ms")})
+            row["stages"] = args.stages
             pub = PUBLISHED.get(shape)
             if pub:
                 row["published_windowed_ms"], row["published_tilelang_ms"] = pub

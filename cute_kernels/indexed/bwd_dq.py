@@ -24,7 +24,8 @@ THREADS = 128
 
 
 def dq_tile_n(head_dim: int) -> int:
-    return 32 if head_dim > 128 else 64
+    """Keys per chunk: S, dP (64 x tile_n) and dQ (64 x D) fp32 accumulators share the registers."""
+    return 32 if head_dim >= 128 else 64
 
 
 class IndexedBwdDQ:
@@ -34,11 +35,13 @@ class IndexedBwdDQ:
         self.g = cfg.group
         self.wq = cfg.window_queries
         self.tile_n = dq_tile_n(cfg.head_dim)
+        self.stages = cfg.dq_stages
 
     @staticmethod
     def smem_bytes(cfg: AttnConfig) -> int:
         tn = dq_tile_n(cfg.head_dim)
-        return (2 * TILE_M + 2 * tn) * cfg.head_dim * 2 + tn * 4 + 2 * TILE_M * 4
+        st = cfg.dq_stages
+        return (2 * TILE_M + 2 * tn * st) * cfg.head_dim * 2 + tn * st * 4 + 2 * TILE_M * 4
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -47,7 +50,7 @@ class IndexedBwdDQ:
                  softmax_scale: Float32, stream):
         bf16 = cutlass.BFloat16
         sQ_layout = C.smem_layout(bf16, TILE_M, self.d)
-        sKV_layout = C.smem_layout(bf16, self.tile_n, self.d)
+        sKV_layout = C.smem_layout(bf16, self.tile_n, self.d, self.stages)
 
         @cute.struct
         class SharedStorage:
@@ -55,7 +58,7 @@ class IndexedBwdDQ:
             sdO: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
-            sMask: cute.struct.Align[cute.struct.MemRange[Int32, self.tile_n], 16]
+            sMask: cute.struct.Align[cute.struct.MemRange[Int32, self.tile_n * self.stages], 16]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M], 16]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M], 16]
 
@@ -90,20 +93,23 @@ class IndexedBwdDQ:
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sdO = storage.sdO.get_tensor(sQ_layout)
-        sK = storage.sK.get_tensor(sKV_layout)
-        sV = storage.sV.get_tensor(sKV_layout)
-        sMask = storage.sMask.get_tensor(cute.make_layout(TN))
+        sK_all = storage.sK.get_tensor(sKV_layout)  # (TN, D, stages)
+        sV_all = storage.sV.get_tensor(sKV_layout)
+        sK = sK_all[None, None, 0]
+        sV = sV_all[None, None, 0]
+        sMask = storage.sMask.get_tensor(cute.make_layout((TN, self.stages)))
         sLSE = storage.sLSE.get_tensor(cute.make_layout(TILE_M))
         sDelta = storage.sDelta.get_tensor(cute.make_layout(TILE_M))
-        sKt = C.transposed_view(sK, TN, D)
+        sKt_all = C.transposed_view(sK_all, TN, D, self.stages)  # (D, TN, stages)
+        sKt = sKt_all[None, None, 0]
 
         thr_g2s = g2s.get_slice(tidx)
         cQ = cute.make_identity_tensor((TILE_M, D))
         tQsQ = thr_g2s.partition_D(sQ)
         tQsdO = thr_g2s.partition_D(sdO)
         tQcQ = thr_g2s.partition_S(cQ)
-        tKsK = thr_g2s.partition_D(sK)
-        tKsV = thr_g2s.partition_D(sV)
+        tKsK = thr_g2s.partition_D(sK_all)  # (CPY, N, K, stages)
+        tKsV = thr_g2s.partition_D(sV_all)
         tKcK = thr_g2s.partition_S(cute.make_identity_tensor((TN, D)))
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -120,9 +126,9 @@ class IndexedBwdDQ:
         thr_cBt = copy_Bt.get_slice(tidx)
         tSsQ, tSrQ_v = thr_cA.partition_S(sQ), thr_cA.retile(tSrQ)
         tSsdO, tSrdO_v = thr_cA.partition_S(sdO), thr_cA.retile(tSrdO)
-        tSsK, tSrK_v = thr_cB.partition_S(sK), thr_cB.retile(tSrK)
-        tSsV, tSrV_v = thr_cB.partition_S(sV), thr_cB.retile(tSrV)
-        tQsKt, tQrKt_v = thr_cBt.partition_S(sKt), thr_cBt.retile(tQrKt)
+        tSsK, tSrK_v = thr_cB.partition_S(sK_all), thr_cB.retile(tSrK)
+        tSsV, tSrV_v = thr_cB.partition_S(sV_all), thr_cB.retile(tSrV)
+        tQsKt, tQrKt_v = thr_cBt.partition_S(sKt_all), thr_cBt.retile(tQrKt)
 
         tScS = C.mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TN))))
         n_rows = cute.size(tScS, mode=[0])
@@ -141,32 +147,31 @@ class IndexedBwdDQ:
         cute.arch.cp_async_commit_group()
         self.row_stats(mO, mdO, mLSE, mDelta, sLSE, sDelta, tidx, b, h, q0, rows_valid, scale_log2)
 
-        for n in range(num_chunks):
-            # 1. K, V rows and masks of chunk n
-            for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
-                j = tKcK[0, m, 0][0]
-                pos = n * TN + j
-                if pos < count:
-                    key = mWinKey[s, win, pos]
-                    C.copy_row(g2s, C.row_ptr(mK, (b, key, h, 0)), tKsK, tKcK, m, D)
-                    C.copy_row(g2s, C.row_ptr(mV, (b, key, h, 0)), tKsV, tKcK, m, D)
-                    if tKcK[0, m, 0][1] == 0:
-                        sMask[j] = mWinMask[s, win, pos]
-                else:
-                    tKsK[None, m, None].fill(0)
-                    tKsV[None, m, None].fill(0)
-                    if tKcK[0, m, 0][1] == 0:
-                        sMask[j] = Int32(0)
+        if cutlass.const_expr(self.stages == 2):
+            if num_chunks > 0:
+                self.load_chunk(mK, mV, mWinKey, mWinMask, tKsK, tKsV, tKcK, sMask, g2s, s, win, h, b, count, 0, 0)
             cute.arch.cp_async_commit_group()
+        for n in range(num_chunks):
+            buf = n % self.stages
+            # 1. K, V rows and masks of chunk n (prefetched one chunk ahead with 2 stages)
+            if cutlass.const_expr(self.stages == 1):
+                self.load_chunk(mK, mV, mWinKey, mWinMask, tKsK, tKsV, tKcK, sMask, g2s, s, win, h, b, count, n, 0)
+                cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
+            if cutlass.const_expr(self.stages == 2):
+                if n + 1 < num_chunks:
+                    self.load_chunk(mK, mV, mWinKey, mWinMask, tKsK, tKsV, tKcK, sMask, g2s, s, win, h, b, count,
+                                    n + 1, 1 - buf)
+                cute.arch.cp_async_commit_group()
             # 2. S = Q K^T, dP = dO V^T
             acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TN)), Float32)
             acc_S.fill(0.0)
-            C.gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, copy_A, tSsQ, tSrQ_v, copy_B, tSsK, tSrK_v)
+            C.gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, copy_A, tSsQ, tSrQ_v, copy_B, tSsK[None, None, None, buf], tSrK_v)
             acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TN)), Float32)
             acc_dP.fill(0.0)
-            C.gemm_ss(tiled_mma, acc_dP, tSrdO, tSrV, copy_A, tSsdO, tSrdO_v, copy_B, tSsV, tSrV_v)
+            C.gemm_ss(tiled_mma, acc_dP, tSrdO, tSrV, copy_A, tSsdO, tSrdO_v, copy_B, tSsV[None, None, None, buf],
+                      tSrV_v)
             # 3. dS = P * (dP - delta), P = 0 off the selection
             S = C.mn_view(acc_S)
             dP = C.mn_view(acc_dP)
@@ -176,7 +181,7 @@ class IndexedBwdDQ:
                 lse2 = sLSE[row]
                 delta = sDelta[row]
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    msk = sMask[tScS[0, c][1]]
+                    msk = sMask[tScS[0, c][1], buf]
                     ds = Float32(0.0)
                     if C.selected(msk, qbit, self.wq):
                         p = cute.math.exp2(S[r, c] * scale_log2 - lse2, fastmath=True)
@@ -185,8 +190,9 @@ class IndexedBwdDQ:
             rdS = cute.make_fragment_like(acc_S, cutlass.BFloat16)
             rdS.store(acc_S.load().to(cutlass.BFloat16))
             # 4. dQ += dS K
-            C.gemm_rs(tiled_mma, acc_dQ, C.as_a_operand(rdS), tQrKt, copy_Bt, tQsKt, tQrKt_v)
-            cute.arch.barrier()  # sK / sV / sMask are reloaded next chunk
+            C.gemm_rs(tiled_mma, acc_dQ, C.as_a_operand(rdS), tQrKt, copy_Bt, tQsKt[None, None, None, buf], tQrKt_v)
+            if cutlass.const_expr(self.stages == 1):
+                cute.arch.barrier()  # sK / sV / sMask are reloaded next chunk
 
         # ---- epilogue: dQ * scale -> bf16 rows ----
         cute.arch.cp_async_wait_group(0)
@@ -242,3 +248,27 @@ class IndexedBwdDQ:
                 qi = r // G
                 mDelta[b, h * G + r - qi * G, q0 + qi] = acc
         cute.arch.barrier()
+
+    @cute.jit
+    def load_chunk(self, mK: cute.Tensor, mV: cute.Tensor, mWinKey: cute.Tensor, mWinMask: cute.Tensor,
+                   tKsK: cute.Tensor, tKsV: cute.Tensor, tKcK: cute.Tensor, sMask: cute.Tensor,
+                   g2s: cute.TiledCopy, s: Int32, win: Int32, h: Int32, b: Int32, count: Int32, n: Int32,
+                   buf: Int32):
+        """Stage ``buf``: cp.async the K and V rows of chunk ``n`` of the window's keys, and their masks."""
+        TN = self.tile_n
+        tKsK_b = tKsK[None, None, None, buf]
+        tKsV_b = tKsV[None, None, None, buf]
+        for m in cutlass.range_constexpr(cute.size(tKsK_b, mode=[1])):
+            j = tKcK[0, m, 0][0]
+            pos = n * TN + j
+            if pos < count:
+                key = mWinKey[s, win, pos]
+                C.copy_row(g2s, C.row_ptr(mK, (b, key, h, 0)), tKsK_b, tKcK, m, self.d)
+                C.copy_row(g2s, C.row_ptr(mV, (b, key, h, 0)), tKsV_b, tKcK, m, self.d)
+                if tKcK[0, m, 0][1] == 0:
+                    sMask[j, buf] = mWinMask[s, win, pos]
+            else:
+                tKsK_b[None, m, None].fill(0)
+                tKsV_b[None, m, None].fill(0)
+                if tKcK[0, m, 0][1] == 0:
+                    sMask[j, buf] = Int32(0)

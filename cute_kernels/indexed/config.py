@@ -51,6 +51,8 @@ class AttnConfig:
     dtype: str = "bfloat16"
     #: dK/dV pass: 2 = prefetch the next window's Q/dO while computing (double buffer), 1 = not
     dkdv_stages: int = 2
+    #: dQ pass: 2 = prefetch the next chunk's K/V rows while computing (double buffer), 1 = not
+    dq_stages: int = 2
 
     @property
     def window_queries(self) -> int:

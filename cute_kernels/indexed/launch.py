@@ -162,10 +162,11 @@ def run_plan(indices, kv_len: int, win_key, win_mask, win_count, tile_bits, tile
     fns.tile_fill(tile_bits, tile_ptr, win_key, win_count, tile_win, tile_start)
 
 
-def attn_config(q, k, per_kv_head: bool, arch: int | None = None, dkdv_stages: int = 2) -> AttnConfig:
+def attn_config(q, k, per_kv_head: bool, arch: int | None = None, stages: int = 2) -> AttnConfig:
+    """Config for these tensors; ``stages`` = 2 prefetches one chunk / window ahead in dQ and dK/dV."""
     hq, hkv, d = int(q.shape[2]), int(k.shape[2]), int(q.shape[3])
     return AttnConfig(arch=_arch_of(arch), head_dim=d, group=hq // hkv, num_kv_heads=hkv,
-                      per_kv_head=per_kv_head, dkdv_stages=dkdv_stages)
+                      per_kv_head=per_kv_head, dkdv_stages=stages, dq_stages=stages)
 
 
 def run_fwd(cfg: AttnConfig, q, k, v, win_key, win_mask, win_count, out, lse, softmax_scale: float) -> None:
@@ -182,14 +183,29 @@ def run_bwd(cfg: AttnConfig, q, k, v, out, dout, lse, win_key, win_mask, win_cou
     """dq, dk, dv (bf16, every element written) and the scratch ``delta [B, Hq, Lq]`` fp32."""
     import cutlass
 
-    scale = cutlass.Float32(softmax_scale)
-    if q.shape[0] == 0:
-        return
-    if q.shape[1] > 0:
-        compile_bwd_dq(cfg)(q, k, v, out, dout, lse, win_key, win_mask, win_count, dq, delta, scale)
-    if k.shape[1] > 0:
+    run_bwd_dq(cfg, q, k, v, out, dout, lse, win_key, win_mask, win_count, dq, delta, softmax_scale)
+    run_bwd_dkdv(cfg, q, k, v, dout, lse, delta, win_key, win_mask, win_count, tile_ptr, tile_win, tile_start,
+                 dk, dv, softmax_scale)
+
+
+def run_bwd_dq(cfg: AttnConfig, q, k, v, out, dout, lse, win_key, win_mask, win_count, dq, delta,
+               softmax_scale: float) -> None:
+    """dq and delta = rowsum(out * dout) (needed by ``run_bwd_dkdv``)."""
+    import cutlass
+
+    if q.shape[0] > 0 and q.shape[1] > 0:
+        compile_bwd_dq(cfg)(q, k, v, out, dout, lse, win_key, win_mask, win_count, dq, delta,
+                            cutlass.Float32(softmax_scale))
+
+
+def run_bwd_dkdv(cfg: AttnConfig, q, k, v, dout, lse, delta, win_key, win_mask, win_count, tile_ptr, tile_win,
+                 tile_start, dk, dv, softmax_scale: float) -> None:
+    """dk, dv (every row written; exact zeros for keys no query selects)."""
+    import cutlass
+
+    if k.shape[0] > 0 and k.shape[1] > 0:
         compile_bwd_dkdv(cfg)(q, k, v, dout, lse, delta, win_key, win_mask, win_count, tile_ptr, tile_win,
-                              tile_start, dk, dv, scale)
+                              tile_start, dk, dv, cutlass.Float32(softmax_scale))
 
 
 # ---- configs compiled by ``python -m cute_kernels.check`` (and in CI for both archs) ----
@@ -204,7 +220,8 @@ def attn_matrix(arch: int, full: bool = False):
         return [AttnConfig(arch=arch, head_dim=d, group=g, num_kv_heads=hkv, per_kv_head=pk)
                 for d in HEAD_DIMS for g in GROUP_SIZES for hkv in (2,) for pk in (False, True)]
     return [AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False),
-            AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, dkdv_stages=1),
+            AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, dkdv_stages=1,
+                       dq_stages=1),
             AttnConfig(arch=arch, head_dim=128, group=8, num_kv_heads=1, per_kv_head=True),
             AttnConfig(arch=arch, head_dim=64, group=1, num_kv_heads=4, per_kv_head=False)]
 
