@@ -29,6 +29,19 @@ PAGE_GQA = {"mean_q": _PAGE_GQA_MEAN_Q, "max": _PAGE_GQA_MAX}
 TOKEN_GQA = {"mean_q": GQA_MEAN_Q, "max": GQA_MAX, "sum": GQA_SUM, "mean_p": GQA_MEAN_P}
 
 
+# Host fast path: (launcher, dtypes, static dims, options, arch argument) -> compiled callables.
+# Building a config and hashing it costs more than the TVM-FFI launch itself, so each launcher
+# memoises on the cheap-to-hash values that determine its config.
+_FAST: dict = {}
+
+
+def _fast(key, build):
+    hit = _FAST.get(key)
+    if hit is None:
+        hit = _FAST[key] = build()
+    return hit
+
+
 def _opts(arch: int) -> str:
     from cute_kernels.fake import compile_options
 
@@ -73,9 +86,9 @@ def run_reset_scores(state, slot_mapping, *, arch: int | None = None) -> None:
     """Zero ``state[page, :, off]`` for every valid flat slot in ``slot_mapping`` (in place)."""
     if slot_mapping.shape[0] == 0 or state.shape[0] == 0:
         return
-    arch = _arch.family(arch if arch is not None else _arch.device_arch())
-    cfg = ResetScoresConfig(arch=arch, state_dtype=dtype_name(state.dtype), num_kv_heads=int(state.shape[1]))
-    compile_reset_scores(cfg)(state, slot_mapping)
+    fn = _fast(("reset", state.dtype, state.shape[1], arch), lambda: compile_reset_scores(ResetScoresConfig(
+        arch=_arch_of(arch), state_dtype=dtype_name(state.dtype), num_kv_heads=int(state.shape[1]))))
+    fn(state, slot_mapping)
 
 
 # --------------------------------------------------------------------------- update_page_summary
@@ -101,8 +114,9 @@ def run_update_page_summary(key_cache, slot_mapping, summary, *, arch: int | Non
     """Refresh ``summary [num_pages, Hkv, 3, D]`` (mean, max, min) of the pages ``slot_mapping`` wrote."""
     if slot_mapping.shape[0] == 0 or key_cache.shape[0] == 0:
         return
-    cfg = page_summary_config(key_cache, summary, _arch_of(arch))
-    compile_page_summary(cfg)(key_cache, slot_mapping, summary)
+    fn = _fast(("summary", key_cache.dtype, summary.dtype, tuple(key_cache.shape[1:]), arch),
+               lambda: compile_page_summary(page_summary_config(key_cache, summary, _arch_of(arch))))
+    fn(key_cache, slot_mapping, summary)
 
 
 # --------------------------------------------------------------------------- page_scores
@@ -126,12 +140,17 @@ def run_page_scores(q, summary, block_tables, seq_lens, out, *, page_size: int, 
     """``out [B, Hkv, max_pages]`` = w_avg * avg + w_peak * peak per page (-inf where invalid)."""
     if out.shape[0] == 0 or out.shape[2] == 0:
         return
-    _, hkv, _, d = (int(x) for x in summary.shape)
-    cfg = PageScoresConfig(arch=_arch_of(arch), q_dtype=dtype_name(q.dtype),
-                           summary_dtype=dtype_name(summary.dtype), num_kv_heads=hkv,
-                           group=int(q.shape[1]) // hkv, head_dim=d, page_size=int(page_size),
-                           gqa=PAGE_GQA[gqa_reduce])
-    compile_page_scores(cfg)(q, summary, block_tables, seq_lens, out, float(w_avg), float(w_peak))
+
+    def build():
+        _, hkv, _, d = (int(x) for x in summary.shape)
+        return compile_page_scores(PageScoresConfig(
+            arch=_arch_of(arch), q_dtype=dtype_name(q.dtype), summary_dtype=dtype_name(summary.dtype),
+            num_kv_heads=hkv, group=int(q.shape[1]) // hkv, head_dim=d, page_size=int(page_size),
+            gqa=PAGE_GQA[gqa_reduce]))
+
+    fn = _fast(("page_scores", q.dtype, summary.dtype, q.shape[1], tuple(summary.shape[1:]), page_size, gqa_reduce,
+                arch), build)
+    fn(q, summary, block_tables, seq_lens, out, float(w_avg), float(w_peak))
 
 
 # --------------------------------------------------------------------------- token_accumulate
@@ -190,8 +209,11 @@ def token_config(q, key_cache, state, gqa_reduce: str, arch: int) -> TokenConfig
 
 def token_workspace_shapes(q, key_cache, block_tables, gqa_reduce: str) -> tuple[tuple, tuple]:
     """Shapes of the fp32 (logits, stats) workspaces ``run_token_accumulate`` needs."""
-    cfg = token_config(q, key_cache, key_cache, gqa_reduce, 90)
-    return workspace_shapes(int(q.shape[0]), cfg, int(block_tables.shape[1]))
+    def build():
+        cfg = token_config(q, key_cache, key_cache, gqa_reduce, 90)
+        return workspace_shapes(int(q.shape[0]), cfg, int(block_tables.shape[1]))
+
+    return _fast(("ws", q.shape[0], q.shape[1], tuple(key_cache.shape[1:]), block_tables.shape[1], gqa_reduce), build)
 
 
 def run_token_accumulate(q, key_cache, state, block_tables, seq_lens, logits_ws, stats_ws, *, scale: float,
@@ -204,11 +226,14 @@ def run_token_accumulate(q, key_cache, state, block_tables, seq_lens, logits_ws,
     """
     if q.shape[0] == 0 or block_tables.shape[1] == 0:
         return
-    cfg = token_config(q, key_cache, state, gqa_reduce, _arch_of(arch))
-    compile_token_logits(cfg)(q, key_cache, block_tables, seq_lens, logits_ws, stats_ws,
-                              float(scale) * LOG2E, int(bos), int(eos))
-    compile_token_update(cfg)(state, block_tables, seq_lens, logits_ws, stats_ws, float(decay), int(bos),
-                              int(eos))
+    def build():
+        cfg = token_config(q, key_cache, state, gqa_reduce, _arch_of(arch))
+        return compile_token_logits(cfg), compile_token_update(cfg)
+
+    logits_fn, update_fn = _fast(("token", q.dtype, key_cache.dtype, state.dtype, q.shape[1],
+                                  tuple(key_cache.shape[1:]), gqa_reduce, arch), build)
+    logits_fn(q, key_cache, block_tables, seq_lens, logits_ws, stats_ws, float(scale) * LOG2E, int(bos), int(eos))
+    update_fn(state, block_tables, seq_lens, logits_ws, stats_ws, float(decay), int(bos), int(eos))
 
 
 # --------------------------------------------------------------------------- token_page_scores
@@ -227,10 +252,12 @@ def run_token_page_scores(state, block_tables, seq_lens, out, *, arch: int | Non
     """``out [B, Hkv, max_pages]``: per-page sums of the token state (-inf where invalid)."""
     if out.shape[0] == 0 or out.shape[2] == 0:
         return
-    _, hkv, page_size = (int(x) for x in state.shape)
-    cfg = TokenPageScoresConfig(arch=_arch_of(arch), state_dtype=dtype_name(state.dtype), num_kv_heads=hkv,
-                                page_size=page_size)
-    compile_token_page_scores(cfg)(state, block_tables, seq_lens, out)
+    def build():
+        _, hkv, page_size = (int(x) for x in state.shape)
+        return compile_token_page_scores(TokenPageScoresConfig(
+            arch=_arch_of(arch), state_dtype=dtype_name(state.dtype), num_kv_heads=hkv, page_size=page_size))
+
+    _fast(("token_pages", state.dtype, tuple(state.shape[1:]), arch), build)(state, block_tables, seq_lens, out)
 
 
 # --------------------------------------------------------------------------- select_pages
@@ -254,9 +281,9 @@ def run_select_pages(scores, block_tables, seq_lens, out, out_lens, *, page_size
     if out.shape[0] == 0:
         return
     assert int(out.shape[2]) == bos + topk + eos, "out width must be bos + topk + eos"
-    cfg = SelectPagesConfig(arch=_arch_of(arch), num_kv_heads=int(scores.shape[1]))
-    compile_select_pages(cfg)(scores, block_tables, seq_lens, out, out_lens, int(page_size), int(topk), int(bos),
-                              int(eos))
+    fn = _fast(("select", scores.shape[1], arch), lambda: compile_select_pages(
+        SelectPagesConfig(arch=_arch_of(arch), num_kv_heads=int(scores.shape[1]))))
+    fn(scores, block_tables, seq_lens, out, out_lens, int(page_size), int(topk), int(bos), int(eos))
 
 
 # --------------------------------------------------------------------------- check.py matrix

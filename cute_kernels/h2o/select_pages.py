@@ -17,9 +17,11 @@ Tensors: scores [B, Hkv, max_pages] float32; block_tables [B, max_pages] int32; 
 int32; out [B, Hkv, K] int32; out_lens [B, Hkv] int32.
 
 One CTA per (b, g). The k-th largest score is found exactly by a 4-pass radix select over the
-order-preserving 32-bit image of the fp32 score (one 256-bin shared histogram per pass); a last
-pass in page order takes every page above the threshold and the lowest-indexed pages equal to it,
-placing them with warp ballots and a CTA prefix sum. Everything is static-shaped: no host sync.
+order-preserving 32-bit image of the fp32 score (one 256-bin shared histogram per pass, filled
+with one atomic per distinct digit per warp via match.sync, the digit found by one warp's shuffle
+scan); a last pass in page order (4 consecutive pages per thread, a packed shuffle scan and one
+barrier per 1024 pages) takes every page above the threshold and the lowest-indexed pages equal
+to it. Everything is static-shaped: no host sync.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from cutlass import Float32, Int32
 THREADS = 256
 WARPS = THREADS // 32
 BINS = 256
+ITEMS = 4  # consecutive pages per thread in the placing pass
 
 
 def _s32(x: int) -> int:
@@ -79,10 +82,11 @@ class SelectPages:
         g = row - b * hkv
         warp = tidx // 32
         lane = tidx % 32
+        lt_mask = cute.arch.lanemask_lt()
 
         smem = cutlass.memory.SmemAllocator()
         sHist = smem.allocate_tensor(Int32, cute.make_layout(BINS), byte_alignment=16)
-        sWarp = smem.allocate_tensor(Int32, cute.make_layout((WARPS, 2)), byte_alignment=16)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout((WARPS, 2)), byte_alignment=16)  # 2 buffers
         sPick = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
 
         n = mSeqLen[b]
@@ -129,65 +133,101 @@ class SelectPages:
                     sHist[i] = Int32(0)
                     i += THREADS
                 cute.arch.sync_threads()
-                j = w0 + tidx
-                while j < w1:
-                    key = self._order_key(mBits[b, g, j]) ^ Int32(_s32(0x80000000))  # unsigned image
-                    if (key & Int32(mask)) == prefix:
-                        digit = (key >> shift) & Int32(BINS - 1)
-                        cute.arch.atomic_add(sHist.iterator + digit, Int32(1), scope="cta")
-                    j += THREADS
+                base = w0
+                while base < w1:  # uniform trip count: every lane reaches match_sync
+                    j = base + tidx
+                    digit = Int32(-1)
+                    if j < w1:
+                        key = self._order_key(mBits[b, g, j]) ^ Int32(_s32(0x80000000))  # unsigned image
+                        if (key & Int32(mask)) == prefix:
+                            digit = (key >> shift) & Int32(BINS - 1)
+                    # one shared atomic per distinct digit per warp (keys often share the top byte)
+                    peers = Int32(cute.arch.match_sync(-1, digit))
+                    if ((peers & lt_mask) == 0) & (digit >= 0):
+                        cute.arch.atomic_add(sHist.iterator + digit, cute.arch.popc(peers), scope="cta")
+                    base += THREADS
                 cute.arch.sync_threads()
-                if tidx == 0:
-                    # largest digit d with (# keys with digit >= d) >= need
-                    above = Int32(0)
-                    d = Int32(BINS - 1)
-                    while above + sHist[d] < need:
-                        above += sHist[d]
-                        d -= 1
-                    sPick[0] = d
-                    sPick[1] = need - above
+                if warp == 0:
+                    self._pick_digit(sHist, sPick, lane, need)
                 cute.arch.sync_threads()
                 prefix = prefix | (sPick[0] << shift)
                 need = sPick[1]
-                cute.arch.sync_threads()
             threshold = prefix ^ Int32(_s32(0x80000000))  # back to the signed order key
-            # 2. in page order: all keys > threshold, and the first `need` keys == threshold
-            taken = Int32(0)
-            ties = Int32(0)
-            lt_mask = cute.arch.lanemask_lt()
+            # 2. in page order: every key > threshold and the first `need` keys == threshold.
+            #    Picks before an element = (keys > threshold before it) + min(ties before it, need).
+            gt_run = Int32(0)
+            tie_run = Int32(0)
+            parity = Int32(0)
+            rKey = cute.make_rmem_tensor(cute.make_layout(ITEMS), Int32)
             base = w0
             while base < w1:
-                j = base + tidx
-                key = Int32(0)
-                if j < w1:
-                    key = self._order_key(mBits[b, g, j])
-                inside = j < w1
-                is_gt = inside & (key > threshold)
-                is_tie = inside & (key == threshold)
-                tie_rank, tie_total = self._cta_rank(is_tie, sWarp, 0, warp, lane, lt_mask)
-                pick = is_gt | (is_tie & (ties + tie_rank < need))
-                pos, pick_total = self._cta_rank(pick, sWarp, 1, warp, lane, lt_mask)
-                if pick:
-                    mOut[b, g, bos + taken + pos] = mTable[b, j]
-                taken += pick_total
-                ties += tie_total
-                base += THREADS
+                j0 = base + tidx * ITEMS
+                gt_mine = Int32(0)
+                tie_mine = Int32(0)
+                for it in cutlass.range_constexpr(ITEMS):
+                    key = Int32(0)
+                    if j0 + it < w1:
+                        key = self._order_key(mBits[b, g, j0 + it])
+                    rKey[it] = key
+                    inside = j0 + it < w1
+                    gt_mine += Int32(cutlass.select_(inside & (key > threshold), 1, 0))
+                    tie_mine += Int32(cutlass.select_(inside & (key == threshold), 1, 0))
+                # CTA exclusive scan of the packed counts (ties << 16 | greater), one barrier
+                packed = (tie_mine << 16) | gt_mine
+                incl = packed
+                for k in cutlass.range_constexpr(5):
+                    up = cute.arch.shuffle_sync_up(incl, offset=1 << k)
+                    incl += Int32(cutlass.select_(lane >= (1 << k), up, 0))
+                if lane == 31:
+                    sWarp[warp, parity] = incl
+                cute.arch.sync_threads()
+                before = incl - packed
+                total = Int32(0)
+                for w in cutlass.range_constexpr(WARPS):
+                    c = sWarp[w, parity]
+                    if w < warp:
+                        before += c
+                    total += c
+                gt_before = gt_run + (before & Int32(0xFFFF))
+                tie_before = tie_run + (before >> 16)
+                for it in cutlass.range_constexpr(ITEMS):
+                    j = j0 + it
+                    if j < w1:
+                        key = rKey[it]
+                        if key > threshold:
+                            mOut[b, g, bos + gt_before + cutlass.min(tie_before, need)] = mTable[b, j]
+                            gt_before += 1
+                        elif key == threshold:
+                            if tie_before < need:
+                                mOut[b, g, bos + gt_before + tie_before] = mTable[b, j]
+                            tie_before += 1
+                gt_run += total & Int32(0xFFFF)
+                tie_run += total >> 16
+                parity = parity ^ 1  # double-buffered sWarp: one barrier per chunk is enough
+                base += THREADS * ITEMS
 
     @cute.jit
-    def _cta_rank(self, pred, sWarp: cute.Tensor, slot: cutlass.Constexpr, warp: Int32, lane: Int32,
-                  lt_mask: Int32):
-        """(number of threads before this one with ``pred``, CTA total); ends with a barrier."""
-        ballot = cute.arch.vote_ballot_sync(pred)
-        in_warp = cute.arch.popc(ballot & lt_mask)
-        if lane == 0:
-            sWarp[warp, slot] = cute.arch.popc(ballot)
-        cute.arch.sync_threads()
-        before = Int32(0)
-        total = Int32(0)
-        for w in cutlass.range_constexpr(WARPS):
-            c = sWarp[w, slot]
-            if w < warp:
-                before += c
-            total += c
-        cute.arch.sync_threads()
-        return before + in_warp, total
+    def _pick_digit(self, sHist: cute.Tensor, sPick: cute.Tensor, lane: Int32, need: Int32):
+        """One warp: the largest digit d with #(keys with digit >= d) >= need; writes (d, need left).
+
+        Lane l owns the 8 bins 255 - 8l .. 248 - 8l (descending); a shuffle scan over lanes gives
+        the count above each lane's bins, and the one lane whose bins cross ``need`` walks them.
+        """
+        local = Int32(0)
+        for i in cutlass.range_constexpr(8):
+            local += sHist[BINS - 1 - 8 * lane - i]
+        incl = local
+        for k in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, offset=1 << k)
+            incl += Int32(cutlass.select_(lane >= (1 << k), up, 0))
+        above = incl - local
+        if (above < need) & (incl >= need):
+            found = Int32(0)
+            for i in cutlass.range_constexpr(8):
+                d = BINS - 1 - 8 * lane - i
+                c = sHist[d]
+                if (found == 0) & (above + c >= need):
+                    sPick[0] = d
+                    sPick[1] = need - above
+                    found = Int32(1)
+                above += c

@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common import NEG_BIG, combine_max_sum, group_sum, load_vec_f32, row_split, warp_max_sum
+from .common import NEG_BIG, combine_max_sum, exp2, group_sum, load_vec_f32, row_split, warp_max_sum
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -186,7 +186,7 @@ class TokenLogits:
                         if (lane == 0) & (t < w_end) & (t < max_tok):
                             mLogit[b, g, h, t - bos] = logit
                             m_new = cute.arch.fmax(rMax[h], logit)
-                            rSum[h] = rSum[h] * cute.arch.exp2(rMax[h] - m_new) + cute.arch.exp2(logit - m_new)
+                            rSum[h] = rSum[h] * exp2(rMax[h] - m_new) + exp2(logit - m_new)
                             rMax[h] = m_new
             # 3. chunk statistics: warp, then CTA
             for h in cutlass.range_constexpr(R):
@@ -282,7 +282,7 @@ class TokenUpdate:
                     if (phys >= 0) & (phys < num_pages):
                         p = Float32(0.0)
                         for h in cutlass.range_constexpr(R):
-                            ph = cute.arch.exp2(mLogit[b, g, h, t - bos] - rMax[h]) * rInv[h]
+                            ph = exp2(mLogit[b, g, h, t - bos] - rMax[h]) * rInv[h]
                             if cutlass.const_expr(cfg.gqa == GQA_MAX):
                                 p = cute.arch.fmax(p, ph)
                             else:
