@@ -137,7 +137,7 @@ class TopkBlocks:
                 nb_row = Int32(cutlass.select_(last_key < 0, 0, last_key // block_size + 1))
                 nb_row = Int32(cutlass.select_(nb_row < mBlockLogit.shape[3], nb_row, mBlockLogit.shape[3]))
             self.load_log_weight(mBlockLogit, mLSE, tWrW, batch, group, i, nb_row, lane)
-            self.force_sink_local(tWrW, mBlockLogit.shape[3], sink_blocks, local_blocks, lane)
+            self.force_sink_local(tWrW, sink_blocks, local_blocks, lane)
             last_v, last_j = self.select(tWrW, lane)
             self.write_ids(tWrW, mOut, batch, group, i, last_v, last_j, lane)
 
@@ -178,8 +178,7 @@ class TopkBlocks:
                     tWrW[e] = cute.arch.fmax(tWrW[e], logw)
 
     @cute.jit
-    def force_sink_local(self, tWrW: cute.Tensor, nb: Int32, sink_blocks: Int32, local_blocks: Int32,
-                         lane: Int32):
+    def force_sink_local(self, tWrW: cute.Tensor, sink_blocks: Int32, local_blocks: Int32, lane: Int32):
         cfg = self.cfg
         neg_inf = Float32(-Float32.inf)
         # The row's diagonal block is its last visible one (for causal rows (i + Sk - Sq) // block).
