@@ -78,16 +78,22 @@ from .config import FwdConfig
 # by more than RESCALE_THRESHOLD_LOG2 (log2 units), so most tiles need no O rescale and P stays
 # <= 2^8, far inside bf16/fp16 range. The final lse uses the max actually used, so it is exact.
 RESCALE_THRESHOLD_LOG2 = 8.0
-# One exp2 in EXP2_POLY_EVERY is computed on the FMA pipe (pairs: k % EVERY == EVERY - 2), the
-# rest on MUFU. 0 disables. FA4 b36 uses 10-32 for head_dim 128/192 (its _TUNING_CONFIG); this
-# value is not tuned on hardware (no Blackwell GPU was available).
-EXP2_POLY_EVERY = 16
+# exp2 on the FMA pipe (math_sm100.exp2_poly_x2) for EXP2_POLY_OF of every EXP2_POLY_EVERY
+# columns of the two middle 32-column chunks of a row (12.5 % of all exp2), MUFU for the rest, so
+# both pipes work. FA4 b36 does the same at a similar ratio (freq 16, 4 emulated, first and last
+# fragment on MUFU). Not tuned on hardware: no Blackwell GPU was available. 0 disables.
+EXP2_POLY_EVERY, EXP2_POLY_OF = 16, 4
 
 SMEM_BYTES_MAX_SM100 = 232_448
 TILE_M = 128  # query rows per Q stage (one TMEM lane per row)
 TILE_N = 128  # keys per key tile
 NUM_THREADS = 512
-REGS_SOFTMAX, REGS_CORRECTION, REGS_OTHER = 192, 64, 64  # per thread; 2*192 + 64 + 64 = 4 * 128
+# Registers per thread after setmaxnreg, per warpgroup (softmax 0, softmax 1, correction, other).
+# The sum stays <= 4 * 128 (65,536 registers per SM at 512 threads). With one Q stage the second
+# softmax WG idles at the minimum and gives its registers to the softmax and correction WGs; it
+# lowers them as the very last statement of the kernel (code after a setmaxnreg.dec branch must
+# fit the smaller budget, which made ptxas spill).
+REGS = {2: (192, 192, 64, 64), 1: (240, 24, 184, 64)}
 O_CHUNK = 16  # O columns the correction WG moves per TMEM load/store (16 fp32 registers)
 
 _WARPS_SOFTMAX = ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -104,10 +110,21 @@ def _q_stage(cfg: FwdConfig) -> int:
     return 2 if cfg.head_dim_v <= 128 else 1
 
 
+def _smem_bytes(head_dim: int, q_stage: int, kv_stage: int) -> int:
+    """Upper bound of the SharedStorage size: barriers and row stats, then sQ and the K/V ring
+    (each 1024-B aligned), plus 1024 B in case the dynamic smem base needs aligning."""
+    small = 8 * (2 * q_stage + 2 * kv_stage + 6 * q_stage) + 4 + 3 * q_stage * TILE_M * 4
+    q_bytes = q_stage * TILE_M * head_dim * 2
+    kv_bytes = kv_stage * TILE_N * head_dim * 2
+    return 1024 + ((small + 1023) // 1024) * 1024 + q_bytes + kv_bytes
+
+
 def _kv_stage(cfg: FwdConfig) -> int:
-    tile_bytes = TILE_N * cfg.head_dim * 2
-    free = SMEM_BYTES_MAX_SM100 - _q_stage(cfg) * TILE_M * cfg.head_dim * 2 - 2048
-    return max(2, min(6, free // tile_bytes))
+    """Most K/V ring buffers (K and V tiles share it) that fit, between 2 and 6."""
+    stages = 6
+    while stages > 2 and _smem_bytes(cfg.head_dim, _q_stage(cfg), stages) > SMEM_BYTES_MAX_SM100:
+        stages -= 1
+    return stages
 
 
 class FlashFwdSm100:
@@ -151,13 +168,8 @@ class FlashFwdSm100:
 
     @staticmethod
     def smem_bytes(cfg: FwdConfig) -> int:
-        """Dynamic shared memory the launch requests (tiles + barriers + stats), in bytes."""
-        q_stage, kv_stage = _q_stage(cfg), _kv_stage(cfg)
-        q_bytes = q_stage * TILE_M * cfg.head_dim * 2
-        kv_bytes = kv_stage * TILE_N * cfg.head_dim * 2
-        small = 8 * (2 * q_stage + 2 * kv_stage + 6 * q_stage) + 4 + 3 * q_stage * TILE_M * 4
-        # SharedStorage: barriers/stats first, then sQ and sK (each aligned to 1024 B)
-        return 1024 + q_bytes + kv_bytes + ((small + 1023) // 1024) * 1024
+        """Dynamic shared memory of the launch (an upper bound, see ``_smem_bytes``), in bytes."""
+        return _smem_bytes(cfg.head_dim, _q_stage(cfg), _kv_stage(cfg))
 
     # ------------------------------------------------------------------ host (jit) side
     @cute.jit
@@ -331,25 +343,26 @@ class FlashFwdSm100:
                      num_m_tiles, num_heads)
 
         # ---------------------------------------------------------------- LOAD
+        regs_softmax, regs_softmax1, regs_correction, regs_other = REGS[self.q_stage]
         if warp_idx == _WARP_LOAD:
-            cute.arch.setmaxregister_decrease(REGS_OTHER)
+            cute.arch.setmaxregister_decrease(regs_other)
             self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
                       sQ, sK, sV, pipe_q, pipe_kv, tile_args, total_tiles)
         if warp_idx > _WARP_LOAD:
-            cute.arch.setmaxregister_decrease(REGS_OTHER)
+            cute.arch.setmaxregister_decrease(regs_other)
         # ---------------------------------------------------------------- SOFTMAX
         if warp_idx < 4 * self.q_stage:
-            cute.arch.setmaxregister_increase(REGS_SOFTMAX)
+            cute.arch.setmaxregister_increase(regs_softmax)
             stage = Int32(0) if const_expr(self.q_stage == 1) else warp_idx // 4
             self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, mBlockLogit,
                          bar_s_full, bar_p_ready, bar_scale, bar_stats_full, bar_stats_empty,
                          scale_log2, softcap_in, softcap, logit_scale, tile_args, total_tiles)
-        if const_expr(self.q_stage == 1):
-            if warp_idx >= 4 and warp_idx < 8:
-                cute.arch.setmaxregister_decrease(REGS_OTHER)
         # ---------------------------------------------------------------- CORRECTION + EPILOGUE
         if warp_idx >= _WARPS_CORRECTION[0] and warp_idx <= _WARPS_CORRECTION[-1]:
-            cute.arch.setmaxregister_decrease(REGS_CORRECTION)
+            if const_expr(regs_correction < 128):
+                cute.arch.setmaxregister_decrease(regs_correction)
+            else:
+                cute.arch.setmaxregister_increase(regs_correction)
             self.correction(thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, mO, mLSE,
                             bar_p_ready, bar_o_full, bar_scale, bar_stats_full, bar_stats_empty,
                             scale_log2, tile_args, total_tiles)
@@ -362,10 +375,14 @@ class FlashFwdSm100:
         # Last in program order: the MMA loop re-sets the ACCUMULATE field of the tiled MMAs, and
         # no role after it may reuse those objects.
         if warp_idx == _WARP_MMA:
-            cute.arch.setmaxregister_decrease(REGS_OTHER)
+            cute.arch.setmaxregister_decrease(regs_other)
             self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
                      tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, bar_s_full, bar_p_ready, bar_o_full,
                      tile_args, total_tiles)
+        # ---------------------------------------------------------------- IDLE softmax WG 1
+        if const_expr(self.q_stage == 1):
+            if (warp_idx >= 4) & (warp_idx < 8):
+                cute.arch.setmaxregister_decrease(regs_softmax1)
 
     # ------------------------------------------------------------------ work tiles
     @cute.jit
@@ -674,7 +691,9 @@ class FlashFwdSm100:
             lo_c = key_lo - col0
             for k in cutlass.range_constexpr(n):
                 c = tScS_t2r[k][1]
-                keep = (c < hi_c) & (c >= lo_c)
+                keep = c < hi_c
+                if const_expr(cfg.has_window):
+                    keep = keep & (c >= lo_c)
                 tSrS[k] = Float32(cutlass.select_(keep, tSrS[k], Float32(-Float32.inf)))
         # 4. block maxima and the tile max from the same fmax3 tree (register column k is key
         #    column k of the tile: the 32x32b TMEM load gives each thread its row in order)
@@ -728,8 +747,8 @@ class FlashFwdSm100:
             for k0 in cutlass.range_constexpr(j * per_chunk, (j + 1) * per_chunk, 2):
                 x0, x1 = cute.arch.fma_packed_f32x2((tSrS[k0], tSrS[k0 + 1]), (scale_log2, scale_log2),
                                                     (bias, bias))
-                if const_expr(EXP2_POLY_EVERY > 0 and k0 % EXP2_POLY_EVERY == EXP2_POLY_EVERY - 2
-                              and j > 0 and j < chunks - 1):
+                if const_expr(EXP2_POLY_EVERY > 0 and k0 % EXP2_POLY_EVERY >= EXP2_POLY_EVERY - EXP2_POLY_OF
+                              and 0 < j < chunks - 1):
                     x0, x1 = exp2_poly_x2(x0, x1)
                 else:
                     x0 = cute.math.exp2(x0, fastmath=True)

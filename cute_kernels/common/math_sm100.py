@@ -83,7 +83,8 @@ def _shift_add_exponent(rounded: Float32, frac_pow: Float32, *, loc=None, ip=Non
 
 @cute.jit
 def exp2_poly_x2(x0: Float32, x1: Float32):
-    """(2^x0, 2^x1) without MUFU, for x <= 127; x < -127 gives a value below 2^-126 (~0).
+    """(2^x0, 2^x1) without MUFU, for x <= 127; exactly 0 for x < -127 (and -inf), like the
+    flush-to-zero MUFU ex2, so a fully masked row keeps a zero row sum.
 
     x = n + f with n = floor(x), f in [0, 1); 2^f by the polynomial, n added to the exponent field.
     The packed f32x2 FMA/ADD instructions process both inputs at once.
@@ -96,7 +97,11 @@ def exp2_poly_x2(x0: Float32, x1: Float32):
     p = cute.arch.fma_packed_f32x2(frac, (c3, c3), (c2, c2))
     p = cute.arch.fma_packed_f32x2(frac, p, (c1, c1))
     p = cute.arch.fma_packed_f32x2(frac, p, (1.0, 1.0))
-    return _shift_add_exponent(rounded[0], p[0]), _shift_add_exponent(rounded[1], p[1])
+    y0 = _shift_add_exponent(rounded[0], p[0])
+    y1 = _shift_add_exponent(rounded[1], p[1])
+    y0 = Float32(cutlass.select_(x0 >= -127.0, y0, Float32(0.0)))
+    y1 = Float32(cutlass.select_(x1 >= -127.0, y1, Float32(0.0)))
+    return y0, y1
 
 
 __all__ = ["fmax3", "max_tree", "exp2_poly_x2"]
