@@ -65,11 +65,6 @@ def group_sum(x: Float32, lanes: cutlass.Constexpr) -> Float32:
 
 
 @cute.jit
-def group_max(x: Float32, lanes: cutlass.Constexpr) -> Float32:
-    return cute.arch.warp_reduction_max(x, threads_in_group=lanes)
-
-
-@cute.jit
 def combine_max_sum(m1: Float32, s1: Float32, m2: Float32, s2: Float32):
     """Merge two partial softmax normalisers in the log2 domain: ``(max, sum of exp2(x - max))``."""
     m = cute.arch.fmax(m1, m2)

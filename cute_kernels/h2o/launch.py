@@ -333,9 +333,6 @@ def _smem_token(cfg: TokenConfig) -> int:
     return 4 * 2 * cfg.rows_per_head * 4  # (WARPS, R, 2) fp32
 
 
-# Backwards-compatible name of the reset matrix (the worked example used it).
-config_matrix = _reset_matrix
-
 CHECKS = {
     "h2o_reset_scores": (_reset_matrix, compile_reset_scores, lambda cfg: 0),
     "h2o_update_page_summary": (_summary_matrix, compile_page_summary, lambda cfg: 0),

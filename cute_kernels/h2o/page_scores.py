@@ -31,7 +31,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common import group_max, group_sum, load_vec_f32, row_split
+from .common import group_sum, load_vec_f32, row_split
 
 THREADS = 128
 ITERS = 4  # pages each lane group scores per CTA

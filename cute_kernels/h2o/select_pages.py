@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Int32
 
 THREADS = 256
 WARPS = THREADS // 32
