@@ -124,7 +124,7 @@ def time_ms(fn, iters: int) -> list:
     return out
 
 
-def bench_windowed(q, k, v, idx, dout, iters: int, stages: int = 2) -> dict:
+def bench_windowed(q, k, v, idx, dout, iters: int, stages: int | None = None) -> dict:
     from cute_kernels.indexed.config import window_queries
     from cute_kernels.indexed.launch import (attn_config, plan_shapes, run_bwd_dkdv, run_bwd_dq, run_fwd,
                                              run_plan)
@@ -196,7 +196,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--baseline-max", type=int, default=16384)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--stages", default="2", help="comma list; 1 = no prefetch in the dQ and dK/dV passes")
+    ap.add_argument("--stages", default="default",
+                    help="comma list of 'default' (AttnConfig defaults), 1 or 2 (both passes forced)")
     args = ap.parse_args(argv)
     from cute_kernels.indexed.config import window_queries
 
@@ -211,7 +212,7 @@ def main(argv=None):
             dout = torch.randn_like(q)
             idx = prime_rl_indices_gpu(lq, lkv, rho, seed=1)
             row = {"shape": shape, "rho": rho, "union_ratio": round(union_ratio_gpu(idx, lkv, window_queries(HQ // HKV)), 3)}
-            for i, st in enumerate(int(x) for x in args.stages.split(",")):
+            for i, st in enumerate(None if x == "default" else int(x) for x in args.stages.split(",")):
                 res = bench_windowed(q, k, v, idx[None], dout, args.iters, st)
                 row.update({(k_ if i == 0 else f"stages{st}_{k_}"): round(v_, 3) if isinstance(v_, float) else v_
                             for k_, v_ in res.items() if i == 0 or k_.endswith("_ms")})

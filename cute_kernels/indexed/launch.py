@@ -11,6 +11,7 @@ S = B * Hkv).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from cute_kernels import arch as _arch
@@ -162,11 +163,15 @@ def run_plan(indices, kv_len: int, win_key, win_mask, win_count, tile_bits, tile
     fns.tile_fill(tile_bits, tile_ptr, win_key, win_count, tile_win, tile_start)
 
 
-def attn_config(q, k, per_kv_head: bool, arch: int | None = None, stages: int = 2) -> AttnConfig:
-    """Config for these tensors; ``stages`` = 2 prefetches one chunk / window ahead in dQ and dK/dV."""
+def attn_config(q, k, per_kv_head: bool, arch: int | None = None, stages: int | None = None) -> AttnConfig:
+    """Config for these tensors. ``stages`` None = the measured-best defaults of ``AttnConfig``;
+    1 or 2 forces that many stages in both the dQ and the dK/dV pass (tests, benchmarks)."""
     hq, hkv, d = int(q.shape[2]), int(k.shape[2]), int(q.shape[3])
-    return AttnConfig(arch=_arch_of(arch), head_dim=d, group=hq // hkv, num_kv_heads=hkv,
-                      per_kv_head=per_kv_head, dkdv_stages=stages, dq_stages=stages)
+    cfg = AttnConfig(arch=_arch_of(arch), head_dim=d, group=hq // hkv, num_kv_heads=hkv,
+                     per_kv_head=per_kv_head)
+    if stages is not None:
+        cfg = dataclasses.replace(cfg, dkdv_stages=stages, dq_stages=stages)
+    return cfg
 
 
 def run_fwd(cfg: AttnConfig, q, k, v, win_key, win_mask, win_count, out, lse, softmax_scale: float) -> None:
@@ -221,7 +226,7 @@ def attn_matrix(arch: int, full: bool = False):
                 for d in HEAD_DIMS for g in GROUP_SIZES for hkv in (2,) for pk in (False, True)]
     return [AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False),
             AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, dkdv_stages=1,
-                       dq_stages=1),
+                       dq_stages=2),
             AttnConfig(arch=arch, head_dim=128, group=8, num_kv_heads=1, per_kv_head=True),
             AttnConfig(arch=arch, head_dim=64, group=1, num_kv_heads=4, per_kv_head=False)]
 

@@ -54,7 +54,7 @@ def test_checks_registered_and_matrices_cover_production():
     assert "cute_kernels.indexed.launch" in LAUNCH_MODULES
     assert set(CHECKS) == set(KERNELS)
     prod = [c for c in attn_matrix(90) if (c.head_dim, c.group, c.num_kv_heads) == (256, 12, 2)]
-    assert {c.dkdv_stages for c in prod} == {1, 2}
+    assert {c.dkdv_stages for c in prod} == {1, 2} and {c.dq_stages for c in prod} == {1, 2}
 
 
 @pytest.mark.parametrize("group,wq", [(1, 32), (2, 32), (4, 16), (8, 8), (12, 5), (16, 4)])

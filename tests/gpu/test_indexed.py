@@ -42,7 +42,7 @@ def build_plan(idx: "torch.Tensor", kv_len: int, wq: int) -> dict:
     return plan
 
 
-def run_indexed(q, k, v, idx, dout, scale=None, stages=2):
+def run_indexed(q, k, v, idx, dout, scale=None, stages=None):
     from cute_kernels.indexed.launch import attn_config, run_bwd, run_fwd
 
     per_kv_head = idx.dim() == 4
