@@ -30,7 +30,7 @@ def window_queries(heads_per_kv: int) -> int:
     return min(_TILE_M // heads_per_kv, 32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class IndexedAttentionPlan:
     """Windowed plan; every tensor is int32 on the indices' place. Shapes (``S`` index sets,
     ``NW = ceil(Lq / WQ)`` windows, ``CAP = WQ * W``, ``NT = ceil(kv_len / 32)``,
