@@ -34,6 +34,13 @@ def _require_int(op: str, name: str, value, minimum: int) -> int:
     return value
 
 
+def _check_backend(op: str, backend) -> None:
+    from .backend import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+
+
 def _check_logit_lse(op: str, block_logit, lse) -> bool:
     """Validate the (block_logit, lse) pair; True for the varlen (3-D) layout."""
     for name, t in (("block_logit", block_logit), ("lse", lse)):
@@ -150,6 +157,7 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
             [[[[1, 2]]]]
     """
     op = "select_topk_blocks"
+    _check_backend(op, backend)
     varlen = _check_logit_lse(op, block_logit, lse)
     _require_int(op, "topk", topk, 1)
     sink_blocks = _require_int(op, "sink_blocks", sink_blocks, 0)
@@ -185,9 +193,9 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
     import paddle
 
     if b * sq == 0:
-        out = paddle.empty([b, groups, sq, topk], dtype="int32")
+        out = paddle.empty([b, groups, sq, topk], dtype="int32", device=block_logit.place)
     elif nb == 0:
-        out = paddle.full([b, groups, sq, topk], -1, dtype="int32")
+        out = paddle.full([b, groups, sq, topk], -1, dtype="int32", device=block_logit.place)
     else:
         def reason(arch):
             from ._cute import selection as glue
@@ -196,7 +204,7 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
                 return "block_logit and lse must be contiguous"
             return glue.topk_unsupported_reason(arch, nb=nb, topk=topk)
 
-        out = paddle.empty([b, groups, sq, topk], dtype="int32")
+        out = paddle.empty([b, groups, sq, topk], dtype="int32", device=block_logit.place)
         if resolve_backend(op, backend, block_logit, reason) == "cute":
             from ._cute import selection as glue
 
@@ -247,6 +255,7 @@ def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = 
             (paddle.Size([1, 1, 48]), [14, 15, 16, 17, 18, 19, -1, -1])
     """
     op = "blocks_to_indices"
+    _check_backend(op, backend)
     if _dtype_name(block_idx) != "int32":
         raise TypeError(f"{op}: block_idx must be int32, got {_dtype_name(block_idx)}")
     if block_idx.ndim != 4:
@@ -262,7 +271,7 @@ def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = 
 
     import paddle
 
-    out = paddle.empty([b, hs, sq, width], dtype="int32")
+    out = paddle.empty([b, hs, sq, width], dtype="int32", device=block_idx.place)
     if out.numel() > 0:
         def reason(arch):
             from ._cute import selection as glue
@@ -337,6 +346,7 @@ def select_topk_blocks_chunked(q, k, v, topk: int, softmax_scale: Optional[float
             [0, 2]
     """
     op = "select_topk_blocks_chunked"
+    _check_backend(op, backend)
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if getattr(t, "ndim", None) != 4:
             raise ValueError(f"{op}: {arg} must be 4-D [B, S, H, D] (varlen is not supported by the "

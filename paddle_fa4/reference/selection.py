@@ -29,7 +29,7 @@ def _select_rows(block_logit, lse, topk, num_groups, sink_blocks, local_blocks, 
     group = hq // num_groups
     logw = block_log_weight(block_logit, lse)
     logw = logw.reshape([b, num_groups, group, c, nb]).max(axis=2)  # [B, Hs, c, nb]
-    col = paddle.arange(nb, dtype="int64").reshape([1, 1, 1, nb])
+    col = paddle.arange(nb, dtype="int64", device=block_logit.place).reshape([1, 1, 1, nb])
     if last_blocks is not None:
         logw = paddle.where(col <= last_blocks.reshape([1, 1, c, 1]), logw, paddle.full_like(logw, _NEG_INF))
     visible = logw > _NEG_INF
@@ -46,7 +46,7 @@ def _select_rows(block_logit, lse, topk, num_groups, sink_blocks, local_blocks, 
     ids = paddle.sort(paddle.where(chosen, order, sentinel), axis=-1)
     ids = paddle.where(ids == nb, paddle.full_like(ids, -1), ids).astype("int32")
     if kept < topk:
-        pad = paddle.full([b, num_groups, c, topk - kept], -1, dtype="int32")
+        pad = paddle.full([b, num_groups, c, topk - kept], -1, dtype="int32", device=block_logit.place)
         ids = paddle.concat([ids, pad], axis=-1)
     return ids
 
@@ -65,8 +65,9 @@ def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, loc
         if causal_limit is not None:
             block_size, seqlen_k = causal_limit
             # floor division: a row that sees no key gets -1 (nothing visible)
-            last_blocks = paddle.floor_divide(paddle.arange(s0, s1, dtype="int64") + (seqlen_k - sq),
-                                              paddle.to_tensor(block_size, dtype="int64"))
+            rows_k = paddle.arange(s0, s1, dtype="int64", device=block_logit.place) + (seqlen_k - sq)
+            last_blocks = paddle.floor_divide(rows_k, paddle.full([], block_size, dtype="int64",
+                                                                  device=block_logit.place))
         out[:, :, s0:s1] = _select_rows(block_logit[:, :, s0:s1], lse[:, :, s0:s1], topk, num_groups,
                                         sink_blocks, local_blocks, last_blocks)
 
@@ -76,14 +77,14 @@ def blocks_to_indices(block_idx, out, block_size, seqlen_k, causal) -> None:
     b, hs, sq, topk = block_idx.shape
     nb_k = -(-seqlen_k // block_size)
     rows = max(1, _ROW_ELEMS // max(1, b * hs * topk * block_size))
-    offs = paddle.arange(block_size, dtype="int64").reshape([1, 1, 1, 1, block_size])
+    offs = paddle.arange(block_size, dtype="int64", device=block_idx.place).reshape([1, 1, 1, 1, block_size])
     for s0 in range(0, sq, rows):
         s1 = min(sq, s0 + rows)
         blk = block_idx[:, :, s0:s1].astype("int64").unsqueeze(-1)  # [B, Hs, c, topk, 1]
         keys = blk * block_size + offs
         valid = (blk >= 0) & (blk < nb_k) & (keys < seqlen_k)
         if causal:
-            row = paddle.arange(s0, s1, dtype="int64").reshape([1, 1, s1 - s0, 1, 1])
+            row = paddle.arange(s0, s1, dtype="int64", device=block_idx.place).reshape([1, 1, s1 - s0, 1, 1])
             valid = valid & (keys <= row + (seqlen_k - sq))
         keys = paddle.where(valid, keys, paddle.full_like(keys, -1)).astype("int32")
         out[:, :, s0:s1] = keys.reshape([b, hs, s1 - s0, topk * block_size])
