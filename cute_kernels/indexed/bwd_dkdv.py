@@ -19,6 +19,8 @@ Tensors: mQ/mdO [B, Lq, Hq, D] bf16, mK/mV/mdK/mdV [B, Lkv, Hkv, D] bf16, mLSE/m
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -154,6 +156,15 @@ class IndexedBwdDKDV:
         thr_r2s = r2s.get_slice(tidx)
 
         tScS = C.mn_view(thr_mma.partition_C(cute.make_identity_tensor((KEY_TILE, TILE_M))))
+        ns = SimpleNamespace(tiled_mma=tiled_mma, thr_mma=thr_mma, copy_A=copy_A, copy_B=copy_B,
+                             copy_Bt=copy_Bt, r2s=r2s, thr_r2s=thr_r2s, tScS=tScS, scale_log2=scale_log2,
+                             sKeyMask=sKeyMask, sLSE=sLSE, sDelta=sDelta, sPt=sPt, sdSt=sdSt,
+                             tSrK=tSrK, tSrV=tSrV, tSrQ=tSrQ, tSrdO=tSrdO, tSsK=tSsK, tSrK_v=tSrK_v,
+                             tSsV=tSsV, tSrV_v=tSrV_v, tSsQ=tSsQ, tSrQ_v=tSrQ_v, tSsdO=tSsdO,
+                             tSrdO_v=tSrdO_v, tdrPt=tdrPt, tdrdSt=tdrdSt, tdrdOt=tdrdOt, tdrQt=tdrQt,
+                             tdsPt=tdsPt, tdrPt_v=tdrPt_v, tdsdSt=tdsdSt, tdrdSt_v=tdrdSt_v,
+                             tdsdOt=tdsdOt, tdrdOt_v=tdrdOt_v, tdsQt=tdsQt, tdrQt_v=tdrQt_v,
+                             acc_dK=acc_dK, acc_dV=acc_dV)
 
         # ---- the tile's K and V rows ----
         for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
@@ -186,41 +197,7 @@ class IndexedBwdDKDV:
                                      mTileStart, g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p + 1,
                                      1 - buf, s, h, b, t0, tidx)
                 cute.arch.cp_async_commit_group()
-            # 2. S^T = K Q^T, dP^T = V dO^T
-            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
-            acc_S.fill(0.0)
-            C.gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, copy_A, tSsK, tSrK_v, copy_B, tSsQ[None, None, None, buf],
-                      tSrQ_v)
-            acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
-            acc_dP.fill(0.0)
-            C.gemm_ss(tiled_mma, acc_dP, tSrV, tSrdO, copy_A, tSsV, tSrV_v, copy_B,
-                      tSsdO[None, None, None, buf], tSrdO_v)
-            # 3. P^T and dS^T
-            S = C.mn_view(acc_S)
-            dP = C.mn_view(acc_dP)
-            for i in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                msk = sKeyMask[tScS[i, 0][0], buf]
-                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    r = tScS[0, c][1]
-                    p_val = Float32(0.0)
-                    ds = Float32(0.0)  # unselected keys of the tile may hold anything (even NaN)
-                    if C.selected(msk, r // G, self.wq):
-                        p_val = cute.math.exp2(S[i, c] * scale_log2 - sLSE[r, buf], fastmath=True)
-                        ds = p_val * (dP[i, c] - sDelta[r, buf])
-                    dP[i, c] = ds
-                    S[i, c] = p_val
-            rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
-            rP.store(acc_S.load().to(cutlass.BFloat16))
-            rdS = cute.make_fragment_like(acc_dP, cutlass.BFloat16)
-            rdS.store(acc_dP.load().to(cutlass.BFloat16))
-            cute.copy(r2s, thr_r2s.retile(rP), thr_r2s.partition_D(sPt))
-            cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(sdSt))
-            cute.arch.barrier()
-            # 4. dV += P^T dO, dK += dS^T Q
-            C.gemm_ss(tiled_mma, acc_dV, tdrPt, tdrdOt, copy_A, tdsPt, tdrPt_v, copy_Bt,
-                      tdsdOt[None, None, None, buf], tdrdOt_v)
-            C.gemm_ss(tiled_mma, acc_dK, tdrdSt, tdrQt, copy_A, tdsdSt, tdrdSt_v, copy_Bt,
-                      tdsQt[None, None, None, buf], tdrQt_v)
+            self.compute_pair(ns, buf)
             if cutlass.const_expr(self.stages == 1):
                 cute.arch.barrier()  # sQ, sdO and the stats are rewritten for the next window
 
@@ -293,3 +270,44 @@ class IndexedBwdDKDV:
                 delta = mDelta[b, hq, q0 + qi]
             sLSE[r, buf] = lse2
             sDelta[r, buf] = delta
+
+    @cute.jit
+    def compute_pair(self, ns: SimpleNamespace, buf: Int32):
+        """One (key tile, window) pair from stage ``buf``: S^T, dP^T, P^T / dS^T (via smem), then
+        dV += P^T dO and dK += dS^T Q into the register accumulators."""
+        G = self.g
+        # 2. S^T = K Q^T, dP^T = V dO^T
+        acc_S = cute.make_rmem_tensor(ns.thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
+        acc_S.fill(0.0)
+        C.gemm_ss(ns.tiled_mma, acc_S, ns.tSrK, ns.tSrQ, ns.copy_A, ns.tSsK, ns.tSrK_v, ns.copy_B, ns.tSsQ[None, None, None, buf],
+                  ns.tSrQ_v)
+        acc_dP = cute.make_rmem_tensor(ns.thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
+        acc_dP.fill(0.0)
+        C.gemm_ss(ns.tiled_mma, acc_dP, ns.tSrV, ns.tSrdO, ns.copy_A, ns.tSsV, ns.tSrV_v, ns.copy_B,
+                  ns.tSsdO[None, None, None, buf], ns.tSrdO_v)
+        # 3. P^T and dS^T
+        S = C.mn_view(acc_S)
+        dP = C.mn_view(acc_dP)
+        for i in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            msk = ns.sKeyMask[ns.tScS[i, 0][0], buf]
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                r = ns.tScS[0, c][1]
+                p_val = Float32(0.0)
+                ds = Float32(0.0)  # unselected keys of the tile may hold anything (even NaN)
+                if C.selected(msk, r // G, self.wq):
+                    p_val = cute.math.exp2(S[i, c] * ns.scale_log2 - ns.sLSE[r, buf], fastmath=True)
+                    ds = p_val * (dP[i, c] - ns.sDelta[r, buf])
+                dP[i, c] = ds
+                S[i, c] = p_val
+        rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
+        rP.store(acc_S.load().to(cutlass.BFloat16))
+        rdS = cute.make_fragment_like(acc_dP, cutlass.BFloat16)
+        rdS.store(acc_dP.load().to(cutlass.BFloat16))
+        cute.copy(ns.r2s, ns.thr_r2s.retile(rP), ns.thr_r2s.partition_D(ns.sPt))
+        cute.copy(ns.r2s, ns.thr_r2s.retile(rdS), ns.thr_r2s.partition_D(ns.sdSt))
+        cute.arch.barrier()
+        # 4. dV += P^T dO, dK += dS^T Q
+        C.gemm_ss(ns.tiled_mma, ns.acc_dV, ns.tdrPt, ns.tdrdOt, ns.copy_A, ns.tdsPt, ns.tdrPt_v, ns.copy_Bt,
+                  ns.tdsdOt[None, None, None, buf], ns.tdrdOt_v)
+        C.gemm_ss(ns.tiled_mma, ns.acc_dK, ns.tdrdSt, ns.tdrQt, ns.copy_A, ns.tdsdSt, ns.tdrdSt_v, ns.copy_Bt,
+                  ns.tdsQt[None, None, None, buf], ns.tdrQt_v)
