@@ -93,7 +93,7 @@ NUM_THREADS = 512
 # softmax WG idles at the minimum and gives its registers to the softmax and correction WGs; it
 # lowers them as the very last statement of the kernel (code after a setmaxnreg.dec branch must
 # fit the smaller budget, which made ptxas spill).
-REGS = {2: (192, 192, 64, 64), 1: (240, 24, 184, 64)}
+REGS = {2: (192, 192, 72, 56), 1: (240, 24, 184, 64)}
 O_CHUNK = 16  # O columns the correction WG moves per TMEM load/store (16 fp32 registers)
 
 _WARPS_SOFTMAX = ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -342,23 +342,22 @@ class FlashFwdSm100:
         tile_args = (mCuSeqlensQ, mCuSeqlensK, mQ.shape[0], mK.shape[0], window_left, window_right,
                      num_m_tiles, num_heads)
 
-        # ---------------------------------------------------------------- LOAD
+        # One if/elif chain: the roles are sibling branches, so values only one role needs are not
+        # live (and holding registers) inside another role's smaller setmaxnreg budget.
         regs_softmax, regs_softmax1, regs_correction, regs_other = REGS[self.q_stage]
-        if warp_idx == _WARP_LOAD:
-            cute.arch.setmaxregister_decrease(regs_other)
-            self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-                      sQ, sK, sV, pipe_q, pipe_kv, tile_args, total_tiles)
-        if warp_idx > _WARP_LOAD:
-            cute.arch.setmaxregister_decrease(regs_other)
-        # ---------------------------------------------------------------- SOFTMAX
         if warp_idx < 4 * self.q_stage:
+            # ------------------------------------------------------------ SOFTMAX (one WG per Q stage)
             cute.arch.setmaxregister_increase(regs_softmax)
             stage = Int32(0) if const_expr(self.q_stage == 1) else warp_idx // 4
             self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, mBlockLogit,
                          bar_s_full, bar_p_ready, bar_scale, bar_stats_full, bar_stats_empty,
                          scale_log2, softcap_in, softcap, logit_scale, tile_args, total_tiles)
-        # ---------------------------------------------------------------- CORRECTION + EPILOGUE
-        if warp_idx >= _WARPS_CORRECTION[0] and warp_idx <= _WARPS_CORRECTION[-1]:
+        elif warp_idx < _WARPS_CORRECTION[0]:
+            # ------------------------------------------------------------ IDLE softmax WG 1 (q_stage 1)
+            if const_expr(regs_softmax1 < 128):
+                cute.arch.setmaxregister_decrease(regs_softmax1)
+        elif warp_idx <= _WARPS_CORRECTION[-1]:
+            # ------------------------------------------------------------ CORRECTION + EPILOGUE
             if const_expr(regs_correction < 128):
                 cute.arch.setmaxregister_decrease(regs_correction)
             else:
@@ -371,18 +370,20 @@ class FlashFwdSm100:
             pipeline.NamedBarrier(barrier_id=_BAR_CORRECTION, num_threads=4 * 32).arrive_and_wait()
             if warp_idx == _WARPS_CORRECTION[0]:
                 cute.arch.dealloc_tmem(tmem_ptr, self.tmem_cols)
-        # ---------------------------------------------------------------- MMA
-        # Last in program order: the MMA loop re-sets the ACCUMULATE field of the tiled MMAs, and
-        # no role after it may reuse those objects.
-        if warp_idx == _WARP_MMA:
+        elif warp_idx == _WARP_MMA:
+            # ------------------------------------------------------------ MMA
             cute.arch.setmaxregister_decrease(regs_other)
             self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
                      tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, bar_s_full, bar_p_ready, bar_o_full,
                      tile_args, total_tiles)
-        # ---------------------------------------------------------------- IDLE softmax WG 1
-        if const_expr(self.q_stage == 1):
-            if (warp_idx >= 4) & (warp_idx < 8):
-                cute.arch.setmaxregister_decrease(regs_softmax1)
+        elif warp_idx == _WARP_LOAD:
+            # ------------------------------------------------------------ LOAD
+            cute.arch.setmaxregister_decrease(regs_other)
+            self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
+                      sQ, sK, sV, pipe_q, pipe_kv, tile_args, total_tiles)
+        else:
+            # ------------------------------------------------------------ IDLE warps 14-15
+            cute.arch.setmaxregister_decrease(regs_other)
 
     # ------------------------------------------------------------------ work tiles
     @cute.jit
