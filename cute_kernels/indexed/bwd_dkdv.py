@@ -35,6 +35,9 @@ class IndexedBwdDKDV:
     def __init__(self, cfg: AttnConfig):
         self.cfg = cfg
         self.stages = cfg.dkdv_stages
+        self.meta_ahead = cfg.meta_ahead
+        if self.meta_ahead and self.stages != 2:
+            raise ValueError("indexed dK/dV: meta_ahead needs dkdv_stages == 2")
         self.d = cfg.head_dim
         self.g = cfg.group
         self.wq = cfg.window_queries
@@ -177,29 +180,76 @@ class IndexedBwdDKDV:
                 tKsV[None, m, None].fill(0)
         cute.arch.cp_async_commit_group()
 
-        if cutlass.const_expr(self.stages == 2):
+        if cutlass.const_expr(self.meta_ahead):
+            # Note [metadata ahead]: every global read the next pair needs before its cp.async or its
+            # smem stores is issued one pair earlier into registers: pair p+2's (window, start) at the
+            # top of pair p, its window's key count after pair p's GEMMs, and pair p+1's key masks /
+            # LSE / delta at the top of pair p, stored to stage 1 - buf only after pair p's GEMMs. The
+            # loads' latency hides behind the GEMMs instead of stalling each pair; same arithmetic.
+            w_next = Int32(0)
+            start_next = Int32(0)
+            cnt_next = Int32(0)
+            w_far = Int32(0)
+            start_far = Int32(0)
             if p0 < p1:
-                self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTileWin, mTileStart,
-                                 g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p0, 0, s, h, b, t0, tidx)
+                w0 = mTileWin[p0]
+                start0 = mTileStart[p0]
+                cnt0 = mWinCount[s, w0]
+                self.issue_rows(mQ, mdO, g2s, tQsQ, tQsdO, tQcQ, w0, 0, h, b)
+                k0, m0, l0, d0 = self.fetch_meta(mQ, mLSE, mDelta, mWinKey, mWinMask, w0, start0, cnt0, s, h, b, tidx)
+                self.store_meta(sKeyMask, sLSE, sDelta, k0, m0, l0, d0, 0, t0, tidx)
+                if p0 + 1 < p1:
+                    w_next = mTileWin[p0 + 1]
+                    start_next = mTileStart[p0 + 1]
+                    cnt_next = mWinCount[s, w_next]
             cute.arch.cp_async_commit_group()
-        for p in range(p0, p1):
-            buf = (p - p0) % self.stages
-            # 1. the window's rows, stats and key masks (prefetched one window ahead with 2 stages)
-            if cutlass.const_expr(self.stages == 1):
-                self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTileWin, mTileStart,
-                                 g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p, 0, s, h, b, t0, tidx)
-                cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()
-            if cutlass.const_expr(self.stages == 2):
+            for p in range(p0, p1):
+                buf = (p - p0) % 2
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                key_r = Int32(-1)
+                mask_r = Int32(0)
+                lse_r = Float32(0.0)
+                delta_r = Float32(0.0)
                 if p + 1 < p1:
-                    self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTileWin,
-                                     mTileStart, g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p + 1,
-                                     1 - buf, s, h, b, t0, tidx)
+                    self.issue_rows(mQ, mdO, g2s, tQsQ, tQsdO, tQcQ, w_next, 1 - buf, h, b)
+                    key_r, mask_r, lse_r, delta_r = self.fetch_meta(mQ, mLSE, mDelta, mWinKey, mWinMask, w_next,
+                                                                    start_next, cnt_next, s, h, b, tidx)
                 cute.arch.cp_async_commit_group()
-            self.compute_pair(ns, buf)
-            if cutlass.const_expr(self.stages == 1):
-                cute.arch.barrier()  # sQ, sdO and the stats are rewritten for the next window
+                if p + 2 < p1:
+                    w_far = mTileWin[p + 2]
+                    start_far = mTileStart[p + 2]
+                self.compute_pair(ns, buf)
+                if p + 1 < p1:
+                    self.store_meta(sKeyMask, sLSE, sDelta, key_r, mask_r, lse_r, delta_r, 1 - buf, t0, tidx)
+                if p + 2 < p1:
+                    w_next = w_far
+                    start_next = start_far
+                    cnt_next = mWinCount[s, w_far]
+        else:
+            if cutlass.const_expr(self.stages == 2):
+                if p0 < p1:
+                    self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTileWin, mTileStart,
+                                     g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p0, 0, s, h, b, t0, tidx)
+                cute.arch.cp_async_commit_group()
+            for p in range(p0, p1):
+                buf = (p - p0) % self.stages
+                # 1. the window's rows, stats and key masks (prefetched one window ahead with 2 stages)
+                if cutlass.const_expr(self.stages == 1):
+                    self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTileWin, mTileStart,
+                                     g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p, 0, s, h, b, t0, tidx)
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                if cutlass.const_expr(self.stages == 2):
+                    if p + 1 < p1:
+                        self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTileWin,
+                                         mTileStart, g2s, tQsQ, tQsdO, tQcQ, sKeyMask, sLSE, sDelta, p + 1,
+                                         1 - buf, s, h, b, t0, tidx)
+                    cute.arch.cp_async_commit_group()
+                self.compute_pair(ns, buf)
+                if cutlass.const_expr(self.stages == 1):
+                    cute.arch.barrier()  # sQ, sdO and the stats are rewritten for the next window
 
         # ---- epilogue: dK * scale, dV -> bf16 rows of the tile ----
         cute.arch.cp_async_wait_group(0)
@@ -311,3 +361,67 @@ class IndexedBwdDKDV:
                   ns.tdsdOt[None, None, None, buf], ns.tdrdOt_v)
         C.gemm_ss(ns.tiled_mma, ns.acc_dK, ns.tdrdSt, ns.tdrQt, ns.copy_A, ns.tdsdSt, ns.tdrdSt_v, ns.copy_Bt,
                   ns.tdsQt[None, None, None, buf], ns.tdrQt_v)
+
+    @cute.jit
+    def issue_rows(self, mQ: cute.Tensor, mdO: cute.Tensor, g2s: cute.TiledCopy, tQsQ: cute.Tensor,
+                   tQsdO: cute.Tensor, tQcQ: cute.Tensor, w: Int32, buf: Int32, h: Int32, b: Int32):
+        """cp.async window ``w``'s Q and dO rows into stage ``buf`` (zero rows past its queries)."""
+        G = self.g
+        q0 = w * self.wq
+        rows_valid = cutlass.min(mQ.shape[1] - q0, self.wq) * G
+        tQsQ_b = tQsQ[None, None, None, buf]
+        tQsdO_b = tQsdO[None, None, None, buf]
+        for m in cutlass.range_constexpr(cute.size(tQsQ_b, mode=[1])):
+            r = tQcQ[0, m, 0][0]
+            if r < rows_valid:
+                qi = r // G
+                hq = h * G + r - qi * G
+                C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_b, tQcQ, m, self.d)
+                C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_b, tQcQ, m, self.d)
+            else:
+                tQsQ_b[None, m, None].fill(0)
+                tQsdO_b[None, m, None].fill(0)
+
+    @cute.jit
+    def fetch_meta(self, mQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mWinKey: cute.Tensor,
+                   mWinMask: cute.Tensor, w: Int32, start: Int32, cnt: Int32, s: Int32, h: Int32, b: Int32,
+                   tidx: Int32):
+        """Register reads for window ``w``: warp 0 lane l -> (key, query mask) of the window's key
+        ``start + l`` (key -1 past its count); the last 64 threads -> (LSE in log2 units, delta) of
+        row ``tidx - (THREADS - 64)`` (0, 0 past the window's rows or for an empty row's LSE)."""
+        G = self.g
+        key = Int32(-1)
+        mask = Int32(0)
+        lse2 = Float32(0.0)
+        delta = Float32(0.0)
+        if tidx < KEY_TILE:
+            pos = start + tidx
+            if pos < cnt:
+                key = mWinKey[s, w, pos]
+                mask = mWinMask[s, w, pos]
+        elif tidx >= THREADS - TILE_M:
+            q0 = w * self.wq
+            rows_valid = cutlass.min(mQ.shape[1] - q0, self.wq) * G
+            r = tidx - (THREADS - TILE_M)
+            if r < rows_valid:
+                qi = r // G
+                hq = h * G + r - qi * G
+                lse = mLSE[b, hq, q0 + qi]
+                if lse != -Float32.inf:
+                    lse2 = lse * C.LOG2_E
+                delta = mDelta[b, hq, q0 + qi]
+        return key, mask, lse2, delta
+
+    @cute.jit
+    def store_meta(self, sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, key: Int32,
+                   mask: Int32, lse2: Float32, delta: Float32, buf: Int32, t0: Int32, tidx: Int32):
+        """Publish ``fetch_meta``'s registers into stage ``buf`` (visible after the next barrier)."""
+        if tidx < KEY_TILE:
+            sKeyMask[tidx, buf] = Int32(0)
+            cute.arch.sync_warp()
+            if key >= 0 and key < t0 + KEY_TILE:
+                sKeyMask[key - t0, buf] = mask
+        elif tidx >= THREADS - TILE_M:
+            r = tidx - (THREADS - TILE_M)
+            sLSE[r, buf] = lse2
+            sDelta[r, buf] = delta

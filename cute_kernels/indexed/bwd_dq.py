@@ -36,6 +36,7 @@ class IndexedBwdDQ:
         self.wq = cfg.window_queries
         self.tile_n = dq_tile_n(cfg.head_dim)
         self.stages = cfg.dq_stages
+        self.meta_ahead = cfg.meta_ahead and cfg.dq_stages == 1
 
     @staticmethod
     def smem_bytes(cfg: AttnConfig) -> int:
@@ -147,6 +148,11 @@ class IndexedBwdDQ:
         cute.arch.cp_async_commit_group()
         self.row_stats(mO, mdO, mLSE, mDelta, sLSE, sDelta, tidx, b, h, q0, rows_valid, scale_log2)
 
+        n_slots = cute.size(tKsK, mode=[1])
+        rKey = cute.make_rmem_tensor((n_slots,), Int32)
+        rMask = cute.make_rmem_tensor((n_slots,), Int32)
+        if cutlass.const_expr(self.meta_ahead):
+            self.fetch_keys(mWinKey, mWinMask, tKcK, s, win, count, 0, rKey, rMask)
         if cutlass.const_expr(self.stages == 2):
             if num_chunks > 0:
                 self.load_chunk(mK, mV, mWinKey, mWinMask, tKsK, tKsV, tKcK, sMask, g2s, s, win, h, b, count, 0, 0)
@@ -154,7 +160,13 @@ class IndexedBwdDQ:
         for n in range(num_chunks):
             buf = n % self.stages
             # 1. K, V rows and masks of chunk n (prefetched one chunk ahead with 2 stages)
-            if cutlass.const_expr(self.stages == 1):
+            if cutlass.const_expr(self.meta_ahead):
+                # Note [metadata ahead]: chunk n's indices / masks were read during chunk n - 1;
+                # chunk n + 1's are read now and arrive while chunk n computes.
+                self.issue_chunk(mK, mV, tKsK, tKsV, tKcK, sMask, g2s, rKey, rMask, h, b)
+                cute.arch.cp_async_commit_group()
+                self.fetch_keys(mWinKey, mWinMask, tKcK, s, win, count, n + 1, rKey, rMask)
+            elif cutlass.const_expr(self.stages == 1):
                 self.load_chunk(mK, mV, mWinKey, mWinMask, tKsK, tKsV, tKcK, sMask, g2s, s, win, h, b, count, n, 0)
                 cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
@@ -272,3 +284,33 @@ class IndexedBwdDQ:
                 tKsV_b[None, m, None].fill(0)
                 if tKcK[0, m, 0][1] == 0:
                     sMask[j, buf] = Int32(0)
+
+    @cute.jit
+    def fetch_keys(self, mWinKey: cute.Tensor, mWinMask: cute.Tensor, tXcX: cute.Tensor, s: Int32, win: Int32,
+                   count: Int32, n: Int32, rKey: cute.Tensor, rMask: cute.Tensor):
+        """Registers: key index (-1 past the window's count) and query mask of this thread's rows of
+        chunk ``n``."""
+        for m in cutlass.range_constexpr(cute.size(rKey)):
+            pos = n * self.tile_n + tXcX[0, m, 0][0]
+            rKey[m] = Int32(-1)
+            rMask[m] = Int32(0)
+            if pos < count:
+                rKey[m] = mWinKey[s, win, pos]
+                rMask[m] = mWinMask[s, win, pos]
+
+    @cute.jit
+    def issue_chunk(self, mK: cute.Tensor, mV: cute.Tensor, tKsK: cute.Tensor, tKsV: cute.Tensor,
+                    tKcK: cute.Tensor, sMask: cute.Tensor, g2s: cute.TiledCopy, rKey: cute.Tensor,
+                    rMask: cute.Tensor, h: Int32, b: Int32):
+        """Stage 0: cp.async the K and V rows named by ``rKey`` (zero rows for -1), store the masks."""
+        tKsK_b = tKsK[None, None, None, 0]
+        tKsV_b = tKsV[None, None, None, 0]
+        for m in cutlass.range_constexpr(cute.size(rKey)):
+            if rKey[m] >= 0:
+                C.copy_row(g2s, C.row_ptr(mK, (b, rKey[m], h, 0)), tKsK_b, tKcK, m, self.d)
+                C.copy_row(g2s, C.row_ptr(mV, (b, rKey[m], h, 0)), tKsV_b, tKcK, m, self.d)
+            else:
+                tKsK_b[None, m, None].fill(0)
+                tKsV_b[None, m, None].fill(0)
+            if tKcK[0, m, 0][1] == 0:
+                sMask[tKcK[0, m, 0][0], 0] = rMask[m]

@@ -55,6 +55,11 @@ class AttnConfig:
     #: dQ pass: 2 = prefetch the next chunk's K/V rows (double buffer, 1 CTA/SM at D = 256), 1 = not
     #: (2 CTAs/SM). H200, same run: 1 stage 9.0 vs 14.2 ms (16K), 46.6 vs 73.6 ms (64K)
     dq_stages: int = 1
+    #: All three passes: read the plan (key indices, query masks; for dK/dV also the pair list, LSE
+    #: and delta) one chunk / pair ahead into registers so the loads' latency hides behind the MMAs
+    #: (Note [metadata ahead]); dK/dV needs dkdv_stages == 2, dQ uses it in its 1-stage walk.
+    #: Off until measured on a GPU (compiled for sm_90a / sm_100a only).
+    meta_ahead: bool = False
 
     @property
     def window_queries(self) -> int:

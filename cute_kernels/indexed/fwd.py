@@ -44,6 +44,7 @@ class IndexedFwd:
         self.g = cfg.group
         self.wq = cfg.window_queries
         self.tile_n = fwd_tile_n(cfg.head_dim)
+        self.meta_ahead = cfg.meta_ahead
 
     @staticmethod
     def smem_bytes(cfg: AttnConfig) -> int:
@@ -139,7 +140,18 @@ class IndexedFwd:
                 C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, h * G + r - qi * G, 0)), tQsQ, tQcQ, m, D)
             else:
                 tQsQ[None, m, None].fill(0)
-        if num_chunks > 0:
+        n_slots = cute.size(tKsK, mode=[1])
+        rKey = cute.make_rmem_tensor((n_slots,), Int32)  # key rows of the chunk whose V is next
+        rKeyNext = cute.make_rmem_tensor((n_slots,), Int32)  # key rows / masks of the chunk after
+        rMaskNext = cute.make_rmem_tensor((n_slots,), Int32)
+        if cutlass.const_expr(self.meta_ahead):
+            # Note [metadata ahead]: chunk n+2's key indices and masks are read into registers while
+            # chunk n computes, so no cp.async issue waits on a global read of the plan.
+            self.fetch_keys(mWinKey, mWinMask, tKcK, s, win, count, 0, rKey, rMaskNext)
+            self.issue_keys(mK, g2s, tKsK, tKcK, rKey, h, b)
+            self.store_masks(sMask, tKcK, rMaskNext, 0)
+            self.fetch_keys(mWinKey, mWinMask, tKcK, s, win, count, 1, rKeyNext, rMaskNext)
+        elif num_chunks > 0:
             self.load_keys(mK, mWinKey, mWinMask, sMask, g2s, tKsK, tKcK, s, win, h, b, count, 0, True)
         cute.arch.cp_async_commit_group()
 
@@ -152,7 +164,10 @@ class IndexedFwd:
             parity = n % 2
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            self.load_keys(mV, mWinKey, mWinMask, sMask, g2s, tVsV, tKcK, s, win, h, b, count, n, False)
+            if cutlass.const_expr(self.meta_ahead):
+                self.issue_keys(mV, g2s, tVsV, tKcK, rKey, h, b)
+            else:
+                self.load_keys(mV, mWinKey, mWinMask, sMask, g2s, tVsV, tKcK, s, win, h, b, count, n, False)
             cute.arch.cp_async_commit_group()
 
             acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TN)), Float32)
@@ -161,10 +176,19 @@ class IndexedFwd:
 
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            if n + 1 < num_chunks:
-                self.load_keys(mK, mWinKey, mWinMask, sMask, g2s, tKsK, tKcK, s, win, h, b, count,
-                               n + 1, True)
-            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(self.meta_ahead):
+                if n + 1 < num_chunks:
+                    self.issue_keys(mK, g2s, tKsK, tKcK, rKeyNext, h, b)
+                    self.store_masks(sMask, tKcK, rMaskNext, 1 - parity)
+                cute.arch.cp_async_commit_group()
+                for m in cutlass.range_constexpr(n_slots):
+                    rKey[m] = rKeyNext[m]
+                self.fetch_keys(mWinKey, mWinMask, tKcK, s, win, count, n + 2, rKeyNext, rMaskNext)
+            else:
+                if n + 1 < num_chunks:
+                    self.load_keys(mK, mWinKey, mWinMask, sMask, g2s, tKsK, tKcK, s, win, h, b, count,
+                                   n + 1, True)
+                cute.arch.cp_async_commit_group()
 
             # masked online softmax (base 2); see Note [empty rows] in the module docstring
             S = C.mn_view(acc_S)
@@ -242,6 +266,35 @@ class IndexedFwd:
                 if cutlass.const_expr(with_mask):
                     if tXcX[0, m, 0][1] == 0:
                         sMask[j, n % 2] = Int32(0)
+
+    @cute.jit
+    def fetch_keys(self, mWinKey: cute.Tensor, mWinMask: cute.Tensor, tXcX: cute.Tensor, s: Int32, win: Int32,
+                   count: Int32, n: Int32, rKey: cute.Tensor, rMask: cute.Tensor):
+        """Registers: key index (-1 past the window's count) and query mask of this thread's rows of
+        chunk ``n``."""
+        for m in cutlass.range_constexpr(cute.size(rKey)):
+            pos = n * self.tile_n + tXcX[0, m, 0][0]
+            rKey[m] = Int32(-1)
+            rMask[m] = Int32(0)
+            if pos < count:
+                rKey[m] = mWinKey[s, win, pos]
+                rMask[m] = mWinMask[s, win, pos]
+
+    @cute.jit
+    def issue_keys(self, mX: cute.Tensor, g2s: cute.TiledCopy, tXsX: cute.Tensor, tXcX: cute.Tensor,
+                   rKey: cute.Tensor, h: Int32, b: Int32):
+        """cp.async the K or V rows named by ``rKey`` (zero rows for -1)."""
+        for m in cutlass.range_constexpr(cute.size(rKey)):
+            if rKey[m] >= 0:
+                C.copy_row(g2s, C.row_ptr(mX, (b, rKey[m], h, 0)), tXsX, tXcX, m, self.d)
+            else:
+                tXsX[None, m, None].fill(0)
+
+    @cute.jit
+    def store_masks(self, sMask: cute.Tensor, tXcX: cute.Tensor, rMask: cute.Tensor, parity: Int32):
+        for m in cutlass.range_constexpr(cute.size(rMask)):
+            if tXcX[0, m, 0][1] == 0:
+                sMask[tXcX[0, m, 0][0], parity] = rMask[m]
 
 
 @cute.jit
