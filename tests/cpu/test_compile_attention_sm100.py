@@ -1,0 +1,145 @@
+"""The SM100 attention forward compiles for sm_100a without a GPU: 0 spills, smem within the limit.
+
+Runs ``python -m cute_kernels.check --arch sm_100a --kernel attention_fwd`` (the representative
+subset of the config matrix) in a subprocess; the whole matrix (``--full``) and the softcap
+configs are under the slow marker. Also checks host-side facts of FlashFwdSm100 that need no
+compile (argument order, unsupported cases, shared-memory plan, the exp2 polynomial).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMEM_LIMIT = 232_448
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _run_check(tmp_path, *extra):
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", "sm_100a", "--kernel",
+                           "attention_fwd", "--json", str(out), *extra],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=14400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]][:3]
+    assert all(r["spill_bytes"] == 0 for r in rows)
+    assert all(r["smem_bytes"] <= SMEM_LIMIT for r in rows)
+    return rows
+
+
+@pytest.mark.compile
+def test_attention_fwd_compiles_for_sm100(tmp_path):
+    from cute_kernels.attention.launch import config_matrix
+
+    rows = _run_check(tmp_path)
+    assert len(rows) == len(config_matrix(100, False))
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_attention_fwd_full_matrix_compiles_for_sm100(tmp_path):
+    _run_check(tmp_path, "--full")
+
+
+_SOFTCAP_SCRIPT = r"""
+import json, os, sys
+os.environ["CUTE_DSL_ARCH"] = "sm_100a"
+os.environ["CUTE_KERNELS_EXTRA_OPTS"] = "remarks{ptx}"
+from cute_kernels.check import _capture_fd2, parse_remarks
+from cute_kernels.attention.launch import compile_fwd, fwd_config
+rows = []
+for d, causal, window, bs, varlen in [(128, True, False, 64, False), (64, False, True, 16, True),
+                                      (256, False, False, 256, False), (192, True, False, 32, True)]:
+    cfg = fwd_config(100, "bfloat16", d, d, 2, causal, window, True, bs, varlen)
+    with _capture_fd2() as box:
+        compile_fwd(cfg)
+    fns = parse_remarks(box["text"])
+    rows.append({"config": repr(cfg), "remarks": len(fns),
+                 "spill": sum(f["spill_store_bytes"] + f["spill_load_bytes"] for f in fns)})
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_softcap_configs_compile_for_sm100():
+    """Softcap is outside the check matrix for sm_100a; its configs must compile spill-free too."""
+    proc = subprocess.run([sys.executable, "-c", _SOFTCAP_SCRIPT], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(r["remarks"] >= 1 and r["spill"] == 0 for r in rows), rows
+
+
+def test_fwd_args_order_matches_kernel_call():
+    """FwdArgs is the one argument order: the SM100 kernel's __call__ takes exactly it, then stream."""
+    from cute_kernels.attention.config import FwdArgs
+    from cute_kernels.attention.fwd_sm100 import FlashFwdSm100
+
+    params = list(inspect.signature(FlashFwdSm100.__call__).parameters)
+    assert params == ["self", *FwdArgs._fields, "stream"]
+
+
+def test_unsupported_reasons_name_the_case():
+    from cute_kernels.attention.launch import fwd_config, unsupported_reason
+
+    def cfg(d=128, dv=None, bs=64):
+        return fwd_config(100, "bfloat16", d, dv or d, 1, True, False, False, bs, False)
+
+    assert unsupported_reason(cfg()) is None
+    assert "head_dim 96" in unsupported_reason(cfg(96))
+    assert "head_dim_v 128" in unsupported_reason(cfg(192, 128))
+    assert "block_size 48" in unsupported_reason(cfg(bs=48))
+
+
+def test_constructor_is_host_only_and_rejects_bad_configs():
+    """Building the kernel object touches no driver (compile-only machines) and validates the config."""
+    from cute_kernels.attention.config import FwdConfig
+    from cute_kernels.attention.fwd_sm100 import FlashFwdSm100
+
+    k = FlashFwdSm100(FwdConfig(100, "bfloat16", 256, 256, 4, True, False, False, 256, True), sm_count=132)
+    assert k.sm_count == 132 and k.q_stage == 1 and k.kv_stage >= 2
+    with pytest.raises(ValueError, match="head_dim 80"):
+        FlashFwdSm100(FwdConfig(100, "bfloat16", 80, 80, 1, False, False, False, 0, False))
+
+
+def test_smem_and_tmem_plan_fits_every_config():
+    """Every config of the full matrix fits 232,448 B of smem and 512 TMEM columns, with >= 2 K/V buffers."""
+    from cute_kernels.attention import fwd_sm100 as m
+    from cute_kernels.attention.launch import config_matrix
+
+    for cfg in config_matrix(100, True):
+        k = m.FlashFwdSm100(cfg)
+        assert m.FlashFwdSm100.smem_bytes(cfg) <= SMEM_LIMIT, cfg
+        assert k.kv_stage >= 2, cfg
+        assert k.q_stage * (m.TILE_N + cfg.head_dim_v) <= 512, cfg
+        assert k.tmem_o_offset[-1] + cfg.head_dim_v <= k.tmem_cols, cfg
+        regs = m.REGS[k.q_stage]
+        assert sum(regs) <= 4 * 128 and all(r % 8 == 0 and 24 <= r <= 256 for r in regs)
+
+
+def test_exp2_polynomial_constants():
+    """numpy replica of math_sm100.exp2_poly_x2: relative error < 1e-4 on [-126, 8], 0 below -127."""
+    from cute_kernels.common.math_sm100 import _EXP2_POLY, _ROUND_MAGIC
+
+    x = np.concatenate([np.linspace(-126.0, 8.0, 200001), [-0.0, 1e-7, 3.999999]]).astype(np.float32)
+    xc = np.maximum(x, np.float32(-127.0))
+    rounded = np.floor(xc.astype(np.float64)) + _ROUND_MAGIC  # the add.rm result
+    frac = xc.astype(np.float64) - (rounded - _ROUND_MAGIC)
+    c1, c2, c3 = _EXP2_POLY
+    p = 1.0 + frac * (c1 + frac * (c2 + frac * c3))
+    y = p * np.exp2(rounded - _ROUND_MAGIC)
+    rel = np.abs(y / np.exp2(x.astype(np.float64)) - 1.0)
+    assert rel.max() < 1e-4, rel.max()
+    assert (frac >= 0).all() and (frac < 1).all()
