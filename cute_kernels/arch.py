@@ -48,43 +48,43 @@ def compile_only() -> bool:
     return os.environ.get("CUTE_KERNELS_COMPILE_ONLY", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
-def device_arch(device_index: int = 0) -> int | None:
-    """Compute capability of CUDA device ``device_index`` via the driver, or None without a GPU.
-
-    Only called when a kernel is about to run on real tensors, never at import.
-    """
+def _device_attrs(device_index: int, *names: str) -> tuple | None:
+    """Driver attributes ``CU_DEVICE_ATTRIBUTE_<name>`` of one CUDA device, or None without a GPU."""
     try:
         from cuda.bindings import driver
     except ImportError:  # pragma: no cover - cuda-python ships with cutlass-dsl
         return None
-    (err,) = driver.cuInit(0)
-    if err != driver.CUresult.CUDA_SUCCESS:
+    ok = driver.CUresult.CUDA_SUCCESS
+    try:
+        (err,) = driver.cuInit(0)
+    except Exception:  # no driver library at all (CPU-only machine): cuda-python raises, not returns
+        return None
+    if err != ok:
         return None
     err, dev = driver.cuDeviceGet(device_index)
-    if err != driver.CUresult.CUDA_SUCCESS:
+    if err != ok:
         return None
-    attr = driver.CUdevice_attribute
-    err, major = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return None
-    _, minor = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
-    return major * 10 + minor
+    values = []
+    for name in names:
+        err, value = driver.cuDeviceGetAttribute(getattr(driver.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}"), dev)
+        if err != ok:
+            return None
+        values.append(value)
+    return tuple(values)
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device_index: int = 0) -> int | None:
+    """Compute capability of CUDA device ``device_index`` (e.g. 90), or None without a GPU.
+
+    Only called when a kernel is about to run on real tensors, never at import.
+    """
+    cc = _device_attrs(device_index, "COMPUTE_CAPABILITY_MAJOR", "COMPUTE_CAPABILITY_MINOR")
+    return None if cc is None else cc[0] * 10 + cc[1]
 
 
 @functools.lru_cache(maxsize=None)
 def device_sm_count(device_index: int = 0) -> int | None:
     """Number of SMs of CUDA device ``device_index``, or None without a GPU."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:  # pragma: no cover
-        return None
-    (err,) = driver.cuInit(0)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return None
-    err, dev = driver.cuDeviceGet(device_index)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return None
-    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-    err, n = driver.cuDeviceGetAttribute(attr, dev)
-    return n if err == driver.CUresult.CUDA_SUCCESS else None
+    n = _device_attrs(device_index, "MULTIPROCESSOR_COUNT")
+    return None if n is None else n[0]

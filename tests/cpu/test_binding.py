@@ -98,3 +98,12 @@ def test_parse_remarks():
     (row,) = parse_remarks(text)
     assert row == {"function": "kern_a", "registers": 168, "stack_bytes": 8,
                    "spill_store_bytes": 4, "spill_load_bytes": 4}
+
+
+def test_device_queries_return_none_without_a_driver():
+    """On a CPU-only machine the driver probes answer None instead of raising."""
+    code = "from cute_kernels import arch; print(arch.device_arch(), arch.device_sm_count())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if "NVIDIA" not in os.environ.get("NVIDIA_VISIBLE_DEVICES", "") and not os.path.exists("/dev/nvidia0"):
+        assert out.stdout.split() == ["None", "None"]
