@@ -15,9 +15,17 @@ def kernel_arg(t):
     return None if t is None else t.detach()
 
 
+def as_contiguous(t):
+    """``t`` if contiguous, else a contiguous copy.
+
+    Never ``t.contiguous()``: in Paddle 3.3 that re-lays-out the caller's tensor *in place*.
+    """
+    return t if t is None or t.is_contiguous() else t.clone()
+
+
 def require_contiguous(op: str, name: str, t) -> None:
     if t is not None and not t.is_contiguous():
-        raise ValueError(f"{op}: {name} must be contiguous for the CuTe backend (call .contiguous())")
+        raise ValueError(f"{op}: {name} must be contiguous for the CuTe backend (pass a contiguous tensor, e.g. x.clone())")
 
 
 def require_aligned(op: str, name: str, t, nbytes: int = 16) -> None:

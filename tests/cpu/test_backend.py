@@ -255,3 +255,19 @@ def test_glue_matches_the_real_launcher_contract():
     assert (cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, cfg.qhead_per_kvhead) == (90, "bfloat16", 128, 128, 2)
     assert (cfg.causal, cfg.has_window, cfg.has_softcap, cfg.block_size, cfg.varlen) == (True, True, True, 128, False)
     assert glue.unsupported_reason(90, spec) is None
+
+
+def test_as_contiguous_never_relays_out_the_callers_tensor():
+    """Paddle's Tensor.contiguous() works in place; the bridge must copy instead."""
+    import paddle
+
+    from paddle_fa4._bridge import as_contiguous
+
+    x = paddle.randn([4, 6]).transpose([1, 0])
+    strides = list(x.strides)
+    y = as_contiguous(x)
+    assert y.is_contiguous()
+    assert list(x.strides) == strides and not x.is_contiguous()
+    assert bool((y == x).all())
+    z = paddle.randn([3, 5])
+    assert as_contiguous(z) is z
