@@ -129,8 +129,9 @@ def bench_windowed(q, k, v, idx, dout, iters: int, stages=None) -> dict:
     from cute_kernels.indexed.launch import (attn_config, plan_shapes, run_bwd_dkdv, run_bwd_dq, run_fwd,
                                              run_plan)
 
-    cfg = attn_config(q, k, per_kv_head=False, stages=None if stages == "meta" else stages,
-                      meta_ahead=stages == "meta")
+    named = isinstance(stages, str)
+    cfg = attn_config(q, k, per_kv_head=False, stages=None if named else stages,
+                      meta_ahead=named and "meta" in stages, skip_empty=named and "skip" in stages)
     wq = window_queries(cfg.group)
     kv_len = k.shape[1]
     scale = D ** -0.5
@@ -199,7 +200,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--stages", default="default",
                     help="comma list of 'default' (AttnConfig defaults), 1 or 2 (both passes forced), "
-                         "'meta' (one-ahead plan reads)")
+                         "'meta' (one-ahead plan reads), 'skip' (dK/dV skips unselected halves), 'meta+skip'")
     args = ap.parse_args(argv)
     from cute_kernels.indexed.config import window_queries
 
@@ -214,10 +215,10 @@ def main(argv=None):
             dout = torch.randn_like(q)
             idx = prime_rl_indices_gpu(lq, lkv, rho, seed=1)
             row = {"shape": shape, "rho": rho, "union_ratio": round(union_ratio_gpu(idx, lkv, window_queries(HQ // HKV)), 3)}
-            for i, st in enumerate(None if x == "default" else x if x == "meta" else int(x)
+            for i, st in enumerate(None if x == "default" else int(x) if x.isdigit() else x
                                    for x in args.stages.split(",")):
                 res = bench_windowed(q, k, v, idx[None], dout, args.iters, st)
-                row.update({(k_ if i == 0 else f"stages{st}_{k_}"): round(v_, 3) if isinstance(v_, float) else v_
+                row.update({(k_ if i == 0 else f"{st}_{k_}"): round(v_, 3) if isinstance(v_, float) else v_
                             for k_, v_ in res.items() if i == 0 or k_.endswith("_ms")})
             row["stages"] = args.stages
             pub = PUBLISHED.get(shape)

@@ -36,6 +36,7 @@ class IndexedBwdDKDV:
         self.cfg = cfg
         self.stages = cfg.dkdv_stages
         self.meta_ahead = cfg.meta_ahead
+        self.skip_empty = cfg.skip_empty
         if self.meta_ahead and self.stages != 2:
             raise ValueError("indexed dK/dV: meta_ahead needs dkdv_stages == 2")
         self.d = cfg.head_dim
@@ -326,42 +327,53 @@ class IndexedBwdDKDV:
         """One (key tile, window) pair from stage ``buf``: S^T, dP^T, P^T / dS^T (via smem), then
         dV += P^T dO and dK += dS^T Q into the register accumulators."""
         G = self.g
-        # 2. S^T = K Q^T, dP^T = V dO^T
-        acc_S = cute.make_rmem_tensor(ns.thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
-        acc_S.fill(0.0)
-        C.gemm_ss(ns.tiled_mma, acc_S, ns.tSrK, ns.tSrQ, ns.copy_A, ns.tSsK, ns.tSrK_v, ns.copy_B, ns.tSsQ[None, None, None, buf],
-                  ns.tSrQ_v)
-        acc_dP = cute.make_rmem_tensor(ns.thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
-        acc_dP.fill(0.0)
-        C.gemm_ss(ns.tiled_mma, acc_dP, ns.tSrV, ns.tSrdO, ns.copy_A, ns.tSsV, ns.tSrV_v, ns.copy_B,
-                  ns.tSsdO[None, None, None, buf], ns.tSrdO_v)
-        # 3. P^T and dS^T
-        S = C.mn_view(acc_S)
-        dP = C.mn_view(acc_dP)
-        for i in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            msk = ns.sKeyMask[ns.tScS[i, 0][0], buf]
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                r = ns.tScS[0, c][1]
-                p_val = Float32(0.0)
-                ds = Float32(0.0)  # unselected keys of the tile may hold anything (even NaN)
-                if C.selected(msk, r // G, self.wq):
-                    p_val = cute.math.exp2(S[i, c] * ns.scale_log2 - ns.sLSE[r, buf], fastmath=True)
-                    ds = p_val * (dP[i, c] - ns.sDelta[r, buf])
-                dP[i, c] = ds
-                S[i, c] = p_val
-        rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
-        rP.store(acc_S.load().to(cutlass.BFloat16))
-        rdS = cute.make_fragment_like(acc_dP, cutlass.BFloat16)
-        rdS.store(acc_dP.load().to(cutlass.BFloat16))
-        cute.copy(ns.r2s, ns.thr_r2s.retile(rP), ns.thr_r2s.partition_D(ns.sPt))
-        cute.copy(ns.r2s, ns.thr_r2s.retile(rdS), ns.thr_r2s.partition_D(ns.sdSt))
+        # Note [skip unselected halves]: with skip_empty, a warp whose 16 keys no query of the window
+        # selects skips its MMAs and smem writes; only warps of the same key half read those rows of
+        # sPt / sdSt, and they skip too. The skipped terms are exact zeros: same bits.
+        active = True
+        if cutlass.const_expr(self.skip_empty):
+            half0 = (ns.tScS[0, 0][0] // 16) * 16
+            any_sel = Int32(0)
+            for k in cutlass.range_constexpr(16):
+                any_sel = any_sel | ns.sKeyMask[half0 + k, buf]
+            active = any_sel != 0
+        if active:
+            # 2. S^T = K Q^T, dP^T = V dO^T
+            acc_S = cute.make_rmem_tensor(ns.thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
+            acc_S.fill(0.0)
+            C.gemm_ss(ns.tiled_mma, acc_S, ns.tSrK, ns.tSrQ, ns.copy_A, ns.tSsK, ns.tSrK_v, ns.copy_B, ns.tSsQ[None, None, None, buf],
+                      ns.tSrQ_v)
+            acc_dP = cute.make_rmem_tensor(ns.thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
+            acc_dP.fill(0.0)
+            C.gemm_ss(ns.tiled_mma, acc_dP, ns.tSrV, ns.tSrdO, ns.copy_A, ns.tSsV, ns.tSrV_v, ns.copy_B,
+                      ns.tSsdO[None, None, None, buf], ns.tSrdO_v)
+            # 3. P^T and dS^T
+            S = C.mn_view(acc_S)
+            dP = C.mn_view(acc_dP)
+            for i in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                msk = ns.sKeyMask[ns.tScS[i, 0][0], buf]
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    r = ns.tScS[0, c][1]
+                    p_val = Float32(0.0)
+                    ds = Float32(0.0)  # unselected keys of the tile may hold anything (even NaN)
+                    if C.selected(msk, r // G, self.wq):
+                        p_val = cute.math.exp2(S[i, c] * ns.scale_log2 - ns.sLSE[r, buf], fastmath=True)
+                        ds = p_val * (dP[i, c] - ns.sDelta[r, buf])
+                    dP[i, c] = ds
+                    S[i, c] = p_val
+            rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
+            rP.store(acc_S.load().to(cutlass.BFloat16))
+            rdS = cute.make_fragment_like(acc_dP, cutlass.BFloat16)
+            rdS.store(acc_dP.load().to(cutlass.BFloat16))
+            cute.copy(ns.r2s, ns.thr_r2s.retile(rP), ns.thr_r2s.partition_D(ns.sPt))
+            cute.copy(ns.r2s, ns.thr_r2s.retile(rdS), ns.thr_r2s.partition_D(ns.sdSt))
         cute.arch.barrier()
-        # 4. dV += P^T dO, dK += dS^T Q
-        C.gemm_ss(ns.tiled_mma, ns.acc_dV, ns.tdrPt, ns.tdrdOt, ns.copy_A, ns.tdsPt, ns.tdrPt_v, ns.copy_Bt,
-                  ns.tdsdOt[None, None, None, buf], ns.tdrdOt_v)
-        C.gemm_ss(ns.tiled_mma, ns.acc_dK, ns.tdrdSt, ns.tdrQt, ns.copy_A, ns.tdsdSt, ns.tdrdSt_v, ns.copy_Bt,
-                  ns.tdsQt[None, None, None, buf], ns.tdrQt_v)
-
+        if active:
+            # 4. dV += P^T dO, dK += dS^T Q
+            C.gemm_ss(ns.tiled_mma, ns.acc_dV, ns.tdrPt, ns.tdrdOt, ns.copy_A, ns.tdsPt, ns.tdrPt_v, ns.copy_Bt,
+                      ns.tdsdOt[None, None, None, buf], ns.tdrdOt_v)
+            C.gemm_ss(ns.tiled_mma, ns.acc_dK, ns.tdrdSt, ns.tdrQt, ns.copy_A, ns.tdsdSt, ns.tdrdSt_v, ns.copy_Bt,
+                      ns.tdsQt[None, None, None, buf], ns.tdrQt_v)
     @cute.jit
     def issue_rows(self, mQ: cute.Tensor, mdO: cute.Tensor, g2s: cute.TiledCopy, tQsQ: cute.Tensor,
                    tQsdO: cute.Tensor, tQcQ: cute.Tensor, w: Int32, buf: Int32, h: Int32, b: Int32):

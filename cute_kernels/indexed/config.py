@@ -60,6 +60,9 @@ class AttnConfig:
     #: (Note [metadata ahead]); dK/dV needs dkdv_stages == 2, dQ uses it in its 1-stage walk.
     #: Off until measured on a GPU (compiled for sm_90a / sm_100a only).
     meta_ahead: bool = False
+    #: dK/dV pass: a warp skips a pair when none of its 16 keys is selected by the window
+    #: (Note [skip unselected halves] in bwd_dkdv.py). Off until measured on a GPU.
+    skip_empty: bool = False
 
     @property
     def window_queries(self) -> int:

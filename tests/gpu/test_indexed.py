@@ -42,11 +42,11 @@ def build_plan(idx: "torch.Tensor", kv_len: int, wq: int) -> dict:
     return plan
 
 
-def run_indexed(q, k, v, idx, dout, scale=None, stages=None, meta_ahead=None):
+def run_indexed(q, k, v, idx, dout, scale=None, stages=None, meta_ahead=None, skip_empty=None):
     from cute_kernels.indexed.launch import attn_config, run_bwd, run_fwd
 
     per_kv_head = idx.dim() == 4
-    cfg = attn_config(q, k, per_kv_head, stages=stages, meta_ahead=meta_ahead)
+    cfg = attn_config(q, k, per_kv_head, stages=stages, meta_ahead=meta_ahead, skip_empty=skip_empty)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     plan = build_plan(idx, k.shape[1], cfg.window_queries)
     B, Lq, Hq, _ = q.shape
@@ -260,9 +260,12 @@ def test_prefetch_stages_match_reference_and_each_other(group, D):
 
 @pytest.mark.parametrize("group,D,per_head", [(12, 256, False), (1, 64, False), (4, 128, True)],
                          ids=["g12-d256", "g1-d64", "perhead-g4-d128"])
-def test_meta_ahead_matches_reference_and_default(group, D, per_head):
-    """Plan reads one chunk / pair ahead (meta_ahead): same bits as the default kernels, and the
-    reference, including padding, an Lq that is not a multiple of the window and few-key tiles."""
+@pytest.mark.parametrize("meta,skip", [(True, False), (False, True), (True, True)],
+                         ids=["meta", "skip", "meta+skip"])
+def test_optional_variants_match_reference_and_default(group, D, per_head, meta, skip):
+    """Plan reads one chunk / pair ahead (meta_ahead) and dK/dV skipping unselected key halves
+    (skip_empty): same bits as the default kernels, and the reference, including padding, an Lq
+    that is not a multiple of the window and few-key tiles."""
     Hkv = 2
     B, Lq, Lkv, Hq = 1, 173, 450, group * Hkv
     q, k, v, dout = make_qkv(B, Lq, Lkv, Hq, Hkv, D, seed=11)
@@ -271,9 +274,9 @@ def test_meta_ahead_matches_reference_and_default(group, D, per_head):
     else:
         idx = torch.from_numpy(src.prime_rl_indices(Lq, Lkv, 0.9, budget_blocks=24, seed=5)[None]).cuda()
     ref = reference(q, k, v, idx, dout)
-    a = run_indexed(q, k, v, idx, dout, meta_ahead=True)
+    a = run_indexed(q, k, v, idx, dout, meta_ahead=meta, skip_empty=skip)
     b = run_indexed(q, k, v, idx, dout)
     for name, x, y, e in zip(("out", "lse", "dq", "dk", "dv"), a, b, ref):
-        assert torch.equal(x, y), f"{name}: meta_ahead result differs from the default kernels"
+        assert torch.equal(x, y), f"{name}: meta={meta} skip={skip} differs from the default kernels"
         if name != "lse":
-            assert rel_l2(x.float(), e) <= REL_TOL, f"{name} (meta_ahead) vs reference"
+            assert rel_l2(x.float(), e) <= REL_TOL, f"{name} (meta={meta} skip={skip}) vs reference"
