@@ -93,3 +93,36 @@ def test_paddle_plan_shapes_agree_with_launcher():
         a = plan_shapes(*args)._asdict()
         b = paddle_shapes(*args)
         assert {k: tuple(v) for k, v in b.items()} == a
+
+
+def _spec(**kw):
+    from paddle_fa4.indexed import IndexedSpec
+
+    base = dict(B=1, Lq=20, Lkv=50, Hq=24, Hkv=2, D=256, W=7, per_kv_head=False, scale=0.0625, dtype="bfloat16")
+    base.update(kw)
+    return IndexedSpec(**base)
+
+
+def test_glue_unsupported_reason_names_the_case():
+    from paddle_fa4._cute import indexed as glue
+
+    assert glue.unsupported_reason(90, _spec()) is None
+    assert glue.unsupported_reason(100, _spec(D=64, Hq=2, Hkv=2)) is None
+    assert "float16" in glue.unsupported_reason(90, _spec(dtype="float16"))
+    assert "head_dim 96" in glue.unsupported_reason(90, _spec(D=96))
+    assert "3 query heads" in glue.unsupported_reason(90, _spec(Hq=6, Hkv=2))
+
+
+def test_glue_rejects_a_plan_built_for_other_indices():
+    import paddle
+
+    import paddle_fa4
+    from paddle_fa4._cute import indexed as glue
+
+    idx = paddle.zeros([1, 20, 7], dtype="int32")
+    plan = paddle_fa4.indexed_attention_plan(idx, 50, 12, backend="reference")
+    assert glue._plan_for(_spec(), idx, plan) is plan
+    with pytest.raises(ValueError, match="indexed_attention: plan was built for other indices"):
+        glue._plan_for(_spec(Lkv=60), idx, plan)
+    with pytest.raises(ValueError, match="plan was built"):
+        glue._plan_for(_spec(Hq=16), idx, plan)  # G = 8: another window size
