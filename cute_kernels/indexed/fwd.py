@@ -18,6 +18,12 @@ h * G + r % G). The program walks the window's sorted key union in chunks of TIL
 Keys are visited in ascending order whatever the order of the index row, so the result does not
 depend on it. Chunk slots past the window's key count are zero rows with an all-zero mask.
 Warp-level mma.sync m16n8k16 (4 warps x 16 rows).
+
+Note [empty rows]: a row none of whose chunk keys is selected has S = -inf throughout; while its
+running max is still -inf the exponents use 0 as reference, so p = exp2(-inf) = 0 and the rescale
+factor exp2(-inf - 0) = 0 -- never NaN. A row with no selected key at all ends with sum 0: out 0,
+lse -inf. Rows past the window's queries and the 64 - WQ * G idle rows select nothing (their mask
+bits do not exist), so they take this path and are never stored.
 """
 
 from __future__ import annotations
