@@ -49,9 +49,8 @@ def prime_rl_indices_gpu(num_q: int, kv_len: int, rho: float, seed: int = 0, hea
     h = torch.empty_like(eps)
     blk = 256
     powers = rho ** torch.arange(blk, device="cuda", dtype=torch.float32)
-    lower = torch.where(torch.tril(torch.ones(blk, blk, device="cuda")) > 0,
-                        rho ** (torch.arange(blk, device="cuda")[:, None] - torch.arange(blk, device="cuda")[None, :]).clamp_min(0).float(),
-                        torch.zeros((), device="cuda"))
+    lag = torch.arange(blk, device="cuda")[:, None] - torch.arange(blk, device="cuda")[None, :]
+    lower = torch.where(lag >= 0, rho ** lag.clamp_min(0).float(), torch.zeros((), device="cuda"))  # rho^(i-j)
     carry = torch.zeros(hidden, device="cuda")
     for t0 in range(0, kv_len, blk):
         e = eps[t0: t0 + blk] * c
@@ -214,7 +213,8 @@ def main(argv=None):
             v = torch.randn(1, lkv, HKV, D, device="cuda", dtype=torch.bfloat16)
             dout = torch.randn_like(q)
             idx = prime_rl_indices_gpu(lq, lkv, rho, seed=1)
-            row = {"shape": shape, "rho": rho, "union_ratio": round(union_ratio_gpu(idx, lkv, window_queries(HQ // HKV)), 3)}
+            ratio = union_ratio_gpu(idx, lkv, window_queries(HQ // HKV))
+            row = {"shape": shape, "rho": rho, "union_ratio": round(ratio, 3)}
             for i, st in enumerate(None if x == "default" else int(x) if x.isdigit() else x
                                    for x in args.stages.split(",")):
                 res = bench_windowed(q, k, v, idx[None], dout, args.iters, st)

@@ -341,8 +341,8 @@ class IndexedBwdDKDV:
             # 2. S^T = K Q^T, dP^T = V dO^T
             acc_S = cute.make_rmem_tensor(ns.thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
             acc_S.fill(0.0)
-            C.gemm_ss(ns.tiled_mma, acc_S, ns.tSrK, ns.tSrQ, ns.copy_A, ns.tSsK, ns.tSrK_v, ns.copy_B, ns.tSsQ[None, None, None, buf],
-                      ns.tSrQ_v)
+            C.gemm_ss(ns.tiled_mma, acc_S, ns.tSrK, ns.tSrQ, ns.copy_A, ns.tSsK, ns.tSrK_v, ns.copy_B,
+                      ns.tSsQ[None, None, None, buf], ns.tSrQ_v)
             acc_dP = cute.make_rmem_tensor(ns.thr_mma.partition_shape_C((KEY_TILE, TILE_M)), Float32)
             acc_dP.fill(0.0)
             C.gemm_ss(ns.tiled_mma, acc_dP, ns.tSrV, ns.tSrdO, ns.copy_A, ns.tSsV, ns.tSrV_v, ns.copy_B,
@@ -374,6 +374,7 @@ class IndexedBwdDKDV:
                       ns.tdsdOt[None, None, None, buf], ns.tdrdOt_v)
             C.gemm_ss(ns.tiled_mma, ns.acc_dK, ns.tdrdSt, ns.tdrQt, ns.copy_A, ns.tdsdSt, ns.tdrdSt_v, ns.copy_Bt,
                       ns.tdsQt[None, None, None, buf], ns.tdrQt_v)
+
     @cute.jit
     def issue_rows(self, mQ: cute.Tensor, mdO: cute.Tensor, g2s: cute.TiledCopy, tQsQ: cute.Tensor,
                    tQsdO: cute.Tensor, tQcQ: cute.Tensor, w: Int32, buf: Int32, h: Int32, b: Int32):
