@@ -12,7 +12,7 @@ and the launchers in ``cute_kernels.indexed.launch`` are imported lazily.
 
 from __future__ import annotations
 
-from .._bridge import arch_of, kernel_arg
+from .._bridge import arch_of, as_contiguous, kernel_arg
 
 OP = "indexed_attention"
 _LAUNCH_MODULE = "cute_kernels.indexed.launch"
@@ -53,7 +53,7 @@ def build_plan(flat_indices, *, num_sets: int, num_queries: int, width: int, kv_
     t = {n: paddle.empty(s, dtype="int32", device=place) for n, s in shapes.items() if n != "tile_bits"}
     t["tile_bits"] = paddle.zeros(shapes["tile_bits"], dtype="int32", device=place)
     if num_sets * num_queries * width > 0 and kv_len > 0:
-        _launch().run_plan(kernel_arg(flat_indices.contiguous()), kv_len, *(kernel_arg(t[n]) for n in (
+        _launch().run_plan(kernel_arg(as_contiguous(flat_indices)), kv_len, *(kernel_arg(t[n]) for n in (
             "win_key", "win_mask", "win_count", "tile_bits", "tile_ptr", "tile_win", "tile_start")),
             window_queries=wq, arch=arch_of(flat_indices))
     else:
@@ -89,7 +89,7 @@ def forward(spec, q, k, v, indices, plan):
     import paddle
 
     plan = _plan_for(spec, indices, plan)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = as_contiguous(q), as_contiguous(k), as_contiguous(v)
     out = paddle.empty([spec.B, spec.Lq, spec.Hq, spec.D], dtype=q.dtype, device=q.place)
     lse = paddle.empty([spec.B, spec.Hq, spec.Lq], dtype="float32", device=q.place)
     _launch().run_fwd(_config(spec, q), kernel_arg(q), kernel_arg(k), kernel_arg(v), kernel_arg(plan.win_key),
@@ -101,7 +101,7 @@ def forward(spec, q, k, v, indices, plan):
 def backward(spec, q, k, v, out, lse, dout, plan):
     import paddle
 
-    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+    q, k, v, out, dout = (as_contiguous(t) for t in (q, k, v, out, dout))
     dq = paddle.empty(q.shape, dtype=q.dtype, device=q.place)
     dk = paddle.empty(k.shape, dtype=k.dtype, device=k.place)
     dv = paddle.empty(v.shape, dtype=v.dtype, device=v.place)
