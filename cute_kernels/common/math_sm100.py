@@ -4,13 +4,15 @@
                about n/2 instructions instead of n.
 ``max_tree``   trace-time balanced tree of ``fmax3`` over a Python list of Float32 values: the
                depth is log3(n), which keeps the dependent chain short in the softmax critical path.
-``exp2_poly``  2^x on the FMA pipe (Cody-Waite split + degree-3 polynomial), used for a fraction of
-               the elements so the MUFU unit is not the only exp2 source (FA4's "exp2 emulation").
+``exp2_poly``  2^x on the FMA pipe (floor/fraction split + degree-3 polynomial), used for a fraction
+               of the elements so the MUFU unit is not the only exp2 source (FA4's "exp2 emulation").
 
 Nothing here reads or writes memory; every helper is a pure function of its register inputs.
 """
 
 from __future__ import annotations
+
+import struct
 
 import cutlass
 import cutlass.cute as cute
@@ -64,16 +66,43 @@ def max_tree(values: list) -> Float32:
     return vals[0]
 
 
+def _hex(v: float) -> str:
+    """PTX literal of the float32 nearest to ``v``."""
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+# One inline-PTX block per value, every constant an immediate (no registers held for constants:
+# the softmax warps run at the edge of their register budget).
+_EXP2_POLY_PTX = (
+    "{\n\t.reg .f32 xc, r, bk, f, p;\n\t.reg .b32 ri, pi;\n\t.reg .pred keep;\n\t"
+    "max.f32 xc, $1, %(m127)s;\n\t"
+    "add.rm.f32 r, xc, %(magic)s;\n\t"  # floor(x) in the low mantissa bits of r
+    "sub.f32 bk, r, %(magic)s;\n\t"
+    "sub.f32 f, xc, bk;\n\t"  # fractional part in [0, 1)
+    "fma.rn.f32 p, f, %(c3)s, %(c2)s;\n\t"
+    "fma.rn.f32 p, f, p, %(c1)s;\n\t"
+    "fma.rn.f32 p, f, p, 0f3F800000;\n\t"
+    "mov.b32 ri, r;\n\tshl.b32 ri, ri, 23;\n\tmov.b32 pi, p;\n\tadd.s32 pi, pi, ri;\n\t"
+    "setp.ge.f32 keep, $1, %(m127)s;\n\t"
+    "selp.b32 pi, pi, 0, keep;\n\t"
+    "mov.b32 $0, pi;\n\t}"
+) % {"m127": _hex(-127.0), "magic": _hex(_ROUND_MAGIC), "c1": _hex(_EXP2_POLY[0]),
+     "c2": _hex(_EXP2_POLY[1]), "c3": _hex(_EXP2_POLY[2])}
+
+
 @dsl_user_op
-def _shift_add_exponent(rounded: Float32, frac_pow: Float32, *, loc=None, ip=None) -> Float32:
-    """bits(frac_pow) + (bits(rounded) << 23): adds floor(x) (low bits of ``rounded``) to the exponent."""
+def exp2_poly(x, *, loc=None, ip=None) -> Float32:
+    """2^x without MUFU, for x <= 127; exactly 0 for x < -127 (and -inf), like the flush-to-zero
+    MUFU ex2, so a fully masked row keeps a zero row sum.
+
+    x = n + f with n = floor(x), f in [0, 1); 2^f by the polynomial, n added to the exponent field.
+    """
     return Float32(
         llvm.inline_asm(
             T.f32(),
-            [Float32(rounded).ir_value(loc=loc, ip=ip), Float32(frac_pow).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b32 r_i, p_i;\n\tmov.b32 r_i, $1;\n\tmov.b32 p_i, $2;\n\t"
-            "shl.b32 r_i, r_i, 23;\n\tadd.s32 p_i, p_i, r_i;\n\tmov.b32 $0, p_i;\n\t}",
-            "=f,f,f",
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            _EXP2_POLY_PTX,
+            "=f,f",
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -81,27 +110,4 @@ def _shift_add_exponent(rounded: Float32, frac_pow: Float32, *, loc=None, ip=Non
     )
 
 
-@cute.jit
-def exp2_poly_x2(x0: Float32, x1: Float32):
-    """(2^x0, 2^x1) without MUFU, for x <= 127; exactly 0 for x < -127 (and -inf), like the
-    flush-to-zero MUFU ex2, so a fully masked row keeps a zero row sum.
-
-    x = n + f with n = floor(x), f in [0, 1); 2^f by the polynomial, n added to the exponent field.
-    The packed f32x2 FMA/ADD instructions process both inputs at once.
-    """
-    xc = (cute.arch.fmax(x0, -127.0), cute.arch.fmax(x1, -127.0))
-    rounded = cute.arch.add_packed_f32x2(xc, (_ROUND_MAGIC, _ROUND_MAGIC), rnd="rm")
-    back = cute.arch.sub_packed_f32x2(rounded, (_ROUND_MAGIC, _ROUND_MAGIC))
-    frac = cute.arch.sub_packed_f32x2(xc, back)
-    c1, c2, c3 = _EXP2_POLY
-    p = cute.arch.fma_packed_f32x2(frac, (c3, c3), (c2, c2))
-    p = cute.arch.fma_packed_f32x2(frac, p, (c1, c1))
-    p = cute.arch.fma_packed_f32x2(frac, p, (1.0, 1.0))
-    y0 = _shift_add_exponent(rounded[0], p[0])
-    y1 = _shift_add_exponent(rounded[1], p[1])
-    y0 = Float32(cutlass.select_(x0 >= -127.0, y0, Float32(0.0)))
-    y1 = Float32(cutlass.select_(x1 >= -127.0, y1, Float32(0.0)))
-    return y0, y1
-
-
-__all__ = ["fmax3", "max_tree", "exp2_poly_x2"]
+__all__ = ["fmax3", "max_tree", "exp2_poly"]
