@@ -53,8 +53,9 @@ class AttnConfig:
     #: H200, 2026-11-29, bench/bench_indexed.py: 2 stages 32.5 vs 35.6 ms (16K), 296 vs 332 ms (64K)
     dkdv_stages: int = 2
     #: dQ pass: 2 = prefetch the next chunk's K/V rows (double buffer, 1 CTA/SM at D = 256), 1 = not
-    #: (2 CTAs/SM). H200, same run: 1 stage 9.0 vs 14.2 ms (16K), 46.6 vs 73.6 ms (64K)
-    dq_stages: int = 1
+    #: (2 CTAs/SM). H200, same run, D = 256: 1 stage 9.0 vs 14.2 ms (16K), 46.6 vs 73.6 ms (64K).
+    #: 0 = auto: 1, except 2 at D = 128 (the build run on the H200; 1 stage spills on sm_100a at G 16)
+    dq_stages: int = 0
     #: All three passes: read the plan (key indices, query masks; for dK/dV also the pair list, LSE
     #: and delta) one chunk / pair ahead into registers so the loads' latency hides behind the MMAs
     #: (Note [metadata ahead]); dK/dV needs dkdv_stages == 2, dQ uses it in its 1-stage walk.
@@ -63,6 +64,12 @@ class AttnConfig:
     #: dK/dV pass: a warp skips a pair when none of its 16 keys is selected by the window
     #: (Note [skip unselected halves] in bwd_dkdv.py). Off until measured on a GPU.
     skip_empty: bool = False
+
+    def __post_init__(self):
+        if self.dq_stages == 0:
+            object.__setattr__(self, "dq_stages", 2 if self.head_dim == 128 else 1)
+        if self.dq_stages not in (1, 2) or self.dkdv_stages not in (1, 2):
+            raise ValueError(f"indexed: stages must be 1 or 2, got dq {self.dq_stages} dkdv {self.dkdv_stages}")
 
     @property
     def window_queries(self) -> int:

@@ -175,7 +175,7 @@ def attn_config(q, k, per_kv_head: bool, arch: int | None = None, stages: int | 
     if stages is not None:
         cfg = dataclasses.replace(cfg, dkdv_stages=stages, dq_stages=stages)
     if meta_ahead:
-        cfg = dataclasses.replace(cfg, meta_ahead=True, dkdv_stages=2, dq_stages=1)
+        cfg = dataclasses.replace(cfg, meta_ahead=True, dkdv_stages=2)
     if skip_empty:
         cfg = dataclasses.replace(cfg, skip_empty=True)
     return cfg
