@@ -23,7 +23,13 @@ Not supported (``unsupported_reason``): other head dims, head_dim != head_dim_v,
 Note [block_logit and bit-identity]: block maxima are taken from the masked (and softcapped) S
 registers before exponentiation. The row max fed to the softmax is then the max of the block maxima,
 which equals the direct row max exactly (fmax is exact), and the tiles do not depend on block_size, so
-``out`` and ``lse`` are bitwise the same with and without block_logit.
+``out`` and ``lse`` are bitwise the same with and without block_logit. With one block per tile
+(block_size >= tile_n) the block max is all-reduced across the row's lanes first and then combined with
+the running max (``_RowReducedSoftmax``): the same set of values, so again the same max.
+
+Note [block_logit in the key-tile loop]: the lane's row address, first owned block and validity are
+resolved once per work tile (``bl.owner_position`` / ``bl.pin_row``); a key tile then costs the
+quad reduce-scatter of its block maxima plus one compare, scale and predicated store per owned value.
 """
 
 from __future__ import annotations
@@ -63,6 +69,14 @@ def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
     if cfg.head_dim <= 128:
         return 128, 128, 2
     return 128, 64, 2
+
+
+class _RowReducedSoftmax(OnlineSoftmax):
+    """OnlineSoftmax fed row maxima already reduced across a row's lanes (block_logit with one block per
+    tile): the max of {tile max, running max} is the same value whichever is reduced first."""
+
+    def _row_reduce_max(self, v: Float32) -> Float32:
+        return v
 
 
 class FlashFwdSm90:
@@ -366,22 +380,37 @@ class FlashFwdSm90:
             scale_log2 = softmax_scale * LOG2_E
             softcap_in = Float32(0.0)
             bl_scale = softmax_scale
-        softmax = OnlineSoftmax(scale_log2, 2, 4)
+        # block_size >= tile_n: block_logit's all-reduced block max is the row max (see block_logit_step).
+        softmax_cls = (_RowReducedSoftmax if cfg.has_block_logit and self.bl_shape.blocks_per_tile == 1
+                       else OnlineSoftmax)
+        softmax = softmax_cls(scale_log2, 2, 4)
         softmax.reset()
         acc_O.fill(0.0)
 
-        bl_rows = None
-        nb = Int32(0)
+        # block_logit: where this lane's finished block maxima go, resolved once for all key tiles
+        # (row view shifted to the lane's first owned block, and how many entries it may write).
+        bl_addr = Int64(0)
+        bl_layout = None
+        bl_limit = Int32(0)
+        bl_row_sel = Int32(0)
         carry = None
         if const_expr(cfg.has_block_logit):
             bl_rows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
-            nb = bl_rows.shape[1]
+            row_sel, first_block, is_owner = bl.owner_position(self.bl_shape, lane)
+            bl_row_sel = row_sel
+            bl_row = rows[0] if row_sel == 0 else rows[1]
+            bl_own = cute.domain_offset((first_block,), bl_rows[bl_row, None])
+            bl_addr = bl.pin_row(bl_own)
+            bl_layout = bl_own.layout
+            if is_owner and bl_row < seqlen.seqlen_q:
+                bl_limit = bl_rows.shape[1] - first_block
             carry = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
             carry.fill(-Float32.inf)
 
         ctx = SimpleNamespace(rows=rows, thr_col=thr_col, cols=cols, shift=shift, left=left, right=right,
-                              seqlen=seqlen, tiles=tiles, lane=lane, bl_rows=bl_rows, nb=nb, carry=carry,
-                              bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax)
+                              seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr, bl_layout=bl_layout,
+                              bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry, bl_scale=bl_scale,
+                              softcap=softcap, softcap_in=softcap_in, softmax=softmax)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         if tiles.n_min < tiles.n_max:
@@ -463,29 +492,36 @@ class FlashFwdSm90:
                        cfg.has_window)
         local_max = None
         if const_expr(cfg.has_block_logit):
-            local_max = self.block_logit_step(acc_S_mn, ctx.cols, ctx.rows, ctx.lane, n_tile, ctx.tiles.n_min,
-                                              ctx.bl_rows, ctx.nb, ctx.carry, ctx.seqlen.seqlen_q, ctx.bl_scale)
+            local_max = self.block_logit_step(acc_S_mn, ctx.cols, ctx.lane, n_tile, ctx.tiles.n_min,
+                                              bl.row_at(ctx.bl_addr, ctx.bl_layout), ctx.bl_limit,
+                                              ctx.bl_row_sel, ctx.carry, ctx.bl_scale)
         return ctx.softmax.update(acc_S_mn, is_first, local_max)
 
     @cute.jit
-    def block_logit_step(self, acc_S_mn, cols: cutlass.Constexpr, rows: list, lane: Int32, n_tile: Int32,
-                         n_tile_min: Int32, bl_rows: cute.Tensor, nb: Int32, carry, seqlen_q: Int32,
+    def block_logit_step(self, acc_S_mn, cols: cutlass.Constexpr, lane: Int32, n_tile: Int32,
+                         n_tile_min: Int32, bl_own: cute.Tensor, bl_limit: Int32, row_sel: Int32, carry,
                          scale):
-        """Block maxima of this S tile -> plain stores; returns this thread's row maxima for the softmax."""
+        """Block maxima of this S tile -> plain stores; returns this thread's row maxima for the softmax.
+
+        ``bl_own``/``bl_limit`` (from ``consume``) already hold the lane's row, first owned block and
+        validity, so a tile costs the reduce-scatter, one compare, scale and predicated store per
+        owned value: no row address arithmetic and no branch in the key-tile loop.
+        """
         shape = self.bl_shape
         blk = bl.partial_block_max(shape, acc_S_mn, cols)
-        local_max = [bl.row_max_from_blocks(shape, blk, r) for r in range(2)]
-        owned, row_sel, first_block, is_owner = bl.reduce_row_threads(shape, blk, lane)
-        valid = is_owner
-        if const_expr(shape.tiles_per_block > 1):
-            flush = bl.carry_across_tiles(owned, carry, n_tile, n_tile_min, shape.tiles_per_block)
-            valid = valid and flush
-            block0 = n_tile // shape.tiles_per_block
+        if const_expr(shape.blocks_per_tile == 1):
+            # The block max is the row's tile max: one all-reduce serves both (the softmax is a
+            # _RowReducedSoftmax here and does not reduce again).
+            local_max, owned = bl.reduce_single_block(shape, blk, row_sel)
         else:
-            block0 = n_tile * shape.blocks_per_tile + first_block
-        row = rows[0] if row_sel == 0 else rows[1]
-        valid = valid and row < seqlen_q
-        bl.store_blocks(bl_rows[row, None], owned, block0, nb, valid, scale)
+            local_max = [bl.row_max_from_blocks(shape, blk, r) for r in range(2)]
+            owned, _row_sel, _first_block, _is_owner = bl.reduce_row_threads(shape, blk, lane)
+        if const_expr(shape.tiles_per_block > 1):
+            # block_size spans tiles: one owned value (first_block 0); store when the block is finished.
+            if bl.carry_across_tiles(owned, carry, n_tile, n_tile_min, shape.tiles_per_block):
+                bl.store_owned(bl_own, owned, n_tile // shape.tiles_per_block, bl_limit, scale)
+        else:
+            bl.store_owned(bl_own, owned, n_tile * shape.blocks_per_tile, bl_limit, scale)
         return local_max
 
     @cute.jit

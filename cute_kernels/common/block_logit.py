@@ -35,6 +35,15 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
     xor-1 butterflies exchanging half the values each) so that every lane ends up owning K
     finished values: row ``row_sel`` of its R rows, blocks ``first_block + k`` of the tile, k < K.
     ``is_owner`` is False only for duplicate holders (when fewer values than lanes remain).
+``reduce_single_block(shape, blk, row_sel) -> (row_max list, owned (1,) rmem)``
+    ``blocks_per_tile == 1`` shortcut for ``reduce_row_threads``: a row's block max over the tile
+    IS its tile max, so one butterfly all-reduce per row gives both the softmax's row max (already
+    reduced across the row's lanes: the softmax must not reduce it again) and the lane's owned
+    value (row ``row_sel``; owners as in ``owner_position``). Costs what the softmax's own row
+    reduction costs, so block_logit adds only the select and the store.
+``owner_position(shape, lane) -> (row_sel, first_block, is_owner)``
+    The same placement as ``reduce_row_threads`` returns, from the lane alone, so a kernel can
+    resolve its row pointer and validity once, outside the key-tile loop.
 ``carry_across_tiles(owned, carry, n_tile, n_tile_min, tiles_per_block) -> Boolean``
     (``carry_two_tile_block`` = the tiles_per_block == 2 case)
     block_size == tiles_per_block * tile_n: fold this tile into the running max carried from tile n_tile + 1
@@ -45,6 +54,15 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
     Scalar plain stores ``gRow[first_block + k] = owned[k] * scale`` for ``first_block + k < nb``
     when ``valid`` (row < seqlen_q and is_owner). ``scale`` = softmax_scale (logits are raw q.k), or
     None when the values are already scaled (softcap path). ``-inf * scale = -inf``.
+``store_owned(gOwn, owned, block, limit, scale)``
+    Hot-loop form of ``store_blocks``: ``gOwn`` is this lane's row already shifted to its first
+    owned block and ``limit`` the number of entries it may write from there (0 or less for a lane
+    that writes nothing: not an owner, or a row past seqlen_q), both loop invariant; per tile this
+    is one compare, one scale and one predicated store per owned value (no branch, no row
+    address arithmetic).
+``pin_row(gOwn) -> Int64`` / ``row_at(addr, layout) -> Tensor``
+    Compute a row view's address once (outside the key-tile loop) as an opaque register and
+    rebuild the view from it inside the loop.
 ``fill_unvisited(gRows, num_rows, nb, block_lo, block_hi, thread, num_threads, warp_size)``
     -inf for blocks ``[0, block_lo)`` and ``[block_hi, nb)`` of rows ``[0, num_rows)`` of a tile
     (key tiles the kernel never visits: causal future, left of a window, rows with no keys, blocks
@@ -61,7 +79,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 class BlockLogitShape:
@@ -158,6 +178,45 @@ def reduce_row_threads(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int32):
     return owned, row_sel, first_block, is_owner
 
 
+def _allreduce_max(v, threads_per_row: int):
+    """fmax of ``v`` over the ``threads_per_row`` adjacent lanes of a row (butterfly, every lane gets it)."""
+    dist = threads_per_row // 2
+    while dist >= 1:
+        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=dist))
+        dist //= 2
+    return v
+
+
+@cute.jit
+def reduce_single_block(shape: cutlass.Constexpr, blk: cute.Tensor, row_sel: Int32):
+    """blocks_per_tile == 1: all-reduced row maxima (list) and this lane's owned value (see docstring)."""
+    row_max = [_allreduce_max(blk[r, 0], shape.threads_per_row) for r in range(shape.rows)]
+    owned = cute.make_rmem_tensor((1,), Float32)
+    owned[0] = row_max[0]
+    for r in cutlass.range_constexpr(1, shape.rows):
+        if row_sel == r:
+            owned[0] = row_max[r]
+    return row_max, owned
+
+
+@cute.jit
+def owner_position(shape: cutlass.Constexpr, lane: Int32):
+    """(row_sel, first_block, is_owner) that ``reduce_row_threads`` gives this lane, without values."""
+    start = Int32(0)
+    is_owner = Boolean(True)
+    count = shape.rows * shape.blocks_per_tile
+    for dist, split in shape.stages:
+        hi = (lane // dist) % 2
+        if const_expr(split):
+            count = count // 2
+            start = start + hi * count
+        else:
+            is_owner = is_owner and hi == 0
+    row_sel = start // shape.blocks_per_tile
+    first_block = start - row_sel * shape.blocks_per_tile
+    return row_sel, first_block, is_owner
+
+
 @cute.jit
 def carry_two_tile_block(owned: cute.Tensor, carry: cute.Tensor, n_tile: Int32, n_tile_min: Int32) -> Boolean:
     """block_size == 2 * tile_n: fold ``carry`` into ``owned``; True when the block is finished."""
@@ -188,6 +247,40 @@ def store_blocks(gRow: cute.Tensor, owned: cute.Tensor, first_block: Int32, nb: 
                 if const_expr(scale is not None):
                     val = val * scale
                 gRow[col] = val
+
+
+@dsl_user_op
+def _opaque_i64(x, *, loc=None, ip=None) -> Int64:
+    """``x`` through a register move the compiler cannot see through (keeps a value computed once)."""
+    return Int64(llvm.inline_asm(T.i64(), [Int64(x).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l",
+                                 has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def pin_row(gOwn: cute.Tensor) -> Int64:
+    """Global address of ``gOwn`` (a 1-D fp32 row view) as an opaque Int64, computed where called.
+
+    Without this the compiler re-derives the row address (block indices, strides, row select) inside
+    the key-tile loop next to each store; ``row_at(pinned, gOwn.layout)`` rebuilds the view.
+    """
+    return _opaque_i64(gOwn.iterator.toint())
+
+
+def row_at(addr: Int64, layout) -> cute.Tensor:
+    """fp32 global view with ``layout`` at ``addr`` (from ``pin_row``)."""
+    ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4)
+    return cute.make_tensor(ptr, layout)
+
+
+@cute.jit
+def store_owned(gOwn: cute.Tensor, owned: cute.Tensor, block: Int32, limit: Int32, scale: Float32 | None):
+    """``gOwn[block + k] = owned[k] * scale`` for ``block + k < limit`` (see module docstring)."""
+    for k in cutlass.range_constexpr(cute.size(owned)):
+        if block + k < limit:
+            val = owned[k]
+            if const_expr(scale is not None):
+                val = val * scale
+            gOwn[block + k] = val
 
 
 @cute.jit
