@@ -38,9 +38,13 @@ from .config import TILE_M, AttnConfig
 THREADS = 128
 
 
-def fwd_tile_n(head_dim: int) -> int:
-    """Keys per chunk: 32 at D = 256 keeps the 64 x 256 fp32 O accumulator spill-free."""
-    return 32 if head_dim > 128 else 64
+def fwd_tile_n(head_dim: int, group: int = 12) -> int:
+    """Keys per chunk next to the 64 x D fp32 O accumulator: 64 up to D = 128; 32 at D = 256,
+    except 16 for G in {1, 4, 8, 16}, where 32 spills 8 bytes on sm_90a (ptxas, cutlass-dsl 4.8.1,
+    2026-11-29; G = 2 and the production G = 12 do not)."""
+    if head_dim <= 128:
+        return 64
+    return 32 if group in (2, 12) else 16
 
 
 class IndexedFwd:
@@ -49,12 +53,12 @@ class IndexedFwd:
         self.d = cfg.head_dim
         self.g = cfg.group
         self.wq = cfg.window_queries
-        self.tile_n = fwd_tile_n(cfg.head_dim)
+        self.tile_n = fwd_tile_n(cfg.head_dim, cfg.group)
         self.meta_ahead = cfg.meta_ahead
 
     @staticmethod
     def smem_bytes(cfg: AttnConfig) -> int:
-        tn = fwd_tile_n(cfg.head_dim)
+        tn = fwd_tile_n(cfg.head_dim, cfg.group)
         return (TILE_M + 2 * tn) * cfg.head_dim * 2 + 2 * tn * 4
 
     @cute.jit
