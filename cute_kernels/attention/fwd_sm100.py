@@ -787,7 +787,7 @@ class FlashFwdSm100:
         tidx = cute.arch.thread_idx()[0] % TILE_M
         dv = self.head_dim_v
         chunk = O_CHUNK
-        # one 32-column chunk of O_stage (128 lanes x 32 fp32 columns); chunk c is at column +32*c
+        # one O_CHUNK-column chunk of O_stage (128 lanes x 16 fp32 columns); chunk c at column +16 c
         tOAcc = tOtO[0][(None, None), 0, 0]
         tOchunk = cute.composition(tOAcc, cute.make_layout((TILE_M, chunk)))
         t2r_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(chunk)), Float32)
