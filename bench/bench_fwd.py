@@ -89,6 +89,10 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - report and go on without the anchor
             print(f"FA4 not available: {exc}", file=sys.stderr)
     dev = torch.cuda.get_device_name()
+    from cute_kernels.arch import family
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = family(major * 10 + minor)  # 90 on Hopper, 100 on Blackwell: time the kernel this GPU runs
     bs = args.block_size
     hdims = [int(x) for x in args.hdims.split(",")]
     modes = args.modes.split(",")
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
     for d in hdims:
         for mode in modes:
             for b_sz in (0, bs):
-                compile_fwd(fwd_config(90, "bfloat16", d, d, 1, mode == "causal", False, False, b_sz, False))
+                compile_fwd(fwd_config(arch, "bfloat16", d, d, 1, mode == "causal", False, False, b_sz, False))
             if fa4 is not None:
                 t = torch.randn(1, 256, 2, d, device="cuda", dtype=torch.bfloat16)
                 fa4(t, t, t, causal=mode == "causal", return_lse=True)
@@ -126,8 +130,8 @@ def main(argv=None) -> int:
             for mode in modes:
                 causal = mode == "causal"
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                cfg0 = fwd_config(90, "bfloat16", d, d, 1, causal, False, False, 0, False)
-                cfg1 = fwd_config(90, "bfloat16", d, d, 1, causal, False, False, bs, False)
+                cfg0 = fwd_config(arch, "bfloat16", d, d, 1, causal, False, False, 0, False)
+                cfg1 = fwd_config(arch, "bfloat16", d, d, 1, causal, False, False, bs, False)
 
                 def ours(cfg=cfg0, bl=None):
                     run_fwd(cfg, q, k, v, out, lse, bl, None, None, softmax_scale=scale, softcap=0.0,
