@@ -2,12 +2,15 @@
 
     python bench/bench_fwd.py [--hdims 64,128,256] [--seqlens 2048,4096,8192,16384] [--tokens 32768]
                               [--heads 16] [--block-size 64] [--modes causal,full] [--json FILE]
+                              [--bl-store producer]
 
 Rows: bf16, B = tokens / S, Hq = Hkv = heads. Columns (TFLOPs/s, 4*B*H*Sq*Sk*d, halved for causal):
   ours        cute_kernels SM90 forward, lse, no block_logit
   ours+bl     the same with fused block_logit (block_size)
   fa4         FA4 b36 ``flash_attn.cute.interface.flash_attn_func(..., return_lse=True)``
   unfused     FA4 + a separate block-max pass (chunked torch bf16 S = QK^T, masked, amax per block)
+  ours+bl(producer)  with ``--bl-store producer`` (SM90 only): the opt-in variant in which warps 1-3
+              store block_logit from a shared-memory staging buffer (``CUTE_KERNELS_SM90_BL_STORE``)
 Ratios: ours+bl / fa4 (target >= 0.90 at d=128), ours+bl / ours (overhead), ours+bl / unfused.
 CUDA events, warm-up then median of ``--iters`` runs, all in one process.
 """
@@ -73,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fa4", action="store_true")
     ap.add_argument("--no-unfused", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--bl-store", default="consumer", choices=("consumer", "producer"),
+                    help="producer: also time the SM90 bl_store='producer' variant (ours+bl(producer))")
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table (docs/benchmarks.md)")
     ap.add_argument("--start-after", default=None,
                     help="compile everything first, then wait for this file to exist before timing")
@@ -94,6 +99,7 @@ def main(argv=None) -> int:
     major, minor = torch.cuda.get_device_capability()
     arch = family(major * 10 + minor)  # 90 on Hopper, 100 on Blackwell: time the kernel this GPU runs
     bs = args.block_size
+    bl_producer = args.bl_store == "producer" and arch == 90
     hdims = [int(x) for x in args.hdims.split(",")]
     modes = args.modes.split(",")
     # Compile every config up front (CPU only), and warm FA4's compile cache on a small input.
@@ -103,6 +109,9 @@ def main(argv=None) -> int:
         for mode in modes:
             for b_sz in (0, bs):
                 compile_fwd(fwd_config(arch, "bfloat16", d, d, 1, mode == "causal", False, False, b_sz, False))
+            if bl_producer:
+                compile_fwd(fwd_config(arch, "bfloat16", d, d, 1, mode == "causal", False, False, bs, False),
+                            "producer")
             if fa4 is not None:
                 t = torch.randn(1, 256, 2, d, device="cuda", dtype=torch.bfloat16)
                 fa4(t, t, t, causal=mode == "causal", return_lse=True)
@@ -115,7 +124,8 @@ def main(argv=None) -> int:
     rows = []
     print(f"# {dev}  bf16  tokens={args.tokens} heads={args.heads} block_size={bs}")
     print(f"{'d':>4} {'S':>6} {'mode':>6} | {'ours':>7} {'ours+bl':>7} {'fa4':>7} {'unfused':>7} | "
-          f"{'bl/fa4':>6} {'bl/ours':>7} {'bl/unf':>6}")
+          f"{'bl/fa4':>6} {'bl/ours':>7} {'bl/unf':>6}"
+          + (f" | {'bl(p)':>7} {'p/fa4':>6} {'p/ours':>7}" if bl_producer else ""))
     for d in hdims:
         for s in [int(x) for x in args.seqlens.split(",")]:
             b = max(1, args.tokens // s)
@@ -133,13 +143,15 @@ def main(argv=None) -> int:
                 cfg0 = fwd_config(arch, "bfloat16", d, d, 1, causal, False, False, 0, False)
                 cfg1 = fwd_config(arch, "bfloat16", d, d, 1, causal, False, False, bs, False)
 
-                def ours(cfg=cfg0, bl=None):
+                def ours(cfg=cfg0, bl=None, bl_store="consumer"):
                     run_fwd(cfg, q, k, v, out, lse, bl, None, None, softmax_scale=scale, softcap=0.0,
-                            window_left=-1, window_right=-1, max_seqlen_q=s)
+                            window_left=-1, window_right=-1, max_seqlen_q=s, bl_store=bl_store)
 
                 row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal, "block_size": bs}
                 row["ours_ms"] = _time_ms(lambda: ours(cfg0, None), args.iters)
                 row["ours_bl_ms"] = _time_ms(lambda: ours(cfg1, blk), args.iters)
+                if bl_producer:
+                    row["ours_blp_ms"] = _time_ms(lambda: ours(cfg1, blk, "producer"), args.iters)
                 if fa4 is not None:
                     def fa4_fn():
                         return fa4(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
@@ -151,7 +163,7 @@ def main(argv=None) -> int:
                             block_max_torch(q, k, bs, causal, scale, blk)
 
                         row["unfused_ms"] = _time_ms(unfused, max(3, args.iters // 3), warmup=1)
-                for key in ("ours", "ours_bl", "fa4", "unfused"):
+                for key in ("ours", "ours_bl", "ours_blp", "fa4", "unfused"):
                     if f"{key}_ms" in row:
                         row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
                 if "fa4_ms" in row:
@@ -159,6 +171,10 @@ def main(argv=None) -> int:
                 if "unfused_ms" in row:
                     row["bl_over_unfused"] = row["unfused_ms"] / row["ours_bl_ms"]
                 row["bl_over_ours"] = row["ours_ms"] / row["ours_bl_ms"]
+                if "ours_blp_ms" in row:
+                    row["blp_over_ours"] = row["ours_ms"] / row["ours_blp_ms"]
+                    if "fa4_ms" in row:
+                        row["blp_over_fa4"] = row["fa4_ms"] / row["ours_blp_ms"]
                 rows.append(row)
 
                 def f(key):
@@ -168,21 +184,26 @@ def main(argv=None) -> int:
                     return f"{row[key]:{w}.3f}" if key in row else f"{'-':>{w}}"
 
                 print(f"{d:>4} {s:>6} {mode:>6} | {f('ours_tflops')} {f('ours_bl_tflops')} {f('fa4_tflops')} "
-                      f"{f('unfused_tflops')} | {r('bl_over_fa4')} {r('bl_over_ours', 7)} {r('bl_over_unfused')}",
-                      flush=True)
+                      f"{f('unfused_tflops')} | {r('bl_over_fa4')} {r('bl_over_ours', 7)} {r('bl_over_unfused')}"
+                      + (f" | {f('ours_blp_tflops')} {r('blp_over_fa4')} {r('blp_over_ours', 7)}" if bl_producer
+                         else ""), flush=True)
             del q, k, v, out, lse, blk
             torch.cuda.empty_cache()
     if args.markdown:
         print()
-        print("| d | S | B | mode | ours | ours+bl | FA4 b36 | unfused | ours+bl / FA4 | ours+bl / ours | ours+bl / unfused |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        extra_h = " ours+bl(producer) | ours+bl(producer) / FA4 | ours+bl(producer) / ours |" if bl_producer else ""
+        print("| d | S | B | mode | ours | ours+bl | FA4 b36 | unfused | ours+bl / FA4 | ours+bl / ours | ours+bl / unfused |"
+              + extra_h)
+        print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if bl_producer else ""))
         for row in rows:
             def g(key, fmt):
                 return format(row[key], fmt) if key in row else "-"
             print(f"| {row['head_dim']} | {row['seqlen']} | {row['batch']} | {'causal' if row['causal'] else 'full'} | "
                   f"{g('ours_tflops', '.0f')} | {g('ours_bl_tflops', '.0f')} | {g('fa4_tflops', '.0f')} | "
                   f"{g('unfused_tflops', '.0f')} | {g('bl_over_fa4', '.3f')} | {g('bl_over_ours', '.3f')} | "
-                  f"{g('bl_over_unfused', '.2f')} |")
+                  f"{g('bl_over_unfused', '.2f')} |"
+                  + (f" {g('ours_blp_tflops', '.0f')} | {g('blp_over_fa4', '.3f')} | {g('blp_over_ours', '.3f')} |"
+                     if bl_producer else ""))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"gpu": dev, "rows": rows}, fh, indent=1)
