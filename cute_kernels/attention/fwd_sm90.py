@@ -38,12 +38,12 @@ them with vector stores into a shared-memory staging buffer, ``BL_STAGES`` = 2 s
 warpgroup, each 64 rows x 4 quad lanes x blocks_per_tile fp32 (``_bl_stage_layout``; at most 32 KiB in
 all). Warps 1-3 wait for a slot on a named barrier (``BL_FULL_BARRIER + 2 * wg + slot``, 224 threads),
 take the max over the row's 4 lanes, fold the carry of blocks spanning tiles (in registers: such a block
-leaves one value per row and tile, and thread t < 64 owns row t for the whole work tile), scale once and store; they release
-the slot (``BL_EMPTY_BARRIER + ...``) only when a later tile reuses it, and a consumer waits only when
-it reuses a slot whose previous tile is not consumed yet. The unvisited blocks' -inf fill runs after
-the tile loop. The softmax reduces the row max across the quad itself (``OnlineSoftmax``); fmax is
-exact, so out, lse and block_logit are bitwise those of the default build. Barrier ids 3-10 are used
-only by this variant; the default's generated code is unchanged.
+leaves one value per row and tile, and thread t < 64 owns row t for the whole work tile), scale once and
+store; they release the slot (``BL_EMPTY_BARRIER + ...``) only when a later tile reuses it, and a
+consumer waits only when it reuses a slot whose previous tile is not consumed yet. The unvisited blocks'
+-inf fill runs after the tile loop. The softmax reduces the row max across the quad itself
+(``OnlineSoftmax``); fmax is exact, so out, lse and block_logit are bitwise those of the default build.
+Barrier ids 3-10 are used only by this variant; the default's generated code is unchanged.
 """
 
 from __future__ import annotations
