@@ -382,13 +382,19 @@ class FlashFwdSm90:
         warpgroups stage per key tile (see Note [bl_store="producer"]), then -inf for unvisited blocks."""
         shape = self.bl_shape
         mRows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
-        gRows = cute.domain_offset((m_start, 0), mRows)
         nb = mRows.shape[1]
+        # This tile's rows with a 32-bit row stride (offsets stay below tile_m * nb): fewer registers
+        # for warps 1-3, which run on PRODUCER_REGS.
+        gTile = cute.domain_offset((m_start, 0), mRows)
+        gRows = cute.make_tensor(gTile.iterator, cute.make_layout(
+            (self.tile_m, nb), stride=(Int32(gTile.stride[0]), gTile.stride[1])))
         num_rows = cutlass.min(seqlen.seqlen_q - m_start, self.tile_m)
         # tiles_per_block > 1: one value per row (bpt == 1); thread t < 64 owns row t of both
         # warpgroups for the whole work tile, so the running max of a block lives in its registers.
-        carry = cute.make_rmem_tensor((NUM_CONSUMER_WG,), Float32)
-        carry.fill(-Float32.inf)
+        carry = None
+        if const_expr(shape.tiles_per_block > 1):
+            carry = cute.make_rmem_tensor((NUM_CONSUMER_WG,), Float32)
+            carry.fill(-Float32.inf)
         num_tiles = tiles.n_max - tiles.n_min
         entries = 64 * shape.blocks_per_tile
         passes = (entries + BL_REDUCER_THREADS - 1) // BL_REDUCER_THREADS
@@ -545,11 +551,10 @@ class FlashFwdSm90:
                               bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry, bl_scale=bl_scale,
                               softcap=softcap, softcap_in=softcap_in, softmax=softmax)
         if const_expr(self.bl_producer):
-            # This lane's staging view: (v, chunk, row of the warpgroup) in quad lane lane % 4 of this WG.
-            ctx.bl_stage = sBL
+            # This lane's staging views, one per S row r: (v, chunk, slot) at (quad lane lane % 4, the
+            # row within the warpgroup, this WG); resolved once, so a key tile only adds the slot.
             ctx.bl_wg = wg
-            ctx.bl_quad = lane % 4
-            ctx.bl_stage_rows = [tScS_mn[r, 0][0] % 64 for r in range(2)]
+            ctx.bl_stage_rows = [sBL[None, None, lane % 4, tScS_mn[r, 0][0] % 64, None, wg] for r in range(2)]
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         if tiles.n_min < tiles.n_max:
@@ -680,8 +685,7 @@ class FlashFwdSm90:
             # Wait only when the slot's previous tile (k - BL_STAGES) is not yet consumed.
             cute.arch.barrier(barrier_id=BL_EMPTY_BARRIER + 2 * ctx.bl_wg + slot,
                               number_of_threads=THREADS_PER_WG + BL_REDUCER_THREADS)
-        bl.stage_partials(shape, ctx.bl_stage[None, None, ctx.bl_quad, None, slot, ctx.bl_wg], blk,
-                          ctx.bl_stage_rows)
+        bl.stage_partials(shape, [view[None, None, slot] for view in ctx.bl_stage_rows], blk)
         cute.arch.barrier_arrive(barrier_id=BL_FULL_BARRIER + 2 * ctx.bl_wg + slot,
                                  number_of_threads=THREADS_PER_WG + BL_REDUCER_THREADS)
         return local_max

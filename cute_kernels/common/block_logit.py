@@ -69,7 +69,7 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
     past this sequence's keys in varlen). Rows go to warps, columns to lanes (coalesced).
 ``visited_block_range(shape, n_tile_min, n_tile_max) -> (block_lo, block_hi)``
     The blocks touched by the visited key tiles ``[n_tile_min, n_tile_max)``.
-``stage_partials(shape, sLane, blk, rows)``
+``stage_partials(shape, sRows, blk)``
     ``partial_block_max``'s values -> a shared-memory staging view (vector stores), for kernels in
     which other warps finish the cross-lane reduction and store (SM90 ``bl_store="producer"``).
 
@@ -318,12 +318,12 @@ def fill_unvisited(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_lo: Int
 
 
 @cute.jit
-def stage_partials(shape: cutlass.Constexpr, sLane: cute.Tensor, blk: cute.Tensor, rows: list):
+def stage_partials(shape: cutlass.Constexpr, sRows: list, blk: cute.Tensor):
     """This thread's partial block maxima ``blk`` (from ``partial_block_max``) -> shared memory, for a
     kernel in which other warps finish the cross-lane reduction and store (SM90 bl_store="producer").
 
-    ``sLane`` is the thread's (v, chunks, rows) view with v = min(4, blocks_per_tile) contiguous floats
-    (chunks * v == blocks_per_tile); ``rows[r]`` indexes the third mode for the thread's row r.
+    ``sRows[r]`` is the thread's (v, chunks) shared-memory view for its row r, v = min(4, blocks_per_tile)
+    contiguous floats per chunk (chunks * v == blocks_per_tile): one vector store per chunk.
     """
     v = min(4, shape.blocks_per_tile)
     for r in cutlass.range_constexpr(shape.rows):
@@ -331,4 +331,4 @@ def stage_partials(shape: cutlass.Constexpr, sLane: cute.Tensor, blk: cute.Tenso
             frag = cute.make_rmem_tensor((v,), Float32)
             for j in cutlass.range_constexpr(v):
                 frag[j] = blk[r, c * v + j]
-            cute.autovec_copy(frag, sLane[None, c, rows[r]])
+            cute.autovec_copy(frag, sRows[r][None, c])
