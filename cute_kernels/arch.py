@@ -88,3 +88,16 @@ def device_sm_count(device_index: int = 0) -> int | None:
     """Number of SMs of CUDA device ``device_index``, or None without a GPU."""
     n = _device_attrs(device_index, "MULTIPROCESSOR_COUNT")
     return None if n is None else n[0]
+
+
+def kernel_arch(arch: int | None = None) -> int:
+    """Kernel family to build for: ``arch`` if given, else that of CUDA device 0.
+
+    Launchers call this with the caller's arch (the Paddle layer passes the tensors' device arch);
+    without one and without a GPU there is nothing to launch on, which is an error.
+    """
+    if arch is None:
+        arch = device_arch()
+        if arch is None:
+            raise RuntimeError("no CUDA device found: pass arch=90/100 or run on a GPU")
+    return family(arch)

@@ -50,4 +50,11 @@ def compile_options(extra: str = "") -> str:
     return " ".join(p for p in parts if p)
 
 
-__all__ = ["COMPILE_OPTIONS", "cutlass", "fake_tensor", "fake_stream", "sym", "compile_options"]
+def arch_options(arch: int) -> str:
+    """``compile_options`` targeting kernel family ``arch`` (``--gpu-arch sm_90a`` / ``sm_100a``)."""
+    from cute_kernels.arch import arch_name
+
+    return compile_options(f"--gpu-arch {arch_name(arch)}")
+
+
+__all__ = ["COMPILE_OPTIONS", "cutlass", "fake_tensor", "fake_stream", "sym", "compile_options", "arch_options"]

@@ -19,7 +19,6 @@ a GPU place.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 import warnings
 from dataclasses import dataclass

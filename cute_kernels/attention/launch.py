@@ -116,7 +116,7 @@ def compile_fwd(cfg: FwdConfig, bl_store: str = "consumer"):
     """
     import cutlass.cute as cute
 
-    from cute_kernels.fake import compile_options, fake_stream
+    from cute_kernels.fake import arch_options, fake_stream
 
     reason = unsupported_reason(cfg)
     if reason is not None:
@@ -128,7 +128,7 @@ def compile_fwd(cfg: FwdConfig, bl_store: str = "consumer"):
             raise NotImplementedError(f"flash_attn_fwd: bl_store={bl_store!r} exists only on SM90")
         kernel = _kernel_class(cfg.arch)(cfg, bl_store=bl_store)
     return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(),
-                        options=compile_options(f"--gpu-arch {_arch.arch_name(cfg.arch)}"))
+                        options=arch_options(cfg.arch))
 
 
 def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, *,

@@ -43,13 +43,9 @@ def _fast(key, build):
 
 
 def _opts(arch: int) -> str:
-    from cute_kernels.fake import compile_options
+    from cute_kernels.fake import arch_options
 
-    return compile_options(f"--gpu-arch {_arch.arch_name(arch)}")
-
-
-def _arch_of(arch: int | None) -> int:
-    return _arch.family(arch if arch is not None else _arch.device_arch())
+    return arch_options(arch)
 
 
 def _i32(shape, align=4):
@@ -74,12 +70,12 @@ def compile_reset_scores(cfg: ResetScoresConfig):
     import cutlass
     import cutlass.cute as cute
 
-    from cute_kernels.fake import compile_options, fake_stream, fake_tensor, sym
+    from cute_kernels.fake import fake_stream, fake_tensor, sym
 
     state = fake_tensor(cutlass_dtype(cfg.state_dtype), (sym(), cfg.num_kv_heads, sym()), align_bytes=4)
     slots = fake_tensor(cutlass.Int32, (sym(),), align_bytes=4)
     return cute.compile(ResetScores(cfg), state, slots, fake_stream(),
-                        options=compile_options(f"--gpu-arch {_arch.arch_name(cfg.arch)}"))
+                        options=_opts(cfg.arch))
 
 
 def run_reset_scores(state, slot_mapping, *, arch: int | None = None) -> None:
@@ -87,7 +83,7 @@ def run_reset_scores(state, slot_mapping, *, arch: int | None = None) -> None:
     if slot_mapping.shape[0] == 0 or state.shape[0] == 0:
         return
     fn = _fast(("reset", state.dtype, state.shape[1], arch), lambda: compile_reset_scores(ResetScoresConfig(
-        arch=_arch_of(arch), state_dtype=dtype_name(state.dtype), num_kv_heads=int(state.shape[1]))))
+        arch=_arch.kernel_arch(arch), state_dtype=dtype_name(state.dtype), num_kv_heads=int(state.shape[1]))))
     fn(state, slot_mapping)
 
 
@@ -115,7 +111,7 @@ def run_update_page_summary(key_cache, slot_mapping, summary, *, arch: int | Non
     if slot_mapping.shape[0] == 0 or key_cache.shape[0] == 0:
         return
     fn = _fast(("summary", key_cache.dtype, summary.dtype, tuple(key_cache.shape[1:]), arch),
-               lambda: compile_page_summary(page_summary_config(key_cache, summary, _arch_of(arch))))
+               lambda: compile_page_summary(page_summary_config(key_cache, summary, _arch.kernel_arch(arch))))
     fn(key_cache, slot_mapping, summary)
 
 
@@ -144,7 +140,7 @@ def run_page_scores(q, summary, block_tables, seq_lens, out, *, page_size: int, 
     def build():
         _, hkv, _, d = (int(x) for x in summary.shape)
         return compile_page_scores(PageScoresConfig(
-            arch=_arch_of(arch), q_dtype=dtype_name(q.dtype), summary_dtype=dtype_name(summary.dtype),
+            arch=_arch.kernel_arch(arch), q_dtype=dtype_name(q.dtype), summary_dtype=dtype_name(summary.dtype),
             num_kv_heads=hkv, group=int(q.shape[1]) // hkv, head_dim=d, page_size=int(page_size),
             gqa=PAGE_GQA[gqa_reduce]))
 
@@ -227,7 +223,7 @@ def run_token_accumulate(q, key_cache, state, block_tables, seq_lens, logits_ws,
     if q.shape[0] == 0 or block_tables.shape[1] == 0:
         return
     def build():
-        cfg = token_config(q, key_cache, state, gqa_reduce, _arch_of(arch))
+        cfg = token_config(q, key_cache, state, gqa_reduce, _arch.kernel_arch(arch))
         return compile_token_logits(cfg), compile_token_update(cfg)
 
     logits_fn, update_fn = _fast(("token", q.dtype, key_cache.dtype, state.dtype, q.shape[1],
@@ -255,7 +251,7 @@ def run_token_page_scores(state, block_tables, seq_lens, out, *, arch: int | Non
     def build():
         _, hkv, page_size = (int(x) for x in state.shape)
         return compile_token_page_scores(TokenPageScoresConfig(
-            arch=_arch_of(arch), state_dtype=dtype_name(state.dtype), num_kv_heads=hkv, page_size=page_size))
+            arch=_arch.kernel_arch(arch), state_dtype=dtype_name(state.dtype), num_kv_heads=hkv, page_size=page_size))
 
     _fast(("token_pages", state.dtype, tuple(state.shape[1:]), arch), build)(state, block_tables, seq_lens, out)
 
@@ -282,7 +278,7 @@ def run_select_pages(scores, block_tables, seq_lens, out, out_lens, *, page_size
         return
     assert int(out.shape[2]) == bos + topk + eos, "out width must be bos + topk + eos"
     fn = _fast(("select", scores.shape[1], arch), lambda: compile_select_pages(
-        SelectPagesConfig(arch=_arch_of(arch), num_kv_heads=int(scores.shape[1]))))
+        SelectPagesConfig(arch=_arch.kernel_arch(arch), num_kv_heads=int(scores.shape[1]))))
     fn(scores, block_tables, seq_lens, out, out_lens, int(page_size), int(topk), int(bos), int(eos))
 
 

@@ -49,9 +49,9 @@ def _i32(*shape):
 
 
 def _opts(arch: int) -> str:
-    from cute_kernels.fake import compile_options
+    from cute_kernels.fake import arch_options
 
-    return compile_options(f"--gpu-arch {_arch.arch_name(arch)}")
+    return arch_options(arch)
 
 
 class CompiledPlan(NamedTuple):
@@ -142,9 +142,6 @@ def compile_bwd_dkdv(cfg: AttnConfig):
                         cutlass.Float32(1.0), fake_stream(), options=_opts(cfg.arch))
 
 
-def _arch_of(arch):
-    return _arch.family(arch if arch is not None else _arch.device_arch())
-
 
 def run_plan(indices, kv_len: int, win_key, win_mask, win_count, tile_bits, tile_ptr, tile_win, tile_start,
              *, window_queries: int, arch: int | None = None) -> None:
@@ -154,7 +151,7 @@ def run_plan(indices, kv_len: int, win_key, win_mask, win_count, tile_bits, tile
     num_sets, num_q = int(indices.shape[0]), int(indices.shape[1])
     if num_sets == 0 or num_q == 0:
         return
-    fns = compile_plan(PlanConfig(arch=_arch_of(arch), window_queries=window_queries))
+    fns = compile_plan(PlanConfig(arch=_arch.kernel_arch(arch), window_queries=window_queries))
     fns.windows(indices, win_key, win_mask, win_count, tile_bits, cutlass.Int32(kv_len))
     if int(tile_bits.shape[1]) == 0:
         return
@@ -170,7 +167,7 @@ def attn_config(q, k, per_kv_head: bool, arch: int | None = None, stages: int | 
     ``meta_ahead=True`` turns on the one-ahead plan reads (dQ then uses 1 stage, dK/dV 2);
     ``skip_empty=True`` lets dK/dV warps skip key halves a window does not select."""
     hq, hkv, d = int(q.shape[2]), int(k.shape[2]), int(q.shape[3])
-    cfg = AttnConfig(arch=_arch_of(arch), head_dim=d, group=hq // hkv, num_kv_heads=hkv,
+    cfg = AttnConfig(arch=_arch.kernel_arch(arch), head_dim=d, group=hq // hkv, num_kv_heads=hkv,
                      per_kv_head=per_kv_head)
     if stages is not None:
         cfg = dataclasses.replace(cfg, dkdv_stages=stages, dq_stages=stages)
@@ -193,8 +190,6 @@ def run_fwd(cfg: AttnConfig, q, k, v, win_key, win_mask, win_count, out, lse, so
 def run_bwd(cfg: AttnConfig, q, k, v, out, dout, lse, win_key, win_mask, win_count, tile_ptr, tile_win,
             tile_start, dq, dk, dv, delta, softmax_scale: float) -> None:
     """dq, dk, dv (bf16, every element written) and the scratch ``delta [B, Hq, Lq]`` fp32."""
-    import cutlass
-
     run_bwd_dq(cfg, q, k, v, out, dout, lse, win_key, win_mask, win_count, dq, delta, softmax_scale)
     run_bwd_dkdv(cfg, q, k, v, dout, lse, delta, win_key, win_mask, win_count, tile_ptr, tile_win, tile_start,
                  dk, dv, softmax_scale)

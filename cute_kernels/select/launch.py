@@ -27,13 +27,13 @@ def compile_topk_blocks(cfg: TopkBlocksConfig):
     import cutlass
     import cutlass.cute as cute
 
-    from cute_kernels.fake import compile_options, fake_stream, fake_tensor, sym
+    from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym
 
     block_logit = fake_tensor(cutlass.Float32, (sym(), sym(), sym(), sym(cfg.vec)), align_bytes=4 * cfg.vec)
     lse = fake_tensor(cutlass.Float32, (sym(), sym(), sym()), align_bytes=4)
     out = fake_tensor(cutlass.Int32, (sym(), sym(), sym(), cfg.topk), align_bytes=4)
     return cute.compile(TopkBlocks(cfg), block_logit, lse, out, cutlass.Int32(0), cutlass.Int32(0),
-                        cutlass.Int32(0), cutlass.Int32(64), fake_stream(), options=compile_options(f"--gpu-arch {_arch.arch_name(cfg.arch)}"))
+                        cutlass.Int32(0), cutlass.Int32(64), fake_stream(), options=arch_options(cfg.arch))
 
 
 def topk_config(arch: int, num_heads: int, num_groups: int, nb: int, topk: int, ptr: int = 0,
@@ -55,7 +55,7 @@ def run_select_topk_blocks(block_logit, lse, out, *, sink_blocks: int = 0, local
     if b * sq * hs == 0:
         return
     assert nb > 0 and hq % hs == 0 and topk_unsupported_reason(nb, topk) is None
-    arch = _arch.family(arch if arch is not None else _arch.device_arch())
+    arch = _arch.kernel_arch(arch)
     cfg = topk_config(arch, hq, hs, nb, topk, block_logit.data_ptr(), causal_rows=causal_limit is not None)
     block_size, seqlen_k = causal_limit if causal_limit is not None else (1, sq)
     compile_topk_blocks(cfg)(block_logit, lse, out, sink_blocks, local_blocks, seqlen_k - sq, block_size)
@@ -66,12 +66,12 @@ def compile_blocks_to_indices(cfg: BlocksToIndicesConfig):
     import cutlass
     import cutlass.cute as cute
 
-    from cute_kernels.fake import compile_options, fake_stream, fake_tensor, sym
+    from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym
 
     block_idx = fake_tensor(cutlass.Int32, (sym(), sym(), sym(), cfg.topk), align_bytes=4)
     out = fake_tensor(cutlass.Int32, (sym(), sym(), sym(), cfg.width), align_bytes=16)
     return cute.compile(BlocksToIndices(cfg), block_idx, out, cutlass.Int32(1), cutlass.Int32(1),
-                        fake_stream(), options=compile_options(f"--gpu-arch {_arch.arch_name(cfg.arch)}"))
+                        fake_stream(), options=arch_options(cfg.arch))
 
 
 def run_blocks_to_indices(block_idx, out, *, block_size: int, seqlen_k: int, causal: bool = True,
@@ -81,7 +81,7 @@ def run_blocks_to_indices(block_idx, out, *, block_size: int, seqlen_k: int, cau
     rows = b * hs * sq
     if rows == 0:
         return
-    arch = _arch.family(arch if arch is not None else _arch.device_arch())
+    arch = _arch.kernel_arch(arch)
     cfg = BlocksToIndicesConfig(arch=arch, block_size=block_size, topk=topk, causal=causal)
     compile_blocks_to_indices(cfg)(block_idx, out, sq, seqlen_k)
 

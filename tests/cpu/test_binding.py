@@ -107,3 +107,10 @@ def test_device_queries_return_none_without_a_driver():
     assert out.returncode == 0, out.stderr
     if "NVIDIA" not in os.environ.get("NVIDIA_VISIBLE_DEVICES", "") and not os.path.exists("/dev/nvidia0"):
         assert out.stdout.split() == ["None", "None"]
+
+
+def test_kernel_arch_uses_the_given_arch_and_refuses_without_a_device():
+    assert arch_mod.kernel_arch(90) == 90 and arch_mod.kernel_arch(103) == 100
+    if arch_mod.device_arch() is None:
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            arch_mod.kernel_arch(None)
