@@ -12,7 +12,8 @@ Rows: bf16, B = tokens / S, Hq = Hkv = heads. Columns (TFLOPs/s, 4*B*H*Sq*Sk*d, 
   ours+bl(producer)  with ``--bl-store producer`` (SM90 only): the opt-in variant in which warps 1-3
               store block_logit from a shared-memory staging buffer (``CUTE_KERNELS_SM90_BL_STORE``)
 Ratios: ours+bl / fa4 (target >= 0.90 at d=128), ours+bl / ours (overhead), ours+bl / unfused.
-CUDA events, warm-up then median of ``--iters`` runs, all in one process.
+CUDA events, warm-up then median of ``--iters`` rounds, all in one process; ours, ours+bl, ours+bl(producer)
+and FA4 are timed round-robin within each round (the unfused path separately, after them).
 """
 
 from __future__ import annotations
@@ -40,6 +41,28 @@ def _time_ms(fn, iters: int, warmup: int = 2) -> float:
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+def _time_interleaved(fns: dict, iters: int, warmup: int = 2) -> dict:
+    """Median ms of each callable, timed round-robin (one run of each per round), so clock and thermal
+    drift hit every variant alike; the overhead ratios then compare like with like."""
+    import torch
+
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def block_max_torch(q, k, block_size, causal, scale, out, chunk_rows=1024):
@@ -148,21 +171,26 @@ def main(argv=None) -> int:
                             window_left=-1, window_right=-1, max_seqlen_q=s, bl_store=bl_store)
 
                 row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal, "block_size": bs}
-                row["ours_ms"] = _time_ms(lambda: ours(cfg0, None), args.iters)
-                row["ours_bl_ms"] = _time_ms(lambda: ours(cfg1, blk), args.iters)
+                fns = {"ours": lambda: ours(cfg0, None), "ours_bl": lambda: ours(cfg1, blk)}
                 if bl_producer:
-                    row["ours_blp_ms"] = _time_ms(lambda: ours(cfg1, blk, "producer"), args.iters)
+                    fns["ours_blp"] = lambda: ours(cfg1, blk, "producer")
                 if fa4 is not None:
                     def fa4_fn():
                         return fa4(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
 
-                    row["fa4_ms"] = _time_ms(fa4_fn, args.iters)
+                    fns["fa4"] = fa4_fn
+                # Lower bound on block_logit's cost if its stores overlapped nothing: one fill of the buffer.
+                fns["bl_fill"] = lambda: blk.fill_(float("-inf"))
+                for key, ms in _time_interleaved(fns, args.iters).items():
+                    row[f"{key}_ms"] = ms
+                if fa4 is not None:
                     if not args.no_unfused:
                         def unfused():
                             fa4_fn()
                             block_max_torch(q, k, bs, causal, scale, blk)
 
                         row["unfused_ms"] = _time_ms(unfused, max(3, args.iters // 3), warmup=1)
+                row["bl_fill_over_ours"] = row["bl_fill_ms"] / row["ours_ms"]
                 for key in ("ours", "ours_bl", "ours_blp", "fa4", "unfused"):
                     if f"{key}_ms" in row:
                         row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
