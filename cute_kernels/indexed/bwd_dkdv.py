@@ -35,10 +35,9 @@ class IndexedBwdDKDV:
     def __init__(self, cfg: AttnConfig):
         self.cfg = cfg
         self.stages = cfg.dkdv_stages
-        self.meta_ahead = cfg.meta_ahead
+        # The one-ahead plan reads ride on the double buffer (Note [metadata ahead]).
+        self.meta_ahead = cfg.meta_ahead and self.stages == 2
         self.skip_empty = cfg.skip_empty
-        if self.meta_ahead and self.stages != 2:
-            raise ValueError("indexed dK/dV: meta_ahead needs dkdv_stages == 2")
         self.d = cfg.head_dim
         self.g = cfg.group
         self.wq = cfg.window_queries

@@ -162,19 +162,19 @@ def run_plan(indices, kv_len: int, win_key, win_mask, win_count, tile_bits, tile
 
 def attn_config(q, k, per_kv_head: bool, arch: int | None = None, stages: int | None = None,
                 meta_ahead: bool | None = None, skip_empty: bool | None = None) -> AttnConfig:
-    """Config for these tensors. ``stages`` / ``meta_ahead`` None = the measured-best defaults of
-    ``AttnConfig``; ``stages`` 1 or 2 forces that many stages in both the dQ and the dK/dV pass and
-    ``meta_ahead=True`` turns on the one-ahead plan reads (dQ then uses 1 stage, dK/dV 2);
-    ``skip_empty=True`` lets dK/dV warps skip key halves a window does not select."""
+    """Config for these tensors. None = the measured-best defaults of ``AttnConfig`` (meta_ahead and
+    skip_empty on); ``stages`` 1 or 2 forces that many stages in both the dQ and the dK/dV pass
+    (meta_ahead then applies where its pass allows it: dK/dV with 2 stages, dQ with 1);
+    ``meta_ahead`` / ``skip_empty`` False turn the one-ahead plan reads / the dK/dV skipping off."""
     hq, hkv, d = int(q.shape[2]), int(k.shape[2]), int(q.shape[3])
     cfg = AttnConfig(arch=_arch.kernel_arch(arch), head_dim=d, group=hq // hkv, num_kv_heads=hkv,
                      per_kv_head=per_kv_head)
     if stages is not None:
         cfg = dataclasses.replace(cfg, dkdv_stages=stages, dq_stages=stages)
-    if meta_ahead:
-        cfg = dataclasses.replace(cfg, meta_ahead=True, dkdv_stages=2)
-    if skip_empty:
-        cfg = dataclasses.replace(cfg, skip_empty=True)
+    if meta_ahead is not None:
+        cfg = dataclasses.replace(cfg, meta_ahead=bool(meta_ahead))
+    if skip_empty is not None:
+        cfg = dataclasses.replace(cfg, skip_empty=bool(skip_empty))
     return cfg
 
 
@@ -229,8 +229,8 @@ def attn_matrix(arch: int, full: bool = False):
     return [AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False),
             AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, dkdv_stages=1,
                        dq_stages=2),
-            AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, meta_ahead=True,
-                       skip_empty=True),
+            AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, meta_ahead=False,
+                       skip_empty=False),
             AttnConfig(arch=arch, head_dim=128, group=8, num_kv_heads=1, per_kv_head=True),
             AttnConfig(arch=arch, head_dim=64, group=1, num_kv_heads=4, per_kv_head=False)]
 
