@@ -31,6 +31,24 @@ the running max (``_RowReducedSoftmax``): the same set of values, so again the s
 Note [block_logit in the key-tile loop]: the lane's row address, first owned block and validity are
 resolved once per work tile (``bl.owner_position`` / ``bl.pin_row``); a key tile then costs the
 quad reduce-scatter of its block maxima plus one compare, scale and predicated store per owned value.
+Note [block_logit reduce modes] (``bl_reduce``; only with several blocks per key tile, i.e.
+block_size < tile_n, and the default store). Each lane first reduces its own columns of every (row,
+block) in registers; what differs is where the quad's exchange runs:
+
+    split     reduce-scatter of the block maxima (bl.reduce_row_threads) next to the softmax's own
+              row-max all-reduce, then the store, all inside the tile's softmax step
+    fused     one set of shuffles serves both (bl.reduce_blocks_and_rows): 2 shuffles fewer, but
+              the softmax waits for a longer chain
+    deferred  the tile's partial maxima stay in registers and block_logit_flush reduces and stores
+              them in the NEXT key-tile step, after that step has issued its QK^T and PV
+              (the last tile's: after the final PV is issued)
+
+H200, 2026-11-29, bf16, 16 heads, block 64, 3 interleaved repeats (overhead vs no block_logit):
+d 128: split 1.4-4.0 %, fused 2.9-5.5 %, deferred -0.4-1.2 % non-causal and 2.1-3.9 % causal;
+d 64: split 7-10.5 %, fused 3.1-8.5 %, deferred 4.0-5.8 %; fused is the better one only for d 64
+causal (3.1-4.2 % vs 4.0-4.8 %). ``default_bl_reduce`` picks accordingly. All three are bitwise
+identical (fmax is exact; the same stores), which tests/gpu/test_fwd_sm90_bl_reduce.py checks.
+
 Note [bl_store="producer"] (opt-in, ``FlashFwdSm90(cfg, bl_store="producer")`` /
 ``CUTE_KERNELS_SM90_BL_STORE=producer``; NOT yet measured on a GPU): the consumer warpgroups keep only
 the per-lane partial block maxima (``bl.partial_block_max``, no shuffles, no global stores) and write
@@ -83,6 +101,14 @@ BL_EMPTY_BARRIER = 7
 BL_STAGES = 2
 BL_STORE_MODES = ("consumer", "producer")
 BL_REDUCER_THREADS = 3 * 32
+BL_REDUCE_MODES = ("split", "fused", "deferred")
+
+
+def default_bl_reduce(cfg: FwdConfig) -> str:
+    """The measured-best mode of Note [block_logit reduce modes] for ``cfg``."""
+    if cfg.head_dim <= 64 and (cfg.causal or cfg.has_window):
+        return "fused"
+    return "deferred"
 
 
 def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
@@ -101,7 +127,7 @@ class _RowReducedSoftmax(OnlineSoftmax):
 
 
 class FlashFwdSm90:
-    def __init__(self, cfg: FwdConfig, bl_store: str = "consumer"):
+    def __init__(self, cfg: FwdConfig, bl_store: str = "consumer", bl_reduce: str | None = None):
         reason = FlashFwdSm90.unsupported_reason(cfg)
         if reason is not None:
             raise ValueError(f"FlashFwdSm90: {reason}")
@@ -110,6 +136,16 @@ class FlashFwdSm90:
         self.cfg = cfg
         # See Note [bl_store="producer"]; only meaningful with block_logit.
         self.bl_producer = bl_store == "producer" and cfg.has_block_logit
+        if bl_reduce is None:
+            bl_reduce = default_bl_reduce(cfg)
+        if bl_reduce not in BL_REDUCE_MODES:
+            raise ValueError(f"FlashFwdSm90: bl_reduce must be one of {BL_REDUCE_MODES}, got {bl_reduce!r}")
+        # See Note [block_logit reduce modes]; all three are bitwise the same. They differ only with
+        # several blocks per key tile and the default (consumer) store.
+        bpt_multi = (cfg.has_block_logit and not self.bl_producer
+                     and max(1, tile_shape(cfg)[1] // cfg.block_size) > 1)
+        self.bl_fused = bl_reduce == "fused" and bpt_multi
+        self.bl_deferred = bl_reduce == "deferred" and bpt_multi
         self.dtype = cutlass_dtype(cfg.dtype)
         self.tile_m, self.tile_n, self.kv_stages = tile_shape(cfg)
         self.hdim = cfg.head_dim
@@ -520,8 +556,8 @@ class FlashFwdSm90:
             softcap_in = Float32(0.0)
             bl_scale = softmax_scale
         # block_size >= tile_n: block_logit's all-reduced block max is the row max (see block_logit_step).
-        softmax_cls = (_RowReducedSoftmax if cfg.has_block_logit and self.bl_shape.blocks_per_tile == 1
-                       and not self.bl_producer else OnlineSoftmax)
+        softmax_cls = (_RowReducedSoftmax if cfg.has_block_logit and not self.bl_producer
+                       and (self.bl_shape.blocks_per_tile == 1 or self.bl_fused) else OnlineSoftmax)
         softmax = softmax_cls(scale_log2, 2, 4)
         softmax.reset()
         acc_O.fill(0.0)
@@ -550,6 +586,8 @@ class FlashFwdSm90:
                               seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr, bl_layout=bl_layout,
                               bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry, bl_scale=bl_scale,
                               softcap=softcap, softcap_in=softcap_in, softmax=softmax)
+        if const_expr(self.bl_deferred):
+            ctx.bl_pending = cute.make_rmem_tensor((2, self.bl_shape.blocks_per_tile), Float32)
         if const_expr(self.bl_producer):
             # This lane's staging views, one per S row r: (v, chunk, slot) at (quad lane lane % 4, the
             # row within the warpgroup, this WG); resolved once, so a key tile only adds the slot.
@@ -588,9 +626,12 @@ class FlashFwdSm90:
                                                  tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
                                                  pipeline_k, pipeline_v, wg, ctx)
             pipeline_q.consumer_release(q_state)
-            # 3. PV of the last tile.
+            # 3. PV of the last tile (deferred block_logit: the last tile's block maxima meanwhile).
             pipeline_v.consumer_wait(kv_state)
-            self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
+            self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
+            if const_expr(self.bl_deferred):
+                self.block_logit_flush(ctx, tiles.n_min)
+            warpgroup.wait_group(0)
             pipeline_v.consumer_release(kv_state)
 
         # 4. Epilogue: O /= l, lse; rows past seqlen_q are not written.
@@ -612,6 +653,8 @@ class FlashFwdSm90:
         pipeline_v.consumer_wait(v_state)
         self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self.scheduler_arrive(wg)
+        if const_expr(self.bl_deferred):
+            self.block_logit_flush(ctx, n_tile + 1)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
         row_scale = self.process_scores(ctx, acc_S, n_tile, False, False, masked)
@@ -638,6 +681,12 @@ class FlashFwdSm90:
         if const_expr(cfg.has_block_logit):
             if const_expr(self.bl_producer):
                 local_max = self.block_logit_stage(ctx, acc_S_mn, n_tile)
+            elif const_expr(self.bl_deferred):
+                # Keep this tile's partial block maxima; block_logit_flush finishes them while the
+                # next tile's QK^T runs (or after the loop for the last tile).
+                blk = bl.partial_block_max(self.bl_shape, acc_S_mn, ctx.cols)
+                local_max = [bl.row_max_from_blocks(self.bl_shape, blk, r) for r in range(2)]
+                ctx.bl_pending.store(blk.load())
             else:
                 local_max = self.block_logit_step(acc_S_mn, ctx.cols, ctx.lane, n_tile, ctx.tiles.n_min,
                                                   bl.row_at(ctx.bl_addr, ctx.bl_layout), ctx.bl_limit,
@@ -660,6 +709,8 @@ class FlashFwdSm90:
             # The block max is the row's tile max: one all-reduce serves both (the softmax is a
             # _RowReducedSoftmax here and does not reduce again).
             local_max, owned = bl.reduce_single_block(shape, blk, row_sel)
+        elif const_expr(self.bl_fused):
+            local_max, owned = bl.reduce_blocks_and_rows(shape, blk, lane)
         else:
             local_max = [bl.row_max_from_blocks(shape, blk, r) for r in range(2)]
             owned, _row_sel, _first_block, _is_owner = bl.reduce_row_threads(shape, blk, lane)
@@ -670,6 +721,15 @@ class FlashFwdSm90:
         else:
             bl.store_owned(bl_own, owned, n_tile * shape.blocks_per_tile, bl_limit, scale)
         return local_max
+
+    @cute.jit
+    def block_logit_flush(self, ctx, n_tile: Int32):
+        """bl_reduce="deferred": reduce-scatter, carry and store the block maxima kept from key tile
+        ``n_tile`` (the tile processed last); called while the next QK^T (or the last PV) runs."""
+        shape = self.bl_shape  # blocks_per_tile >= 2: no block spans tiles
+        owned, _row_sel, _first_block, _is_owner = bl.reduce_row_threads(shape, ctx.bl_pending, ctx.lane)
+        bl.store_owned(bl.row_at(ctx.bl_addr, ctx.bl_layout), owned, n_tile * shape.blocks_per_tile,
+                       ctx.bl_limit, ctx.bl_scale)
 
     @cute.jit
     def block_logit_stage(self, ctx, acc_S_mn, n_tile: Int32):

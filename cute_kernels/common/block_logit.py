@@ -35,6 +35,9 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
     xor-1 butterflies exchanging half the values each) so that every lane ends up owning K
     finished values: row ``row_sel`` of its R rows, blocks ``first_block + k`` of the tile, k < K.
     ``is_owner`` is False only for duplicate holders (when fewer values than lanes remain).
+``reduce_blocks_and_rows(shape, blk, lane) -> (row_max list, owned (K,) rmem)``
+    SM90 quad with ``blocks_per_tile >= 2``: ``reduce_row_threads`` and the all-reduced row maxima
+    for the softmax from one set of shuffles (2 extra instead of the softmax's 4).
 ``reduce_single_block(shape, blk, row_sel) -> (row_max list, owned (1,) rmem)``
     ``blocks_per_tile == 1`` shortcut for ``reduce_row_threads``: a row's block max over the tile
     IS its tile max, so one butterfly all-reduce per row gives both the softmax's row max (already
@@ -179,6 +182,39 @@ def reduce_row_threads(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int32):
     row_sel = start // shape.blocks_per_tile
     first_block = start - row_sel * shape.blocks_per_tile
     return owned, row_sel, first_block, is_owner
+
+
+@cute.jit
+def reduce_blocks_and_rows(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int32):
+    """``reduce_row_threads`` plus both rows' maxima all-reduced across the quad, sharing shuffles.
+
+    For the SM90 quad (2 rows, 4 lanes per row) with ``blocks_per_tile >= 2``. Returns
+    ``(row_max list, owned)`` with the placement of ``reduce_row_threads`` / ``owner_position``.
+    A row's max is the max of its finished block maxima, so after the reduce-scatter one exchange
+    between the two lanes holding the row's halves and one with the other row's lanes give both row
+    maxima (2 shuffles instead of the softmax's own 4). With two blocks per tile the second
+    butterfly all-reduces instead of splitting (the same shuffle count), leaving the row's two
+    finished blocks in both lanes of a pair. fmax is exact, so every value is bitwise what the
+    separate reductions give; the softmax must not reduce the row maxima again.
+    """
+    hi = (lane // 2) % 2
+    if const_expr(shape.blocks_per_tile == 2):
+        vals = []
+        for b in cutlass.range_constexpr(2):
+            send = blk[1, b] if hi == 0 else blk[0, b]
+            mine = blk[0, b] if hi == 0 else blk[1, b]
+            vals.append(cute.arch.fmax(mine, cute.arch.shuffle_sync_bfly(send, offset=2)))
+        vals = [cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=1)) for v in vals]
+        own_row = cute.arch.fmax(vals[0], vals[1])
+        owned = cute.make_rmem_tensor((1,), Float32)
+        owned[0] = vals[0] if lane % 2 == 0 else vals[1]
+    else:
+        owned, _row_sel, _first_block, _is_owner = reduce_row_threads(shape, blk, lane)
+        own_half = _tree_max([owned[k] for k in range(shape.owned)])
+        own_row = cute.arch.fmax(own_half, cute.arch.shuffle_sync_bfly(own_half, offset=1))
+    other_row = cute.arch.shuffle_sync_bfly(own_row, offset=2)
+    row_max = [own_row if hi == 0 else other_row, other_row if hi == 0 else own_row]
+    return row_max, owned
 
 
 def _allreduce_max(v, threads_per_row: int):
