@@ -50,7 +50,8 @@ causal (3.1-4.2 % vs 4.0-4.8 %). ``default_bl_reduce`` picks accordingly. All th
 identical (fmax is exact; the same stores), which tests/gpu/test_fwd_sm90_bl_reduce.py checks.
 
 Note [bl_store="producer"] (opt-in, ``FlashFwdSm90(cfg, bl_store="producer")`` /
-``CUTE_KERNELS_SM90_BL_STORE=producer``; NOT yet measured on a GPU): the consumer warpgroups keep only
+``CUTE_KERNELS_SM90_BL_STORE=producer``; measured on the H200: SLOWER than the default, 2.9-15.4 %
+overhead at d 128, kept for experiments): the consumer warpgroups keep only
 the per-lane partial block maxima (``bl.partial_block_max``, no shuffles, no global stores) and write
 them with vector stores into a shared-memory staging buffer, ``BL_STAGES`` = 2 slots per consumer
 warpgroup, each 64 rows x 4 quad lanes x blocks_per_tile fp32 (``_bl_stage_layout``; at most 32 KiB in
