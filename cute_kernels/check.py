@@ -21,7 +21,9 @@ import time
 import traceback
 
 _REMARK = re.compile(
-    r"Compiling entry function '(?P<fn>[^']+)'.*?"
+    # Plain ptxas -v output quotes the name on one line; when ptxas spills, the DSL re-wraps the same
+    # text in a remark (name unquoted or quoted on the next line), so accept both.
+    r"Compiling entry function\s+'?(?P<fn>[^'\s]+)'?.*?"
     r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads.*?"
     r"Used (?P<regs>\d+) registers",
     re.S,

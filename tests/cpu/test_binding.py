@@ -100,6 +100,22 @@ def test_parse_remarks():
                    "spill_store_bytes": 4, "spill_load_bytes": 4}
 
 
+def test_parse_remarks_when_ptxas_spills():
+    """With spills the DSL re-wraps ptxas' output in a remark: the entry name moves to its own line,
+    without the quotes on the first one. Parsing must still find the spill bytes."""
+    from cute_kernels.check import parse_remarks
+
+    text = ("remark[ptxas]: ptxas detected register spills\n"
+            "          ptxas info    : Compiling entry function\n"
+            "          'kernel_cutlass_kernel_x_0'\n"
+            "          for 'sm_90a'\n"
+            "          ptxas         .     64 bytes stack frame, 104 bytes spill stores, 72 bytes spill loads\n"
+            "          ptxas info    : Used 255 registers, used 1 barriers, 64 bytes cumulative stack size\n")
+    (row,) = parse_remarks(text)
+    assert row == {"function": "kernel_cutlass_kernel_x_0", "registers": 255, "stack_bytes": 64,
+                   "spill_store_bytes": 104, "spill_load_bytes": 72}
+
+
 def test_device_queries_return_none_without_a_driver():
     """On a CPU-only machine the driver probes answer None instead of raising."""
     code = "from cute_kernels import arch; print(arch.device_arch(), arch.device_sm_count())"
