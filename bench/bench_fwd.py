@@ -24,25 +24,6 @@ import math
 import sys
 
 
-def _time_ms(fn, iters: int, warmup: int = 2) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def _time_interleaved(fns: dict, iters: int, warmup: int = 2) -> dict:
     """Median ms of each callable, timed round-robin (one run of each per round), so clock and thermal
     drift hit every variant alike; the overhead ratios then compare like with like."""
@@ -63,6 +44,11 @@ def _time_interleaved(fns: dict, iters: int, warmup: int = 2) -> dict:
             end.synchronize()
             times[name].append(start.elapsed_time(end))
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def _time_ms(fn, iters: int, warmup: int = 2) -> float:
+    """Median ms of one callable."""
+    return _time_interleaved({"fn": fn}, iters, warmup)["fn"]
 
 
 def block_max_torch(q, k, block_size, causal, scale, out, chunk_rows=1024):

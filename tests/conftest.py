@@ -22,3 +22,12 @@ def torch_cuda_arch() -> int | None:
         return None
     major, minor = torch.cuda.get_device_capability()
     return major * 10 + minor
+
+
+def sm90_gpu_marks() -> list:
+    """``pytestmark`` of a GPU test file that needs an SM90 (Hopper) GPU through torch."""
+    import pytest
+
+    arch = torch_cuda_arch()
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(arch is None or not (90 <= arch < 100), reason="needs an SM90 (Hopper) GPU")]

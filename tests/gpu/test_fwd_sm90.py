@@ -13,13 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.conftest import torch_cuda_arch  # noqa: E402
+from tests.conftest import sm90_gpu_marks  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch_cuda_arch() is None or not (90 <= torch_cuda_arch() < 100),
-                       reason="needs an SM90 (Hopper) GPU"),
-]
+pytestmark = sm90_gpu_marks()
 
 SENTINEL = 987654.0
 
