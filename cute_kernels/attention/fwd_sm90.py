@@ -13,7 +13,8 @@ Warp roles (384 threads, one CTA per (query tile of 128 rows, head, batch)):
     warps 1-3     block_logit: -inf into the blocks of key tiles this query tile never visits
                   (bl_store="producer": also reduce and store the staged block maxima, see below)
     WG 1, WG 2    consumers, 64 query rows each: S = Q K^T (wgmma, smem x smem), mask, softcap,
-                  block_logit, online softmax, O += P V (P from registers); the QK^T of tile n is in
+                  block_logit (its quad exchange and stores one key tile late, Note [block_logit
+                  reduce modes]), online softmax, O += P V (P from registers); the QK^T of tile n is in
                   flight while the PV of tile n+1 runs and softmax of tile n follows
                   (intra-warpgroup overlap); the two WGs alternate issuing wgmma (named barriers)
 
@@ -30,7 +31,9 @@ the running max (``_RowReducedSoftmax``): the same set of values, so again the s
 
 Note [block_logit in the key-tile loop]: the lane's row address, first owned block and validity are
 resolved once per work tile (``bl.owner_position`` / ``bl.pin_row``); a key tile then costs the
-quad reduce-scatter of its block maxima plus one compare, scale and predicated store per owned value.
+quad reduce-scatter of its block maxima plus one compare, scale and predicated store per owned value
+(by default done one step later, see the next Note).
+
 Note [block_logit reduce modes] (``bl_reduce``; only with several blocks per key tile, i.e.
 block_size < tile_n, and the default store). Each lane first reduces its own columns of every (row,
 block) in registers; what differs is where the quad's exchange runs:
