@@ -47,9 +47,10 @@ block) in registers; what differs is where the quad's exchange runs:
               (the last tile's: after the final PV is issued)
 
 H200, 2026-11-29, bf16, 16 heads, block 64, 3 interleaved repeats (overhead vs no block_logit):
-d 128: split 1.4-4.0 %, fused 2.9-5.5 %, deferred -0.4-1.2 % non-causal and 2.1-3.9 % causal;
-d 64: split 7-10.5 %, fused 3.1-8.5 %, deferred 4.0-5.8 %; fused is the better one only for d 64
-causal (3.1-4.2 % vs 4.0-4.8 %). ``default_bl_reduce`` picks accordingly. All three are bitwise
+d 128: split 1.3-4.0 %, fused 2.8-5.5 %, deferred -0.4-1.2 % non-causal and 2.1-3.9 % causal;
+d 64: split 7.0-10.5 %, fused 3.1-8.5 %, deferred 4.0-5.8 %; fused is the better one only for d 64
+causal (3.1-4.2 % vs 4.0-4.8 %). ``default_bl_reduce`` picks accordingly (sliding windows, not
+measured, follow the causal choice). All three are bitwise
 identical (fmax is exact; the same stores), which tests/gpu/test_fwd_sm90_bl_reduce.py checks.
 
 Note [bl_store="producer"] (opt-in, ``FlashFwdSm90(cfg, bl_store="producer")`` /
