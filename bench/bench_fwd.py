@@ -23,32 +23,7 @@ import json
 import math
 import sys
 
-
-def _time_interleaved(fns: dict, iters: int, warmup: int = 2) -> dict:
-    """Median ms of each callable, timed round-robin (one run of each per round), so clock and thermal
-    drift hit every variant alike; the overhead ratios then compare like with like."""
-    import torch
-
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    torch.cuda.synchronize()
-    times = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-
-
-def _time_ms(fn, iters: int, warmup: int = 2) -> float:
-    """Median ms of one callable."""
-    return _time_interleaved({"fn": fn}, iters, warmup)["fn"]
+from _timing import interleaved_median_ms, median_ms
 
 
 def block_max_torch(q, k, block_size, causal, scale, out, chunk_rows=1024):
@@ -167,7 +142,7 @@ def main(argv=None) -> int:
                     fns["fa4"] = fa4_fn
                 # Lower bound on block_logit's cost if its stores overlapped nothing: one fill of the buffer.
                 fns["bl_fill"] = lambda: blk.fill_(float("-inf"))
-                for key, ms in _time_interleaved(fns, args.iters).items():
+                for key, ms in interleaved_median_ms(fns, args.iters).items():
                     row[f"{key}_ms"] = ms
                 if fa4 is not None:
                     if not args.no_unfused:
@@ -175,7 +150,7 @@ def main(argv=None) -> int:
                             fa4_fn()
                             block_max_torch(q, k, bs, causal, scale, blk)
 
-                        row["unfused_ms"] = _time_ms(unfused, max(3, args.iters // 3), warmup=1)
+                        row["unfused_ms"] = median_ms(unfused, max(3, args.iters // 3), warmup=1)
                 row["bl_fill_over_ours"] = row["bl_fill_ms"] / row["ours_ms"]
                 for key in ("ours", "ours_bl", "ours_blp", "fa4", "unfused"):
                     if f"{key}_ms" in row:

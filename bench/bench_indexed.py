@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _timing import samples_ms  # noqa: E402 (bench/ is on sys.path when run as a script)
+
 PUBLISHED = {"16Kx16K": (31, 116), "64Kx64K": (191, 352), "131Kx131K": (448, 669),
              "32Kx131K": (134, 163), "16Kx131K": (65, 84)}
 HQ, HKV, D = 24, 2, 256
@@ -110,17 +112,7 @@ def union_ratio_gpu(idx: torch.Tensor, kv_len: int, wq: int, samples: int = 512)
 
 
 def time_ms(fn, iters: int) -> list:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
+    return samples_ms(fn, iters, warmup=1)
 
 
 def bench_windowed(q, k, v, idx, dout, iters: int, stages=None) -> dict:

@@ -31,21 +31,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _timing import median_ms  # noqa: E402 (bench/ is on sys.path when run as a script)
+
 
 def cuda_time(fn, warmup: int = 2, iters: int = 5) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` runs (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return median_ms(fn, iters, warmup)
 
 
 def causal_inputs(s: int, h: int, bs: int, gen: torch.Generator):

@@ -7,6 +7,7 @@ Paddle-specific: detaching, contiguity/alignment checks done *before* a launch, 
 
 from __future__ import annotations
 
+from ._validate import is_empty
 from .backend import tensor_arch
 
 
@@ -29,7 +30,7 @@ def require_contiguous(op: str, name: str, t) -> None:
 
 
 def require_aligned(op: str, name: str, t, nbytes: int = 16) -> None:
-    if t is not None and t.numel() > 0 and t.data_ptr() % nbytes != 0:
+    if t is not None and not is_empty(t) and t.data_ptr() % nbytes != 0:
         raise ValueError(f"{op}: {name} must be {nbytes}-byte aligned for the CuTe backend")
 
 

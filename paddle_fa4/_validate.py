@@ -17,6 +17,12 @@ KERNEL_FLOAT_DTYPES = ("bfloat16", "float16")
 REFERENCE_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
 
+def is_empty(t) -> bool:
+    """Whether ``t`` has no elements, from its host-side shape. (``Tensor.numel()`` is a device op in
+    Paddle: testing its result synchronises with the GPU on every call.)"""
+    return 0 in t.shape
+
+
 def dtype_name(t) -> str:
     """Canonical dtype name of a tensor (``"bfloat16"``, ``"int32"``, ...)."""
     from cute_kernels.dtypes import dtype_name as _name

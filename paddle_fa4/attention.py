@@ -192,11 +192,11 @@ def _fill_no_keys(out, lse, block_logit) -> None:
     import paddle
 
     with paddle.no_grad():
-        if out.numel() > 0:
+        if not V.is_empty(out):
             paddle.assign(paddle.zeros(out.shape, dtype=out.dtype, device=out.place), out)
-        if lse.numel() > 0:
+        if not V.is_empty(lse):
             paddle.assign(paddle.full(lse.shape, -math.inf, dtype="float32", device=lse.place), lse)
-        if block_logit is not None and block_logit.numel() > 0:
+        if block_logit is not None and not V.is_empty(block_logit):
             paddle.assign(paddle.full(block_logit.shape, -math.inf, dtype="float32",
                                       device=block_logit.place), block_logit)
 

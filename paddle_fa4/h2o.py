@@ -47,7 +47,7 @@ def _contiguous_reason(**tensors) -> str | None:
 
 def _aligned_reason(nbytes: int = 16, **tensors) -> str | None:
     for name, t in tensors.items():
-        if t is not None and t.numel() > 0 and t.data_ptr() % nbytes != 0:
+        if t is not None and not V.is_empty(t) and t.data_ptr() % nbytes != 0:
             return f"{name} must be {nbytes}-byte aligned"
     return None
 
@@ -133,7 +133,7 @@ def reset_scores(state, slot_mapping, backend: Literal["auto", "cute", "referenc
     if state.place != slot_mapping.place:
         raise ValueError(f"{op}: state and slot_mapping must be on the same place "
                          f"({state.place} vs {slot_mapping.place})")
-    if state.numel() == 0 or slot_mapping.numel() == 0:
+    if V.is_empty(state) or V.is_empty(slot_mapping):
         return state
 
     def reason(arch):
@@ -183,7 +183,7 @@ def update_page_summary(key_cache, slot_mapping, summary, backend: Literal["auto
     V.check_dtype(op, "summary", summary, _SUMMARY_DTYPES)
     V.check_shape(op, "summary", summary, [num_pages, hkv, 3, d], "[num_pages, Hkv, 3, D]")
     V.check_same_place(op, {"key_cache": key_cache, "slot_mapping": slot_mapping, "summary": summary})
-    if key_cache.numel() == 0 or slot_mapping.numel() == 0:
+    if V.is_empty(key_cache) or V.is_empty(slot_mapping):
         return summary
 
     def reason(arch):
@@ -350,7 +350,8 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float |
 
             ref.token_accumulate(q, key_cache, state, block_tables, seq_lens, scale, decay, gqa_reduce, bos, eos)
     if return_page_scores:
-        return state, token_page_scores(state, block_tables, seq_lens, backend=backend)
+        # Inputs are validated above; token_page_scores would check them all again.
+        return state, _token_page_scores("h2o.token_page_scores", state, block_tables, seq_lens, batch, backend)
     return state
 
 
@@ -372,6 +373,11 @@ def token_page_scores(state, block_tables, seq_lens, backend: Literal["auto", "c
     batch = _check_paged(op, block_tables, seq_lens)
     V.check_same_place(op, {"state": state, "block_tables": block_tables, "seq_lens": seq_lens})
     _check_seq_values(op, seq_lens, block_tables, state.shape[2])
+    return _token_page_scores(op, state, block_tables, seq_lens, batch, backend)
+
+
+def _token_page_scores(op: str, state, block_tables, seq_lens, batch: int, backend):
+    """token_page_scores on validated inputs (also the tail of token_accumulate)."""
     import paddle
 
     hkv = state.shape[1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+from . import _validate as V
 from .backend import resolve_backend
 
 Backend = Literal["auto", "cute", "reference"]
@@ -272,7 +273,7 @@ def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = 
     import paddle
 
     out = paddle.empty([b, hs, sq, width], dtype="int32", device=block_idx.place)
-    if out.numel() > 0:
+    if not V.is_empty(out):
         def reason(arch):
             from ._cute import selection as glue
 

@@ -36,8 +36,6 @@ pack_gqa (query heads are never folded into M), 2-CTA MMA, split-KV, paged KV.
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -47,6 +45,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from cute_kernels.common import block_logit as blk
 from cute_kernels.common.math_sm100 import exp2_poly, max_tree
+from cute_kernels.common.utils import LN_2, LOG2_E
 
 from .config import FwdConfig
 
@@ -101,8 +100,6 @@ _WARPS_CORRECTION = (8, 9, 10, 11)
 _WARP_MMA, _WARP_LOAD = 12, 13
 _BAR_CORRECTION = 1  # named barrier id (0 is __syncthreads)
 _UNBOUNDED = 1 << 30  # "no window limit", keeps row +/- bound inside int32
-_LN2 = math.log(2.0)
-_LOG2E = math.log2(math.e)
 
 
 def _q_stage(cfg: FwdConfig) -> int:
@@ -243,11 +240,11 @@ class FlashFwdSm100:
         # Scales: without softcap S stays raw q.k and the scale lives in the exp2 FMA; with softcap
         # the softmax warps turn S into the scaled logit first, so the exp2 scale is log2(e).
         if const_expr(cfg.has_softcap):
-            scale_log2 = Float32(_LOG2E)
+            scale_log2 = Float32(LOG2_E)
             softcap_in = softmax_scale / softcap
             logit_scale = Float32(1.0)
         else:
-            scale_log2 = softmax_scale * Float32(_LOG2E)
+            scale_log2 = softmax_scale * Float32(LOG2_E)
             softcap_in = Float32(0.0)
             logit_scale = softmax_scale
 
@@ -872,7 +869,7 @@ class FlashFwdSm100:
         lse = Float32(-Float32.inf)
         if not empty:
             inv_sum = cute.arch.rcp_approx(row_sum)
-            lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(_LN2)
+            lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(LN_2)
         row_ok = row < seqlen_q
         row_g = row
         if const_expr(self.cfg.varlen):

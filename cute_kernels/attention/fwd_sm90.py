@@ -90,7 +90,7 @@ from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, co
                                        select_modes, sm90_thread0_cols, transpose_view)
 from cute_kernels.dtypes import cutlass_dtype
 
-from .config import FwdConfig
+from .config import BL_STORE_MODES, FwdConfig
 
 SMEM_BYTES_MAX = 232_448
 NUM_CONSUMER_WG = 2
@@ -104,7 +104,6 @@ WG_SCHEDULER_BARRIER = 1
 BL_FULL_BARRIER = 3
 BL_EMPTY_BARRIER = 7
 BL_STAGES = 2
-BL_STORE_MODES = ("consumer", "producer")
 BL_REDUCER_THREADS = 3 * 32
 BL_REDUCE_MODES = ("split", "fused", "deferred")
 
@@ -718,7 +717,7 @@ class FlashFwdSm90:
             local_max, owned = bl.reduce_blocks_and_rows(shape, blk, lane)
         else:
             local_max = [bl.row_max_from_blocks(shape, blk, r) for r in range(2)]
-            owned, _row_sel, _first_block, _is_owner = bl.reduce_row_threads(shape, blk, lane)
+            owned = bl.reduce_row_threads(shape, blk, lane)
         if const_expr(shape.tiles_per_block > 1):
             # block_size spans tiles: one owned value (first_block 0); store when the block is finished.
             if bl.carry_across_tiles(owned, carry, n_tile, n_tile_min, shape.tiles_per_block):
@@ -732,7 +731,7 @@ class FlashFwdSm90:
         """bl_reduce="deferred": reduce-scatter, carry and store the block maxima kept from key tile
         ``n_tile`` (the tile processed last); called while the next QK^T (or the last PV) runs."""
         shape = self.bl_shape  # blocks_per_tile >= 2: no block spans tiles
-        owned, _row_sel, _first_block, _is_owner = bl.reduce_row_threads(shape, ctx.bl_pending, ctx.lane)
+        owned = bl.reduce_row_threads(shape, ctx.bl_pending, ctx.lane)
         bl.store_owned(bl.row_at(ctx.bl_addr, ctx.bl_layout), owned, n_tile * shape.blocks_per_tile,
                        ctx.bl_limit, ctx.bl_scale)
 

@@ -9,15 +9,19 @@ Arguments were validated one layer up; only internal invariants are asserted her
 
 from __future__ import annotations
 
+import functools
 import os
 
 from cute_kernels import arch as _arch
 from cute_kernels.dtypes import cutlass_dtype, dtype_name
 from cute_kernels.jit_cache import jit_cache
 
-from .config import BLOCK_SIZES, DTYPES, FwdArgs, FwdConfig
+from .config import BL_STORE_MODES, BLOCK_SIZES, DTYPES, FwdArgs, FwdConfig
 
 
+# fwd_config and unsupported_reason are pure and run on every call of the Paddle op (backend
+# resolution, then the launch): memoised so a call costs a dict lookup, not a dataclass build.
+@functools.lru_cache(maxsize=None)
 def fwd_config(arch: int, dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
                has_window: bool, has_softcap: bool, block_size: int, varlen: bool) -> FwdConfig:
     """The compile key for one forward call (``block_size`` 0 = no block_logit)."""
@@ -39,6 +43,7 @@ def _kernel_class(arch: int):
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def unsupported_reason(cfg: FwdConfig) -> str | None:
     """None when ``cfg`` compiles and runs, else a reason naming the unsupported case."""
     if cfg.arch not in (90, 100):
@@ -90,9 +95,9 @@ def fake_fwd_args(cfg: FwdConfig) -> FwdArgs:
 
 
 # SM90 only, opt-in (measured slower than the default on the H200): who stores block_logit ("consumer": the softmax warpgroups, the
-# default; "producer": warps 1-3 from a shared-memory staging buffer). Read here, at compile time.
+# default; "producer": warps 1-3 from a shared-memory staging buffer). Read by run_fwd on each call;
+# each mode is compiled once.
 BL_STORE_ENV = "CUTE_KERNELS_SM90_BL_STORE"
-BL_STORE_MODES = ("consumer", "producer")
 
 
 def bl_store_mode(cfg: FwdConfig, bl_store: str | None = None) -> str:

@@ -30,11 +30,12 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
 ``row_max_from_blocks(shape, blk, r) -> Float32``
     This thread's max of row r from the block maxima (so the softmax's row max needs no second pass
     over S; fmax is exact, so the result is bitwise the same as a direct row max).
-``reduce_row_threads(shape, blk, lane) -> (owned (K,) rmem, row_sel, first_block, is_owner)``
+``reduce_row_threads(shape, blk, lane) -> owned (K,) rmem``
     Max across the ``threads_per_row`` lanes sharing a row, as a reduce-scatter (quad: xor-2 then
     xor-1 butterflies exchanging half the values each) so that every lane ends up owning K
-    finished values: row ``row_sel`` of its R rows, blocks ``first_block + k`` of the tile, k < K.
-    ``is_owner`` is False only for duplicate holders (when fewer values than lanes remain).
+    finished values: row ``row_sel`` of its R rows, blocks ``first_block + k`` of the tile, k < K,
+    with ``(row_sel, first_block, is_owner)`` from ``owner_position`` (``is_owner`` is False only
+    for duplicate holders, when fewer values than lanes remain).
 ``reduce_blocks_and_rows(shape, blk, lane) -> (row_max list, owned (K,) rmem)``
     SM90 quad with ``blocks_per_tile >= 2``: ``reduce_row_threads`` and the all-reduced row maxima
     for the softmax from one set of shuffles (2 extra instead of the softmax's 4).
@@ -45,10 +46,9 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
     value (row ``row_sel``; owners as in ``owner_position``). Costs what the softmax's own row
     reduction costs, so block_logit adds only the select and the store.
 ``owner_position(shape, lane) -> (row_sel, first_block, is_owner)``
-    The same placement as ``reduce_row_threads`` returns, from the lane alone, so a kernel can
+    Where ``reduce_row_threads`` leaves this lane's values, from the lane alone, so a kernel can
     resolve its row pointer and validity once, outside the key-tile loop.
 ``carry_across_tiles(owned, carry, n_tile, n_tile_min, tiles_per_block) -> Boolean``
-    (``carry_two_tile_block`` = the tiles_per_block == 2 case)
     block_size == tiles_per_block * tile_n: fold this tile into the running max carried from tile n_tile + 1
     (tiles are visited in descending order) and say whether the block is finished (even tile, or
     the last visited tile) and must be stored now. ``carry`` is an rmem tensor like ``owned`` that
@@ -89,6 +89,8 @@ from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .utils import row_allreduce, tree_max
+
 
 class BlockLogitShape:
     """Compile-time description of how block_logit maps onto one thread's part of an S tile."""
@@ -123,17 +125,6 @@ class BlockLogitShape:
             raise ValueError("block_logit: reduce-scatter left values spanning two rows")
 
 
-def _tree_max(vals: list):
-    """fmax over a Python list of Float32, as a balanced tree (independent chains, short depth)."""
-    vals = list(vals)
-    while len(vals) > 1:
-        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
-        if len(vals) % 2:
-            nxt.append(vals[-1])
-        vals = nxt
-    return vals[0]
-
-
 @cute.jit
 def partial_block_max(shape: cutlass.Constexpr, acc_mn: cute.Tensor, cols: cutlass.Constexpr) -> cute.Tensor:
     """(rows, blocks_per_tile) fp32: this thread's max over its columns of each (row, block)."""
@@ -142,14 +133,14 @@ def partial_block_max(shape: cutlass.Constexpr, acc_mn: cute.Tensor, cols: cutla
         for b in cutlass.range_constexpr(shape.blocks_per_tile):
             members = [acc_mn[r, c] for c in range(len(cols))
                        if (cols[c] // shape.block_size) % shape.blocks_per_tile == b]
-            blk[r, b] = _tree_max(members)
+            blk[r, b] = tree_max(members)
     return blk
 
 
 @cute.jit
 def row_max_from_blocks(shape: cutlass.Constexpr, blk: cute.Tensor, r: cutlass.Constexpr) -> Float32:
     """This thread's max of row ``r`` over the tile, from its block maxima."""
-    return _tree_max([blk[r, b] for b in range(shape.blocks_per_tile)])
+    return tree_max([blk[r, b] for b in range(shape.blocks_per_tile)])
 
 
 @cute.jit
@@ -157,8 +148,6 @@ def reduce_row_threads(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int32):
     """Reduce-scatter the block maxima across the lanes sharing a row (see module docstring)."""
     # Flat order: row-major over (row, block), so halves split rows first, then blocks.
     vals = [blk[r, b] for r in range(shape.rows) for b in range(shape.blocks_per_tile)]
-    start = Int32(0)
-    is_owner = Boolean(True)
     for dist, split in shape.stages:
         hi = (lane // dist) % 2
         if const_expr(split):
@@ -172,16 +161,12 @@ def reduce_row_threads(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int32):
                 other = cute.arch.shuffle_sync_bfly(send, offset=dist)
                 keep.append(cute.arch.fmax(mine, other))
             vals = keep
-            start = start + hi * half
         else:
             vals = [cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=dist)) for v in vals]
-            is_owner = is_owner and hi == 0
     owned = cute.make_rmem_tensor((shape.owned,), Float32)
     for k in cutlass.range_constexpr(shape.owned):
         owned[k] = vals[k]
-    row_sel = start // shape.blocks_per_tile
-    first_block = start - row_sel * shape.blocks_per_tile
-    return owned, row_sel, first_block, is_owner
+    return owned
 
 
 @cute.jit
@@ -209,27 +194,18 @@ def reduce_blocks_and_rows(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int
         owned = cute.make_rmem_tensor((1,), Float32)
         owned[0] = vals[0] if lane % 2 == 0 else vals[1]
     else:
-        owned, _row_sel, _first_block, _is_owner = reduce_row_threads(shape, blk, lane)
-        own_half = _tree_max([owned[k] for k in range(shape.owned)])
+        owned = reduce_row_threads(shape, blk, lane)
+        own_half = tree_max([owned[k] for k in range(shape.owned)])
         own_row = cute.arch.fmax(own_half, cute.arch.shuffle_sync_bfly(own_half, offset=1))
     other_row = cute.arch.shuffle_sync_bfly(own_row, offset=2)
     row_max = [own_row if hi == 0 else other_row, other_row if hi == 0 else own_row]
     return row_max, owned
 
 
-def _allreduce_max(v, threads_per_row: int):
-    """fmax of ``v`` over the ``threads_per_row`` adjacent lanes of a row (butterfly, every lane gets it)."""
-    dist = threads_per_row // 2
-    while dist >= 1:
-        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=dist))
-        dist //= 2
-    return v
-
-
 @cute.jit
 def reduce_single_block(shape: cutlass.Constexpr, blk: cute.Tensor, row_sel: Int32):
     """blocks_per_tile == 1: all-reduced row maxima (list) and this lane's owned value (see docstring)."""
-    row_max = [_allreduce_max(blk[r, 0], shape.threads_per_row) for r in range(shape.rows)]
+    row_max = [row_allreduce(blk[r, 0], shape.threads_per_row, cute.arch.fmax) for r in range(shape.rows)]
     owned = cute.make_rmem_tensor((1,), Float32)
     owned[0] = row_max[0]
     for r in cutlass.range_constexpr(1, shape.rows):
@@ -240,7 +216,7 @@ def reduce_single_block(shape: cutlass.Constexpr, blk: cute.Tensor, row_sel: Int
 
 @cute.jit
 def owner_position(shape: cutlass.Constexpr, lane: Int32):
-    """(row_sel, first_block, is_owner) that ``reduce_row_threads`` gives this lane, without values."""
+    """(row_sel, first_block, is_owner) of the values ``reduce_row_threads`` leaves in this lane."""
     start = Int32(0)
     is_owner = Boolean(True)
     count = shape.rows * shape.blocks_per_tile
@@ -254,12 +230,6 @@ def owner_position(shape: cutlass.Constexpr, lane: Int32):
     row_sel = start // shape.blocks_per_tile
     first_block = start - row_sel * shape.blocks_per_tile
     return row_sel, first_block, is_owner
-
-
-@cute.jit
-def carry_two_tile_block(owned: cute.Tensor, carry: cute.Tensor, n_tile: Int32, n_tile_min: Int32) -> Boolean:
-    """block_size == 2 * tile_n: fold ``carry`` into ``owned``; True when the block is finished."""
-    return carry_across_tiles(owned, carry, n_tile, n_tile_min, 2)
 
 
 @cute.jit

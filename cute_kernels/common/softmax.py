@@ -17,40 +17,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from .utils import LN_2
-
-
-def tree_max(vals: list):
-    vals = list(vals)
-    while len(vals) > 1:
-        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
-        if len(vals) % 2:
-            nxt.append(vals[-1])
-        vals = nxt
-    return vals[0]
-
-
-def tree_sum(vals: list):
-    vals = list(vals)
-    while len(vals) > 1:
-        nxt = [vals[i] + vals[i + 1] for i in range(0, len(vals) - 1, 2)]
-        if len(vals) % 2:
-            nxt.append(vals[-1])
-        vals = nxt
-    return vals[0]
+from .utils import LN_2, row_allreduce, tree_max, tree_sum
 
 
 def _add(a, b):
     return a + b
-
-
-def row_allreduce(v, threads_per_row: int, op):
-    """Combine ``v`` across the ``threads_per_row`` adjacent lanes sharing a row (butterfly)."""
-    dist = threads_per_row // 2
-    while dist >= 1:
-        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=dist))
-        dist //= 2
-    return v
 
 
 class OnlineSoftmax:

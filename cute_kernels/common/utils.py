@@ -17,6 +17,35 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
+def tree_max(vals: list):
+    vals = list(vals)
+    while len(vals) > 1:
+        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
+        if len(vals) % 2:
+            nxt.append(vals[-1])
+        vals = nxt
+    return vals[0]
+
+
+def tree_sum(vals: list):
+    vals = list(vals)
+    while len(vals) > 1:
+        nxt = [vals[i] + vals[i + 1] for i in range(0, len(vals) - 1, 2)]
+        if len(vals) % 2:
+            nxt.append(vals[-1])
+        vals = nxt
+    return vals[0]
+
+
+def row_allreduce(v, threads_per_row: int, op):
+    """Combine ``v`` across the ``threads_per_row`` adjacent lanes sharing a row (butterfly)."""
+    dist = threads_per_row // 2
+    while dist >= 1:
+        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=dist))
+        dist //= 2
+    return v
+
+
 def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
     """A view of ``t`` with its modes reordered (e.g. (B, S, H, D) -> (S, D, H, B))."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(modes)))

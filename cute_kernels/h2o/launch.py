@@ -11,6 +11,7 @@ eos and top-k are runtime values (one compile serves them all).
 from __future__ import annotations
 
 from cute_kernels import arch as _arch
+from cute_kernels.common.utils import LOG2_E
 from cute_kernels.dtypes import cutlass_dtype, dtype_name
 from cute_kernels.jit_cache import jit_cache
 
@@ -20,7 +21,7 @@ from .page_scores import PageScores, PageScoresConfig
 from .page_summary import PageSummary, PageSummaryConfig
 from .reset_scores import ResetScores, ResetScoresConfig
 from .select_pages import SelectPages, SelectPagesConfig
-from .token_accumulate import (GQA_MAX, GQA_MEAN_P, GQA_MEAN_Q, GQA_SUM, LOG2E, TokenConfig, TokenLogits,
+from .token_accumulate import (GQA_MAX, GQA_MEAN_P, GQA_MEAN_Q, GQA_SUM, TokenConfig, TokenLogits,
                                TokenUpdate, workspace_shapes)
 from .token_page_scores import TokenPageScores, TokenPageScoresConfig
 
@@ -228,7 +229,7 @@ def run_token_accumulate(q, key_cache, state, block_tables, seq_lens, logits_ws,
 
     logits_fn, update_fn = _fast(("token", q.dtype, key_cache.dtype, state.dtype, q.shape[1],
                                   tuple(key_cache.shape[1:]), gqa_reduce, arch), build)
-    logits_fn(q, key_cache, block_tables, seq_lens, logits_ws, stats_ws, float(scale) * LOG2E, int(bos), int(eos))
+    logits_fn(q, key_cache, block_tables, seq_lens, logits_ws, stats_ws, float(scale) * LOG2_E, int(bos), int(eos))
     update_fn(state, block_tables, seq_lens, logits_ws, stats_ws, float(decay), int(bos), int(eos))
 
 

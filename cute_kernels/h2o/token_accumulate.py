@@ -50,8 +50,6 @@ GQA_MAX = 1
 GQA_SUM = 2
 GQA_MEAN_P = 3
 
-LOG2E = 1.4426950408889634
-
 
 def _bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2

@@ -7,16 +7,16 @@ owns we make a ``(D,)`` view at that row's global address and copy the thread's 
 
 from __future__ import annotations
 
-import math
+import operator
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
+from cute_kernels.common.utils import LN_2, LOG2_E, row_allreduce  # noqa: F401 - C.LOG2_E / C.LN_2 in the kernels
+
 COPY_BITS = 128
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 
 
 def smem_layout(dtype, rows: int, cols: int, stages: int = 0):
@@ -106,14 +106,12 @@ def as_a_operand(r: cute.Tensor) -> cute.Tensor:
 
 @cute.jit
 def quad_max(v: Float32) -> Float32:
-    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=2))
-    return cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=1))
+    return row_allreduce(v, 4, cute.arch.fmax)
 
 
 @cute.jit
 def quad_sum(v: Float32) -> Float32:
-    v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
-    return v + cute.arch.shuffle_sync_bfly(v, offset=1)
+    return row_allreduce(v, 4, operator.add)
 
 
 @cute.jit

@@ -5,12 +5,39 @@ from __future__ import annotations
 from .._bridge import arch_of, kernel_arg
 
 
+# (arch, op, the dtypes and static dims the op's kernel config is built from) -> reason. A decode
+# step calls these ops every token; building a config to re-derive the same answer would cost more
+# than the launch.
+_REASONS: dict = {}
+
+
+def _reason_key(arch: int, op: str, kw: dict):
+    if op == "update_page_summary":
+        kc, summary = kw["key_cache"], kw["summary"]
+        return arch, op, str(kc.dtype), tuple(kc.shape[1:]), str(summary.dtype)
+    if op == "page_scores":
+        q, summary = kw["q"], kw["summary"]
+        return arch, op, str(q.dtype), str(summary.dtype), tuple(summary.shape[1:]), kw["group"]
+    if op == "token_accumulate":
+        q, kc, state = kw["q"], kw["key_cache"], kw["state"]
+        return (arch, op, str(q.dtype), str(kc.dtype), str(state.dtype), tuple(kc.shape[1:]), q.shape[1],
+                kw["gqa_reduce"])
+    return arch, op
+
+
 def unsupported_reason(arch: int, op: str, **kw) -> str | None:
     """None when the CuTe kernel of ``h2o.<op>`` handles these tensors on ``arch``, else why not."""
-    from cute_kernels.dtypes import dtype_name
-
     if op in ("reset_scores", "select_pages", "token_page_scores"):
         return None
+    key = _reason_key(arch, op, kw)
+    if key not in _REASONS:
+        _REASONS[key] = _kernel_reason(arch, op, **kw)
+    return _REASONS[key]
+
+
+def _kernel_reason(arch: int, op: str, **kw) -> str | None:
+    from cute_kernels.dtypes import dtype_name
+
     if op == "update_page_summary":
         from cute_kernels.h2o.launch import page_summary_config
         from cute_kernels.h2o.page_summary import unsupported_reason as why

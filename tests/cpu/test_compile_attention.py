@@ -8,27 +8,15 @@ the host-side contracts of cute_kernels.attention.launch that need no compile.
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.cpu._check_cli import run_check
+
 
 
 def _run_check(tmp_path, *extra):
-    out = tmp_path / "check.json"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", "sm_90a", "--kernel",
-                           "attention_fwd", "--json", str(out), *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=7200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads(out.read_text())
-    assert rows and all(r["ok"] for r in rows)
-    assert all(r["spill_bytes"] == 0 for r in rows)
-    return rows
+    return run_check(tmp_path, "sm_90a", "attention_fwd", *extra)
 
 
 @pytest.mark.compile

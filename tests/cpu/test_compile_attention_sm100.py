@@ -17,7 +17,9 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
+from tests.cpu._check_cli import run_check
+
 SMEM_LIMIT = 232_448
 
 
@@ -26,14 +28,7 @@ def _env():
 
 
 def _run_check(tmp_path, *extra):
-    out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", "sm_100a", "--kernel",
-                           "attention_fwd", "--json", str(out), *extra],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=14400)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads(out.read_text())
-    assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]][:3]
-    assert all(r["spill_bytes"] == 0 for r in rows)
+    rows = run_check(tmp_path, "sm_100a", "attention_fwd", *extra, timeout=14400)
     assert all(r["smem_bytes"] <= SMEM_LIMIT for r in rows)
     return rows
 

@@ -7,28 +7,16 @@ reduction and dtype) is under the slow marker. Also checks the launchers' host-s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.cpu._check_cli import run_check
+
 KERNELS = ("h2o_reset_scores", "h2o_update_page_summary", "h2o_page_scores", "h2o_token_accumulate",
            "h2o_token_page_scores", "h2o_select_pages")
 
 
 def _check(tmp_path, arch, kernel, *extra):
-    out = tmp_path / f"{arch}-{kernel}.json"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", arch, "--kernel", kernel,
-                           "--json", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=7200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads(out.read_text())
-    assert rows and all(r["ok"] and r["spill_bytes"] == 0 for r in rows)
-    return rows
+    return run_check(tmp_path, arch, kernel, *extra)
 
 
 @pytest.mark.compile

@@ -3,31 +3,18 @@ shared memory within the arch limit), and the launch module's host helpers behav
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from cute_kernels.indexed.config import AttnConfig, unsupported_reason, window_queries
 from cute_kernels.indexed.launch import CHECKS, attn_matrix, plan_shapes
+from tests.cpu._check_cli import run_check
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KERNELS = ("indexed_plan", "indexed_fwd", "indexed_bwd_dq", "indexed_bwd_dkdv")
 
 
 def _check(arch, kernel, tmp_path, full=False):
-    report = tmp_path / "report.json"
-    env = dict(os.environ)
-    env.pop("CUTE_DSL_ARCH", None)
-    cmd = [sys.executable, "-m", "cute_kernels.check", "--arch", arch, "--kernel", kernel, "--json", str(report)]
-    out = subprocess.run(cmd + (["--full"] if full else []), cwd=ROOT, capture_output=True, text=True,
-                         timeout=3000, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = json.loads(report.read_text())
-    assert rows and all(r["ok"] for r in rows)
-    assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)
+    rows = run_check(tmp_path, arch, kernel, *(["--full"] if full else []), timeout=3000)
+    assert all(0 < r["registers"] <= 255 for r in rows)
     return rows
 
 

@@ -3,7 +3,6 @@ side picks configs as documented."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,35 +12,25 @@ import pytest
 from cute_kernels.select.blocks_to_indices import BlocksToIndices, BlocksToIndicesConfig
 from cute_kernels.select.launch import topk_config, topk_unsupported_reason
 from cute_kernels.select.topk_blocks import TopkBlocks, TopkBlocksConfig, nb_cap_for
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
+from tests.cpu._check_cli import run_check
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("kernel", ["select_topk_blocks", "blocks_to_indices"])
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_check_cli_compiles_select_kernels(arch, kernel, tmp_path):
-    report = tmp_path / "report.json"
-    env = dict(os.environ)
-    env.pop("CUTE_DSL_ARCH", None)
-    out = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", arch, "--kernel", kernel,
-                          "--json", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = json.loads(report.read_text())
-    assert len(rows) >= 3 and all(r["ok"] for r in rows)
+    rows = run_check(tmp_path, arch, kernel, timeout=600)
+    assert len(rows) >= 3
     assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)
 
 
 @pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_check_cli_full_matrix(arch):
-    env = dict(os.environ)
-    env.pop("CUTE_DSL_ARCH", None)
+def test_check_cli_full_matrix(arch, tmp_path):
     for kernel in ("select_topk_blocks", "blocks_to_indices"):
-        out = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", arch, "--kernel", kernel,
-                              "--full"], cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        run_check(tmp_path, arch, kernel, "--full", timeout=1800)
 
 
 @pytest.mark.compile

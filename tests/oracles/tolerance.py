@@ -66,18 +66,3 @@ def assert_rel_l2(name: str, actual, expected, tol: float) -> None:
     assert_same_nonfinite(name, actual, expected)
     err = rel_l2(actual, expected)
     assert err <= tol, f"{name}: relative L2 error {err:.3e} > {tol:.1e}"
-
-
-def assert_close_to_oracle(name: str, actual, oracle, eager, factor: float = 2.0, atol: float = 1e-5) -> None:
-    """FA4's rule: ``max|actual - oracle| <= factor * max|eager - oracle| + atol``.
-
-    ``eager`` is a same-precision computation of the same quantity (e.g. a bf16 torch or Paddle
-    implementation), so the bound scales with the rounding the precision itself causes.
-    """
-    a, o, g = to_numpy64(actual), to_numpy64(oracle), to_numpy64(eager)
-    assert_same_nonfinite(name, a, o)
-    finite = np.isfinite(o)
-    err = float(np.max(np.abs(a[finite] - o[finite]), initial=0.0))
-    ref_err = float(np.max(np.abs(g[finite] - o[finite]), initial=0.0))
-    assert err <= factor * ref_err + atol, (f"{name}: max error {err:.3e} > {factor} x eager error "
-                                            f"{ref_err:.3e} + {atol:.1e}")
