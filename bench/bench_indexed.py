@@ -121,11 +121,13 @@ def bench_windowed(q, k, v, idx, dout, iters: int, stages=None) -> dict:
                                              run_plan)
 
     named = isinstance(stages, str)
-    # "default": AttnConfig's defaults; other names pick the optional steps ("plain" = neither).
-    custom = named and stages != "default"
+    # "default": AttnConfig's defaults (wgmma dK/dV on SM90); "mma": the portable mma.sync dK/dV
+    # kernel with its defaults; other names pick its optional steps ("plain" = neither).
+    custom = named and stages not in ("default", "mma")
     cfg = attn_config(q, k, per_kv_head=False, stages=None if named else stages,
                       meta_ahead=("meta" in stages) if custom else None,
-                      skip_empty=("skip" in stages) if custom else None)
+                      skip_empty=("skip" in stages) if custom else None,
+                      dkdv_impl="auto" if stages in (None, "default") else "mma")
     wq = window_queries(cfg.group)
     kv_len = k.shape[1]
     scale = D ** -0.5
@@ -193,9 +195,10 @@ def main(argv=None):
     ap.add_argument("--baseline-max", type=int, default=16384)
     ap.add_argument("--json", default=None)
     ap.add_argument("--stages", default="default",
-                    help="comma list of 'default' (AttnConfig defaults: meta+skip), 1 or 2 (both passes "
-                         "forced), 'plain' (neither optional step), 'meta' (one-ahead plan reads only), "
-                         "'skip' (dK/dV skips unselected halves only), 'meta+skip'")
+                    help="comma list of 'default' (AttnConfig defaults: meta+skip, wgmma dK/dV on SM90), "
+                         "'mma' (the portable mma.sync dK/dV kernel, its defaults), and for that kernel: "
+                         "1 or 2 (both passes forced), 'plain' (neither optional step), 'meta' (one-ahead "
+                         "plan reads only), 'skip' (dK/dV skips unselected halves only), 'meta+skip'")
     args = ap.parse_args(argv)
     from cute_kernels.indexed.config import window_queries
 

@@ -66,8 +66,18 @@ class AttnConfig:
     #: (Note [skip unselected halves] in bwd_dkdv.py). Same run: dK/dV 32.5 -> 28.9 ms (16K),
     #: 297 -> 238 (64K); with meta_ahead 28.2 / 220. Bitwise equal to the plain kernels either way.
     skip_empty: bool = True
+    #: dK/dV kernel: "wgmma" = ``bwd_dkdv_sm90.py`` (SM90 only: warp-specialised, 64 keys per CTA,
+    #: wgmma), "mma" = the portable ``bwd_dkdv.py`` (mma.sync; SM100, and SM90 on request; the
+    #: dkdv_stages / meta_ahead / skip_empty knobs apply to it). "auto": wgmma on SM90, else mma.
+    dkdv_impl: str = "auto"
 
     def __post_init__(self):
+        if self.dkdv_impl == "auto":
+            object.__setattr__(self, "dkdv_impl", "wgmma" if self.arch == 90 else "mma")
+        if self.dkdv_impl not in ("wgmma", "mma"):
+            raise ValueError(f"indexed: dkdv_impl must be 'auto', 'wgmma' or 'mma', got {self.dkdv_impl!r}")
+        if self.dkdv_impl == "wgmma" and self.arch != 90:
+            raise ValueError(f"indexed: the wgmma dK/dV kernel is SM90 only, got arch {self.arch}")
         if self.dq_stages == 0:
             object.__setattr__(self, "dq_stages", 2 if self.head_dim == 128 else 1)
         if self.dq_stages not in (1, 2) or self.dkdv_stages not in (1, 2):

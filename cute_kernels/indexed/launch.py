@@ -133,11 +133,9 @@ def compile_bwd_dkdv(cfg: AttnConfig):
 
     from cute_kernels.fake import fake_stream, sym
 
-    from .bwd_dkdv import IndexedBwdDKDV
-
     q, kv, rows = _attn_fakes(cfg)
     S, NW, CAP, NP, P = sym(), sym(), sym(), sym(), sym()
-    return cute.compile(IndexedBwdDKDV(cfg), q(), kv(), kv(), q(), rows(), rows(), _i32(S, NW, CAP),
+    return cute.compile(_dkdv_class(cfg)(cfg), q(), kv(), kv(), q(), rows(), rows(), _i32(S, NW, CAP),
                         _i32(S, NW, CAP), _i32(S, NW), _i32(NP), _i32(P), _i32(P), kv(), kv(),
                         cutlass.Float32(1.0), fake_stream(), options=_opts(cfg.arch))
 
@@ -161,14 +159,16 @@ def run_plan(indices, kv_len: int, win_key, win_mask, win_count, tile_bits, tile
 
 
 def attn_config(q, k, per_kv_head: bool, arch: int | None = None, stages: int | None = None,
-                meta_ahead: bool | None = None, skip_empty: bool | None = None) -> AttnConfig:
+                meta_ahead: bool | None = None, skip_empty: bool | None = None,
+                dkdv_impl: str = "auto") -> AttnConfig:
     """Config for these tensors. None = the measured-best defaults of ``AttnConfig`` (meta_ahead and
-    skip_empty on); ``stages`` 1 or 2 forces that many stages in both the dQ and the dK/dV pass
-    (meta_ahead then applies where its pass allows it: dK/dV with 2 stages, dQ with 1);
-    ``meta_ahead`` / ``skip_empty`` False turn the one-ahead plan reads / the dK/dV skipping off."""
+    skip_empty on, the wgmma dK/dV kernel on SM90); ``stages`` 1 or 2 forces that many stages in
+    both the dQ and the dK/dV pass (meta_ahead then applies where its pass allows it: dK/dV with 2
+    stages, dQ with 1); ``meta_ahead`` / ``skip_empty`` False turn the one-ahead plan reads / the
+    dK/dV skipping off (the dK/dV knobs belong to ``dkdv_impl="mma"``)."""
     hq, hkv, d = int(q.shape[2]), int(k.shape[2]), int(q.shape[3])
     cfg = AttnConfig(arch=_arch.kernel_arch(arch), head_dim=d, group=hq // hkv, num_kv_heads=hkv,
-                     per_kv_head=per_kv_head)
+                     per_kv_head=per_kv_head, dkdv_impl=dkdv_impl)
     if stages is not None:
         cfg = dataclasses.replace(cfg, dkdv_stages=stages, dq_stages=stages)
     if meta_ahead is not None:
@@ -232,7 +232,10 @@ def attn_matrix(arch: int, full: bool = False):
             AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, meta_ahead=False,
                        skip_empty=False),
             AttnConfig(arch=arch, head_dim=128, group=8, num_kv_heads=1, per_kv_head=True),
-            AttnConfig(arch=arch, head_dim=64, group=1, num_kv_heads=4, per_kv_head=False)]
+            AttnConfig(arch=arch, head_dim=64, group=1, num_kv_heads=4, per_kv_head=False)] + (
+        # on SM90 the defaults above build the wgmma dK/dV kernel; keep the portable one compiling
+        [AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, dkdv_impl="mma")]
+        if arch == 90 else [])
 
 
 
@@ -247,9 +250,16 @@ def _dq_smem(cfg):
     return IndexedBwdDQ.smem_bytes(cfg)
 
 
-def _dkdv_smem(cfg):
+def _dkdv_class(cfg: AttnConfig):
+    if cfg.dkdv_impl == "wgmma":
+        from .bwd_dkdv_sm90 import IndexedBwdDKDVSm90
+        return IndexedBwdDKDVSm90
     from .bwd_dkdv import IndexedBwdDKDV
-    return IndexedBwdDKDV.smem_bytes(cfg)
+    return IndexedBwdDKDV
+
+
+def _dkdv_smem(cfg):
+    return _dkdv_class(cfg).smem_bytes(cfg)
 
 
 def _plan_smem(cfg):

@@ -42,11 +42,13 @@ def build_plan(idx: "torch.Tensor", kv_len: int, wq: int) -> dict:
     return plan
 
 
-def run_indexed(q, k, v, idx, dout, scale=None, stages=None, meta_ahead=None, skip_empty=None):
+def run_indexed(q, k, v, idx, dout, scale=None, stages=None, meta_ahead=None, skip_empty=None,
+                dkdv_impl="auto"):
     from cute_kernels.indexed.launch import attn_config, run_bwd, run_fwd
 
     per_kv_head = idx.dim() == 4
-    cfg = attn_config(q, k, per_kv_head, stages=stages, meta_ahead=meta_ahead, skip_empty=skip_empty)
+    cfg = attn_config(q, k, per_kv_head, stages=stages, meta_ahead=meta_ahead, skip_empty=skip_empty,
+                      dkdv_impl=dkdv_impl)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     plan = build_plan(idx, k.shape[1], cfg.window_queries)
     B, Lq, Hq, _ = q.shape
@@ -250,8 +252,8 @@ def test_prefetch_stages_match_reference_and_each_other(group, D):
     q, k, v, dout = make_qkv(B, Lq, Lkv, Hq, Hkv, D, seed=8)
     idx = torch.from_numpy(src.prime_rl_indices(Lq, Lkv, 0.9, budget_blocks=24, seed=3)[None]).cuda()
     ref = reference(q, k, v, idx, dout)
-    a = run_indexed(q, k, v, idx, dout, stages=2)
-    b = run_indexed(q, k, v, idx, dout, stages=1)
+    a = run_indexed(q, k, v, idx, dout, stages=2, dkdv_impl="mma")
+    b = run_indexed(q, k, v, idx, dout, stages=1, dkdv_impl="mma")
     for name, x, y, e in zip(("out", "lse", "dq", "dk", "dv"), a, b, ref):
         assert torch.equal(x, y), f"{name}: 2-stage result differs from 1-stage"
         if name != "lse":
@@ -263,8 +265,8 @@ def test_prefetch_stages_match_reference_and_each_other(group, D):
 @pytest.mark.parametrize("meta,skip", [(False, False), (True, False), (False, True)],
                          ids=["plain", "meta", "skip"])
 def test_optional_variants_match_reference_and_default(group, D, per_head, meta, skip):
-    """The default kernels read the plan one chunk / pair ahead (meta_ahead) and skip unselected
-    key halves in dK/dV (skip_empty); without either or both: the same bits, and the reference,
+    """The default kernels read the plan one chunk / pair ahead (meta_ahead) and the portable dK/dV
+    kernel skips unselected key halves (skip_empty); without either or both: the same bits, and the reference,
     including padding, an Lq that is not a multiple of the window and few-key tiles."""
     Hkv = 2
     B, Lq, Lkv, Hq = 1, 173, 450, group * Hkv
@@ -274,9 +276,45 @@ def test_optional_variants_match_reference_and_default(group, D, per_head, meta,
     else:
         idx = torch.from_numpy(src.prime_rl_indices(Lq, Lkv, 0.9, budget_blocks=24, seed=5)[None]).cuda()
     ref = reference(q, k, v, idx, dout)
-    a = run_indexed(q, k, v, idx, dout, meta_ahead=meta, skip_empty=skip)
-    b = run_indexed(q, k, v, idx, dout)
+    a = run_indexed(q, k, v, idx, dout, meta_ahead=meta, skip_empty=skip, dkdv_impl="mma")
+    b = run_indexed(q, k, v, idx, dout, dkdv_impl="mma")
     for name, x, y, e in zip(("out", "lse", "dq", "dk", "dv"), a, b, ref):
         assert torch.equal(x, y), f"{name}: meta={meta} skip={skip} differs from the default kernels"
         if name != "lse":
             assert rel_l2(x.float(), e) <= REL_TOL, f"{name} (meta={meta} skip={skip}) vs reference"
+
+
+@pytest.mark.parametrize("group,D,per_head,Lkv", [(12, 256, False, 450), (1, 64, False, 450),
+                                                  (4, 128, True, 450), (16, 256, False, 97),
+                                                  (12, 256, False, 33), (12, 256, False, 200)],
+                         ids=["g12-d256", "g1-d64", "perhead-g4-d128", "g16-d256-partial-tile",
+                              "g12-d256-one-key-past-a-tile", "g12-d256-odd-tiles"])
+def test_dkdv_wgmma_matches_mma_kernel_and_reference(group, D, per_head, Lkv):
+    """SM90's warp-specialised wgmma dK/dV kernel (64 keys per CTA, merged window lists) against the
+    portable mma.sync kernel and the reference: other summation order inside a pair, so close rather
+    than bitwise; run-to-run bitwise; keys past Lkv and an odd tile count (a CTA with one tile)."""
+    if torch_cuda_arch() != 90:
+        pytest.skip("the wgmma dK/dV kernel is SM90 only")
+    Hkv = 2
+    B, Lq, Hq = 1, 173, group * Hkv
+    q, k, v, dout = make_qkv(B, Lq, Lkv, Hq, Hkv, D, seed=13)
+    if per_head:
+        idx = _idx_tensor(_uniform_padded, B, Lq, Lkv, 0, heads=Hkv)
+    elif Lkv < Lq:
+        idx = _idx_tensor(lambda lq, lkv, wq, seed: src.uniform_indices(lq, lkv, 24, causal=False, seed=seed),
+                          B, Lq, Lkv, 0)
+    else:
+        idx = torch.from_numpy(src.prime_rl_indices(Lq, Lkv, 0.9, budget_blocks=24, seed=7)[None]).cuda()
+    ref = reference(q, k, v, idx, dout)
+    a = run_indexed(q, k, v, idx, dout, dkdv_impl="wgmma")
+    a2 = run_indexed(q, k, v, idx, dout, dkdv_impl="wgmma")
+    b = run_indexed(q, k, v, idx, dout, dkdv_impl="mma")
+    for name, x, x2, y, e in zip(("out", "lse", "dq", "dk", "dv"), a, a2, b, ref):
+        assert torch.equal(x, x2), f"{name}: wgmma dK/dV run-to-run differs"
+        if name in ("dk", "dv"):
+            assert rel_l2(x.float(), y.float()) <= 5e-3, f"{name}: wgmma vs mma kernel"
+            assert rel_l2(x.float(), e) <= REL_TOL, f"{name} (wgmma) vs reference"
+            untouched = (e.abs().amax(dim=-1) == 0)
+            assert (x[untouched] == 0).all(), f"{name}: keys no query selects must be exact zeros"
+        else:
+            assert torch.equal(x, y), f"{name}: forward / dQ must not depend on the dK/dV kernel"
