@@ -36,6 +36,8 @@ plan as in ``plan.py``.
 
 from __future__ import annotations
 
+import operator
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -247,11 +249,14 @@ class IndexedBwdDKDVSm90:
             if wb == w:
                 pb = pb + 1
             remaining = (pa_end - pa) + (pb_end - pb)
+            # The window's entries for these keys are read before waiting for a free stage, so
+            # their latency overlaps the wait (Note [rows of selecting queries only]).
+            keys, masks, qsel = self.window_keys(mWinKey, mWinMask, mWinCount, w, start, s, t0, ptid % 32)
             stage = i % STAGES
             if i >= STAGES:
                 cute.arch.mbarrier_wait(empty + stage, ((i // STAGES) % 2) ^ 1)
-            self.load_window(mQ, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, tQsQ, tQsdO, tQcQ, g2s,
-                             sKeyMask, sLSE, sDelta, sCtl, w, start, stage, s, h, b, t0, ptid)
+            self.load_window(mQ, mdO, mLSE, mDelta, tQsQ, tQsdO, tQcQ, g2s, sKeyMask, sLSE, sDelta, sCtl, w,
+                             keys, masks, qsel, stage, h, b, t0, ptid)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
             cute.arch.mbarrier_arrive(full + stage)
             i = i + 1
@@ -265,14 +270,48 @@ class IndexedBwdDKDVSm90:
         cute.arch.mbarrier_arrive(full + stage)
 
     @cute.jit
+    def window_keys(self, mWinKey: cute.Tensor, mWinMask: cute.Tensor, mWinCount: cute.Tensor, w: Int32,
+                    start: Int32, s: Int32, t0: Int32, lane: Int32):
+        """Lane l's two entries of window ``w`` among the CTA's keys: (key - t0, query mask) at
+        positions start + l and start + 32 + l (key -1 / mask 0 when outside), and the OR of all
+        64 masks over the warp (which window queries select any of these keys). Keys are sorted and
+        distinct, so those in [t0, t0 + 64) are at most the 64 positions from ``start``."""
+        cnt = mWinCount[s, w]
+        key0 = Int32(-1)
+        key1 = Int32(-1)
+        mask0 = Int32(0)
+        mask1 = Int32(0)
+        pos = start + lane
+        if pos < cnt:
+            key = mWinKey[s, w, pos]
+            if key < t0 + KEYS:
+                key0 = key - t0
+                mask0 = mWinMask[s, w, pos]
+        if pos + 32 < cnt:
+            key = mWinKey[s, w, pos + 32]
+            if key < t0 + KEYS:
+                key1 = key - t0
+                mask1 = mWinMask[s, w, pos + 32]
+        keys = [key0, key1]
+        masks = [mask0, mask1]
+        qsel = C.row_allreduce(mask0 | mask1, 32, operator.or_)
+        return keys, masks, qsel
+
+    @cute.jit
     def load_window(self, mQ: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                    mWinKey: cute.Tensor, mWinMask: cute.Tensor, mWinCount: cute.Tensor, tQsQ: cute.Tensor,
-                    tQsdO: cute.Tensor, tQcQ: cute.Tensor, g2s: cute.TiledCopy, sKeyMask: cute.Tensor,
-                    sLSE: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, w: Int32, start: Int32,
-                    stage: Int32, s: Int32, h: Int32, b: Int32, t0: Int32, ptid: Int32):
-        """Stage ``stage`` <- window ``w``: Q / dO rows (cp.async; zero rows past its queries), and with
-        plain stores the query bitmask of each of the CTA's keys (warp 0), which key halves are
-        selected at all, and the rows' LSE in log2 units and delta (warps 2-3)."""
+                    tQsQ: cute.Tensor, tQsdO: cute.Tensor, tQcQ: cute.Tensor, g2s: cute.TiledCopy,
+                    sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, w: Int32,
+                    keys: list, masks: list, qsel: Int32, stage: Int32, h: Int32, b: Int32, t0: Int32,
+                    ptid: Int32):
+        """Stage ``stage`` <- window ``w``: Q / dO rows of the queries in ``qsel`` (cp.async; zeros for
+        the other rows), and with plain stores the query bitmask of each of the CTA's keys and which
+        key halves are selected at all (warp 0), the rows' LSE in log2 units and delta (warps 2-3).
+
+        Note [rows of selecting queries only]: a (CTA, window) pair typically touches a few 4-token
+        blocks of the CTA's 64 keys, chosen by some of the window's queries; the rows of the other
+        queries only ever meet P = dS = 0, so they are written as zeros instead of read from global
+        memory (the pass is bound by these reads at long contexts). Zeros, not stale rows: 0 * x
+        must stay 0 for every x the previous window held."""
         G = self.g
         D = self.d
         q0 = w * self.wq
@@ -281,8 +320,8 @@ class IndexedBwdDKDVSm90:
         tQsdO_b = tQsdO[None, None, None, stage]
         for m in cutlass.range_constexpr(cute.size(tQsQ_b, mode=[1])):
             r = tQcQ[0, m, 0][0]
-            if r < rows_valid:
-                qi = r // G
+            qi = r // G
+            if r < rows_valid and ((qsel >> cutlass.min(qi, 31)) & 1) != 0:
                 hq = h * G + r - qi * G
                 C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_b, tQcQ, m, D)
                 C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_b, tQcQ, m, D)
@@ -292,24 +331,19 @@ class IndexedBwdDKDVSm90:
         warp = ptid // 32
         lane = ptid % 32
         if warp == 0:
-            # Keys are sorted and distinct, so those in [t0, t0 + 64) are at most the 64 positions
-            # from ``start`` (the first key >= t0).
-            cnt = mWinCount[s, w]
             sKeyMask[lane, stage] = Int32(0)
             sKeyMask[lane + KEY_TILE, stage] = Int32(0)
             cute.arch.sync_warp()
             in0 = Int32(0)
             in1 = Int32(0)
             for j in cutlass.range_constexpr(2):
-                pos = start + lane + j * 32
-                if pos < cnt:
-                    key = mWinKey[s, w, pos]
-                    if key < t0 + KEYS:
-                        sKeyMask[key - t0, stage] = mWinMask[s, w, pos]
-                        if key < t0 + KEY_TILE:
-                            in0 = Int32(1)
-                        else:
-                            in1 = Int32(1)
+                key = keys[j]
+                if key >= 0:
+                    sKeyMask[key, stage] = masks[j]
+                    if key < KEY_TILE:
+                        in0 = Int32(1)
+                    else:
+                        in1 = Int32(1)
             any0 = cute.arch.vote_ballot_sync(in0 != 0)
             any1 = cute.arch.vote_ballot_sync(in1 != 0)
             if lane == 0:
