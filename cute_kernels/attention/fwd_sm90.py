@@ -20,7 +20,8 @@ Warp roles (384 threads, one CTA per (query tile of 128 rows, head, batch)):
 
     load ──K,V (mbarrier pipelines)──▶ WG1/WG2 ──▶ O, lse, block_logit (plain stores)
 
-Not supported (``unsupported_reason``): other head dims, head_dim != head_dim_v, pack_gqa.
+Not supported (``unsupported_reason``): other head dims, head_dim != head_dim_v except (192, 128),
+pack_gqa.
 
 Note [block_logit and bit-identity]: block maxima are taken from the masked (and softcapped) S
 registers before exponentiation. The row max fed to the softmax is then the max of the block maxima,
@@ -168,8 +169,9 @@ class FlashFwdSm90:
             return f"dtype {cfg.dtype} (only bfloat16/float16)"
         if cfg.head_dim not in (64, 96, 128, 192, 256):
             return f"head_dim {cfg.head_dim} (supported: 64, 96, 128, 192, 256)"
-        if cfg.head_dim_v != cfg.head_dim:
-            return f"head_dim_v {cfg.head_dim_v} != head_dim {cfg.head_dim} on SM90"
+        if cfg.head_dim_v != cfg.head_dim and (cfg.head_dim, cfg.head_dim_v) != (192, 128):
+            return (f"head_dim_v {cfg.head_dim_v} != head_dim {cfg.head_dim} on SM90 "
+                    f"(only 192/128 has its own build)")
         if cfg.qhead_per_kvhead < 1:
             return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
         if cfg.has_block_logit:

@@ -185,6 +185,18 @@ def test_dtypes_and_head_dims(dtype, d):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dims_192_128(causal):
+    """head_dim 192 with head_dim_v 128 (Q/K 192 wide, V/O 128), GQA, Sq != Sk: reference, and out/lse
+    bitwise the same without block_logit."""
+    q, k, v = make_qkv(2, 333, 400, 8, 4, 192, seed=12)
+    v = v[..., :128].contiguous()
+    out, lse, _ = full_check(q, k, v, 64, causal=causal)
+    out0, lse0, _ = run_ours(q, k, v, causal=causal)
+    assert out.shape[-1] == 128
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_documents_bit_identical(causal):
     """Each packed document (unaligned starts) gives exactly what it gives alone; blocks past it are -inf."""
     lens = [40, 200, 72, 133, 1]
