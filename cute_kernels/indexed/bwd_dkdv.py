@@ -286,18 +286,8 @@ class IndexedBwdDKDV:
         cnt = mWinCount[s, w]
         q0 = w * self.wq
         rows_valid = cutlass.min(mQ.shape[1] - q0, self.wq) * G
-        tQsQ_b = tQsQ[None, None, None, buf]
-        tQsdO_b = tQsdO[None, None, None, buf]
-        for m in cutlass.range_constexpr(cute.size(tQsQ_b, mode=[1])):
-            r = tQcQ[0, m, 0][0]
-            if r < rows_valid:
-                qi = r // G
-                hq = h * G + r - qi * G
-                C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_b, tQcQ, m, D)
-                C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_b, tQcQ, m, D)
-            else:
-                tQsQ_b[None, m, None].fill(0)
-                tQsdO_b[None, m, None].fill(0)
+        C.gather_window_rows(g2s, mQ, mdO, tQsQ[None, None, None, buf], tQsdO[None, None, None, buf], tQcQ,
+                             rows_valid, G, D, h, b, q0)
         lane = tidx % 32
         if tidx < KEY_TILE:
             sKeyMask[lane, buf] = Int32(0)
@@ -309,15 +299,7 @@ class IndexedBwdDKDV:
                     sKeyMask[key - t0, buf] = mWinMask[s, w, pos]
         elif tidx >= THREADS - TILE_M:
             r = tidx - (THREADS - TILE_M)
-            lse2 = Float32(0.0)
-            delta = Float32(0.0)
-            if r < rows_valid:
-                qi = r // G
-                hq = h * G + r - qi * G
-                lse = mLSE[b, hq, q0 + qi]
-                if lse != -Float32.inf:
-                    lse2 = lse * C.LOG2_E
-                delta = mDelta[b, hq, q0 + qi]
+            lse2, delta = C.window_row_stats(mLSE, mDelta, r, rows_valid, G, h, b, q0)
             sLSE[r, buf] = lse2
             sDelta[r, buf] = delta
 
@@ -381,18 +363,8 @@ class IndexedBwdDKDV:
         G = self.g
         q0 = w * self.wq
         rows_valid = cutlass.min(mQ.shape[1] - q0, self.wq) * G
-        tQsQ_b = tQsQ[None, None, None, buf]
-        tQsdO_b = tQsdO[None, None, None, buf]
-        for m in cutlass.range_constexpr(cute.size(tQsQ_b, mode=[1])):
-            r = tQcQ[0, m, 0][0]
-            if r < rows_valid:
-                qi = r // G
-                hq = h * G + r - qi * G
-                C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_b, tQcQ, m, self.d)
-                C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_b, tQcQ, m, self.d)
-            else:
-                tQsQ_b[None, m, None].fill(0)
-                tQsdO_b[None, m, None].fill(0)
+        C.gather_window_rows(g2s, mQ, mdO, tQsQ[None, None, None, buf], tQsdO[None, None, None, buf], tQcQ,
+                             rows_valid, G, self.d, h, b, q0)
 
     @cute.jit
     def fetch_meta(self, mQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mWinKey: cute.Tensor,
@@ -415,13 +387,7 @@ class IndexedBwdDKDV:
             q0 = w * self.wq
             rows_valid = cutlass.min(mQ.shape[1] - q0, self.wq) * G
             r = tidx - (THREADS - TILE_M)
-            if r < rows_valid:
-                qi = r // G
-                hq = h * G + r - qi * G
-                lse = mLSE[b, hq, q0 + qi]
-                if lse != -Float32.inf:
-                    lse2 = lse * C.LOG2_E
-                delta = mDelta[b, hq, q0 + qi]
+            lse2, delta = C.window_row_stats(mLSE, mDelta, r, rows_valid, G, h, b, q0)
         return key, mask, lse2, delta
 
     @cute.jit

@@ -316,18 +316,8 @@ class IndexedBwdDKDVSm90:
         D = self.d
         q0 = w * self.wq
         rows_valid = cutlass.min(mQ.shape[1] - q0, self.wq) * G
-        tQsQ_b = tQsQ[None, None, None, stage]
-        tQsdO_b = tQsdO[None, None, None, stage]
-        for m in cutlass.range_constexpr(cute.size(tQsQ_b, mode=[1])):
-            r = tQcQ[0, m, 0][0]
-            qi = r // G
-            if r < rows_valid and ((qsel >> cutlass.min(qi, 31)) & 1) != 0:
-                hq = h * G + r - qi * G
-                C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_b, tQcQ, m, D)
-                C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_b, tQcQ, m, D)
-            else:
-                tQsQ_b[None, m, None].fill(0)
-                tQsdO_b[None, m, None].fill(0)
+        C.gather_window_rows(g2s, mQ, mdO, tQsQ[None, None, None, stage], tQsdO[None, None, None, stage], tQcQ,
+                             rows_valid, G, D, h, b, q0, qsel)
         warp = ptid // 32
         lane = ptid % 32
         if warp == 0:
@@ -352,15 +342,7 @@ class IndexedBwdDKDVSm90:
                 sCtl[CTL_HALF1, stage] = any1
         elif warp >= 2:
             r = ptid - 2 * 32
-            lse2 = Float32(0.0)
-            delta = Float32(0.0)
-            if r < rows_valid:
-                qi = r // G
-                hq = h * G + r - qi * G
-                lse = mLSE[b, hq, q0 + qi]
-                if lse != -Float32.inf:
-                    lse2 = lse * C.LOG2_E
-                delta = mDelta[b, hq, q0 + qi]
+            lse2, delta = C.window_row_stats(mLSE, mDelta, r, rows_valid, G, h, b, q0)
             sLSE[r, stage] = lse2
             sDelta[r, stage] = delta
 

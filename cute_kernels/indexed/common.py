@@ -11,7 +11,7 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_kernels.common.utils import LN_2, LOG2_E, row_allreduce  # noqa: F401 - C.LOG2_E / C.LN_2 in the kernels
@@ -136,3 +136,43 @@ def selected(msk: Int32, qbit: Int32, wq: cutlass.Constexpr) -> cutlass.Boolean:
     """Whether window query ``qbit`` selects a key with query bitmask ``msk`` (rows past the window's
     WQ queries select nothing; the shift stays < 32 so it is always defined)."""
     return qbit < wq and ((msk >> cutlass.min(qbit, 31)) & 1) != 0
+
+
+@cute.jit
+def gather_window_rows(g2s: cute.TiledCopy, mQ: cute.Tensor, mdO: cute.Tensor, tQsQ: cute.Tensor,
+                       tQsdO: cute.Tensor, tQcQ: cute.Tensor, rows_valid: Int32, group: cutlass.Constexpr,
+                       cols: cutlass.Constexpr, h: Int32, b: Int32, q0: Int32, qsel=None):
+    """cp.async a window's Q and dO rows into one stage (``tQsQ`` / ``tQsdO``: this thread's
+    ``(CPY, M, K)`` slots): row r is query ``q0 + r // group``, head ``h * group + r % group``. Rows
+    past ``rows_valid`` and, given the query bitmask ``qsel``, rows of queries whose bit is clear are
+    written as zeros."""
+    for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+        r = tQcQ[0, m, 0][0]
+        qi = r // group
+        take = r < rows_valid
+        if const_expr(qsel is not None):
+            take = take and ((qsel >> cutlass.min(qi, 31)) & 1) != 0
+        if take:
+            hq = h * group + r - qi * group
+            copy_row(g2s, row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ, tQcQ, m, cols)
+            copy_row(g2s, row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO, tQcQ, m, cols)
+        else:
+            tQsQ[None, m, None].fill(0)
+            tQsdO[None, m, None].fill(0)
+
+
+@cute.jit
+def window_row_stats(mLSE: cute.Tensor, mDelta: cute.Tensor, r: Int32, rows_valid: Int32,
+                     group: cutlass.Constexpr, h: Int32, b: Int32, q0: Int32):
+    """(LSE in log2 units, delta) of window row ``r`` (as in ``gather_window_rows``); (0, 0) past
+    ``rows_valid``, and LSE 0 for a row without keys (-inf: it selects nothing, its P is 0)."""
+    lse2 = Float32(0.0)
+    delta = Float32(0.0)
+    if r < rows_valid:
+        qi = r // group
+        hq = h * group + r - qi * group
+        lse = mLSE[b, hq, q0 + qi]
+        if lse != -Float32.inf:
+            lse2 = lse * LOG2_E
+        delta = mDelta[b, hq, q0 + qi]
+    return lse2, delta
