@@ -9,6 +9,7 @@ length and there is no second hand-kept key that could drift from the compile ar
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import time
 from typing import Callable, TypeVar
@@ -21,23 +22,30 @@ _ALL_CACHES: list["_JitCache"] = []
 class _JitCache:
     def __init__(self, fn: Callable):
         self.fn = fn
-        self.entries: dict = {}
+        self.signature = inspect.signature(fn)
+        self.entries: dict = {}  # canonical key (all arguments bound, defaults applied) -> result
+        self.aliases: dict = {}  # key as called -> result (so a hit stays one dict lookup)
         self.compile_seconds: dict = {}
         self.lock = threading.Lock()
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        key = (args, tuple(sorted(kwargs.items())))
-        hit = self.entries.get(key)
+        key = (args, tuple(sorted(kwargs.items()))) if kwargs else (args, ())
+        hit = self.aliases.get(key)
         if hit is not None:
             return hit
+        # f(cfg), f(cfg, "x") with "x" the default and f(cfg, mode="x") are one compile.
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        canon = tuple(bound.arguments.items())
         with self.lock:
-            hit = self.entries.get(key)
+            hit = self.entries.get(canon)
             if hit is None:
                 start = time.perf_counter()
                 hit = self.fn(*args, **kwargs)
-                self.compile_seconds[key] = time.perf_counter() - start
-                self.entries[key] = hit
+                self.compile_seconds[canon] = time.perf_counter() - start
+                self.entries[canon] = hit
+            self.aliases[key] = hit
         return hit
 
     def cache_info(self) -> dict:
@@ -46,6 +54,7 @@ class _JitCache:
     def clear(self) -> None:
         with self.lock:
             self.entries.clear()
+            self.aliases.clear()
             self.compile_seconds.clear()
 
 

@@ -80,7 +80,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common import block_logit as bl
 from cute_kernels.common.mask import apply_mask
@@ -88,7 +87,8 @@ from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import OnlineSoftmax
 from cute_kernels.common.tile_range import TileRange, normalize_window
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
-                                       select_modes, sm90_thread0_cols, transpose_view)
+                                       select_modes, sm90_thread0_cols, transpose_view, wgmma_gemm,
+                                       wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 
 from .config import BL_STORE_MODES, FwdConfig
@@ -214,11 +214,7 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------ host launch
     def _smem_layout(self, rows: int, cols: int, stages: int | None):
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
-        shape = (rows, cols) if stages is None else (rows, cols, stages)
-        order = (0, 1) if stages is None else (0, 1, 2)
-        return cute.tile_to_shape(atom, shape, order)
+        return wgmma_smem_layout(self.dtype, (rows, cols) if stages is None else (rows, cols, stages))
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
         """The CTA's shared memory; bl_store="producer" appends the block_logit staging buffer.
@@ -493,13 +489,7 @@ class FlashFwdSm90:
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
              zero_init: cutlass.Constexpr, wait: cutlass.Constexpr):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+        wgmma_gemm(tiled_mma, acc, tCrA, tCrB, zero_init)
         if const_expr(wait >= 0):
             warpgroup.wait_group(wait)
 

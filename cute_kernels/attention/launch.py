@@ -126,12 +126,10 @@ def compile_fwd(cfg: FwdConfig, bl_store: str = "consumer"):
     reason = unsupported_reason(cfg)
     if reason is not None:
         raise NotImplementedError(f"flash_attn_fwd: {reason}")
-    if bl_store == "consumer":
-        kernel = _kernel_class(cfg.arch)(cfg)
-    else:
-        if cfg.arch != 90:
-            raise NotImplementedError(f"flash_attn_fwd: bl_store={bl_store!r} exists only on SM90")
-        kernel = _kernel_class(cfg.arch)(cfg, bl_store=bl_store)
+    if bl_store != "consumer" and cfg.arch != 90:
+        raise NotImplementedError(f"flash_attn_fwd: bl_store={bl_store!r} exists only on SM90")
+    cls = _kernel_class(cfg.arch)
+    kernel = cls(cfg, bl_store=bl_store) if cfg.arch == 90 else cls(cfg)
     return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(),
                         options=arch_options(cfg.arch))
 
@@ -155,8 +153,7 @@ def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seq
         return
     if max_seqlen_q <= 0:
         return
-    mode = bl_store_mode(cfg, bl_store)
-    fn = compile_fwd(cfg) if mode == "consumer" else compile_fwd(cfg, mode)
+    fn = compile_fwd(cfg, bl_store_mode(cfg, bl_store))
     fn(q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q))
 

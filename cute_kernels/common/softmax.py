@@ -13,15 +13,13 @@ a row (butterfly shuffles). Row sums stay per thread until ``finalize``.
 
 from __future__ import annotations
 
+import operator
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from .utils import LN_2, row_allreduce, tree_max, tree_sum
-
-
-def _add(a, b):
-    return a + b
 
 
 class OnlineSoftmax:
@@ -80,7 +78,7 @@ class OnlineSoftmax:
         row_scale = cute.make_rmem_tensor((self.num_rows,), Float32)
         lse = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
-            total = row_allreduce(self.row_sum[r], self.threads_per_row, _add)
+            total = row_allreduce(self.row_sum[r], self.threads_per_row, operator.add)
             empty = total == 0.0 or total != total
             row_scale[r] = cute.arch.rcp_approx(1.0 if empty else total)
             lse[r] = (-Float32.inf if empty

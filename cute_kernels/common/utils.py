@@ -10,8 +10,11 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -44,6 +47,28 @@ def row_allreduce(v, threads_per_row: int, op):
         v = op(v, cute.arch.shuffle_sync_bfly(v, offset=dist))
         dist //= 2
     return v
+
+
+def wgmma_smem_layout(dtype, shape: tuple):
+    """Shared-memory layout of a ``shape = (rows, cols[, stages...])`` tile of 16-bit ``dtype``, cols
+    contiguous, in the canonical SM90 wgmma K-major swizzle (128 B when cols % 64 == 0); its
+    transpose_view is the matching MN-major operand."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, shape[1]), dtype)
+    return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
+
+
+@cute.jit
+def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+               zero_init: cutlass.Constexpr):
+    """Issue acc (+)= A B over all k-blocks as one wgmma group; the caller waits (wait_group)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
 
 
 def select_modes(t: cute.Tensor, modes) -> cute.Tensor:

@@ -43,9 +43,8 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
-from cute_kernels.common.utils import acc_mn_view, transpose_view
+from cute_kernels.common.utils import acc_mn_view, transpose_view, wgmma_gemm, wgmma_smem_layout
 
 from . import common as C
 from .config import KEY_TILE, TILE_M, AttnConfig
@@ -62,27 +61,6 @@ CONSUMER_BARRIER = 1
 NO_WINDOW = 0x7FFFFFFF
 # sCtl[field, stage]
 CTL_GO, CTL_HALF0, CTL_HALF1 = 0, 1, 2
-
-
-def _smem_layout(dtype, rows: int, cols: int, extra: int):
-    """``(rows, cols, extra)`` tile of 16-bit elements, cols contiguous, in the canonical wgmma
-    K-major swizzle (128 B for cols % 64 == 0)."""
-    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols),
-                                           dtype)
-    return cute.tile_to_shape(atom, (rows, cols, extra), (0, 1, 2))
-
-
-@cute.jit
-def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-           zero_init: cutlass.Constexpr):
-    """Issue acc (+)= A B over all k-blocks as one wgmma group (the caller waits)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
 
 
 class IndexedBwdDKDVSm90:
@@ -111,9 +89,9 @@ class IndexedBwdDKDVSm90:
                  mTileStart: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                  stream):
         bf16 = cutlass.BFloat16
-        sQ_layout = _smem_layout(bf16, TILE_M, self.d, STAGES)  # (64 rows, D, stage)
-        sKV_layout = _smem_layout(bf16, KEY_TILE, self.d, 2)  # (32 keys, D, half)
-        sP_layout = _smem_layout(bf16, KEY_TILE, TILE_M, 2)  # (32 keys, 64 rows, half)
+        sQ_layout = wgmma_smem_layout(bf16, (TILE_M, self.d, STAGES))  # (64 rows, D, stage)
+        sKV_layout = wgmma_smem_layout(bf16, (KEY_TILE, self.d, 2))  # (32 keys, D, half)
+        sP_layout = wgmma_smem_layout(bf16, (KEY_TILE, TILE_M, 2))  # (32 keys, 64 rows, half)
 
         @cute.struct
         class SharedStorage:
@@ -439,8 +417,8 @@ class IndexedBwdDKDVSm90:
         G = self.g
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
-        _wgmma(mma_s, acc_S, tSrQ[None, None, None, stage], tSrK, True)
-        _wgmma(mma_s, acc_dP, tSrdO[None, None, None, stage], tSrV, True)
+        wgmma_gemm(mma_s, acc_S, tSrQ[None, None, None, stage], tSrK, True)
+        wgmma_gemm(mma_s, acc_dP, tSrdO[None, None, None, stage], tSrV, True)
         warpgroup.wait_group(0)
         S = acc_mn_view(acc_S)
         dP = acc_mn_view(acc_dP)
@@ -472,6 +450,6 @@ class IndexedBwdDKDVSm90:
                 sdS_w[key, row] = rdS_mn[r, cc]
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER + wg, number_of_threads=WG_THREADS)
-        _wgmma(mma_kv, acc_dV, tKrdOt[None, None, None, stage], tKrP, False)
-        _wgmma(mma_kv, acc_dK, tKrQt[None, None, None, stage], tKrdS, False)
+        wgmma_gemm(mma_kv, acc_dV, tKrdOt[None, None, None, stage], tKrP, False)
+        wgmma_gemm(mma_kv, acc_dK, tKrQt[None, None, None, stage], tKrdS, False)
         warpgroup.wait_group(0)

@@ -48,12 +48,6 @@ def _i32(*shape):
     return fake_tensor(cutlass.Int32, shape, align_bytes=4)
 
 
-def _opts(arch: int) -> str:
-    from cute_kernels.fake import arch_options
-
-    return arch_options(arch)
-
-
 class CompiledPlan(NamedTuple):
     windows: object
     tile_count: object
@@ -66,12 +60,12 @@ def compile_plan(cfg: PlanConfig) -> CompiledPlan:
     import cutlass
     import cutlass.cute as cute
 
-    from cute_kernels.fake import fake_stream, sym
+    from cute_kernels.fake import arch_options, fake_stream, sym
 
     from .plan import PlanScan, PlanTileCount, PlanTileFill, PlanWindows
 
     S, L, W, NW, CAP, NT, NWW, NP, P = (sym() for _ in range(9))
-    opts = _opts(cfg.arch)
+    opts = arch_options(cfg.arch)
     windows = cute.compile(PlanWindows(cfg.window_queries), _i32(S, L, W), _i32(S, NW, CAP), _i32(S, NW, CAP),
                            _i32(S, NW), _i32(S, NT, NWW), cutlass.Int32(0), fake_stream(), options=opts)
     count = cute.compile(PlanTileCount(), _i32(S, NT, NWW), _i32(NP), fake_stream(), options=opts)
@@ -100,14 +94,14 @@ def compile_fwd(cfg: AttnConfig):
     import cutlass
     import cutlass.cute as cute
 
-    from cute_kernels.fake import fake_stream, sym
+    from cute_kernels.fake import arch_options, fake_stream, sym
 
     from .fwd import IndexedFwd
 
     q, kv, rows = _attn_fakes(cfg)
     S, NW, CAP = sym(), sym(), sym()
     return cute.compile(IndexedFwd(cfg), q(), kv(), kv(), _i32(S, NW, CAP), _i32(S, NW, CAP), _i32(S, NW),
-                        q(), rows(), cutlass.Float32(1.0), fake_stream(), options=_opts(cfg.arch))
+                        q(), rows(), cutlass.Float32(1.0), fake_stream(), options=arch_options(cfg.arch))
 
 
 @jit_cache
@@ -115,7 +109,7 @@ def compile_bwd_dq(cfg: AttnConfig):
     import cutlass
     import cutlass.cute as cute
 
-    from cute_kernels.fake import fake_stream, sym
+    from cute_kernels.fake import arch_options, fake_stream, sym
 
     from .bwd_dq import IndexedBwdDQ
 
@@ -123,7 +117,7 @@ def compile_bwd_dq(cfg: AttnConfig):
     S, NW, CAP = sym(), sym(), sym()
     return cute.compile(IndexedBwdDQ(cfg), q(), kv(), kv(), q(), q(), rows(), _i32(S, NW, CAP),
                         _i32(S, NW, CAP), _i32(S, NW), q(), rows(), cutlass.Float32(1.0), fake_stream(),
-                        options=_opts(cfg.arch))
+                        options=arch_options(cfg.arch))
 
 
 @jit_cache
@@ -131,13 +125,13 @@ def compile_bwd_dkdv(cfg: AttnConfig):
     import cutlass
     import cutlass.cute as cute
 
-    from cute_kernels.fake import fake_stream, sym
+    from cute_kernels.fake import arch_options, fake_stream, sym
 
     q, kv, rows = _attn_fakes(cfg)
     S, NW, CAP, NP, P = sym(), sym(), sym(), sym(), sym()
     return cute.compile(_dkdv_class(cfg)(cfg), q(), kv(), kv(), q(), rows(), rows(), _i32(S, NW, CAP),
                         _i32(S, NW, CAP), _i32(S, NW), _i32(NP), _i32(P), _i32(P), kv(), kv(),
-                        cutlass.Float32(1.0), fake_stream(), options=_opts(cfg.arch))
+                        cutlass.Float32(1.0), fake_stream(), options=arch_options(cfg.arch))
 
 
 
@@ -226,14 +220,15 @@ def attn_matrix(arch: int, full: bool = False):
     if full:
         return [AttnConfig(arch=arch, head_dim=d, group=g, num_kv_heads=hkv, per_kv_head=pk)
                 for d in HEAD_DIMS for g in GROUP_SIZES for hkv in (2,) for pk in (False, True)]
+    # The stage / meta / skip variants are knobs of the portable dK/dV kernel ("mma"; on SM90 the
+    # defaults build the wgmma one, which has none), so they name it explicitly.
     return [AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False),
             AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, dkdv_stages=1,
-                       dq_stages=2),
+                       dq_stages=2, dkdv_impl="mma"),
             AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, meta_ahead=False,
-                       skip_empty=False),
+                       skip_empty=False, dkdv_impl="mma"),
             AttnConfig(arch=arch, head_dim=128, group=8, num_kv_heads=1, per_kv_head=True),
             AttnConfig(arch=arch, head_dim=64, group=1, num_kv_heads=4, per_kv_head=False)] + (
-        # on SM90 the defaults above build the wgmma dK/dV kernel; keep the portable one compiling
         [AttnConfig(arch=arch, head_dim=256, group=12, num_kv_heads=2, per_kv_head=False, dkdv_impl="mma")]
         if arch == 90 else [])
 

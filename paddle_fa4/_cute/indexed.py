@@ -12,6 +12,8 @@ and the launchers in ``cute_kernels.indexed.launch`` are imported lazily.
 
 from __future__ import annotations
 
+import functools
+
 from .._bridge import arch_of, as_contiguous, kernel_arg
 
 OP = "indexed_attention"
@@ -79,10 +81,16 @@ def _plan_for(spec, indices, plan):
 
 
 def _config(spec, q):
+    return _attn_config(arch_of(q), spec.D, spec.Hq // spec.Hkv, spec.Hkv, spec.per_kv_head)
+
+
+@functools.lru_cache(maxsize=None)
+def _attn_config(arch: int, head_dim: int, group: int, num_kv_heads: int, per_kv_head: bool):
+    """The kernels' compile key, built once per shape class (forward and backward of every call)."""
     from cute_kernels.indexed.config import AttnConfig
 
-    return AttnConfig(arch=arch_of(q), head_dim=spec.D, group=spec.Hq // spec.Hkv, num_kv_heads=spec.Hkv,
-                      per_kv_head=spec.per_kv_head)
+    return AttnConfig(arch=arch, head_dim=head_dim, group=group, num_kv_heads=num_kv_heads,
+                      per_kv_head=per_kv_head)
 
 
 def forward(spec, q, k, v, indices, plan):

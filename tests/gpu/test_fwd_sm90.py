@@ -7,17 +7,14 @@ same-precision eager computation + 2e-3); lse: 1e-3 + 1e-3 |ref|.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from tests.conftest import sm90_gpu_marks  # noqa: E402
+from tests.gpu._fwd_launch import SENTINEL, make_qkv, run_ours  # noqa: E402, F401
 
 pytestmark = sm90_gpu_marks()
-
-SENTINEL = 987654.0
 
 
 @pytest.fixture(autouse=True)
@@ -32,46 +29,6 @@ def _ref():
     from tests.gpu import _attn_ref
 
     return _attn_ref
-
-
-def make_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.float32, generator=g).to(dtype)
-    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.float32, generator=g).to(dtype)
-    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.float32, generator=g).to(dtype)
-    return q, k, v
-
-
-def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=0, fill=None, scale=None,
-             cu_q=None, cu_k=None, max_sq=None, max_sk=None):
-    from cute_kernels.attention.launch import fwd_config, run_fwd
-
-    varlen = cu_q is not None
-    d, dv = q.shape[-1], v.shape[-1]
-    hq, hkv = q.shape[-2], k.shape[-2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    has_window = tuple(window) != (-1, -1)
-    cfg = fwd_config(90, q.dtype, d, dv, hq // hkv, causal, has_window, softcap > 0, block_size, varlen)
-    out = torch.empty(*q.shape[:-1], dv, device=q.device, dtype=q.dtype)
-    if varlen:
-        total_q = q.shape[0]
-        lse = torch.empty(hq, total_q, device=q.device, dtype=torch.float32)
-        sk_for_nb = max_sk
-        bl_shape = (hq, total_q)
-    else:
-        b, sq = q.shape[0], q.shape[1]
-        max_sq = sq
-        lse = torch.empty(b, hq, sq, device=q.device, dtype=torch.float32)
-        sk_for_nb = k.shape[1]
-        bl_shape = (b, hq, sq)
-    bl = None
-    if block_size:
-        nb = -(-sk_for_nb // block_size)
-        bl = torch.full((*bl_shape, nb), SENTINEL if fill is None else fill, device=q.device,
-                        dtype=torch.float32)
-    run_fwd(cfg, q, k, v, out, lse, bl, cu_q, cu_k, softmax_scale=scale, softcap=softcap,
-            window_left=window[0], window_right=window[1], max_seqlen_q=max_sq)
-    return out, lse, bl
 
 
 def check_block_logit(bl, bl_ref):

@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.conftest import sm90_gpu_marks  # noqa: E402
+from tests.gpu._fwd_launch import SENTINEL, make_qkv  # noqa: E402
 
 pytestmark = sm90_gpu_marks()
 
-SENTINEL = 987654.0
 MODES = ("split", "fused", "deferred")
 
 
@@ -33,12 +33,6 @@ def _compiled(cfg, mode):
 
     return cute.compile(FlashFwdSm90(cfg, bl_reduce=mode), *fake_fwd_args(cfg), fake_stream(),
                         options=arch_options(90))
-
-
-def make_qkv(b, sq, sk, hq, hkv, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(b, s, h, d, device="cuda", generator=g).to(torch.bfloat16)
-            for s, h in ((sq, hq), (sk, hkv), (sk, hkv))]
 
 
 def run(q, k, v, mode, *, causal=False, window=(-1, -1), softcap=0.0, block_size=64, cu=None, max_len=None):

@@ -8,49 +8,19 @@ poisoned output buffer (sentinel / NaN) must be fully overwritten.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from tests.conftest import sm90_gpu_marks  # noqa: E402
+from tests.gpu._fwd_launch import SENTINEL, make_qkv, run_ours  # noqa: E402
 
 pytestmark = sm90_gpu_marks()
 
-SENTINEL = 987654.0
 
-
-def make_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.float32, generator=g).to(dtype)
-    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.float32, generator=g).to(dtype)
-    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.float32, generator=g).to(dtype)
-    return q, k, v
-
-
-def run(q, k, v, bl_store, *, causal=False, window=(-1, -1), softcap=0.0, block_size=64, fill=SENTINEL,
-        cu=None, max_len=None):
-    from cute_kernels.attention.launch import fwd_config, run_fwd
-
-    varlen = cu is not None
-    d = q.shape[-1]
-    hq, hkv = q.shape[-2], k.shape[-2]
-    has_window = tuple(window) != (-1, -1)
-    cfg = fwd_config(90, q.dtype, d, d, hq // hkv, causal, has_window, softcap > 0, block_size, varlen)
-    out = torch.empty_like(q)
-    if varlen:
-        lse = torch.empty(hq, q.shape[0], device="cuda", dtype=torch.float32)
-        bl = torch.full((hq, q.shape[0], -(-max_len // block_size)), fill, device="cuda", dtype=torch.float32)
-        max_sq = max_len
-    else:
-        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-        lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
-        bl = torch.full((b, hq, sq, -(-sk // block_size)), fill, device="cuda", dtype=torch.float32)
-        max_sq = sq
-    run_fwd(cfg, q, k, v, out, lse, bl, cu, cu, softmax_scale=1.0 / math.sqrt(d), softcap=softcap,
-            window_left=window[0], window_right=window[1], max_seqlen_q=max_sq, bl_store=bl_store)
-    return out, lse, bl
+def run(q, k, v, bl_store, *, block_size=64, fill=SENTINEL, cu=None, max_len=None, **kw):
+    return run_ours(q, k, v, block_size=block_size, fill=fill, cu_q=cu, cu_k=cu, max_sq=max_len,
+                    max_sk=max_len, bl_store=bl_store, **kw)
 
 
 def assert_same_as_default(q, k, v, **kw):
