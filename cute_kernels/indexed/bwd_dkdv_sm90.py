@@ -8,27 +8,36 @@ One CTA per (64 keys = plan tiles 2c and 2c + 1, kv head h, batch b), 384 thread
 
     producer WG (warps 0-3)   merges the two tiles' window lists (ascending, each window once) and,
                               per window, cp.asyncs its 64 Q and dO rows into one of 2 stages, and
-                              writes the query bitmask of each of the 64 keys, the rows' LSE (log2)
-                              and delta, and which key half any window query selects; then an end
-                              marker. Completion: one cp.async-tracked and one plain mbarrier
-                              arrival per producer thread.
-    consumer WG w (w = 0, 1)  owns keys 32w .. 32w + 31. Per window that selects any of them:
-                                S = Q K_w^T, dP = dO V_w^T              wgmma m64n32, smem x smem
-                                P = exp2(S log2e scale - lse), dS = P (dP - delta) on selected
-                                pairs (0 elsewhere) -> bf16 in smem as (key, row)
-                                dV_w^T += dO^T P, dK_w^T += Q^T dS      wgmma, D/64 x m64n32, A read
-                                                                        MN-major from the same smem
-                              and releases the stage. At the end dK * scale and dV go through smem
-                              to 16-byte row stores.
+                              writes the query bitmask of each of the 64 keys and cp.asyncs the rows'
+                              LSE and delta; then an end marker. Completion: one cp.async-tracked and one
+                              plain mbarrier arrival per producer thread.
+    consumer WG 0 ("P")       S^T = K Q^T (wgmma m64n64, keys x rows), P^T = exp2(S^T scale log2e - lse)
+                              on selected pairs (0 elsewhere) -> fp32 to the exchange buffer,
+                              dV += P^T dO (wgmma, A = P^T from registers, B = dO read MN-major).
+    consumer WG 1 ("dS")      dP^T = V dO^T (same shape, runs while WG 0 computes S^T), then with
+                              WG 0's P^T: dS^T = P^T (dP^T - delta), dK += dS^T Q (A from registers).
+                              At the end dV (WG 0, through its sK) and dK * scale (WG 1, through its
+                              sV) go to 16-byte row stores.
 
-    producer ──Q/dO rows, key masks, LSE/delta (2 stages, mbarriers)──▶ WG 0 (keys 0-31)
-                                                                       WG 1 (keys 32-63)
+    producer ──Q/dO rows, key masks, LSE/delta (2 stages, mbarriers)──▶ WG 0: S^T, P^T, dV
+                                                                        WG 1: dP^T, dS^T, dK
+                                                    WG 0 ──P^T (fp32, 2 named barriers)──▶ WG 1
+
+Note [keys as the M dimension]: with the 64 keys as the wgmma M dimension, P^T and dS^T leave
+their GEMMs in exactly the register layout of the A operand of dV = P^T dO and dK = dS^T Q, so the
+second GEMMs read only dO / Q from shared memory (m64nDk16: 8 KiB per 64x256x16 MACs at D 256),
+and S^T / dP^T read 4 KiB per 64x64x16 MACs. The earlier split (each warpgroup 32 keys, m64n32,
+P / dS written to shared memory and every operand read from it) moved about twice the shared-memory
+bytes per MAC and was bound by shared-memory bandwidth (~4,500 cycles per 64-key window pair at
+D 256 on the H200). The price: both warpgroups work on every window of the merged list, also those
+that select keys of one tile only; and P^T crosses warpgroups through a 16 KiB fp32 buffer (thread t
+of WG 1 owns the same accumulator elements as thread t of WG 0, so the buffer is a plain per-thread
+array, written and read conflict-free).
 
 Compared with the portable kernel (8 warps, 32 keys, two CTA-wide barriers per pair) the window's
-rows are fetched while both warpgroups compute, a window serves 64 keys with one Q/dO load, and
-the two warpgroups do not wait for each other. The accumulation order is fixed (window order, then
-the MMA's k order), so results are bitwise reproducible; they are not bitwise those of the
-``mma.sync`` kernel (another summation order inside a pair).
+rows are fetched while both warpgroups compute and a window serves 64 keys with one Q/dO load. The
+accumulation order is fixed (window order, then the MMA's k order), so results are bitwise
+reproducible; they are not bitwise those of the ``mma.sync`` kernel (another summation order).
 
 Tensors: mQ/mdO [B, Lq, Hq, D] bf16, mK/mV/mdK/mdV [B, Lkv, Hkv, D] bf16, mLSE/mDelta [B, Hq, Lq] fp32;
 plan as in ``plan.py``.
@@ -42,9 +51,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cute_kernels.common.utils import acc_mn_view, transpose_view, wgmma_gemm, wgmma_smem_layout
+from cute_kernels.common.utils import (acc_as_operand_a, acc_mn_view, convert_to_16bit, transpose_view, wgmma_gemm,
+                                       wgmma_smem_layout)
 
 from . import common as C
 from .config import KEY_TILE, TILE_M, AttnConfig
@@ -56,11 +66,17 @@ THREADS = 3 * WG_THREADS
 STAGES = 2
 # setmaxnreg split: 128 * 40 + 256 * 232 <= 64K registers.
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
-#: Named barrier of consumer warpgroup w: CONSUMER_BARRIER + w (0 is the CTA barrier).
+#: Named barriers (0 is the CTA barrier): consumer warpgroup w's own is CONSUMER_BARRIER + w;
+#: P_FULL (WG 0 arrives after writing P^T, WG 1 waits) and P_EMPTY (WG 1 arrives once it has read
+#: P^T, WG 0 waits before overwriting it) guard the exchange buffer.
 CONSUMER_BARRIER = 1
+P_FULL = 3
+P_EMPTY = 4
 NO_WINDOW = 0x7FFFFFFF
+#: Accumulator elements per consumer thread of an m64n64 fp32 tile (the P^T exchange row).
+ACC_PER_THREAD = KEYS * TILE_M // WG_THREADS
 # sCtl[field, stage]
-CTL_GO, CTL_HALF0, CTL_HALF1 = 0, 1, 2
+CTL_GO = 0
 
 
 class IndexedBwdDKDVSm90:
@@ -77,10 +93,10 @@ class IndexedBwdDKDVSm90:
         d = cfg.head_dim
         q_do = 2 * STAGES * TILE_M * d * 2
         k_v = 2 * KEYS * d * 2
-        p_ds = 2 * KEYS * TILE_M * 2
+        p_x = KEYS * TILE_M * 4
         meta = STAGES * (KEYS + 2 * TILE_M + 4) * 4
         barriers = 2 * STAGES * 8
-        return q_do + k_v + p_ds + meta + barriers + 6 * 1024  # + 1 KiB alignment per operand buffer
+        return q_do + k_v + p_x + meta + barriers + 5 * 1024  # + 1 KiB alignment per buffer
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -90,8 +106,7 @@ class IndexedBwdDKDVSm90:
                  stream):
         bf16 = cutlass.BFloat16
         sQ_layout = wgmma_smem_layout(bf16, (TILE_M, self.d, STAGES))  # (64 rows, D, stage)
-        sKV_layout = wgmma_smem_layout(bf16, (KEY_TILE, self.d, 2))  # (32 keys, D, half)
-        sP_layout = wgmma_smem_layout(bf16, (KEY_TILE, TILE_M, 2))  # (32 keys, 64 rows, half)
+        sKV_layout = wgmma_smem_layout(bf16, (KEYS, self.d))  # (64 keys, D)
 
         @cute.struct
         class SharedStorage:
@@ -101,8 +116,7 @@ class IndexedBwdDKDVSm90:
             sdO: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sP_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sP_layout)], 1024]
+            sPx: cute.struct.Align[cute.struct.MemRange[Float32, KEYS * TILE_M], 1024]
             sKeyMask: cute.struct.Align[cute.struct.MemRange[Int32, KEYS * STAGES], 16]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 16]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 16]
@@ -113,7 +127,7 @@ class IndexedBwdDKDVSm90:
         grid = [cute.ceil_div(num_tiles, 2), self.cfg.num_kv_heads, mK.shape[0]]
         self.kernel(mQ, mK, mV, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTilePtr, mTileWin,
                     mTileStart, mdK, mdV, softmax_scale * C.LOG2_E, softmax_scale, sQ_layout, sKV_layout,
-                    sP_layout, g2s, plain, SharedStorage).launch(
+                    g2s, plain, SharedStorage).launch(
             grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
 
@@ -123,7 +137,7 @@ class IndexedBwdDKDVSm90:
                mWinCount: cute.Tensor, mTilePtr: cute.Tensor, mTileWin: cute.Tensor,
                mTileStart: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32,
                softmax_scale: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               sP_layout: cute.ComposedLayout, g2s: cute.TiledCopy, plain: cute.TiledCopy,
+               g2s: cute.TiledCopy, plain: cute.TiledCopy,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         c, h, b = cute.arch.block_idx()
@@ -148,8 +162,8 @@ class IndexedBwdDKDVSm90:
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sdS = storage.sdS.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        # P^T exchange: thread t's accumulator element j at [t, j] (consecutive threads, consecutive words)
+        sPx = storage.sPx.get_tensor(cute.make_layout((WG_THREADS, ACC_PER_THREAD), stride=(1, WG_THREADS)))
         sKeyMask = storage.sKeyMask.get_tensor(cute.make_layout((KEYS, STAGES)))
         sLSE = storage.sLSE.get_tensor(cute.make_layout((TILE_M, STAGES)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((TILE_M, STAGES)))
@@ -164,8 +178,13 @@ class IndexedBwdDKDVSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             wg = warp_idx // 4 - 1
-            self.consume(mK, mdK, mdV, sQ, sdO, sK, sV, sP, sdS, sKeyMask, sLSE, sDelta, sCtl, full, empty,
-                         plain, scale_log2, softmax_scale, h, b, t0, wg, tidx - WG_THREADS * (wg + 1))
+            ctid = tidx - WG_THREADS * (wg + 1)
+            if wg == 0:
+                self.consume_p(mK, mdV, sQ, sdO, sK, sPx, sKeyMask, sLSE, sCtl, full, empty, plain, scale_log2,
+                               h, b, t0, ctid)
+            else:
+                self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sDelta, sCtl, full, empty, plain, softmax_scale,
+                                h, b, t0, ctid)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -182,22 +201,19 @@ class IndexedBwdDKDVSm90:
         tQsQ = thr.partition_D(sQ)  # (CPY, M, K, stage)
         tQsdO = thr.partition_D(sdO)
         tQcQ = thr.partition_S(cute.make_identity_tensor((TILE_M, D)))
-        tKsK = thr.partition_D(sK)  # (CPY, M, K, half)
+        tKsK = thr.partition_D(sK)  # (CPY, M, K)
         tKsV = thr.partition_D(sV)
-        tKcK = thr.partition_S(cute.make_identity_tensor((KEY_TILE, D)))
+        tKcK = thr.partition_S(cute.make_identity_tensor((KEYS, D)))
 
         # The CTA's K and V rows (zeros past kv_len); covered by the first stage's cp.async arrival.
-        for half in cutlass.range_constexpr(2):
-            tKsK_h = tKsK[None, None, None, half]
-            tKsV_h = tKsV[None, None, None, half]
-            for m in cutlass.range_constexpr(cute.size(tKsK_h, mode=[1])):
-                key = t0 + half * KEY_TILE + tKcK[0, m, 0][0]
-                if key < kv_len:
-                    C.copy_row(g2s, C.row_ptr(mK, (b, key, h, 0)), tKsK_h, tKcK, m, D)
-                    C.copy_row(g2s, C.row_ptr(mV, (b, key, h, 0)), tKsV_h, tKcK, m, D)
-                else:
-                    tKsK_h[None, m, None].fill(0)
-                    tKsV_h[None, m, None].fill(0)
+        for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
+            key = t0 + tKcK[0, m, 0][0]
+            if key < kv_len:
+                C.copy_row(g2s, C.row_ptr(mK, (b, key, h, 0)), tKsK, tKcK, m, D)
+                C.copy_row(g2s, C.row_ptr(mV, (b, key, h, 0)), tKsV, tKcK, m, D)
+            else:
+                tKsK[None, m, None].fill(0)
+                tKsV[None, m, None].fill(0)
 
         # Merge the window lists of tiles ta = t0 / 32 and ta + 1 (both ascending; a window in
         # both is visited once, its keys >= t0 start at the first list's mTileStart).
@@ -208,28 +224,28 @@ class IndexedBwdDKDVSm90:
         pb_end = pa_end
         if t0 // KEY_TILE + 1 < num_tiles:
             pb_end = mTilePtr[row_a + 2]
-        remaining = pb_end - pa
+        # Note [plan reads one window ahead]: window i + 1's entries are requested before window i's
+        # rows, so their latency (mostly DRAM: the window key lists are far larger than L2) overlaps
+        # window i's wait and copies instead of adding to every window.
+        lane = ptid % 32
+        have = pb_end - pa > 0
+        w = Int32(NO_WINDOW)
+        start = Int32(0)
+        cnt, k0, m0, k1, m1 = Int32(0), Int32(-1), Int32(0), Int32(-1), Int32(0)
+        if have:
+            w, start, pa, pb = self.next_window(mTileWin, mTileStart, pa, pa_end, pb, pb_end)
+            cnt, k0, m0, k1, m1 = self.fetch_entries(mWinKey, mWinMask, mWinCount, w, start, s, lane)
         i = Int32(0)
-        while remaining > 0:
-            wa = Int32(NO_WINDOW)
-            wb = Int32(NO_WINDOW)
-            if pa < pa_end:
-                wa = mTileWin[pa]
-            if pb < pb_end:
-                wb = mTileWin[pb]
-            w = cutlass.min(wa, wb)
-            start = Int32(0)
-            if wa == w:
-                start = mTileStart[pa]
-                pa = pa + 1
-            else:
-                start = mTileStart[pb]
-            if wb == w:
-                pb = pb + 1
-            remaining = (pa_end - pa) + (pb_end - pb)
-            # The window's entries for these keys are read before waiting for a free stage, so
-            # their latency overlaps the wait (Note [rows of selecting queries only]).
-            keys, masks, qsel = self.window_keys(mWinKey, mWinMask, mWinCount, w, start, s, t0, ptid % 32)
+        while have:
+            have_n = (pa_end - pa) + (pb_end - pb) > 0
+            w_n = Int32(NO_WINDOW)
+            start_n = Int32(0)
+            cnt_n, k0_n, m0_n, k1_n, m1_n = Int32(0), Int32(-1), Int32(0), Int32(-1), Int32(0)
+            if have_n:
+                w_n, start_n, pa, pb = self.next_window(mTileWin, mTileStart, pa, pa_end, pb, pb_end)
+                cnt_n, k0_n, m0_n, k1_n, m1_n = self.fetch_entries(mWinKey, mWinMask, mWinCount, w_n, start_n,
+                                                                   s, lane)
+            keys, masks, qsel = self.window_keys(cnt, start, k0, m0, k1, m1, t0, lane)
             stage = i % STAGES
             if i >= STAGES:
                 cute.arch.mbarrier_wait(empty + stage, ((i // STAGES) % 2) ^ 1)
@@ -237,6 +253,8 @@ class IndexedBwdDKDVSm90:
                              keys, masks, qsel, stage, h, b, t0, ptid)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
             cute.arch.mbarrier_arrive(full + stage)
+            w, start, cnt, k0, m0, k1, m1 = w_n, start_n, cnt_n, k0_n, m0_n, k1_n, m1_n
+            have = have_n
             i = i + 1
         # End marker (also publishes the K/V rows when no window selects these keys).
         stage = i % STAGES
@@ -248,28 +266,66 @@ class IndexedBwdDKDVSm90:
         cute.arch.mbarrier_arrive(full + stage)
 
     @cute.jit
-    def window_keys(self, mWinKey: cute.Tensor, mWinMask: cute.Tensor, mWinCount: cute.Tensor, w: Int32,
-                    start: Int32, s: Int32, t0: Int32, lane: Int32):
-        """Lane l's two entries of window ``w`` among the CTA's keys: (key - t0, query mask) at
-        positions start + l and start + 32 + l (key -1 / mask 0 when outside), and the OR of all
-        64 masks over the warp (which window queries select any of these keys). Keys are sorted and
-        distinct, so those in [t0, t0 + 64) are at most the 64 positions from ``start``."""
+    def next_window(self, mTileWin: cute.Tensor, mTileStart: cute.Tensor, pa: Int32, pa_end: Int32, pb: Int32,
+                    pb_end: Int32):
+        """Next window of the merged ascending lists [pa, pa_end) and [pb, pb_end) (a window in both
+        is taken once; its keys >= t0 start at the first list's mTileStart): (w, start, pa, pb)."""
+        wa = Int32(NO_WINDOW)
+        wb = Int32(NO_WINDOW)
+        if pa < pa_end:
+            wa = mTileWin[pa]
+        if pb < pb_end:
+            wb = mTileWin[pb]
+        w = cutlass.min(wa, wb)
+        start = Int32(0)
+        if wa == w:
+            start = mTileStart[pa]
+            pa = pa + 1
+        else:
+            start = mTileStart[pb]
+        if wb == w:
+            pb = pb + 1
+        return w, start, pa, pb
+
+    @cute.jit
+    def fetch_entries(self, mWinKey: cute.Tensor, mWinMask: cute.Tensor, mWinCount: cute.Tensor, w: Int32,
+                      start: Int32, s: Int32, lane: Int32):
+        """Raw reads (all independent) of window ``w``'s count and lane ``lane``'s two (key, mask)
+        entries at start + lane and start + 32 + lane (any position inside the row: filtered by the
+        count in ``window_keys``)."""
+        cap = mWinKey.shape[2]
         cnt = mWinCount[s, w]
+        k0 = Int32(-1)
+        k1 = Int32(-1)
+        m0 = Int32(0)
+        m1 = Int32(0)
+        pos = start + lane
+        if pos < cap:
+            k0 = mWinKey[s, w, pos]
+            m0 = mWinMask[s, w, pos]
+        if pos + 32 < cap:
+            k1 = mWinKey[s, w, pos + 32]
+            m1 = mWinMask[s, w, pos + 32]
+        return cnt, k0, m0, k1, m1
+
+    @cute.jit
+    def window_keys(self, cnt: Int32, start: Int32, k0: Int32, m0: Int32, k1: Int32, m1: Int32, t0: Int32,
+                    lane: Int32):
+        """Lane l's two entries among the CTA's keys: (key - t0, query mask) at positions start + l and
+        start + 32 + l (key -1 / mask 0 when outside), and the OR of all 64 masks over the warp (which
+        window queries select any of these keys). Keys are sorted and distinct, so those in
+        [t0, t0 + 64) are at most the 64 positions from ``start``."""
         key0 = Int32(-1)
         key1 = Int32(-1)
         mask0 = Int32(0)
         mask1 = Int32(0)
         pos = start + lane
-        if pos < cnt:
-            key = mWinKey[s, w, pos]
-            if key < t0 + KEYS:
-                key0 = key - t0
-                mask0 = mWinMask[s, w, pos]
-        if pos + 32 < cnt:
-            key = mWinKey[s, w, pos + 32]
-            if key < t0 + KEYS:
-                key1 = key - t0
-                mask1 = mWinMask[s, w, pos + 32]
+        if pos < cnt and k0 < t0 + KEYS:
+            key0 = k0 - t0
+            mask0 = m0
+        if pos + 32 < cnt and k1 < t0 + KEYS:
+            key1 = k1 - t0
+            mask1 = m1
         keys = [key0, key1]
         masks = [mask0, mask1]
         qsel = C.row_allreduce(mask0 | mask1, 32, operator.or_)
@@ -282,8 +338,8 @@ class IndexedBwdDKDVSm90:
                     keys: list, masks: list, qsel: Int32, stage: Int32, h: Int32, b: Int32, t0: Int32,
                     ptid: Int32):
         """Stage ``stage`` <- window ``w``: Q / dO rows of the queries in ``qsel`` (cp.async; zeros for
-        the other rows), and with plain stores the query bitmask of each of the CTA's keys and which
-        key halves are selected at all (warp 0), the rows' LSE in log2 units and delta (warps 2-3).
+        the other rows), and with plain stores the query bitmask of each of the CTA's keys (warp 0),
+        the rows' LSE and delta (warps 2-3, cp.async).
 
         Note [rows of selecting queries only]: a (CTA, window) pair typically touches a few 4-token
         blocks of the CTA's 64 keys, chosen by some of the window's queries; the rows of the other
@@ -302,66 +358,45 @@ class IndexedBwdDKDVSm90:
             sKeyMask[lane, stage] = Int32(0)
             sKeyMask[lane + KEY_TILE, stage] = Int32(0)
             cute.arch.sync_warp()
-            in0 = Int32(0)
-            in1 = Int32(0)
             for j in cutlass.range_constexpr(2):
                 key = keys[j]
                 if key >= 0:
                     sKeyMask[key, stage] = masks[j]
-                    if key < KEY_TILE:
-                        in0 = Int32(1)
-                    else:
-                        in1 = Int32(1)
-            any0 = cute.arch.vote_ballot_sync(in0 != 0)
-            any1 = cute.arch.vote_ballot_sync(in1 != 0)
             if lane == 0:
                 sCtl[CTL_GO, stage] = Int32(1)
-                sCtl[CTL_HALF0, stage] = any0
-                sCtl[CTL_HALF1, stage] = any1
         elif warp >= 2:
+            # Row r's LSE (natural log, as stored; the consumer scales it) and delta, by 4-byte
+            # cp.asyncs covered by the stage's arrival: no load latency on the producer's path.
             r = ptid - 2 * 32
-            lse2, delta = C.window_row_stats(mLSE, mDelta, r, rows_valid, G, h, b, q0)
-            sLSE[r, stage] = lse2
-            sDelta[r, stage] = delta
+            if r < rows_valid:
+                qi = r // G
+                coord = (b, h * G + r - qi * G, q0 + qi)
+                stat = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+                one = cute.make_layout(1)
+                for mX, sX in ((mLSE, sLSE), (mDelta, sDelta)):
+                    cute.copy(stat, cute.make_tensor(mX.iterator + cute.crd2idx(coord, mX.layout), one),
+                              cute.make_tensor(sX.iterator + (stage * TILE_M + r), one))
+            else:
+                sLSE[r, stage] = Float32(0.0)
+                sDelta[r, stage] = Float32(0.0)
 
     # ------------------------------------------------------------------ consumers
-    @cute.jit
-    def consume(self, mK: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
-                sK: cute.Tensor, sV: cute.Tensor, sP: cute.Tensor, sdS: cute.Tensor, sKeyMask: cute.Tensor,
-                sLSE: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, full, empty,
-                plain: cute.TiledCopy, scale_log2: Float32, softmax_scale: Float32, h: Int32, b: Int32,
-                t0: Int32, wg: Int32, ctid: Int32):
-        D = self.d
+    def mmas(self):
+        """(S^T / dP^T: (64 keys, 64 rows) += K|V (64, D) x Q|dO (64, D)^T, both operands from smem,
+        K-major; dV / dK: (64 keys, D) += P^T|dS^T (64, 64 rows) from registers x dO|Q read MN-major)."""
         bf16 = cutlass.BFloat16
         mma_s = sm90_utils.make_trivial_tiled_mma(
             bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, KEY_TILE))
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(KEYS, TILE_M))
         mma_kv = sm90_utils.make_trivial_tiled_mma(
-            bf16, bf16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, KEY_TILE))
-        thr_s = mma_s.get_slice(ctid)
-        thr_kv = mma_kv.get_slice(ctid)
-        sK_w = sK[None, None, wg]
-        sV_w = sV[None, None, wg]
-        sP_w = sP[None, None, wg]
-        sdS_w = sdS[None, None, wg]
-        # S / dP: A = Q / dO rows (64, D), B = this half's K / V (32, D), both K-major.
-        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))  # (.., .., k, stage)
-        tSrdO = thr_s.make_fragment_A(thr_s.partition_A(sdO))
-        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK_w))
-        tSrV = thr_s.make_fragment_B(thr_s.partition_B(sV_w))
-        # dV^T / dK^T (D, 32): A = dO^T / Q^T read MN-major from the same tiles, B = P / dS (32, 64).
-        tKrdOt = thr_kv.make_fragment_A(thr_kv.partition_A(transpose_view(sdO)))  # (.., .., k, stage)
-        tKrQt = thr_kv.make_fragment_A(thr_kv.partition_A(transpose_view(sQ)))
-        tKrP = thr_kv.make_fragment_B(thr_kv.partition_B(sP_w))
-        tKrdS = thr_kv.make_fragment_B(thr_kv.partition_B(sdS_w))
-        acc_dV = cute.make_rmem_tensor(thr_kv.partition_shape_C((D, KEY_TILE)), Float32)
-        acc_dK = cute.make_rmem_tensor(thr_kv.partition_shape_C((D, KEY_TILE)), Float32)
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
-        acc_shape_S = thr_s.partition_shape_C((TILE_M, KEY_TILE))
-        tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((TILE_M, KEY_TILE))))
+            bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(KEYS, self.d), a_source=warpgroup.OperandSource.RMEM)
+        return mma_s, mma_kv
 
+    @cute.jit
+    def window_loop(self, step, sCtl: cute.Tensor, full, empty):
+        """Run ``step(stage)`` for every window the producer publishes, releasing each stage after it;
+        returns at the end marker."""
         i = Int32(0)
         go = Int32(1)
         while go != 0:
@@ -370,86 +405,132 @@ class IndexedBwdDKDVSm90:
             if sCtl[CTL_GO, stage] == 0:
                 go = Int32(0)
             else:
-                if sCtl[CTL_HALF0 + wg, stage] != 0:
-                    # cp.async and plain smem writes -> visible to the wgmma (async proxy)
-                    cute.arch.fence_view_async_shared()
-                    self.window_step(mma_s, mma_kv, tSrQ, tSrdO, tSrK, tSrV, tKrdOt, tKrQt, tKrP, tKrdS,
-                                     acc_dV, acc_dK, acc_shape_S, tScS, sP_w, sdS_w, sKeyMask, sLSE, sDelta,
-                                     scale_log2, stage, wg)
+                # cp.async and plain smem writes -> visible to the wgmma (async proxy)
+                cute.arch.fence_view_async_shared()
+                step(stage)
                 cute.arch.mbarrier_arrive(empty + stage)
                 i = i + 1
 
-        # Epilogue: dK * scale, dV -> bf16 -> this half's sK / sV rows (no wgmma of this warpgroup
-        # reads them any more; the other half is another region) -> 16-byte row stores.
-        rdK = cute.make_fragment_like(acc_dK, bf16)
-        rdK.store((acc_dK.load() * softmax_scale).to(bf16))
-        rdV = cute.make_fragment_like(acc_dV, bf16)
-        rdV.store(acc_dV.load().to(bf16))
-        rdK_mn = acc_mn_view(rdK)
-        rdV_mn = acc_mn_view(rdV)
-        tKcC = acc_mn_view(thr_kv.partition_C(cute.make_identity_tensor((D, KEY_TILE))))
-        for r in cutlass.range_constexpr(cute.size(rdK_mn, mode=[0])):
-            d = tKcC[r, 0][0]
-            for cc in cutlass.range_constexpr(cute.size(rdK_mn, mode=[1])):
-                key = tKcC[0, cc][1]
-                sK_w[key, d] = rdK_mn[r, cc]
-                sV_w[key, d] = rdV_mn[r, cc]
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER + wg, number_of_threads=WG_THREADS)
-        kv_len = mK.shape[1]
-        thr_plain = plain.get_slice(ctid)
-        tKsdK = thr_plain.partition_S(sK_w)
-        tKsdV = thr_plain.partition_S(sV_w)
-        tKcK = thr_plain.partition_S(cute.make_identity_tensor((KEY_TILE, D)))
-        for m in cutlass.range_constexpr(cute.size(tKsdK, mode=[1])):
-            key = t0 + wg * KEY_TILE + tKcK[0, m, 0][0]
-            if key < kv_len:
-                C.copy_row(plain, C.row_ptr(mdK, (b, key, h, 0)), tKsdK, tKcK, m, D, to_gmem=True)
-                C.copy_row(plain, C.row_ptr(mdV, (b, key, h, 0)), tKsdV, tKcK, m, D, to_gmem=True)
+    @cute.jit
+    def consume_p(self, mK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sK: cute.Tensor,
+                  sPx: cute.Tensor, sKeyMask: cute.Tensor, sLSE: cute.Tensor, sCtl: cute.Tensor, full, empty,
+                  plain: cute.TiledCopy, scale_log2: Float32, h: Int32, b: Int32, t0: Int32, ctid: Int32):
+        """Consumer WG 0: per window S^T, P^T (-> exchange buffer), dV += P^T dO; then dV out."""
+        G = self.g
+        mma_s, mma_kv = self.mmas()
+        thr_s = mma_s.get_slice(ctid)
+        thr_kv = mma_kv.get_slice(ctid)
+        tSrK = thr_s.make_fragment_A(thr_s.partition_A(sK))
+        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ))  # (.., .., k, stage)
+        tVrdOt = thr_kv.make_fragment_B(thr_kv.partition_B(transpose_view(sdO)))  # (.., .., k, stage)
+        tVrP = thr_kv.make_fragment_A(thr_kv.partition_shape_A((KEYS, TILE_M)))
+        acc_dV = cute.make_rmem_tensor(thr_kv.partition_shape_C((KEYS, self.d)), Float32)
+        acc_dV.fill(0.0)
+        acc_shape_S = thr_s.partition_shape_C((KEYS, TILE_M))
+        tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((KEYS, TILE_M))))
+
+        @cute.jit
+        def step(stage: Int32):
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            wgmma_gemm(mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+            warpgroup.wait_group(0)
+            S = acc_mn_view(acc_S)
+            lse2 = []
+            for cc in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                # -inf (a row without keys) stays -inf: such a row has no selected pair
+                lse2.append(sLSE[tScS[0, cc][1], stage] * C.LOG2_E)
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                msk = sKeyMask[tScS[r, 0][0], stage]
+                for cc in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    p_val = Float32(0.0)  # unselected pairs may hold anything (even inf): select, not scale
+                    if C.selected(msk, tScS[0, cc][1] // G, self.wq):
+                        p_val = cute.math.exp2(S[r, cc] * scale_log2 - lse2[cc], fastmath=True)
+                    S[r, cc] = p_val
+            # WG 1 has read the previous P^T (its first arrival frees the buffer at the start).
+            cute.arch.barrier(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
+            for j in cutlass.range_constexpr(ACC_PER_THREAD):
+                sPx[ctid, j] = acc_S[j]
+            cute.arch.barrier_arrive(barrier_id=P_FULL, number_of_threads=2 * WG_THREADS)
+            convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
+            wgmma_gemm(mma_kv, acc_dV, tVrP, tVrdOt[None, None, None, stage], False)
+            warpgroup.wait_group(0)
+
+        self.window_loop(step, sCtl, full, empty)
+        # Matches WG 1's arrival after the last window it read.
+        cute.arch.barrier(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
+        # sK is WG 0's alone (WG 1 reads sV, sQ, sdO) and its last wgmma has completed.
+        self.store_rows(thr_kv, acc_dV, None, sK, mdV, plain, mK.shape[1], h, b, t0, ctid, 0)
 
     @cute.jit
-    def window_step(self, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, tSrQ: cute.Tensor, tSrdO: cute.Tensor,
-                    tSrK: cute.Tensor, tSrV: cute.Tensor, tKrdOt: cute.Tensor, tKrQt: cute.Tensor,
-                    tKrP: cute.Tensor, tKrdS: cute.Tensor, acc_dV: cute.Tensor, acc_dK: cute.Tensor,
-                    acc_shape_S: cutlass.Constexpr, tScS: cute.Tensor, sP_w: cute.Tensor, sdS_w: cute.Tensor,
-                    sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, scale_log2: Float32,
-                    stage: Int32, wg: Int32):
-        """One window for this warpgroup's 32 keys: S, dP; P, dS -> smem; dV^T, dK^T += ..."""
-        G = self.g
-        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-        acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
-        wgmma_gemm(mma_s, acc_S, tSrQ[None, None, None, stage], tSrK, True)
-        wgmma_gemm(mma_s, acc_dP, tSrdO[None, None, None, stage], tSrV, True)
-        warpgroup.wait_group(0)
-        S = acc_mn_view(acc_S)
-        dP = acc_mn_view(acc_dP)
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            row = tScS[r, 0][0]
-            qbit = row // G
-            lse2 = sLSE[row, stage]
-            delta = sDelta[row, stage]
-            for cc in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                msk = sKeyMask[wg * KEY_TILE + tScS[0, cc][1], stage]
-                p_val = Float32(0.0)
-                ds = Float32(0.0)  # unselected keys may hold anything (even NaN): select, not scale
-                if C.selected(msk, qbit, self.wq):
-                    p_val = cute.math.exp2(S[r, cc] * scale_log2 - lse2, fastmath=True)
-                    ds = p_val * (dP[r, cc] - delta)
-                S[r, cc] = p_val
-                dP[r, cc] = ds
-        rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
-        rP.store(acc_S.load().to(cutlass.BFloat16))
-        rdS = cute.make_fragment_like(acc_dP, cutlass.BFloat16)
-        rdS.store(acc_dP.load().to(cutlass.BFloat16))
-        rP_mn = acc_mn_view(rP)
-        rdS_mn = acc_mn_view(rdS)
-        for r in cutlass.range_constexpr(cute.size(rP_mn, mode=[0])):
-            row = tScS[r, 0][0]
-            for cc in cutlass.range_constexpr(cute.size(rP_mn, mode=[1])):
-                key = tScS[0, cc][1]
-                sP_w[key, row] = rP_mn[r, cc]
-                sdS_w[key, row] = rdS_mn[r, cc]
-        cute.arch.fence_view_async_shared()
+    def consume_ds(self, mK: cute.Tensor, mdK: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sV: cute.Tensor,
+                   sPx: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, full, empty,
+                   plain: cute.TiledCopy, softmax_scale: Float32, h: Int32, b: Int32, t0: Int32, ctid: Int32):
+        """Consumer WG 1: per window dP^T, dS^T = P^T (dP^T - delta) with WG 0's P^T, dK += dS^T Q;
+        then dK * scale out."""
+        mma_s, mma_kv = self.mmas()
+        thr_s = mma_s.get_slice(ctid)
+        thr_kv = mma_kv.get_slice(ctid)
+        tSrV = thr_s.make_fragment_A(thr_s.partition_A(sV))
+        tSrdO = thr_s.make_fragment_B(thr_s.partition_B(sdO))  # (.., .., k, stage)
+        tKrQt = thr_kv.make_fragment_B(thr_kv.partition_B(transpose_view(sQ)))  # (.., .., k, stage)
+        tKrdS = thr_kv.make_fragment_A(thr_kv.partition_shape_A((KEYS, TILE_M)))
+        acc_dK = cute.make_rmem_tensor(thr_kv.partition_shape_C((KEYS, self.d)), Float32)
+        acc_dK.fill(0.0)
+        acc_shape_S = thr_s.partition_shape_C((KEYS, TILE_M))
+        tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((KEYS, TILE_M))))
+        # The exchange buffer starts free.
+        cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
+
+        @cute.jit
+        def step(stage: Int32):
+            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+            wgmma_gemm(mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
+            warpgroup.wait_group(0)
+            dP = acc_mn_view(acc_dP)
+            delta = []
+            for cc in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+                delta.append(sDelta[tScS[0, cc][1], stage])
+            rP = cute.make_rmem_tensor(acc_shape_S, Float32)
+            cute.arch.barrier(barrier_id=P_FULL, number_of_threads=2 * WG_THREADS)
+            for j in cutlass.range_constexpr(ACC_PER_THREAD):
+                rP[j] = sPx[ctid, j]
+            cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
+            # P^T is exactly 0 on unselected pairs and dP^T is finite (finite dO, V), so dS^T is 0 there.
+            P = acc_mn_view(rP)
+            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                for cc in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+                    dP[r, cc] = P[r, cc] * (dP[r, cc] - delta[cc])
+            convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
+            wgmma_gemm(mma_kv, acc_dK, tKrdS, tKrQt[None, None, None, stage], False)
+            warpgroup.wait_group(0)
+
+        self.window_loop(step, sCtl, full, empty)
+        # sV is WG 1's alone and its last wgmma has completed.
+        self.store_rows(thr_kv, acc_dK, softmax_scale, sV, mdK, plain, mK.shape[1], h, b, t0, ctid, 1)
+
+    @cute.jit
+    def store_rows(self, thr_kv: cute.core.ThrMma, acc: cute.Tensor, scale, sX: cute.Tensor, mX: cute.Tensor,
+                   plain: cute.TiledCopy, kv_len: Int32, h: Int32, b: Int32, t0: Int32, ctid: Int32,
+                   wg: cutlass.Constexpr):
+        """acc (64 keys, D) [* scale] -> bf16 -> sX (a (64, D) tile only this warpgroup uses) ->
+        16-byte stores of the rows of keys < kv_len."""
+        D = self.d
+        r16 = cute.make_fragment_like(acc, cutlass.BFloat16)
+        if const_expr(scale is None):
+            r16.store(acc.load().to(cutlass.BFloat16))
+        else:
+            r16.store((acc.load() * scale).to(cutlass.BFloat16))
+        r_mn = acc_mn_view(r16)
+        tXcX = acc_mn_view(thr_kv.partition_C(cute.make_identity_tensor((KEYS, D))))
+        for r in cutlass.range_constexpr(cute.size(r_mn, mode=[0])):
+            key = tXcX[r, 0][0]
+            for cc in cutlass.range_constexpr(cute.size(r_mn, mode=[1])):
+                sX[key, tXcX[0, cc][1]] = r_mn[r, cc]
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER + wg, number_of_threads=WG_THREADS)
-        wgmma_gemm(mma_kv, acc_dV, tKrdOt[None, None, None, stage], tKrP, False)
-        wgmma_gemm(mma_kv, acc_dK, tKrQt[None, None, None, stage], tKrdS, False)
-        warpgroup.wait_group(0)
+        thr_plain = plain.get_slice(ctid)
+        tXsX = thr_plain.partition_S(sX)
+        tXcK = thr_plain.partition_S(cute.make_identity_tensor((KEYS, D)))
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            key = t0 + tXcK[0, m, 0][0]
+            if key < kv_len:
+                C.copy_row(plain, C.row_ptr(mX, (b, key, h, 0)), tXsX, tXcK, m, D, to_gmem=True)
