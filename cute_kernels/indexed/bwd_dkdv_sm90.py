@@ -183,7 +183,7 @@ class IndexedBwdDKDVSm90:
                 self.consume_p(mK, mdV, sQ, sdO, sK, sPx, sKeyMask, sLSE, sCtl, full, empty, plain, scale_log2,
                                h, b, t0, ctid)
             else:
-                self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sDelta, sCtl, full, empty, plain, softmax_scale,
+                self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sKeyMask, sDelta, sCtl, full, empty, plain, softmax_scale,
                                 h, b, t0, ctid)
 
     # ------------------------------------------------------------------ producer
@@ -463,10 +463,11 @@ class IndexedBwdDKDVSm90:
 
     @cute.jit
     def consume_ds(self, mK: cute.Tensor, mdK: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sV: cute.Tensor,
-                   sPx: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, full, empty,
+                   sPx: cute.Tensor, sKeyMask: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, full, empty,
                    plain: cute.TiledCopy, softmax_scale: Float32, h: Int32, b: Int32, t0: Int32, ctid: Int32):
         """Consumer WG 1: per window dP^T, dS^T = P^T (dP^T - delta) with WG 0's P^T, dK += dS^T Q;
         then dK * scale out."""
+        G = self.g
         mma_s, mma_kv = self.mmas()
         thr_s = mma_s.get_slice(ctid)
         thr_kv = mma_kv.get_slice(ctid)
@@ -495,11 +496,15 @@ class IndexedBwdDKDVSm90:
             for j in cutlass.range_constexpr(ACC_PER_THREAD):
                 rP[j] = sPx[ctid, j]
             cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
-            # P^T is exactly 0 on unselected pairs and dP^T is finite (finite dO, V), so dS^T is 0 there.
+            # Select, not scale: the V row of a key no query selects may hold anything (even NaN).
             P = acc_mn_view(rP)
             for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                msk = sKeyMask[tScS[r, 0][0], stage]
                 for cc in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-                    dP[r, cc] = P[r, cc] * (dP[r, cc] - delta[cc])
+                    ds = Float32(0.0)
+                    if C.selected(msk, tScS[0, cc][1] // G, self.wq):
+                        ds = P[r, cc] * (dP[r, cc] - delta[cc])
+                    dP[r, cc] = ds
             convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
             wgmma_gemm(mma_kv, acc_dK, tKrdS, tKrQt[None, None, None, stage], False)
             warpgroup.wait_group(0)
