@@ -394,6 +394,25 @@ class IndexedBwdDKDVSm90:
         return mma_s, mma_kv
 
     @cute.jit
+    def operands(self, sKV: cute.Tensor, sRows: cute.Tensor, sRows2: cute.Tensor, ctid: Int32):
+        """A consumer's view of its two GEMMs, X^T = sKV sRows^T then acc += X^T sRows2 (WG 0: K, Q, dO;
+        WG 1: V, dO, Q): (mma_s, mma_kv, thr_kv, A / B fragments of the first GEMM, B fragment and
+        register A fragment of the second, its zeroed (64 keys, D) accumulator, the first GEMM's
+        accumulator shape and its (key, row) coordinates)."""
+        mma_s, mma_kv = self.mmas()
+        thr_s = mma_s.get_slice(ctid)
+        thr_kv = mma_kv.get_slice(ctid)
+        tSrA = thr_s.make_fragment_A(thr_s.partition_A(sKV))
+        tSrB = thr_s.make_fragment_B(thr_s.partition_B(sRows))  # (.., .., k, stage)
+        tKrBt = thr_kv.make_fragment_B(thr_kv.partition_B(transpose_view(sRows2)))  # (.., .., k, stage)
+        tKrA = thr_kv.make_fragment_A(thr_kv.partition_shape_A((KEYS, TILE_M)))
+        acc = cute.make_rmem_tensor(thr_kv.partition_shape_C((KEYS, self.d)), Float32)
+        acc.fill(0.0)
+        acc_shape_S = thr_s.partition_shape_C((KEYS, TILE_M))
+        tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((KEYS, TILE_M))))
+        return mma_s, mma_kv, thr_kv, tSrA, tSrB, tKrBt, tKrA, acc, acc_shape_S, tScS
+
+    @cute.jit
     def window_loop(self, step, sCtl: cute.Tensor, full, empty):
         """Run ``step(stage)`` for every window the producer publishes, releasing each stage after it;
         returns at the end marker."""
@@ -417,17 +436,7 @@ class IndexedBwdDKDVSm90:
                   plain: cute.TiledCopy, scale_log2: Float32, h: Int32, b: Int32, t0: Int32, ctid: Int32):
         """Consumer WG 0: per window S^T, P^T (-> exchange buffer), dV += P^T dO; then dV out."""
         G = self.g
-        mma_s, mma_kv = self.mmas()
-        thr_s = mma_s.get_slice(ctid)
-        thr_kv = mma_kv.get_slice(ctid)
-        tSrK = thr_s.make_fragment_A(thr_s.partition_A(sK))
-        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ))  # (.., .., k, stage)
-        tVrdOt = thr_kv.make_fragment_B(thr_kv.partition_B(transpose_view(sdO)))  # (.., .., k, stage)
-        tVrP = thr_kv.make_fragment_A(thr_kv.partition_shape_A((KEYS, TILE_M)))
-        acc_dV = cute.make_rmem_tensor(thr_kv.partition_shape_C((KEYS, self.d)), Float32)
-        acc_dV.fill(0.0)
-        acc_shape_S = thr_s.partition_shape_C((KEYS, TILE_M))
-        tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((KEYS, TILE_M))))
+        mma_s, mma_kv, thr_kv, tSrK, tSrQ, tVrdOt, tVrP, acc_dV, acc_shape_S, tScS = self.operands(sK, sQ, sdO, ctid)
 
         @cute.jit
         def step(stage: Int32):
@@ -468,17 +477,7 @@ class IndexedBwdDKDVSm90:
         """Consumer WG 1: per window dP^T, dS^T = P^T (dP^T - delta) with WG 0's P^T, dK += dS^T Q;
         then dK * scale out."""
         G = self.g
-        mma_s, mma_kv = self.mmas()
-        thr_s = mma_s.get_slice(ctid)
-        thr_kv = mma_kv.get_slice(ctid)
-        tSrV = thr_s.make_fragment_A(thr_s.partition_A(sV))
-        tSrdO = thr_s.make_fragment_B(thr_s.partition_B(sdO))  # (.., .., k, stage)
-        tKrQt = thr_kv.make_fragment_B(thr_kv.partition_B(transpose_view(sQ)))  # (.., .., k, stage)
-        tKrdS = thr_kv.make_fragment_A(thr_kv.partition_shape_A((KEYS, TILE_M)))
-        acc_dK = cute.make_rmem_tensor(thr_kv.partition_shape_C((KEYS, self.d)), Float32)
-        acc_dK.fill(0.0)
-        acc_shape_S = thr_s.partition_shape_C((KEYS, TILE_M))
-        tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((KEYS, TILE_M))))
+        mma_s, mma_kv, thr_kv, tSrV, tSrdO, tKrQt, tKrdS, acc_dK, acc_shape_S, tScS = self.operands(sV, sdO, sQ, ctid)
         # The exchange buffer starts free.
         cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
 
