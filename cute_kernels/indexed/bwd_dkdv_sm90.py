@@ -413,6 +413,21 @@ class IndexedBwdDKDVSm90:
         return mma_s, mma_kv, thr_kv, tSrA, tSrB, tKrBt, tKrA, acc, acc_shape_S, tScS
 
     @cute.jit
+    def first_gemm(self, mma_s: cute.TiledMma, tSrA: cute.Tensor, tSrB: cute.Tensor, acc_shape: cutlass.Constexpr,
+                   tScS: cute.Tensor, sStat: cute.Tensor, stat_scale, stage: Int32):
+        """S^T or dP^T of window ``stage`` (completed), its (key, row) view, and the row statistic
+        (LSE or delta, times ``stat_scale`` if given) of each of this thread's row columns."""
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        wgmma_gemm(mma_s, acc, tSrA, tSrB[None, None, None, stage], True)
+        warpgroup.wait_group(0)
+        acc_mn = acc_mn_view(acc)
+        stats = []
+        for cc in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            v = sStat[tScS[0, cc][1], stage]
+            stats.append(v if const_expr(stat_scale is None) else v * stat_scale)
+        return acc, acc_mn, stats
+
+    @cute.jit
     def window_loop(self, step, sCtl: cute.Tensor, full, empty):
         """Run ``step(stage)`` for every window the producer publishes, releasing each stage after it;
         returns at the end marker."""
@@ -440,14 +455,8 @@ class IndexedBwdDKDVSm90:
 
         @cute.jit
         def step(stage: Int32):
-            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-            wgmma_gemm(mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
-            warpgroup.wait_group(0)
-            S = acc_mn_view(acc_S)
-            lse2 = []
-            for cc in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                # -inf (a row without keys) stays -inf: such a row has no selected pair
-                lse2.append(sLSE[tScS[0, cc][1], stage] * C.LOG2_E)
+            # -inf LSE (a row without keys) stays -inf: such a row has no selected pair
+            acc_S, S, lse2 = self.first_gemm(mma_s, tSrK, tSrQ, acc_shape_S, tScS, sLSE, C.LOG2_E, stage)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 msk = sKeyMask[tScS[r, 0][0], stage]
                 for cc in cutlass.range_constexpr(cute.size(S, mode=[1])):
@@ -483,13 +492,7 @@ class IndexedBwdDKDVSm90:
 
         @cute.jit
         def step(stage: Int32):
-            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
-            wgmma_gemm(mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
-            warpgroup.wait_group(0)
-            dP = acc_mn_view(acc_dP)
-            delta = []
-            for cc in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-                delta.append(sDelta[tScS[0, cc][1], stage])
+            acc_dP, dP, delta = self.first_gemm(mma_s, tSrV, tSrdO, acc_shape_S, tScS, sDelta, None, stage)
             rP = cute.make_rmem_tensor(acc_shape_S, Float32)
             cute.arch.barrier(barrier_id=P_FULL, number_of_threads=2 * WG_THREADS)
             for j in cutlass.range_constexpr(ACC_PER_THREAD):
