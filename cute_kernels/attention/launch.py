@@ -94,9 +94,9 @@ def fake_fwd_args(cfg: FwdConfig) -> FwdArgs:
                    cutlass.Int32(-1), cutlass.Int32(1))
 
 
-# SM90 only, opt-in (measured slower than the default on the H200): who stores block_logit ("consumer": the softmax warpgroups, the
-# default; "producer": warps 1-3 from a shared-memory staging buffer). Read by run_fwd on each call;
-# each mode is compiled once.
+# SM90 only, opt-in (measured slower than the default on the H200): who stores block_logit
+# ("consumer": the softmax warpgroups, the default; "producer": warps 1-3 from a shared-memory staging
+# buffer). Read by run_fwd on each call; each mode is compiled once.
 BL_STORE_ENV = "CUTE_KERNELS_SM90_BL_STORE"
 
 

@@ -6,6 +6,7 @@ All functions are trace-time layout algebra or ``@cute.jit`` device code; no hos
 from __future__ import annotations
 
 import math
+import operator
 
 import cutlass
 import cutlass.cute as cute
@@ -20,24 +21,23 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
-def tree_max(vals: list):
+def tree_reduce(vals: list, op):
+    """``op`` over a Python list of values as a balanced tree (independent chains, short depth)."""
     vals = list(vals)
     while len(vals) > 1:
-        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
+        nxt = [op(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
         if len(vals) % 2:
             nxt.append(vals[-1])
         vals = nxt
     return vals[0]
+
+
+def tree_max(vals: list):
+    return tree_reduce(vals, cute.arch.fmax)
 
 
 def tree_sum(vals: list):
-    vals = list(vals)
-    while len(vals) > 1:
-        nxt = [vals[i] + vals[i + 1] for i in range(0, len(vals) - 1, 2)]
-        if len(vals) % 2:
-            nxt.append(vals[-1])
-        vals = nxt
-    return vals[0]
+    return tree_reduce(vals, operator.add)
 
 
 def row_allreduce(v, threads_per_row: int, op):

@@ -3,7 +3,6 @@ cache, compile-only builds for sm_90a and sm_100a, and the check CLI's report.""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,8 +12,8 @@ import pytest
 from cute_kernels import arch as arch_mod
 from cute_kernels.dtypes import dtype_name
 from cute_kernels.jit_cache import jit_cache
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
+from tests.cpu._check_cli import run_check
 
 
 @pytest.mark.parametrize("text,expected", [("sm_90a", 90), ("sm_100a", 100), ("90", 90), (100, 100), ("sm_100f", 100)])
@@ -70,14 +69,7 @@ def test_no_gpu_query_at_import():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_check_cli_reset_scores(arch, tmp_path):
     """python -m cute_kernels.check compiles reset_scores without a GPU and reports resources."""
-    report = tmp_path / "report.json"
-    env = dict(os.environ)
-    env.pop("CUTE_DSL_ARCH", None)
-    out = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", arch, "--kernel",
-                          "h2o_reset_scores", "--json", str(report)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = json.loads(report.read_text())
+    rows = run_check(tmp_path, arch, "h2o_reset_scores", timeout=600)
     assert rows and all(r["ok"] for r in rows)
     for r in rows:
         assert r["registers"] > 0 and r["spill_bytes"] == 0

@@ -14,7 +14,6 @@ import pytest
 from tests.cpu._check_cli import run_check
 
 
-
 def _run_check(tmp_path, *extra):
     return run_check(tmp_path, "sm_90a", "attention_fwd", *extra)
 

@@ -8,14 +8,10 @@ cute_kernels/attention/launch.py and passed to ``compile_fwd`` as part of its ca
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.cpu._check_cli import run_check
 
 
 def _cfg(arch=90, block_size=64):
@@ -77,13 +73,7 @@ def test_producer_smem_within_limit_for_every_config():
 
 @pytest.mark.compile
 def test_producer_variant_compiles_for_sm90(tmp_path):
-    out = tmp_path / "check.json"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "cute_kernels.check", "--arch", "sm_90a", "--kernel",
-                           "attention_fwd_bl_producer", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads(out.read_text())
+    rows = run_check(tmp_path, "sm_90a", "attention_fwd_bl_producer", timeout=3600)
     from cute_kernels.attention.launch import config_matrix_bl_producer
 
     assert len(rows) == len(config_matrix_bl_producer(90, False))

@@ -8,54 +8,21 @@ fp32 reference by tests/gpu/test_fwd_sm90.py), and every block_logit entry must 
 
 from __future__ import annotations
 
-import functools
-import math
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from tests.conftest import sm90_gpu_marks  # noqa: E402
-from tests.gpu._fwd_launch import SENTINEL, make_qkv  # noqa: E402
+from tests.gpu._fwd_launch import SENTINEL, make_qkv, run_ours  # noqa: E402
 
 pytestmark = sm90_gpu_marks()
 
 MODES = ("split", "fused", "deferred")
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(cfg, mode):
-    import cutlass.cute as cute
-
-    from cute_kernels.attention.fwd_sm90 import FlashFwdSm90
-    from cute_kernels.attention.launch import fake_fwd_args
-    from cute_kernels.fake import arch_options, fake_stream
-
-    return cute.compile(FlashFwdSm90(cfg, bl_reduce=mode), *fake_fwd_args(cfg), fake_stream(),
-                        options=arch_options(90))
-
-
-def run(q, k, v, mode, *, causal=False, window=(-1, -1), softcap=0.0, block_size=64, cu=None, max_len=None):
-    from cute_kernels.attention.launch import fwd_config
-
-    varlen = cu is not None
-    d = q.shape[-1]
-    hq, hkv = q.shape[-2], k.shape[-2]
-    cfg = fwd_config(90, "bfloat16", d, d, hq // hkv, causal, tuple(window) != (-1, -1), softcap > 0,
-                     block_size, varlen)
-    out = torch.empty_like(q)
-    if varlen:
-        lse = torch.empty(hq, q.shape[0], device="cuda")
-        bl = torch.full((hq, q.shape[0], -(-max_len // block_size)), SENTINEL, device="cuda")
-        max_sq = max_len
-    else:
-        lse = torch.empty(q.shape[0], hq, q.shape[1], device="cuda")
-        bl = torch.full((q.shape[0], hq, q.shape[1], -(-k.shape[1] // block_size)), SENTINEL, device="cuda")
-        max_sq = q.shape[1]
-    _compiled(cfg, mode)(q, k, v, out, lse, bl, cu, cu, 1.0 / math.sqrt(d), softcap, window[0], window[1],
-                         max_sq)
-    torch.cuda.synchronize()
-    return out, lse, bl
+def run(q, k, v, mode, *, block_size=64, cu=None, max_len=None, **kw):
+    return run_ours(q, k, v, block_size=block_size, cu_q=cu, cu_k=cu, max_sq=max_len, max_sk=max_len,
+                    bl_reduce=mode, **kw)
 
 
 def assert_modes_identical(q, k, v, **kw):
