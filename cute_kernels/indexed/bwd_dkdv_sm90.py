@@ -64,8 +64,8 @@ KEYS = 2 * KEY_TILE
 WG_THREADS = 128
 THREADS = 3 * WG_THREADS
 STAGES = 2
-# setmaxnreg split: 128 * 40 + 256 * 232 <= 64K registers.
-PRODUCER_REGS, CONSUMER_REGS = 40, 232
+# setmaxnreg split: 128 * 56 + 256 * 224 <= 64K registers (the producer spills at 40 with the packed gather).
+PRODUCER_REGS, CONSUMER_REGS = 56, 224
 #: Named barriers (0 is the CTA barrier): consumer warpgroup w's own is CONSUMER_BARRIER + w;
 #: P_FULL (WG 0 arrives after writing P^T, WG 1 waits) and P_EMPTY (WG 1 arrives once it has read
 #: P^T, WG 0 waits before overwriting it) guard the exchange buffer.
@@ -75,8 +75,13 @@ P_EMPTY = 4
 NO_WINDOW = 0x7FFFFFFF
 #: Accumulator elements per consumer thread of an m64n64 fp32 tile (the P^T exchange row).
 ACC_PER_THREAD = KEYS * TILE_M // WG_THREADS
+#: Row widths (wgmma N of S^T / dP^T, K of dV / dK) of a window: the rows of the window queries
+#: that select any of the CTA's keys are packed to the front (Note [packed rows, narrow windows]).
+WIDTHS = (64, 32, 16)
+#: Slot-table value of an empty row slot (>= any window's query count: selects nothing).
+NO_QUERY = 32
 # sCtl[field, stage]
-CTL_GO = 0
+CTL_GO, CTL_WIDTH = 0, 1
 
 
 class IndexedBwdDKDVSm90:
@@ -94,7 +99,7 @@ class IndexedBwdDKDVSm90:
         q_do = 2 * STAGES * TILE_M * d * 2
         k_v = 2 * KEYS * d * 2
         p_x = KEYS * TILE_M * 4
-        meta = STAGES * (KEYS + 2 * TILE_M + 4) * 4
+        meta = STAGES * (KEYS + 3 * TILE_M + 4) * 4
         barriers = 2 * STAGES * 8
         return q_do + k_v + p_x + meta + barriers + 5 * 1024  # + 1 KiB alignment per buffer
 
@@ -120,6 +125,7 @@ class IndexedBwdDKDVSm90:
             sKeyMask: cute.struct.Align[cute.struct.MemRange[Int32, KEYS * STAGES], 16]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 16]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 16]
+            sSlotQ: cute.struct.Align[cute.struct.MemRange[Int32, TILE_M * STAGES], 16]
             sCtl: cute.struct.Align[cute.struct.MemRange[Int32, 4 * STAGES], 16]
 
         g2s, plain = C.gmem_copies(bf16, WG_THREADS, self.d)
@@ -167,23 +173,24 @@ class IndexedBwdDKDVSm90:
         sKeyMask = storage.sKeyMask.get_tensor(cute.make_layout((KEYS, STAGES)))
         sLSE = storage.sLSE.get_tensor(cute.make_layout((TILE_M, STAGES)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((TILE_M, STAGES)))
+        sSlotQ = storage.sSlotQ.get_tensor(cute.make_layout((TILE_M, STAGES)))  # row slot -> window query
         sCtl = storage.sCtl.get_tensor(cute.make_layout((4, STAGES)))
         t0 = c * KEYS
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mV, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTilePtr, mTileWin,
-                         mTileStart, sQ, sdO, sK, sV, sKeyMask, sLSE, sDelta, sCtl, full, empty, g2s, s, h, b,
+                         mTileStart, sQ, sdO, sK, sV, sKeyMask, sLSE, sDelta, sSlotQ, sCtl, full, empty, g2s, s, h, b,
                          t0, tidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             wg = warp_idx // 4 - 1
             ctid = tidx - WG_THREADS * (wg + 1)
             if wg == 0:
-                self.consume_p(mK, mdV, sQ, sdO, sK, sPx, sKeyMask, sLSE, sCtl, full, empty, plain, scale_log2,
+                self.consume_p(mK, mdV, sQ, sdO, sK, sPx, sKeyMask, sLSE, sSlotQ, sCtl, full, empty, plain, scale_log2,
                                h, b, t0, ctid)
             else:
-                self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sKeyMask, sDelta, sCtl, full, empty, plain, softmax_scale,
+                self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sKeyMask, sDelta, sSlotQ, sCtl, full, empty, plain, softmax_scale,
                                 h, b, t0, ctid)
 
     # ------------------------------------------------------------------ producer
@@ -192,8 +199,8 @@ class IndexedBwdDKDVSm90:
                 mLSE: cute.Tensor, mDelta: cute.Tensor, mWinKey: cute.Tensor, mWinMask: cute.Tensor,
                 mWinCount: cute.Tensor, mTilePtr: cute.Tensor, mTileWin: cute.Tensor,
                 mTileStart: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, full,
-                empty, g2s: cute.TiledCopy, s: Int32, h: Int32, b: Int32, t0: Int32, ptid: Int32):
+                sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sSlotQ: cute.Tensor,
+                sCtl: cute.Tensor, full, empty, g2s: cute.TiledCopy, s: Int32, h: Int32, b: Int32, t0: Int32, ptid: Int32):
         D = self.d
         kv_len = mK.shape[1]
         num_tiles = (kv_len + KEY_TILE - 1) // KEY_TILE
@@ -249,7 +256,7 @@ class IndexedBwdDKDVSm90:
             stage = i % STAGES
             if i >= STAGES:
                 cute.arch.mbarrier_wait(empty + stage, ((i // STAGES) % 2) ^ 1)
-            self.load_window(mQ, mdO, mLSE, mDelta, tQsQ, tQsdO, tQcQ, g2s, sKeyMask, sLSE, sDelta, sCtl, w,
+            self.load_window(mQ, mdO, mLSE, mDelta, tQsQ, tQsdO, tQcQ, g2s, sKeyMask, sLSE, sDelta, sSlotQ, sCtl, w,
                              keys, masks, qsel, stage, h, b, t0, ptid)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
             cute.arch.mbarrier_arrive(full + stage)
@@ -332,26 +339,58 @@ class IndexedBwdDKDVSm90:
         return keys, masks, qsel
 
     @cute.jit
+    def slot_query(self, qsel: Int32, slot: Int32) -> Int32:
+        """Window query of packed row slot ``slot``: the (slot // G)-th set bit of ``qsel``, or NO_QUERY."""
+        k = slot // self.g
+        qi = Int32(NO_QUERY)
+        c = Int32(0)
+        for j in cutlass.range_constexpr(self.wq):
+            bit = (qsel >> j) & 1
+            if bit != 0 and c == k:
+                qi = Int32(j)
+            c = c + bit
+        return qi
+
+    @cute.jit
     def load_window(self, mQ: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                     tQsQ: cute.Tensor, tQsdO: cute.Tensor, tQcQ: cute.Tensor, g2s: cute.TiledCopy,
-                    sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, w: Int32,
-                    keys: list, masks: list, qsel: Int32, stage: Int32, h: Int32, b: Int32, t0: Int32,
-                    ptid: Int32):
-        """Stage ``stage`` <- window ``w``: Q / dO rows of the queries in ``qsel`` (cp.async; zeros for
-        the other rows), and with plain stores the query bitmask of each of the CTA's keys (warp 0),
-        the rows' LSE and delta (warps 2-3, cp.async).
+                    sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sSlotQ: cute.Tensor,
+                    sCtl: cute.Tensor, w: Int32, keys: list, masks: list, qsel: Int32, stage: Int32, h: Int32,
+                    b: Int32, t0: Int32, ptid: Int32):
+        """Stage ``stage`` <- window ``w``: the Q / dO rows of the queries in ``qsel``, packed (cp.async;
+        zeros in the unused slots below the window's width), and with plain stores the query bitmask
+        of each of the CTA's keys and the width (warp 0), the slot -> query table (warp 1), the slots'
+        LSE and delta (warps 2-3, cp.async).
 
-        Note [rows of selecting queries only]: a (CTA, window) pair typically touches a few 4-token
-        blocks of the CTA's 64 keys, chosen by some of the window's queries; the rows of the other
-        queries only ever meet P = dS = 0, so they are written as zeros instead of read from global
-        memory (the pass is bound by these reads at long contexts). Zeros, not stale rows: 0 * x
-        must stay 0 for every x the previous window held."""
+        Note [packed rows, narrow windows]: a (CTA, window) pair typically touches a few 4-token
+        blocks of the CTA's 64 keys, chosen by some of the window's queries (at 64K x 64K, rho 0.9,
+        about 40 % of the pairs have at most 2 of the 5 queries; 60 % at 16K x 131K). The rows of the
+        other queries only ever meet P = dS = 0, so they are neither read nor computed: the selecting
+        queries' rows are packed to the front and the consumers run all four GEMMs with N (S^T, dP^T)
+        and K (dV, dK) = 16, 32 or 64, the smallest width that holds them. Unused slots below the
+        width are zeros, not stale rows: 0 * x must stay 0 for every x the previous window held."""
         G = self.g
         D = self.d
         q0 = w * self.wq
-        rows_valid = cutlass.min(mQ.shape[1] - q0, self.wq) * G
-        C.gather_window_rows(g2s, mQ, mdO, tQsQ[None, None, None, stage], tQsdO[None, None, None, stage], tQcQ,
-                             rows_valid, G, D, h, b, q0, qsel)
+        live = cute.arch.popc(qsel) * G
+        width = Int32(WIDTHS[0])
+        if live <= WIDTHS[1]:
+            width = Int32(WIDTHS[1])
+        if live <= WIDTHS[2]:
+            width = Int32(WIDTHS[2])
+        tQsQ_s = tQsQ[None, None, None, stage]
+        tQsdO_s = tQsdO[None, None, None, stage]
+        for m in cutlass.range_constexpr(cute.size(tQsQ_s, mode=[1])):
+            r = tQcQ[0, m, 0][0]
+            if r < width:
+                qi = self.slot_query(qsel, r)
+                if qi < NO_QUERY:
+                    hq = h * G + r % G
+                    C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_s, tQcQ, m, D)
+                    C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_s, tQcQ, m, D)
+                else:
+                    tQsQ_s[None, m, None].fill(0)
+                    tQsdO_s[None, m, None].fill(0)
         warp = ptid // 32
         lane = ptid % 32
         if warp == 0:
@@ -364,13 +403,17 @@ class IndexedBwdDKDVSm90:
                     sKeyMask[key, stage] = masks[j]
             if lane == 0:
                 sCtl[CTL_GO, stage] = Int32(1)
-        elif warp >= 2:
-            # Row r's LSE (natural log, as stored; the consumer scales it) and delta, by 4-byte
+                sCtl[CTL_WIDTH, stage] = width
+        elif warp == 1:
+            for j in cutlass.range_constexpr(TILE_M // 32):
+                sSlotQ[lane + 32 * j, stage] = self.slot_query(qsel, lane + 32 * j)
+        else:
+            # Slot r's LSE (natural log, as stored; the consumer scales it) and delta, by 4-byte
             # cp.asyncs covered by the stage's arrival: no load latency on the producer's path.
             r = ptid - 2 * 32
-            if r < rows_valid:
-                qi = r // G
-                coord = (b, h * G + r - qi * G, q0 + qi)
+            qi = self.slot_query(qsel, r)
+            if qi < NO_QUERY:
+                coord = (b, h * G + r % G, q0 + qi)
                 stat = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
                 one = cute.make_layout(1)
                 for mX, sX in ((mLSE, sLSE), (mDelta, sDelta)):
@@ -381,13 +424,14 @@ class IndexedBwdDKDVSm90:
                 sDelta[r, stage] = Float32(0.0)
 
     # ------------------------------------------------------------------ consumers
-    def mmas(self):
-        """(S^T / dP^T: (64 keys, 64 rows) += K|V (64, D) x Q|dO (64, D)^T, both operands from smem,
-        K-major; dV / dK: (64 keys, D) += P^T|dS^T (64, 64 rows) from registers x dO|Q read MN-major)."""
+    def mmas(self, width: int):
+        """(S^T / dP^T: (64 keys, width rows) += K|V (64, D) x Q|dO (width, D)^T, both operands from
+        smem, K-major; dV / dK: (64 keys, D) += P^T|dS^T (64, width) from registers x dO|Q read
+        MN-major)."""
         bf16 = cutlass.BFloat16
         mma_s = sm90_utils.make_trivial_tiled_mma(
             bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(KEYS, TILE_M))
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(KEYS, width))
         mma_kv = sm90_utils.make_trivial_tiled_mma(
             bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(KEYS, self.d), a_source=warpgroup.OperandSource.RMEM)
@@ -396,36 +440,60 @@ class IndexedBwdDKDVSm90:
     @cute.jit
     def operands(self, sKV: cute.Tensor, sRows: cute.Tensor, sRows2: cute.Tensor, ctid: Int32):
         """A consumer's view of its two GEMMs, X^T = sKV sRows^T then acc += X^T sRows2 (WG 0: K, Q, dO;
-        WG 1: V, dO, Q): (mma_s, mma_kv, thr_kv, A / B fragments of the first GEMM, B fragment and
-        register A fragment of the second, its zeroed (64 keys, D) accumulator, the first GEMM's
-        accumulator shape and its (key, row) coordinates)."""
-        mma_s, mma_kv = self.mmas()
-        thr_s = mma_s.get_slice(ctid)
+        WG 1: V, dO, Q): (mma_kv, thr_kv, the B fragment of the second GEMM, its zeroed (64 keys, D)
+        accumulator, and per width in WIDTHS (mma_s, A / B fragments of the first GEMM over the first
+        ``width`` row slots, the register A fragment of the second, the first GEMM's accumulator shape
+        and its (key, row slot) coordinates)). The second GEMM reads only the first width / 16
+        k-blocks of its B fragment."""
+        _, mma_kv = self.mmas(WIDTHS[0])
         thr_kv = mma_kv.get_slice(ctid)
-        tSrA = thr_s.make_fragment_A(thr_s.partition_A(sKV))
-        tSrB = thr_s.make_fragment_B(thr_s.partition_B(sRows))  # (.., .., k, stage)
         tKrBt = thr_kv.make_fragment_B(thr_kv.partition_B(transpose_view(sRows2)))  # (.., .., k, stage)
-        tKrA = thr_kv.make_fragment_A(thr_kv.partition_shape_A((KEYS, TILE_M)))
         acc = cute.make_rmem_tensor(thr_kv.partition_shape_C((KEYS, self.d)), Float32)
         acc.fill(0.0)
-        acc_shape_S = thr_s.partition_shape_C((KEYS, TILE_M))
-        tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((KEYS, TILE_M))))
-        return mma_s, mma_kv, thr_kv, tSrA, tSrB, tKrBt, tKrA, acc, acc_shape_S, tScS
+        per_width = []
+        for n in WIDTHS:
+            mma_s, _ = self.mmas(n)
+            thr_s = mma_s.get_slice(ctid)
+            sRows_n = sRows if n == TILE_M else cute.local_tile(sRows, (n, self.d, STAGES), (0, 0, 0))
+            per_width.append((
+                mma_s,
+                thr_s.make_fragment_A(thr_s.partition_A(sKV)),
+                thr_s.make_fragment_B(thr_s.partition_B(sRows_n)),  # (.., .., k, stage)
+                thr_kv.make_fragment_A(thr_kv.partition_shape_A((KEYS, n))),
+                thr_s.partition_shape_C((KEYS, n)),
+                acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((KEYS, n)))),
+            ))
+        return mma_kv, thr_kv, tKrBt, acc, per_width
 
     @cute.jit
-    def first_gemm(self, mma_s: cute.TiledMma, tSrA: cute.Tensor, tSrB: cute.Tensor, acc_shape: cutlass.Constexpr,
-                   tScS: cute.Tensor, sStat: cute.Tensor, stat_scale, stage: Int32):
-        """S^T or dP^T of window ``stage`` (completed), its (key, row) view, and the row statistic
-        (LSE or delta, times ``stat_scale`` if given) of each of this thread's row columns."""
+    def column_stats(self, acc_mn: cute.Tensor, tScS: cute.Tensor, sStat: cute.Tensor, stage: Int32) -> list:
+        """sStat[row slot, stage] of each of this thread's accumulator columns."""
+        stats = []
+        for cc in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            stats.append(sStat[tScS[0, cc][1], stage])
+        return stats
+
+    @cute.jit
+    def first_gemm(self, pw: tuple, stage: Int32):
+        """S^T or dP^T of window ``stage`` at one width (``pw``: an ``operands`` per-width entry),
+        completed, and its (key, row slot) view."""
+        mma_s, tSrA, tSrB, _, acc_shape, _ = pw
         acc = cute.make_rmem_tensor(acc_shape, Float32)
         wgmma_gemm(mma_s, acc, tSrA, tSrB[None, None, None, stage], True)
         warpgroup.wait_group(0)
-        acc_mn = acc_mn_view(acc)
-        stats = []
-        for cc in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-            v = sStat[tScS[0, cc][1], stage]
-            stats.append(v if const_expr(stat_scale is None) else v * stat_scale)
-        return acc, acc_mn, stats
+        return acc, acc_mn_view(acc)
+
+    @cute.jit
+    def by_width(self, step, sCtl: cute.Tensor, stage: Int32):
+        """``step(i, stage)`` for the index i in WIDTHS of window ``stage``'s width."""
+        width = sCtl[CTL_WIDTH, stage]
+        if width == WIDTHS[0]:
+            step(0, stage)
+        else:
+            if width == WIDTHS[1]:
+                step(1, stage)
+            else:
+                step(2, stage)
 
     @cute.jit
     def window_loop(self, step, sCtl: cute.Tensor, full, empty):
@@ -441,32 +509,36 @@ class IndexedBwdDKDVSm90:
             else:
                 # cp.async and plain smem writes -> visible to the wgmma (async proxy)
                 cute.arch.fence_view_async_shared()
-                step(stage)
+                self.by_width(step, sCtl, stage)
                 cute.arch.mbarrier_arrive(empty + stage)
                 i = i + 1
 
     @cute.jit
     def consume_p(self, mK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sK: cute.Tensor,
-                  sPx: cute.Tensor, sKeyMask: cute.Tensor, sLSE: cute.Tensor, sCtl: cute.Tensor, full, empty,
-                  plain: cute.TiledCopy, scale_log2: Float32, h: Int32, b: Int32, t0: Int32, ctid: Int32):
+                  sPx: cute.Tensor, sKeyMask: cute.Tensor, sLSE: cute.Tensor, sSlotQ: cute.Tensor, sCtl: cute.Tensor,
+                  full, empty, plain: cute.TiledCopy, scale_log2: Float32, h: Int32, b: Int32, t0: Int32,
+                  ctid: Int32):
         """Consumer WG 0: per window S^T, P^T (-> exchange buffer), dV += P^T dO; then dV out."""
-        G = self.g
-        mma_s, mma_kv, thr_kv, tSrK, tSrQ, tVrdOt, tVrP, acc_dV, acc_shape_S, tScS = self.operands(sK, sQ, sdO, ctid)
+        mma_kv, thr_kv, tVrdOt, acc_dV, per_width = self.operands(sK, sQ, sdO, ctid)
 
         @cute.jit
-        def step(stage: Int32):
+        def step(wi: cutlass.Constexpr, stage: Int32):
+            pw = per_width[wi]
+            tVrP, tScS = pw[3], pw[5]
+            acc_S, S = self.first_gemm(pw, stage)
             # -inf LSE (a row without keys) stays -inf: such a row has no selected pair
-            acc_S, S, lse2 = self.first_gemm(mma_s, tSrK, tSrQ, acc_shape_S, tScS, sLSE, C.LOG2_E, stage)
+            lse = self.column_stats(S, tScS, sLSE, stage)
+            qbit = self.column_stats(S, tScS, sSlotQ, stage)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 msk = sKeyMask[tScS[r, 0][0], stage]
                 for cc in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     p_val = Float32(0.0)  # unselected pairs may hold anything (even inf): select, not scale
-                    if C.selected(msk, tScS[0, cc][1] // G, self.wq):
-                        p_val = cute.math.exp2(S[r, cc] * scale_log2 - lse2[cc], fastmath=True)
+                    if C.selected(msk, qbit[cc], self.wq):
+                        p_val = cute.math.exp2(S[r, cc] * scale_log2 - lse[cc] * C.LOG2_E, fastmath=True)
                     S[r, cc] = p_val
             # WG 1 has read the previous P^T (its first arrival frees the buffer at the start).
             cute.arch.barrier(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
-            for j in cutlass.range_constexpr(ACC_PER_THREAD):
+            for j in cutlass.range_constexpr(cute.size(acc_S)):
                 sPx[ctid, j] = acc_S[j]
             cute.arch.barrier_arrive(barrier_id=P_FULL, number_of_threads=2 * WG_THREADS)
             convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
@@ -481,21 +553,25 @@ class IndexedBwdDKDVSm90:
 
     @cute.jit
     def consume_ds(self, mK: cute.Tensor, mdK: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sV: cute.Tensor,
-                   sPx: cute.Tensor, sKeyMask: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, full, empty,
-                   plain: cute.TiledCopy, softmax_scale: Float32, h: Int32, b: Int32, t0: Int32, ctid: Int32):
+                   sPx: cute.Tensor, sKeyMask: cute.Tensor, sDelta: cute.Tensor, sSlotQ: cute.Tensor,
+                   sCtl: cute.Tensor, full, empty, plain: cute.TiledCopy, softmax_scale: Float32, h: Int32,
+                   b: Int32, t0: Int32, ctid: Int32):
         """Consumer WG 1: per window dP^T, dS^T = P^T (dP^T - delta) with WG 0's P^T, dK += dS^T Q;
         then dK * scale out."""
-        G = self.g
-        mma_s, mma_kv, thr_kv, tSrV, tSrdO, tKrQt, tKrdS, acc_dK, acc_shape_S, tScS = self.operands(sV, sdO, sQ, ctid)
+        mma_kv, thr_kv, tKrQt, acc_dK, per_width = self.operands(sV, sdO, sQ, ctid)
         # The exchange buffer starts free.
         cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
 
         @cute.jit
-        def step(stage: Int32):
-            acc_dP, dP, delta = self.first_gemm(mma_s, tSrV, tSrdO, acc_shape_S, tScS, sDelta, None, stage)
-            rP = cute.make_rmem_tensor(acc_shape_S, Float32)
+        def step(wi: cutlass.Constexpr, stage: Int32):
+            pw = per_width[wi]
+            tKrdS, acc_shape, tScS = pw[3], pw[4], pw[5]
+            acc_dP, dP = self.first_gemm(pw, stage)
+            delta = self.column_stats(dP, tScS, sDelta, stage)
+            qbit = self.column_stats(dP, tScS, sSlotQ, stage)
+            rP = cute.make_rmem_tensor(acc_shape, Float32)
             cute.arch.barrier(barrier_id=P_FULL, number_of_threads=2 * WG_THREADS)
-            for j in cutlass.range_constexpr(ACC_PER_THREAD):
+            for j in cutlass.range_constexpr(cute.size(rP)):
                 rP[j] = sPx[ctid, j]
             cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
             # Select, not scale: the V row of a key no query selects may hold anything (even NaN).
@@ -504,7 +580,7 @@ class IndexedBwdDKDVSm90:
                 msk = sKeyMask[tScS[r, 0][0], stage]
                 for cc in cutlass.range_constexpr(cute.size(dP, mode=[1])):
                     ds = Float32(0.0)
-                    if C.selected(msk, tScS[0, cc][1] // G, self.wq):
+                    if C.selected(msk, qbit[cc], self.wq):
                         ds = P[r, cc] * (dP[r, cc] - delta[cc])
                     dP[r, cc] = ds
             convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
