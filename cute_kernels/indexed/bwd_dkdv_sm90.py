@@ -7,11 +7,13 @@ reproducible, exact zeros for keys no query selects. What changes is the shape o
 One CTA per (64 keys = plan tiles 2c and 2c + 1, kv head h, batch b), 384 threads:
 
     producer WG (warps 0-3)   merges the two tiles' window lists (ascending, each window once) and,
-                              per window, cp.asyncs its 64 Q and dO rows into one of 2 stages, and
-                              writes the query bitmask of each of the 64 keys and cp.asyncs the rows'
+                              per window, cp.asyncs the Q and dO rows of the window queries that
+                              select any of the 64 keys, packed to the front, into one of 2 stages,
+                              and writes the query bitmask of each key, the window's width (16, 32
+                              or 64 row slots) and the slot -> query table, and cp.asyncs the slots'
                               LSE and delta; then an end marker. Completion: one cp.async-tracked and one
                               plain mbarrier arrival per producer thread.
-    consumer WG 0 ("P")       S^T = K Q^T (wgmma m64n64, keys x rows), P^T = exp2(S^T scale log2e - lse)
+    consumer WG 0 ("P")       S^T = K Q^T (wgmma m64nW, keys x W row slots), P^T = exp2(S^T scale log2e - lse)
                               on selected pairs (0 elsewhere) -> fp32 to the exchange buffer,
                               dV += P^T dO (wgmma, A = P^T from registers, B = dO read MN-major).
     consumer WG 1 ("dS")      dP^T = V dO^T (same shape, runs while WG 0 computes S^T), then with
@@ -180,18 +182,18 @@ class IndexedBwdDKDVSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mV, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTilePtr, mTileWin,
-                         mTileStart, sQ, sdO, sK, sV, sKeyMask, sLSE, sDelta, sSlotQ, sCtl, full, empty, g2s, s, h, b,
-                         t0, tidx)
+                         mTileStart, sQ, sdO, sK, sV, sKeyMask, sLSE, sDelta, sSlotQ, sCtl, full, empty, g2s, s,
+                         h, b, t0, tidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             wg = warp_idx // 4 - 1
             ctid = tidx - WG_THREADS * (wg + 1)
             if wg == 0:
-                self.consume_p(mK, mdV, sQ, sdO, sK, sPx, sKeyMask, sLSE, sSlotQ, sCtl, full, empty, plain, scale_log2,
-                               h, b, t0, ctid)
+                self.consume_p(mK, mdV, sQ, sdO, sK, sPx, sKeyMask, sLSE, sSlotQ, sCtl, full, empty, plain,
+                               scale_log2, h, b, t0, ctid)
             else:
-                self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sKeyMask, sDelta, sSlotQ, sCtl, full, empty, plain, softmax_scale,
-                                h, b, t0, ctid)
+                self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sKeyMask, sDelta, sSlotQ, sCtl, full, empty, plain,
+                                softmax_scale, h, b, t0, ctid)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -200,7 +202,8 @@ class IndexedBwdDKDVSm90:
                 mWinCount: cute.Tensor, mTilePtr: cute.Tensor, mTileWin: cute.Tensor,
                 mTileStart: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                 sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sSlotQ: cute.Tensor,
-                sCtl: cute.Tensor, full, empty, g2s: cute.TiledCopy, s: Int32, h: Int32, b: Int32, t0: Int32, ptid: Int32):
+                sCtl: cute.Tensor, full, empty, g2s: cute.TiledCopy, s: Int32, h: Int32, b: Int32, t0: Int32,
+                ptid: Int32):
         D = self.d
         kv_len = mK.shape[1]
         num_tiles = (kv_len + KEY_TILE - 1) // KEY_TILE
@@ -256,8 +259,8 @@ class IndexedBwdDKDVSm90:
             stage = i % STAGES
             if i >= STAGES:
                 cute.arch.mbarrier_wait(empty + stage, ((i // STAGES) % 2) ^ 1)
-            self.load_window(mQ, mdO, mLSE, mDelta, tQsQ, tQsdO, tQcQ, g2s, sKeyMask, sLSE, sDelta, sSlotQ, sCtl, w,
-                             keys, masks, qsel, stage, h, b, t0, ptid)
+            self.load_window(mQ, mdO, mLSE, mDelta, tQsQ, tQsdO, tQcQ, g2s, sKeyMask, sLSE, sDelta, sSlotQ, sCtl,
+                             w, keys, masks, qsel, stage, h, b, t0, ptid)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
             cute.arch.mbarrier_arrive(full + stage)
             w, start, cnt, k0, m0, k1, m1 = w_n, start_n, cnt_n, k0_n, m0_n, k1_n, m1_n
