@@ -192,8 +192,8 @@ class IndexedBwdDKDVSm90:
                 self.consume_p(mK, mdV, sQ, sdO, sK, sPx, sKeyMask, sLSE, sSlotQ, sCtl, full, empty, plain,
                                scale_log2, h, b, t0, ctid)
             else:
-                self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sKeyMask, sDelta, sSlotQ, sCtl, full, empty, plain,
-                                softmax_scale, h, b, t0, ctid)
+                self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sDelta, sCtl, full, empty, plain, softmax_scale, h,
+                                b, t0, ctid)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -556,9 +556,8 @@ class IndexedBwdDKDVSm90:
 
     @cute.jit
     def consume_ds(self, mK: cute.Tensor, mdK: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sV: cute.Tensor,
-                   sPx: cute.Tensor, sKeyMask: cute.Tensor, sDelta: cute.Tensor, sSlotQ: cute.Tensor,
-                   sCtl: cute.Tensor, full, empty, plain: cute.TiledCopy, softmax_scale: Float32, h: Int32,
-                   b: Int32, t0: Int32, ctid: Int32):
+                   sPx: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, full, empty,
+                   plain: cute.TiledCopy, softmax_scale: Float32, h: Int32, b: Int32, t0: Int32, ctid: Int32):
         """Consumer WG 1: per window dP^T, dS^T = P^T (dP^T - delta) with WG 0's P^T, dK += dS^T Q;
         then dK * scale out."""
         mma_kv, thr_kv, tKrQt, acc_dK, per_width = self.operands(sV, sdO, sQ, ctid)
@@ -571,19 +570,19 @@ class IndexedBwdDKDVSm90:
             tKrdS, acc_shape, tScS = pw[3], pw[4], pw[5]
             acc_dP, dP = self.first_gemm(pw, stage)
             delta = self.column_stats(dP, tScS, sDelta, stage)
-            qbit = self.column_stats(dP, tScS, sSlotQ, stage)
             rP = cute.make_rmem_tensor(acc_shape, Float32)
             cute.arch.barrier(barrier_id=P_FULL, number_of_threads=2 * WG_THREADS)
             for j in cutlass.range_constexpr(cute.size(rP)):
                 rP[j] = sPx[ctid, j]
             cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=2 * WG_THREADS)
             # Select, not scale: the V row of a key no query selects may hold anything (even NaN).
+            # WG 0 wrote P^T = 0 on every unselected pair, so P^T != 0 implies selected (a selected
+            # pair whose P underflowed to 0 gets dS 0, as 0 * (dP - delta) would for finite dP).
             P = acc_mn_view(rP)
             for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-                msk = sKeyMask[tScS[r, 0][0], stage]
                 for cc in cutlass.range_constexpr(cute.size(dP, mode=[1])):
                     ds = Float32(0.0)
-                    if C.selected(msk, qbit[cc], self.wq):
+                    if P[r, cc] != Float32(0.0):
                         ds = P[r, cc] * (dP[r, cc] - delta[cc])
                     dP[r, cc] = ds
             convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
