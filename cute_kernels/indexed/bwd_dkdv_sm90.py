@@ -101,7 +101,7 @@ class IndexedBwdDKDVSm90:
         q_do = 2 * STAGES * TILE_M * d * 2
         k_v = 2 * KEYS * d * 2
         p_x = KEYS * TILE_M * 4
-        meta = STAGES * (KEYS + 3 * TILE_M + 4) * 4
+        meta = STAGES * (KEYS + 2 * TILE_M + 4) * 4
         barriers = 2 * STAGES * 8
         return q_do + k_v + p_x + meta + barriers + 5 * 1024  # + 1 KiB alignment per buffer
 
@@ -127,7 +127,6 @@ class IndexedBwdDKDVSm90:
             sKeyMask: cute.struct.Align[cute.struct.MemRange[Int32, KEYS * STAGES], 16]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 16]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 16]
-            sSlotQ: cute.struct.Align[cute.struct.MemRange[Int32, TILE_M * STAGES], 16]
             sCtl: cute.struct.Align[cute.struct.MemRange[Int32, 4 * STAGES], 16]
 
         g2s, plain = C.gmem_copies(bf16, WG_THREADS, self.d)
@@ -175,21 +174,20 @@ class IndexedBwdDKDVSm90:
         sKeyMask = storage.sKeyMask.get_tensor(cute.make_layout((KEYS, STAGES)))
         sLSE = storage.sLSE.get_tensor(cute.make_layout((TILE_M, STAGES)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((TILE_M, STAGES)))
-        sSlotQ = storage.sSlotQ.get_tensor(cute.make_layout((TILE_M, STAGES)))  # row slot -> window query
         sCtl = storage.sCtl.get_tensor(cute.make_layout((4, STAGES)))
         t0 = c * KEYS
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mV, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTilePtr, mTileWin,
-                         mTileStart, sQ, sdO, sK, sV, sKeyMask, sLSE, sDelta, sSlotQ, sCtl, full, empty, g2s, s,
+                         mTileStart, sQ, sdO, sK, sV, sKeyMask, sLSE, sDelta, sCtl, full, empty, g2s, s,
                          h, b, t0, tidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             wg = warp_idx // 4 - 1
             ctid = tidx - WG_THREADS * (wg + 1)
             if wg == 0:
-                self.consume_p(mK, mdV, sQ, sdO, sK, sPx, sKeyMask, sLSE, sSlotQ, sCtl, full, empty, plain,
+                self.consume_p(mK, mdV, sQ, sdO, sK, sPx, sKeyMask, sLSE, sCtl, full, empty, plain,
                                scale_log2, h, b, t0, ctid)
             else:
                 self.consume_ds(mK, mdK, sQ, sdO, sV, sPx, sDelta, sCtl, full, empty, plain, softmax_scale, h,
@@ -201,9 +199,8 @@ class IndexedBwdDKDVSm90:
                 mLSE: cute.Tensor, mDelta: cute.Tensor, mWinKey: cute.Tensor, mWinMask: cute.Tensor,
                 mWinCount: cute.Tensor, mTilePtr: cute.Tensor, mTileWin: cute.Tensor,
                 mTileStart: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sSlotQ: cute.Tensor,
-                sCtl: cute.Tensor, full, empty, g2s: cute.TiledCopy, s: Int32, h: Int32, b: Int32, t0: Int32,
-                ptid: Int32):
+                sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, full, empty,
+                g2s: cute.TiledCopy, s: Int32, h: Int32, b: Int32, t0: Int32, ptid: Int32):
         D = self.d
         kv_len = mK.shape[1]
         num_tiles = (kv_len + KEY_TILE - 1) // KEY_TILE
@@ -245,7 +242,10 @@ class IndexedBwdDKDVSm90:
         if have:
             w, start, pa, pb = self.next_window(mTileWin, mTileStart, pa, pa_end, pb, pb_end)
             cnt, k0, m0, k1, m1 = self.fetch_entries(mWinKey, mWinMask, mWinCount, w, start, s, lane)
-        i = Int32(0)
+        # Note [stages of several windows]: consecutive windows share a stage while their selecting
+        # queries fit (at most WQ per stage, so WQ * G <= 64 rows and one bit per packed query).
+        i = Int32(0)  # stages published so far
+        npk = Int32(0)  # packed queries of the open stage (0: none open)
         while have:
             have_n = (pa_end - pa) + (pb_end - pb) > 0
             w_n = Int32(NO_WINDOW)
@@ -256,15 +256,20 @@ class IndexedBwdDKDVSm90:
                 cnt_n, k0_n, m0_n, k1_n, m1_n = self.fetch_entries(mWinKey, mWinMask, mWinCount, w_n, start_n,
                                                                    s, lane)
             keys, masks, qsel = self.window_keys(cnt, start, k0, m0, k1, m1, t0, lane)
-            stage = i % STAGES
-            if i >= STAGES:
-                cute.arch.mbarrier_wait(empty + stage, ((i // STAGES) % 2) ^ 1)
-            self.load_window(mQ, mdO, mLSE, mDelta, tQsQ, tQsdO, tQcQ, g2s, sKeyMask, sLSE, sDelta, sSlotQ, sCtl,
-                             w, keys, masks, qsel, stage, h, b, t0, ptid)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-            cute.arch.mbarrier_arrive(full + stage)
+            nq = cute.arch.popc(qsel)
+            if npk + nq > self.wq:
+                self.close_stage(tQsQ, tQsdO, tQcQ, sLSE, sDelta, sCtl, full, npk, i % STAGES, ptid)
+                i = i + 1
+                npk = Int32(0)
+            if npk == 0:
+                self.open_stage(sKeyMask, empty, i, ptid)
+            self.add_window(mQ, mdO, mLSE, mDelta, tQsQ, tQsdO, tQcQ, g2s, sKeyMask, sLSE, sDelta, w, keys, masks,
+                            qsel, npk, i % STAGES, h, b, ptid)
+            npk = npk + nq
             w, start, cnt, k0, m0, k1, m1 = w_n, start_n, cnt_n, k0_n, m0_n, k1_n, m1_n
             have = have_n
+        if npk > 0:
+            self.close_stage(tQsQ, tQsdO, tQcQ, sLSE, sDelta, sCtl, full, npk, i % STAGES, ptid)
             i = i + 1
         # End marker (also publishes the K/V rows when no window selects these keys).
         stage = i % STAGES
@@ -355,27 +360,89 @@ class IndexedBwdDKDVSm90:
         return qi
 
     @cute.jit
-    def load_window(self, mQ: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                    tQsQ: cute.Tensor, tQsdO: cute.Tensor, tQcQ: cute.Tensor, g2s: cute.TiledCopy,
-                    sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sSlotQ: cute.Tensor,
-                    sCtl: cute.Tensor, w: Int32, keys: list, masks: list, qsel: Int32, stage: Int32, h: Int32,
-                    b: Int32, t0: Int32, ptid: Int32):
-        """Stage ``stage`` <- window ``w``: the Q / dO rows of the queries in ``qsel``, packed (cp.async;
-        zeros in the unused slots below the window's width), and with plain stores the query bitmask
-        of each of the CTA's keys and the width (warp 0), the slot -> query table (warp 1), the slots'
-        LSE and delta (warps 2-3, cp.async).
+    def pack_mask(self, mask: Int32, qsel: Int32, npk: Int32) -> Int32:
+        """A key's window-query bitmask ``mask`` in packed-query bits: window query j, the c-th set
+        bit of ``qsel``, is packed query npk + c (``mask`` is a subset of ``qsel``)."""
+        packed = Int32(0)
+        c = npk
+        for j in cutlass.range_constexpr(self.wq):
+            packed = packed | (((mask >> j) & 1) << cutlass.min(c, 31))
+            c = c + ((qsel >> j) & 1)
+        return packed
+
+    @cute.jit
+    def open_stage(self, sKeyMask: cute.Tensor, empty, i: Int32, ptid: Int32):
+        """Wait until the consumers released stage i % STAGES (from its second use on) and clear its
+        key masks (warp 0, which alone writes them)."""
+        stage = i % STAGES
+        if i >= STAGES:
+            cute.arch.mbarrier_wait(empty + stage, ((i // STAGES) % 2) ^ 1)
+        if ptid < 32:
+            sKeyMask[ptid, stage] = Int32(0)
+            sKeyMask[ptid + KEY_TILE, stage] = Int32(0)
+            cute.arch.sync_warp()
+
+    @cute.jit
+    def add_window(self, mQ: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                   tQsQ: cute.Tensor, tQsdO: cute.Tensor, tQcQ: cute.Tensor, g2s: cute.TiledCopy,
+                   sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, w: Int32, keys: list,
+                   masks: list, qsel: Int32, npk: Int32, stage: Int32, h: Int32, b: Int32, ptid: Int32):
+        """Window ``w`` into the open stage after its ``npk`` packed queries: the Q / dO rows of the
+        queries in ``qsel`` into row slots [npk G, (npk + popc(qsel)) G) (cp.async), their LSE and delta
+        (warps 2-3, cp.async), and their bits OR-ed into the key masks (warp 0).
 
         Note [packed rows, narrow windows]: a (CTA, window) pair typically touches a few 4-token
         blocks of the CTA's 64 keys, chosen by some of the window's queries (at 64K x 64K, rho 0.9,
         about 40 % of the pairs have at most 2 of the 5 queries; 60 % at 16K x 131K). The rows of the
         other queries only ever meet P = dS = 0, so they are neither read nor computed: the selecting
-        queries' rows are packed to the front and the consumers run all four GEMMs with N (S^T, dP^T)
-        and K (dV, dK) = 16, 32 or 64, the smallest width that holds them. Unused slots below the
-        width are zeros, not stale rows: 0 * x must stay 0 for every x the previous window held."""
+        queries' rows are packed to the front, consecutive windows share a stage while the packed
+        queries fit (Note [stages of several windows]; 16K x 131K: 0.57 stages per pair), and the
+        consumers run all four GEMMs with N (S^T, dP^T) and K (dV, dK) = 16, 32 or 64, the smallest
+        width that holds the stage's rows. Row slot r holds packed query r // G, query head h G + r % G;
+        a key's mask bit c says whether packed query c selects it."""
         G = self.g
         D = self.d
         q0 = w * self.wq
-        live = cute.arch.popc(qsel) * G
+        lo = npk * G
+        hi = lo + cute.arch.popc(qsel) * G
+        tQsQ_s = tQsQ[None, None, None, stage]
+        tQsdO_s = tQsdO[None, None, None, stage]
+        for m in cutlass.range_constexpr(cute.size(tQsQ_s, mode=[1])):
+            r = tQcQ[0, m, 0][0]
+            if r >= lo and r < hi:
+                qi = self.slot_query(qsel, r - lo)
+                hq = h * G + r % G
+                C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_s, tQcQ, m, D)
+                C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_s, tQcQ, m, D)
+        warp = ptid // 32
+        if warp == 0:
+            for j in cutlass.range_constexpr(2):
+                key = keys[j]
+                if key >= 0:
+                    sKeyMask[key, stage] = sKeyMask[key, stage] | self.pack_mask(masks[j], qsel, npk)
+            # the next window's OR may hit the same key from another lane
+            cute.arch.sync_warp()
+        elif warp >= 2:
+            # Slot r's LSE (natural log, as stored; the consumer scales it) and delta, by 4-byte
+            # cp.asyncs covered by the stage's arrival: no load latency on the producer's path.
+            r = ptid - 2 * 32
+            if r >= lo and r < hi:
+                qi = self.slot_query(qsel, r - lo)
+                coord = (b, h * G + r % G, q0 + qi)
+                stat = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+                one = cute.make_layout(1)
+                for mX, sX in ((mLSE, sLSE), (mDelta, sDelta)):
+                    cute.copy(stat, cute.make_tensor(mX.iterator + cute.crd2idx(coord, mX.layout), one),
+                              cute.make_tensor(sX.iterator + (stage * TILE_M + r), one))
+
+    @cute.jit
+    def close_stage(self, tQsQ: cute.Tensor, tQsdO: cute.Tensor, tQcQ: cute.Tensor, sLSE: cute.Tensor,
+                    sDelta: cute.Tensor, sCtl: cute.Tensor, full, npk: Int32, stage: Int32, ptid: Int32):
+        """Publish the open stage holding ``npk`` packed queries: its width, zeros in the row slots
+        between the packed rows and the width (0 * x must stay 0 for whatever the slot held before)
+        and in the unused LSE / delta slots, then each producer thread's cp.async-tracked and plain
+        arrival on the stage's full barrier."""
+        live = npk * self.g
         width = Int32(WIDTHS[0])
         if live <= WIDTHS[1]:
             width = Int32(WIDTHS[1])
@@ -385,46 +452,19 @@ class IndexedBwdDKDVSm90:
         tQsdO_s = tQsdO[None, None, None, stage]
         for m in cutlass.range_constexpr(cute.size(tQsQ_s, mode=[1])):
             r = tQcQ[0, m, 0][0]
-            if r < width:
-                qi = self.slot_query(qsel, r)
-                if qi < NO_QUERY:
-                    hq = h * G + r % G
-                    C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_s, tQcQ, m, D)
-                    C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_s, tQcQ, m, D)
-                else:
-                    tQsQ_s[None, m, None].fill(0)
-                    tQsdO_s[None, m, None].fill(0)
-        warp = ptid // 32
-        lane = ptid % 32
-        if warp == 0:
-            sKeyMask[lane, stage] = Int32(0)
-            sKeyMask[lane + KEY_TILE, stage] = Int32(0)
-            cute.arch.sync_warp()
-            for j in cutlass.range_constexpr(2):
-                key = keys[j]
-                if key >= 0:
-                    sKeyMask[key, stage] = masks[j]
-            if lane == 0:
-                sCtl[CTL_GO, stage] = Int32(1)
-                sCtl[CTL_WIDTH, stage] = width
-        elif warp == 1:
-            for j in cutlass.range_constexpr(TILE_M // 32):
-                sSlotQ[lane + 32 * j, stage] = self.slot_query(qsel, lane + 32 * j)
-        else:
-            # Slot r's LSE (natural log, as stored; the consumer scales it) and delta, by 4-byte
-            # cp.asyncs covered by the stage's arrival: no load latency on the producer's path.
+            if r >= live and r < width:
+                tQsQ_s[None, m, None].fill(0)
+                tQsdO_s[None, m, None].fill(0)
+        if ptid >= 2 * 32:
             r = ptid - 2 * 32
-            qi = self.slot_query(qsel, r)
-            if qi < NO_QUERY:
-                coord = (b, h * G + r % G, q0 + qi)
-                stat = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-                one = cute.make_layout(1)
-                for mX, sX in ((mLSE, sLSE), (mDelta, sDelta)):
-                    cute.copy(stat, cute.make_tensor(mX.iterator + cute.crd2idx(coord, mX.layout), one),
-                              cute.make_tensor(sX.iterator + (stage * TILE_M + r), one))
-            else:
+            if r >= live:
                 sLSE[r, stage] = Float32(0.0)
                 sDelta[r, stage] = Float32(0.0)
+        if ptid == 0:
+            sCtl[CTL_GO, stage] = Int32(1)
+            sCtl[CTL_WIDTH, stage] = width
+        cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+        cute.arch.mbarrier_arrive(full + stage)
 
     # ------------------------------------------------------------------ consumers
     def mmas(self, width: int):
@@ -518,7 +558,7 @@ class IndexedBwdDKDVSm90:
 
     @cute.jit
     def consume_p(self, mK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sK: cute.Tensor,
-                  sPx: cute.Tensor, sKeyMask: cute.Tensor, sLSE: cute.Tensor, sSlotQ: cute.Tensor, sCtl: cute.Tensor,
+                  sPx: cute.Tensor, sKeyMask: cute.Tensor, sLSE: cute.Tensor, sCtl: cute.Tensor,
                   full, empty, plain: cute.TiledCopy, scale_log2: Float32, h: Int32, b: Int32, t0: Int32,
                   ctid: Int32):
         """Consumer WG 0: per window S^T, P^T (-> exchange buffer), dV += P^T dO; then dV out."""
@@ -531,7 +571,10 @@ class IndexedBwdDKDVSm90:
             acc_S, S = self.first_gemm(pw, stage)
             # -inf LSE (a row without keys) stays -inf: such a row has no selected pair
             lse = self.column_stats(S, tScS, sLSE, stage)
-            qbit = self.column_stats(S, tScS, sSlotQ, stage)
+            # row slot -> packed query (Note [packed rows, narrow windows])
+            qbit = []
+            for cc in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                qbit.append(tScS[0, cc][1] // self.g)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 msk = sKeyMask[tScS[r, 0][0], stage]
                 for cc in cutlass.range_constexpr(cute.size(S, mode=[1])):
