@@ -239,8 +239,14 @@ class IndexedBwdDKDVSm90:
         w = Int32(NO_WINDOW)
         start = Int32(0)
         cnt, k0, m0, k1, m1 = Int32(0), Int32(-1), Int32(0), Int32(-1), Int32(0)
+        # Note [list chunks in registers]: lane l holds entry base + l of each list (window, start),
+        # so the merge costs shuffles, and a list load's latency once per 32 windows.
+        ba, bb = pa, pb
+        ca_w, ca_s = self.list_chunk(mTileWin, mTileStart, pa, pa_end, lane)
+        cb_w, cb_s = self.list_chunk(mTileWin, mTileStart, pb, pb_end, lane)
         if have:
-            w, start, pa, pb = self.next_window(mTileWin, mTileStart, pa, pa_end, pb, pb_end)
+            w, start, pa, pb, ba, ca_w, ca_s, bb, cb_w, cb_s = self.next_window(
+                mTileWin, mTileStart, pa, pa_end, pb, pb_end, ba, ca_w, ca_s, bb, cb_w, cb_s, lane)
             cnt, k0, m0, k1, m1 = self.fetch_entries(mWinKey, mWinMask, mWinCount, w, start, s, lane)
         # Note [stages of several windows]: consecutive windows share a stage while their selecting
         # queries fit (at most WQ per stage, so WQ * G <= 64 rows and one bit per packed query).
@@ -252,7 +258,8 @@ class IndexedBwdDKDVSm90:
             start_n = Int32(0)
             cnt_n, k0_n, m0_n, k1_n, m1_n = Int32(0), Int32(-1), Int32(0), Int32(-1), Int32(0)
             if have_n:
-                w_n, start_n, pa, pb = self.next_window(mTileWin, mTileStart, pa, pa_end, pb, pb_end)
+                w_n, start_n, pa, pb, ba, ca_w, ca_s, bb, cb_w, cb_s = self.next_window(
+                    mTileWin, mTileStart, pa, pa_end, pb, pb_end, ba, ca_w, ca_s, bb, cb_w, cb_s, lane)
                 cnt_n, k0_n, m0_n, k1_n, m1_n = self.fetch_entries(mWinKey, mWinMask, mWinCount, w_n, start_n,
                                                                    s, lane)
             keys, masks, qsel = self.window_keys(cnt, start, k0, m0, k1, m1, t0, lane)
@@ -281,26 +288,41 @@ class IndexedBwdDKDVSm90:
         cute.arch.mbarrier_arrive(full + stage)
 
     @cute.jit
+    def list_chunk(self, mTileWin: cute.Tensor, mTileStart: cute.Tensor, p: Int32, p_end: Int32, lane: Int32):
+        """Lane ``lane``'s entry p + lane of a window list: (window, start), (NO_WINDOW, 0) past ``p_end``."""
+        cw = Int32(NO_WINDOW)
+        cs = Int32(0)
+        if p + lane < p_end:
+            cw = mTileWin[p + lane]
+            cs = mTileStart[p + lane]
+        return cw, cs
+
+    @cute.jit
     def next_window(self, mTileWin: cute.Tensor, mTileStart: cute.Tensor, pa: Int32, pa_end: Int32, pb: Int32,
-                    pb_end: Int32):
+                    pb_end: Int32, ba: Int32, ca_w: Int32, ca_s: Int32, bb: Int32, cb_w: Int32, cb_s: Int32,
+                    lane: Int32):
         """Next window of the merged ascending lists [pa, pa_end) and [pb, pb_end) (a window in both
-        is taken once; its keys >= t0 start at the first list's mTileStart): (w, start, pa, pb)."""
-        wa = Int32(NO_WINDOW)
-        wb = Int32(NO_WINDOW)
-        if pa < pa_end:
-            wa = mTileWin[pa]
-        if pb < pb_end:
-            wb = mTileWin[pb]
+        is taken once; its keys >= t0 start at the first list's mTileStart), read from the lists'
+        register chunks (entries ba + lane, bb + lane), which are refilled once consumed:
+        (w, start, pa, pb, ba, ca_w, ca_s, bb, cb_w, cb_s)."""
+        wa = cute.arch.shuffle_sync(ca_w, pa - ba)
+        wb = cute.arch.shuffle_sync(cb_w, pb - bb)
+        sa = cute.arch.shuffle_sync(ca_s, pa - ba)
+        sb = cute.arch.shuffle_sync(cb_s, pb - bb)
         w = cutlass.min(wa, wb)
-        start = Int32(0)
+        start = sb
         if wa == w:
-            start = mTileStart[pa]
+            start = sa
             pa = pa + 1
-        else:
-            start = mTileStart[pb]
         if wb == w:
             pb = pb + 1
-        return w, start, pa, pb
+        if pa - ba == 32:
+            ba = pa
+            ca_w, ca_s = self.list_chunk(mTileWin, mTileStart, pa, pa_end, lane)
+        if pb - bb == 32:
+            bb = pb
+            cb_w, cb_s = self.list_chunk(mTileWin, mTileStart, pb, pb_end, lane)
+        return w, start, pa, pb, ba, ca_w, ca_s, bb, cb_w, cb_s
 
     @cute.jit
     def fetch_entries(self, mWinKey: cute.Tensor, mWinMask: cute.Tensor, mWinCount: cute.Tensor, w: Int32,
