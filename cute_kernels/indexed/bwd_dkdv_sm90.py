@@ -47,8 +47,6 @@ plan as in ``plan.py``.
 
 from __future__ import annotations
 
-import operator
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -365,7 +363,7 @@ class IndexedBwdDKDVSm90:
             mask1 = m1
         keys = [key0, key1]
         masks = [mask0, mask1]
-        qsel = C.row_allreduce(mask0 | mask1, 32, operator.or_)
+        qsel = cute.arch.warp_redux_sync(mask0 | mask1, "or")  # redux.sync: one instruction
         return keys, masks, qsel
 
     @cute.jit
