@@ -6,13 +6,15 @@ reproducible, exact zeros for keys no query selects. What changes is the shape o
 
 One CTA per (64 keys = plan tiles 2c and 2c + 1, kv head h, batch b), 384 threads:
 
-    producer WG (warps 0-3)   merges the two tiles' window lists (ascending, each window once) and,
-                              per window, cp.asyncs the Q and dO rows of the window queries that
-                              select any of the 64 keys, packed to the front, into one of 2 stages,
-                              and writes the query bitmask of each key, the window's width (16, 32
-                              or 64 row slots) and the slot -> query table, and cp.asyncs the slots'
-                              LSE and delta; then an end marker. Completion: one cp.async-tracked and one
-                              plain mbarrier arrival per producer thread.
+    producer WG (warps 0-3)   merges the two tiles' window lists (ascending, each window once; the
+                              lists are read 32 entries at a time into registers) and, per window,
+                              cp.asyncs the Q and dO rows of the window queries that select any of
+                              the 64 keys, packed to the front of the open stage (one of 2), ORs
+                              their bits into each key's packed-query mask and cp.asyncs their LSE
+                              and delta; a stage is published (width 16, 32 or 64 row slots) when
+                              the next window's queries no longer fit; then an end marker.
+                              Completion: one cp.async-tracked and one plain mbarrier arrival per
+                              producer thread.
     consumer WG 0 ("P")       S^T = K Q^T (wgmma m64nW, keys x W row slots), P^T = exp2(S^T scale log2e - lse)
                               on selected pairs (0 elsewhere) -> fp32 to the exchange buffer,
                               dV += P^T dO (wgmma, A = P^T from registers, B = dO read MN-major).
