@@ -77,10 +77,10 @@ P_EMPTY = 4
 NO_WINDOW = 0x7FFFFFFF
 #: Accumulator elements per consumer thread of an m64n64 fp32 tile (the P^T exchange row).
 ACC_PER_THREAD = KEYS * TILE_M // WG_THREADS
-#: Row widths (wgmma N of S^T / dP^T, K of dV / dK) of a window: the rows of the window queries
+#: Row widths (wgmma N of S^T / dP^T, K of dV / dK) of a stage: the rows of the window queries
 #: that select any of the CTA's keys are packed to the front (Note [packed rows, narrow windows]).
 WIDTHS = (64, 32, 16)
-#: Slot-table value of an empty row slot (>= any window's query count: selects nothing).
+#: ``slot_query`` of a slot past the window's selecting queries (>= any window's query count).
 NO_QUERY = 32
 # sCtl[field, stage]
 CTL_GO, CTL_WIDTH = 0, 1
