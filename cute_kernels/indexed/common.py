@@ -11,7 +11,7 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_kernels.common.utils import LN_2, LOG2_E, row_allreduce  # noqa: F401 - C.LOG2_E / C.LN_2 in the kernels
@@ -141,18 +141,14 @@ def selected(msk: Int32, qbit: Int32, wq: cutlass.Constexpr) -> cutlass.Boolean:
 @cute.jit
 def gather_window_rows(g2s: cute.TiledCopy, mQ: cute.Tensor, mdO: cute.Tensor, tQsQ: cute.Tensor,
                        tQsdO: cute.Tensor, tQcQ: cute.Tensor, rows_valid: Int32, group: cutlass.Constexpr,
-                       cols: cutlass.Constexpr, h: Int32, b: Int32, q0: Int32, qsel=None):
+                       cols: cutlass.Constexpr, h: Int32, b: Int32, q0: Int32):
     """cp.async a window's Q and dO rows into one stage (``tQsQ`` / ``tQsdO``: this thread's
     ``(CPY, M, K)`` slots): row r is query ``q0 + r // group``, head ``h * group + r % group``. Rows
-    past ``rows_valid`` and, given the query bitmask ``qsel``, rows of queries whose bit is clear are
-    written as zeros."""
+    past ``rows_valid`` are written as zeros."""
     for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
         r = tQcQ[0, m, 0][0]
         qi = r // group
-        take = r < rows_valid
-        if const_expr(qsel is not None):
-            take = take and ((qsel >> cutlass.min(qi, 31)) & 1) != 0
-        if take:
+        if r < rows_valid:
             hq = h * group + r - qi * group
             copy_row(g2s, row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ, tQcQ, m, cols)
             copy_row(g2s, row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO, tQcQ, m, cols)
