@@ -8,13 +8,14 @@ One CTA per (64 keys = plan tiles 2c and 2c + 1, kv head h, batch b), 384 thread
 
     producer WG (warps 0-3)   merges the two tiles' window lists (ascending, each window once; the
                               lists are read 32 entries at a time into registers) and, per window,
-                              cp.asyncs the Q and dO rows of the window queries that select any of
-                              the 64 keys, packed to the front of the open stage (one of 2), ORs
+                              TMA-loads the Q and dO rows of the window queries that select any of
+                              the 64 keys (one box of G head rows per query and tensor), packed to
+                              the front of the open stage (one of 2), ORs
                               their bits into each key's packed-query mask and cp.asyncs their LSE
                               and delta; a stage is published (width 16, 32 or 64 row slots) when
                               the next window's queries no longer fit; then an end marker.
-                              Completion: one cp.async-tracked and one plain mbarrier arrival per
-                              producer thread.
+                              Completion: the boxes' bytes (expect-tx by thread 0) plus one
+                              cp.async-tracked and one plain mbarrier arrival per producer thread.
     consumer WG 0 ("P")       S^T = K Q^T (wgmma m64nW, keys x W row slots), P^T = exp2(S^T scale log2e - lse)
                               on selected pairs (0 elsewhere) -> fp32 to the exchange buffer,
                               dV += P^T dO (wgmma, A = P^T from registers, B = dO read MN-major).
@@ -130,13 +131,44 @@ class IndexedBwdDKDVSm90:
             sCtl: cute.struct.Align[cute.struct.MemRange[Int32, 4 * STAGES], 16]
 
         g2s, plain = C.gmem_copies(bf16, WG_THREADS, self.d)
+        # Note [query rows by TMA]: a packed query's G head rows are G * D contiguous elements of
+        # Q / dO, so one TMA box of (G rows, D) per query and tensor lands them in the query's row
+        # slots; it replaces ~G * D / 8 16-byte cp.asyncs spread over 128 threads, whose issue bound
+        # the producer (H200 clock probes: ~1,300 of ~2,650 cycles per window at 16K x 131K). For
+        # G not a multiple of 8 the box starts inside a 128-byte-swizzle atom (row slot 12, 24, ...),
+        # which is right only if TMA applies the swizzle by shared-memory address, not by row of the
+        # box (as wgmma reads it). UNVERIFIED on hardware: tests/gpu/test_indexed.py decides.
+        box = self.row_box(sQ_layout)
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_op, self.rows_view(mQ), box, (self.g, self.d))
+        atom_do, tma_do = cpasync.make_tiled_tma_atom(tma_op, self.rows_view(mdO), box, (self.g, self.d))
         num_tiles = cute.ceil_div(mK.shape[1], KEY_TILE)
         grid = [cute.ceil_div(num_tiles, 2), self.cfg.num_kv_heads, mK.shape[0]]
         self.kernel(mQ, mK, mV, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTilePtr, mTileWin,
                     mTileStart, mdK, mdV, softmax_scale * C.LOG2_E, softmax_scale, sQ_layout, sKV_layout,
-                    g2s, plain, SharedStorage).launch(
+                    g2s, plain, atom_q, tma_q, atom_do, tma_do, box, SharedStorage).launch(
             grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
+
+    def rows_view(self, mX: cute.Tensor) -> cute.Tensor:
+        """(Hq, D, Lq, B) view of a [B, Lq, Hq, D] tensor: a query's heads are the rows of a TMA box."""
+        return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[2, 3, 1, 0]))
+
+    def row_box(self, sQ_layout: cute.ComposedLayout) -> cute.ComposedLayout:
+        """Shared-memory layout of G consecutive row slots of a stage (the TMA box of one packed
+        query): rows 64 elements apart, 64-column chunks TILE_M * 64 apart, the stage's swizzle.
+        Checked against the stage layout at trace time (the box is written at any row offset)."""
+        D = self.d
+        chunks = D // 64
+        outer = cute.make_layout((self.g, (64, chunks)), stride=(64, (1, 64 * TILE_M)))
+        full = sQ_layout.outer
+        for r in range(TILE_M):
+            for col in (0, 1, 63, D - 1):
+                want = r * 64 + col % 64 + (col // 64) * 64 * TILE_M
+                got = cute.crd2idx((r, col, 0), full)
+                assert got == want, f"stage layout is not the assumed row-slot layout at ({r}, {col})"
+        assert cute.crd2idx((0, 0, 1), full) == TILE_M * D, "stage stride"
+        return cute.make_composed_layout(sQ_layout.inner, 0, outer)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -144,11 +176,15 @@ class IndexedBwdDKDVSm90:
                mWinCount: cute.Tensor, mTilePtr: cute.Tensor, mTileWin: cute.Tensor,
                mTileStart: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32,
                softmax_scale: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               g2s: cute.TiledCopy, plain: cute.TiledCopy,
+               g2s: cute.TiledCopy, plain: cute.TiledCopy, atom_q: cute.CopyAtom, tma_q: cute.Tensor,
+               atom_do: cute.CopyAtom, tma_do: cute.Tensor, box: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         c, h, b = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(atom_q)
+            cpasync.prefetch_descriptor(atom_do)
         s = b
         if const_expr(self.cfg.per_kv_head):
             s = b * self.cfg.num_kv_heads + h
@@ -176,12 +212,13 @@ class IndexedBwdDKDVSm90:
         sDelta = storage.sDelta.get_tensor(cute.make_layout((TILE_M, STAGES)))
         sCtl = storage.sCtl.get_tensor(cute.make_layout((4, STAGES)))
         t0 = c * KEYS
+        rows = (atom_q, tma_q, storage.sQ.data_ptr(), atom_do, tma_do, storage.sdO.data_ptr(), box)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mV, mdO, mLSE, mDelta, mWinKey, mWinMask, mWinCount, mTilePtr, mTileWin,
-                         mTileStart, sQ, sdO, sK, sV, sKeyMask, sLSE, sDelta, sCtl, full, empty, g2s, s,
-                         h, b, t0, tidx)
+                         mTileStart, sQ, sdO, sK, sV, sKeyMask, sLSE, sDelta, sCtl, full, empty, g2s, rows,
+                         s, h, b, t0, tidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             wg = warp_idx // 4 - 1
@@ -200,7 +237,7 @@ class IndexedBwdDKDVSm90:
                 mWinCount: cute.Tensor, mTilePtr: cute.Tensor, mTileWin: cute.Tensor,
                 mTileStart: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                 sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, sCtl: cute.Tensor, full, empty,
-                g2s: cute.TiledCopy, s: Int32, h: Int32, b: Int32, t0: Int32, ptid: Int32):
+                g2s: cute.TiledCopy, rows: tuple, s: Int32, h: Int32, b: Int32, t0: Int32, ptid: Int32):
         D = self.d
         kv_len = mK.shape[1]
         num_tiles = (kv_len + KEY_TILE - 1) // KEY_TILE
@@ -270,8 +307,8 @@ class IndexedBwdDKDVSm90:
                 npk = Int32(0)
             if npk == 0:
                 self.open_stage(sKeyMask, empty, i, ptid)
-            self.add_window(mQ, mdO, mLSE, mDelta, tQsQ, tQsdO, tQcQ, g2s, sKeyMask, sLSE, sDelta, w, keys, masks,
-                            qsel, npk, i % STAGES, h, b, ptid)
+            self.add_window(rows, mLSE, mDelta, sKeyMask, sLSE, sDelta, full, w, keys, masks, qsel, npk,
+                            i % STAGES, h, b, ptid)
             npk = npk + nq
             w, start, cnt, k0, m0, k1, m1 = w_n, start_n, cnt_n, k0_n, m0_n, k1_n, m1_n
             have = have_n
@@ -399,19 +436,21 @@ class IndexedBwdDKDVSm90:
         stage = i % STAGES
         if i >= STAGES:
             cute.arch.mbarrier_wait(empty + stage, ((i // STAGES) % 2) ^ 1)
+            # the stage's rows were last written by TMA (async proxy); close_stage may zero some
+            cute.arch.fence_view_async_shared()
         if ptid < 32:
             sKeyMask[ptid, stage] = Int32(0)
             sKeyMask[ptid + KEY_TILE, stage] = Int32(0)
             cute.arch.sync_warp()
 
     @cute.jit
-    def add_window(self, mQ: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                   tQsQ: cute.Tensor, tQsdO: cute.Tensor, tQcQ: cute.Tensor, g2s: cute.TiledCopy,
-                   sKeyMask: cute.Tensor, sLSE: cute.Tensor, sDelta: cute.Tensor, w: Int32, keys: list,
-                   masks: list, qsel: Int32, npk: Int32, stage: Int32, h: Int32, b: Int32, ptid: Int32):
+    def add_window(self, rows: tuple, mLSE: cute.Tensor, mDelta: cute.Tensor, sKeyMask: cute.Tensor,
+                   sLSE: cute.Tensor, sDelta: cute.Tensor, full, w: Int32, keys: list, masks: list, qsel: Int32,
+                   npk: Int32, stage: Int32, h: Int32, b: Int32, ptid: Int32):
         """Window ``w`` into the open stage after its ``npk`` packed queries: the Q / dO rows of the
-        queries in ``qsel`` into row slots [npk G, (npk + popc(qsel)) G) (cp.async), their LSE and delta
-        (warps 2-3, cp.async), and their bits OR-ed into the key masks (warp 0).
+        queries in ``qsel`` into row slots [npk G, (npk + popc(qsel)) G) (thread 0: one TMA box per
+        query and tensor, Note [query rows by TMA]), their LSE and delta (warps 2-3, cp.async), and
+        their bits OR-ed into the key masks (warp 0).
 
         Note [packed rows, narrow windows]: a (CTA, window) pair typically touches a few 4-token
         blocks of the CTA's 64 keys, chosen by some of the window's queries (at 64K x 64K, rho 0.9,
@@ -426,16 +465,23 @@ class IndexedBwdDKDVSm90:
         D = self.d
         q0 = w * self.wq
         lo = npk * G
-        hi = lo + cute.arch.popc(qsel) * G
-        tQsQ_s = tQsQ[None, None, None, stage]
-        tQsdO_s = tQsdO[None, None, None, stage]
-        for m in cutlass.range_constexpr(cute.size(tQsQ_s, mode=[1])):
-            r = tQcQ[0, m, 0][0]
-            if r >= lo and r < hi:
-                qi = self.slot_query(qsel, r - lo)
-                hq = h * G + r % G
-                C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ_s, tQcQ, m, D)
-                C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO_s, tQcQ, m, D)
+        nq = cute.arch.popc(qsel)
+        hi = lo + nq * G
+        if ptid == 0:
+            atom_q, tma_q, base_q, atom_do, tma_do, base_do, box = rows
+            # the boxes' bytes complete on the stage's full barrier with the threads' arrivals
+            cute.arch.mbarrier_expect_tx(full + stage, nq * (2 * G * D * 2))
+            c = Int32(0)
+            for j in cutlass.range_constexpr(self.wq):
+                if (qsel >> j) & 1 != 0:
+                    slot = (stage * TILE_M + lo + c * G) * 64  # element offset of the query's first row slot
+                    for atom, tma, base in ((atom_q, tma_q, base_q), (atom_do, tma_do, base_do)):
+                        dst = cute.make_tensor(cute.recast_ptr(base + slot, box.inner), box.outer)
+                        src = cute.local_tile(tma[None, None, q0 + j, b], (G, D), (h, 0))
+                        tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                                       cute.group_modes(src, 0, 2))
+                        cute.copy(atom, tG, tS, tma_bar_ptr=full + stage)
+                c = c + ((qsel >> j) & 1)
         warp = ptid // 32
         if warp == 0:
             for j in cutlass.range_constexpr(2):

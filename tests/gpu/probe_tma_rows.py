@@ -1,0 +1,79 @@
+"""Probe: may a 128B-swizzled TMA box of G (not a multiple of 8) rows land at a G-row offset of a
+wgmma smem tile? Loads Q[q, 0:G, :] (G head rows of one query, D 256) into rows [off, off + G) of a
+zeroed (64, 256) tile, reads the tile back through its swizzled layout into out [64, 256]."""
+import os, sys
+sys.path.insert(0, os.getcwd())
+import cutlass, cutlass.cute as cute
+from cutlass import Int32, Int64
+from cutlass.cute.nvgpu import cpasync
+from cute_kernels.common.utils import wgmma_smem_layout
+
+G, D, ROWS = 12, 256, 64
+bf16 = cutlass.BFloat16
+
+
+@cute.kernel
+def _kernel(atom: cute.CopyAtom, tmaQ: cute.Tensor, mOut: cute.Tensor, q: Int32, off: Int32,
+            s_layout: cute.ComposedLayout, box_layout: cute.ComposedLayout):
+    tidx, _, _ = cute.arch.thread_idx()
+
+    @cute.struct
+    class S:
+        bar: cute.struct.MemRange[Int64, 1]
+        tile: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(s_layout)], 1024]
+
+    st = cutlass.utils.SmemAllocator().allocate(S)
+    sT = st.tile.get_tensor(s_layout.outer, swizzle=s_layout.inner)
+    bar = st.bar.data_ptr()
+    for i in cutlass.range(tidx, ROWS * D, 128):
+        sT[i // D, i % D] = bf16(0.0)
+    if tidx == 0:
+        cute.arch.mbarrier_init(bar, 1)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier()
+    # destination: rows [off, off + G) of the tile, as a tensor with the box layout
+    dst = cute.make_tensor(st.tile.data_ptr() + off * 64, box_layout.outer)  # row r of chunk 0 at r * 64 elems
+    dst = cute.make_tensor(cute.recast_ptr(dst.iterator, box_layout.inner), box_layout.outer)
+    gQ = cute.local_tile(tmaQ[None, None, q], (G, D), (0, 0))
+    tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                   cute.group_modes(gQ, 0, 2))
+    if tidx == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, G * D * 2)
+        cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+    cute.arch.mbarrier_wait(bar, 0)
+    for i in cutlass.range(tidx, ROWS * D, 128):
+        mOut[i // D, i % D] = sT[i // D, i % D]
+
+
+@cute.jit
+def probe(mQ: cute.Tensor, mOut: cute.Tensor, q: Int32, off: Int32, stream):
+    mQv = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))  # (H, D, L)
+    s_layout = wgmma_smem_layout(bf16, (ROWS, D))
+    box_outer = cute.make_layout((G, (64, D // 64)), stride=(64, (1, ROWS * 64)))  # rows of the tile are 64 elems apart
+    box_layout = cute.make_composed_layout(s_layout.inner, 0, box_outer)
+    atom, tmaQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQv, box_layout, (G, D))
+    _kernel(atom, tmaQ, mOut, q, off, s_layout, box_layout).launch(grid=[1, 1, 1], block=[128, 1, 1],
+                                                                    smem=ROWS * D * 2 + 2048, stream=stream)
+
+
+def compile_probe():
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    L, H = cute.sym_int(), 24
+    mQ = make_fake_compact_tensor(bf16, (L, H, D), stride_order=(2, 1, 0), assumed_align=16)
+    mOut = make_fake_compact_tensor(bf16, (ROWS, D), stride_order=(1, 0), assumed_align=16)
+    return cute.compile(probe, mQ, mOut, Int32(0), Int32(0), make_fake_stream(), options="--enable-tvm-ffi")
+
+
+if __name__ == "__main__":
+    fn = compile_probe()
+    print("compiled")
+    if len(sys.argv) > 1 and sys.argv[1] == "run":
+        import torch
+        Q = torch.randn(100, 24, D, device="cuda", dtype=torch.bfloat16)
+        for off in (0, 8, 12, 24, 36, 48):
+            out = torch.empty(ROWS, D, device="cuda", dtype=torch.bfloat16)
+            fn(Q, out, 7, off)
+            torch.cuda.synchronize()
+            ok = torch.equal(out[off:off + G], Q[7, :G]) and not out[:off].any() and not out[off + G:].any()
+            print("offset", off, "rows match" if ok else "MISMATCH", flush=True)
