@@ -14,7 +14,7 @@ One CTA per (64 keys = plan tiles 2c and 2c + 1, kv head h, batch b), 384 thread
                               their bits into each key's packed-query mask and cp.asyncs their LSE
                               and delta; a stage is published (width 16, 32 or 64 row slots) when
                               the next window's queries no longer fit; then an end marker.
-                              Completion: the boxes' bytes (expect-tx by thread 0) plus one
+                              Completion: the boxes' bytes (issued by warp 1) plus one
                               cp.async-tracked and one plain mbarrier arrival per producer thread.
     consumer WG 0 ("P")       S^T = K Q^T (wgmma m64nW, keys x W row slots), P^T = exp2(S^T scale log2e - lse)
                               on selected pairs (0 elsewhere) -> fp32 to the exchange buffer,
@@ -137,7 +137,7 @@ class IndexedBwdDKDVSm90:
         # the producer (H200 clock probes: ~1,300 of ~2,650 cycles per window at 16K x 131K). For
         # G not a multiple of 8 the box starts inside a 128-byte-swizzle atom (row slot 12, 24, ...),
         # which is right only if TMA applies the swizzle by shared-memory address, not by row of the
-        # box (as wgmma reads it). UNVERIFIED on hardware: tests/gpu/test_indexed.py decides.
+        # box (as wgmma reads it). Verified on the H200: tests/gpu/test_tma_row_box.py.
         box = self.row_box(sQ_layout)
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_op, self.rows_view(mQ), box, (self.g, self.d))
@@ -448,7 +448,7 @@ class IndexedBwdDKDVSm90:
                    sLSE: cute.Tensor, sDelta: cute.Tensor, full, w: Int32, keys: list, masks: list, qsel: Int32,
                    npk: Int32, stage: Int32, h: Int32, b: Int32, ptid: Int32):
         """Window ``w`` into the open stage after its ``npk`` packed queries: the Q / dO rows of the
-        queries in ``qsel`` into row slots [npk G, (npk + popc(qsel)) G) (thread 0: one TMA box per
+        queries in ``qsel`` into row slots [npk G, (npk + popc(qsel)) G) (warp 1: one TMA box per
         query and tensor, Note [query rows by TMA]), their LSE and delta (warps 2-3, cp.async), and
         their bits OR-ed into the key masks (warp 0).
 
@@ -467,14 +467,18 @@ class IndexedBwdDKDVSm90:
         lo = npk * G
         nq = cute.arch.popc(qsel)
         hi = lo + nq * G
-        if ptid == 0:
+        warp = ptid // 32
+        if warp == 1:
+            # TMA copies are issued by a whole warp (cute.copy elects one lane; elect.sync with only
+            # one lane active hangs)
             atom_q, tma_q, base_q, atom_do, tma_do, base_do, box = rows
             # the boxes' bytes complete on the stage's full barrier with the threads' arrivals
-            cute.arch.mbarrier_expect_tx(full + stage, nq * (2 * G * D * 2))
+            if ptid == 32:
+                cute.arch.mbarrier_expect_tx(full + stage, nq * (2 * G * D * 2))
             c = Int32(0)
             for j in cutlass.range_constexpr(self.wq):
                 if (qsel >> j) & 1 != 0:
-                    slot = (stage * TILE_M + lo + c * G) * 64  # element offset of the query's first row slot
+                    slot = stage * (TILE_M * D) + (lo + c * G) * 64  # element offset of the query's first row slot
                     for atom, tma, base in ((atom_q, tma_q, base_q), (atom_do, tma_do, base_do)):
                         dst = cute.make_tensor(cute.recast_ptr(base + slot, box.inner), box.outer)
                         src = cute.local_tile(tma[None, None, q0 + j, b], (G, D), (h, 0))
@@ -482,8 +486,7 @@ class IndexedBwdDKDVSm90:
                                                        cute.group_modes(src, 0, 2))
                         cute.copy(atom, tG, tS, tma_bar_ptr=full + stage)
                 c = c + ((qsel >> j) & 1)
-        warp = ptid // 32
-        if warp == 0:
+        elif warp == 0:
             for j in cutlass.range_constexpr(2):
                 key = keys[j]
                 if key >= 0:

@@ -1,12 +1,30 @@
-"""Probe: may a 128B-swizzled TMA box of G (not a multiple of 8) rows land at a G-row offset of a
-wgmma smem tile? Loads Q[q, 0:G, :] (G head rows of one query, D 256) into rows [off, off + G) of a
-zeroed (64, 256) tile, reads the tile back through its swizzled layout into out [64, 256]."""
-import os, sys
-sys.path.insert(0, os.getcwd())
-import cutlass, cutlass.cute as cute
-from cutlass import Int32, Int64
-from cutlass.cute.nvgpu import cpasync
-from cute_kernels.common.utils import wgmma_smem_layout
+"""The hardware assumption behind Note [query rows by TMA] (cute_kernels/indexed/bwd_dkdv_sm90.py):
+a 128B-swizzled TMA box of G rows (G not a multiple of 8) may start at any row of a wgmma shared-memory
+tile, i.e. TMA swizzles by shared-memory address, as wgmma reads it. Loads Q[q, 0:G, :] (the G head
+rows of one query, D 256) into rows [off, off + G) of a zeroed (64, 256) tile and reads the whole tile
+back through its swizzled layout: the box's rows must match and every other row stay zero."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cutlass")
+
+from tests.conftest import torch_cuda_arch  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch_cuda_arch() is None or torch_cuda_arch() < 90,
+                       reason="needs a CUDA GPU with compute capability >= 9.0"),
+]
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Int32, Int64  # noqa: E402
+from cutlass.cute.nvgpu import cpasync  # noqa: E402
+
+from cute_kernels.common.utils import wgmma_smem_layout  # noqa: E402
 
 G, D, ROWS = 12, 256, 64
 bf16 = cutlass.BFloat16
@@ -38,8 +56,9 @@ def _kernel(atom: cute.CopyAtom, tmaQ: cute.Tensor, mOut: cute.Tensor, q: Int32,
     gQ = cute.local_tile(tmaQ[None, None, q], (G, D), (0, 0))
     tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
                                    cute.group_modes(gQ, 0, 2))
-    if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(bar, G * D * 2)
+    if tidx < 32:  # a whole warp: cute.copy of a TMA atom elects one lane
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, G * D * 2)
         cute.copy(atom, tG, tS, tma_bar_ptr=bar)
     cute.arch.mbarrier_wait(bar, 0)
     for i in cutlass.range(tidx, ROWS * D, 128):
@@ -62,18 +81,20 @@ def compile_probe():
     L, H = cute.sym_int(), 24
     mQ = make_fake_compact_tensor(bf16, (L, H, D), stride_order=(2, 1, 0), assumed_align=16)
     mOut = make_fake_compact_tensor(bf16, (ROWS, D), stride_order=(1, 0), assumed_align=16)
-    return cute.compile(probe, mQ, mOut, Int32(0), Int32(0), make_fake_stream(), options="--enable-tvm-ffi")
+    return cute.compile(probe, mQ, mOut, Int32(0), Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
 
 
-if __name__ == "__main__":
-    fn = compile_probe()
-    print("compiled")
-    if len(sys.argv) > 1 and sys.argv[1] == "run":
-        import torch
-        Q = torch.randn(100, 24, D, device="cuda", dtype=torch.bfloat16)
-        for off in (0, 8, 12, 24, 36, 48):
-            out = torch.empty(ROWS, D, device="cuda", dtype=torch.bfloat16)
-            fn(Q, out, 7, off)
-            torch.cuda.synchronize()
-            ok = torch.equal(out[off:off + G], Q[7, :G]) and not out[:off].any() and not out[off + G:].any()
-            print("offset", off, "rows match" if ok else "MISMATCH", flush=True)
+@pytest.fixture(scope="module")
+def probe_fn():
+    return compile_probe()
+
+
+@pytest.mark.parametrize("off", [0, 8, 12, 24, 36, 52])
+def test_swizzled_box_lands_at_any_row(probe_fn, off):
+    torch.manual_seed(off)
+    Q = torch.randn(100, 24, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(ROWS, D, device="cuda", dtype=torch.bfloat16)
+    probe_fn(Q, out, 7, off)
+    torch.cuda.synchronize()
+    assert torch.equal(out[off:off + G], Q[7, :G])
+    assert not out[:off].any() and not out[off + G:].any()
