@@ -194,8 +194,8 @@ class IndexedBwdDKDVSm90:
         empty = storage.mbar_empty.data_ptr()
         if tidx == 0:
             for i in cutlass.range_constexpr(STAGES):
-                # full: per producer thread one cp.async-tracked and one plain arrival;
-                # empty: every consumer thread.
+                # full: per producer thread one cp.async-tracked and one plain arrival, plus the
+                # TMA boxes' bytes (expect-tx, Note [query rows by TMA]); empty: every consumer thread.
                 cute.arch.mbarrier_init(full + i, 2 * WG_THREADS)
                 cute.arch.mbarrier_init(empty + i, 2 * WG_THREADS)
         cute.arch.mbarrier_init_fence()
@@ -471,21 +471,20 @@ class IndexedBwdDKDVSm90:
         if warp == 1:
             # TMA copies are issued by a whole warp (cute.copy elects one lane; elect.sync with only
             # one lane active hangs)
-            atom_q, tma_q, base_q, atom_do, tma_do, base_do, box = rows
             # the boxes' bytes complete on the stage's full barrier with the threads' arrivals
             if ptid == 32:
                 cute.arch.mbarrier_expect_tx(full + stage, nq * (2 * G * D * 2))
             c = Int32(0)
-            for j in cutlass.range_constexpr(self.wq):
-                if (qsel >> j) & 1 != 0:
-                    slot = stage * (TILE_M * D) + (lo + c * G) * 64  # element offset of the query's first row slot
-                    for atom, tma, base in ((atom_q, tma_q, base_q), (atom_do, tma_do, base_do)):
-                        dst = cute.make_tensor(cute.recast_ptr(base + slot, box.inner), box.outer)
-                        src = cute.local_tile(tma[None, None, q0 + j, b], (G, D), (h, 0))
-                        tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                                                       cute.group_modes(src, 0, 2))
-                        cute.copy(atom, tG, tS, tma_bar_ptr=full + stage)
-                c = c + ((qsel >> j) & 1)
+            if const_expr(self.wq <= 5):  # G >= 12: unrolled
+                for j in cutlass.range_constexpr(self.wq):
+                    if (qsel >> j) & 1 != 0:
+                        self.row_boxes(rows, full, stage, lo + c * G, q0 + j, h, b)
+                    c = c + ((qsel >> j) & 1)
+            else:  # up to 64 window queries: a rolled loop (unrolled, the producer's 56 registers spill)
+                for j in cutlass.range(self.wq, unroll=1):
+                    if (qsel >> j) & 1 != 0:
+                        self.row_boxes(rows, full, stage, lo + c * G, q0 + j, h, b)
+                    c = c + ((qsel >> j) & 1)
         elif warp == 0:
             for j in cutlass.range_constexpr(2):
                 key = keys[j]
@@ -505,6 +504,20 @@ class IndexedBwdDKDVSm90:
                 for mX, sX in ((mLSE, sLSE), (mDelta, sDelta)):
                     cute.copy(stat, cute.make_tensor(mX.iterator + cute.crd2idx(coord, mX.layout), one),
                               cute.make_tensor(sX.iterator + (stage * TILE_M + r), one))
+
+    @cute.jit
+    def row_boxes(self, rows: tuple, full, stage: Int32, slot: Int32, q: Int32, h: Int32, b: Int32):
+        """Query ``q``'s G head rows of Q and dO (one TMA box each, Note [query rows by TMA]) into row
+        slots [slot, slot + G) of stage ``stage``; the bytes complete on its full barrier. Called by a
+        whole warp."""
+        atom_q, tma_q, base_q, atom_do, tma_do, base_do, box = rows
+        off = stage * (TILE_M * self.d) + slot * 64  # element offset of the first row slot
+        for atom, tma, base in ((atom_q, tma_q, base_q), (atom_do, tma_do, base_do)):
+            dst = cute.make_tensor(cute.recast_ptr(base + off, box.inner), box.outer)
+            src = cute.local_tile(tma[None, None, q, b], (self.g, self.d), (h, 0))
+            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                           cute.group_modes(src, 0, 2))
+            cute.copy(atom, tG, tS, tma_bar_ptr=full + stage)
 
     @cute.jit
     def close_stage(self, tQsQ: cute.Tensor, tQsdO: cute.Tensor, tQcQ: cute.Tensor, sLSE: cute.Tensor,
