@@ -286,9 +286,11 @@ def test_optional_variants_match_reference_and_default(group, D, per_head, meta,
 
 @pytest.mark.parametrize("group,D,per_head,Lkv", [(12, 256, False, 450), (1, 64, False, 450),
                                                   (4, 128, True, 450), (16, 256, False, 97),
-                                                  (12, 256, False, 33), (12, 256, False, 200)],
+                                                  (12, 256, False, 33), (12, 256, False, 200),
+                                                  (2, 128, False, 300), (8, 256, True, 200)],
                          ids=["g12-d256", "g1-d64", "perhead-g4-d128", "g16-d256-partial-tile",
-                              "g12-d256-one-key-past-a-tile", "g12-d256-odd-tiles"])
+                              "g12-d256-one-key-past-a-tile", "g12-d256-odd-tiles", "g2-d128",
+                              "perhead-g8-d256"])
 def test_dkdv_wgmma_matches_mma_kernel_and_reference(group, D, per_head, Lkv):
     """SM90's warp-specialised wgmma dK/dV kernel (64 keys per CTA, merged window lists) against the
     portable mma.sync kernel and the reference: other summation order inside a pair, so close rather
