@@ -170,14 +170,7 @@ class IndexedBwdDKDV:
                              acc_dK=acc_dK, acc_dV=acc_dV)
 
         # ---- the tile's K and V rows ----
-        for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
-            i = tKcK[0, m, 0][0]
-            if t0 + i < kv_len:
-                C.copy_row(g2s, C.row_ptr(mK, (b, t0 + i, h, 0)), tKsK, tKcK, m, D)
-                C.copy_row(g2s, C.row_ptr(mV, (b, t0 + i, h, 0)), tKsV, tKcK, m, D)
-            else:
-                tKsK[None, m, None].fill(0)
-                tKsV[None, m, None].fill(0)
+        C.gather_key_rows(g2s, mK, mV, tKsK, tKsV, tKcK, t0, kv_len, D, h, b)
         cute.arch.cp_async_commit_group()
 
         if cutlass.const_expr(self.meta_ahead):

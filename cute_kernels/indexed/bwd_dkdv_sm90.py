@@ -250,14 +250,7 @@ class IndexedBwdDKDVSm90:
         tKcK = thr.partition_S(cute.make_identity_tensor((KEYS, D)))
 
         # The CTA's K and V rows (zeros past kv_len); covered by the first stage's cp.async arrival.
-        for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
-            key = t0 + tKcK[0, m, 0][0]
-            if key < kv_len:
-                C.copy_row(g2s, C.row_ptr(mK, (b, key, h, 0)), tKsK, tKcK, m, D)
-                C.copy_row(g2s, C.row_ptr(mV, (b, key, h, 0)), tKsV, tKcK, m, D)
-            else:
-                tKsK[None, m, None].fill(0)
-                tKsV[None, m, None].fill(0)
+        C.gather_key_rows(g2s, mK, mV, tKsK, tKsV, tKcK, t0, kv_len, D, h, b)
 
         # Merge the window lists of tiles ta = t0 / 32 and ta + 1 (both ascending; a window in
         # both is visited once, its keys >= t0 start at the first list's mTileStart).

@@ -135,16 +135,7 @@ class IndexedBwdDQ:
         n_rows = cute.size(tScS, mode=[0])
 
         # ---- prologue: Q, dO rows (cp.async); LSE and delta = rowsum(O * dO) per row ----
-        for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-            r = tQcQ[0, m, 0][0]
-            if r < rows_valid:
-                qi = r // G
-                hq = h * G + r - qi * G
-                C.copy_row(g2s, C.row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ, tQcQ, m, D)
-                C.copy_row(g2s, C.row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO, tQcQ, m, D)
-            else:
-                tQsQ[None, m, None].fill(0)
-                tQsdO[None, m, None].fill(0)
+        C.gather_window_rows(g2s, mQ, mdO, tQsQ, tQsdO, tQcQ, rows_valid, G, D, h, b, q0)
         cute.arch.cp_async_commit_group()
         self.row_stats(mO, mdO, mLSE, mDelta, sLSE, sDelta, tidx, b, h, q0, rows_valid, scale_log2)
 

@@ -147,14 +147,29 @@ def gather_window_rows(g2s: cute.TiledCopy, mQ: cute.Tensor, mdO: cute.Tensor, t
     past ``rows_valid`` are written as zeros."""
     for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
         r = tQcQ[0, m, 0][0]
-        qi = r // group
         if r < rows_valid:
+            qi = r // group
             hq = h * group + r - qi * group
             copy_row(g2s, row_ptr(mQ, (b, q0 + qi, hq, 0)), tQsQ, tQcQ, m, cols)
             copy_row(g2s, row_ptr(mdO, (b, q0 + qi, hq, 0)), tQsdO, tQcQ, m, cols)
         else:
             tQsQ[None, m, None].fill(0)
             tQsdO[None, m, None].fill(0)
+
+
+@cute.jit
+def gather_key_rows(g2s: cute.TiledCopy, mK: cute.Tensor, mV: cute.Tensor, tKsK: cute.Tensor, tKsV: cute.Tensor,
+                    tKcK: cute.Tensor, t0: Int32, kv_len: Int32, cols: cutlass.Constexpr, h: Int32, b: Int32):
+    """cp.async the K and V rows of keys t0 + i (i: this thread's ``tKcK`` rows) of kv head ``h``;
+    rows of keys >= ``kv_len`` are written as zeros."""
+    for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
+        key = t0 + tKcK[0, m, 0][0]
+        if key < kv_len:
+            copy_row(g2s, row_ptr(mK, (b, key, h, 0)), tKsK, tKcK, m, cols)
+            copy_row(g2s, row_ptr(mV, (b, key, h, 0)), tKsV, tKcK, m, cols)
+        else:
+            tKsK[None, m, None].fill(0)
+            tKsV[None, m, None].fill(0)
 
 
 @cute.jit

@@ -25,9 +25,14 @@ from cutlass import Int32, Int64  # noqa: E402
 from cutlass.cute.nvgpu import cpasync  # noqa: E402
 
 from cute_kernels.common.utils import wgmma_smem_layout  # noqa: E402
+from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym  # noqa: E402
+from cute_kernels.indexed.bwd_dkdv_sm90 import STAGES, IndexedBwdDKDVSm90  # noqa: E402
+from cute_kernels.indexed.config import TILE_M, AttnConfig  # noqa: E402
 
-G, D, ROWS = 12, 256, 64
+G, D, ROWS = 12, 256, TILE_M
 bf16 = cutlass.BFloat16
+#: The production dK/dV kernel, whose stage layout and row box the probe uses as they are.
+KERNEL = IndexedBwdDKDVSm90(AttnConfig(arch=90, head_dim=D, group=G, num_kv_heads=2, per_kv_head=False))
 
 
 @cute.kernel
@@ -41,7 +46,7 @@ def _kernel(atom: cute.CopyAtom, tmaQ: cute.Tensor, mOut: cute.Tensor, q: Int32,
         tile: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(s_layout)], 1024]
 
     st = cutlass.utils.SmemAllocator().allocate(S)
-    sT = st.tile.get_tensor(s_layout.outer, swizzle=s_layout.inner)
+    sT = st.tile.get_tensor(s_layout.outer, swizzle=s_layout.inner)[None, None, 0]  # stage 0
     bar = st.bar.data_ptr()
     for i in cutlass.range(tidx, ROWS * D, 128):
         sT[i // D, i % D] = bf16(0.0)
@@ -50,9 +55,8 @@ def _kernel(atom: cute.CopyAtom, tmaQ: cute.Tensor, mOut: cute.Tensor, q: Int32,
     cute.arch.mbarrier_init_fence()
     cute.arch.fence_view_async_shared()
     cute.arch.barrier()
-    # destination: rows [off, off + G) of the tile, as a tensor with the box layout
-    dst = cute.make_tensor(st.tile.data_ptr() + off * 64, box_layout.outer)  # row r of chunk 0 at r * 64 elems
-    dst = cute.make_tensor(cute.recast_ptr(dst.iterator, box_layout.inner), box_layout.outer)
+    # destination: rows [off, off + G) of stage 0, as the kernel addresses a packed query's row slots
+    dst = cute.make_tensor(cute.recast_ptr(st.tile.data_ptr() + off * 64, box_layout.inner), box_layout.outer)
     gQ = cute.local_tile(tmaQ[None, None, q], (G, D), (0, 0))
     tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
                                    cute.group_modes(gQ, 0, 2))
@@ -68,20 +72,17 @@ def _kernel(atom: cute.CopyAtom, tmaQ: cute.Tensor, mOut: cute.Tensor, q: Int32,
 @cute.jit
 def probe(mQ: cute.Tensor, mOut: cute.Tensor, q: Int32, off: Int32, stream):
     mQv = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))  # (H, D, L)
-    s_layout = wgmma_smem_layout(bf16, (ROWS, D))
-    box_outer = cute.make_layout((G, (64, D // 64)), stride=(64, (1, ROWS * 64)))  # rows of the tile are 64 elems apart
-    box_layout = cute.make_composed_layout(s_layout.inner, 0, box_outer)
+    s_layout = wgmma_smem_layout(bf16, (ROWS, D, STAGES))  # the kernel's Q / dO stages
+    box_layout = KERNEL.row_box(s_layout)
     atom, tmaQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQv, box_layout, (G, D))
-    _kernel(atom, tmaQ, mOut, q, off, s_layout, box_layout).launch(grid=[1, 1, 1], block=[128, 1, 1],
-                                                                    smem=ROWS * D * 2 + 2048, stream=stream)
+    _kernel(atom, tmaQ, mOut, q, off, s_layout, box_layout).launch(
+        grid=[1, 1, 1], block=[128, 1, 1], smem=cute.cosize(s_layout) * 2 + 2048, stream=stream)
 
 
 def compile_probe():
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-    L, H = cute.sym_int(), 24
-    mQ = make_fake_compact_tensor(bf16, (L, H, D), stride_order=(2, 1, 0), assumed_align=16)
-    mOut = make_fake_compact_tensor(bf16, (ROWS, D), stride_order=(1, 0), assumed_align=16)
-    return cute.compile(probe, mQ, mOut, Int32(0), Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
+    mQ = fake_tensor(bf16, (sym(), 24, D))
+    mOut = fake_tensor(bf16, (ROWS, D))
+    return cute.compile(probe, mQ, mOut, Int32(0), Int32(0), fake_stream(), options=arch_options(90))
 
 
 @pytest.fixture(scope="module")
