@@ -69,7 +69,8 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
 ``fill_unvisited(gRows, num_rows, nb, block_lo, block_hi, thread, num_threads, warp_size)``
     -inf for blocks ``[0, block_lo)`` and ``[block_hi, nb)`` of rows ``[0, num_rows)`` of a tile
     (key tiles the kernel never visits: causal future, left of a window, rows with no keys, blocks
-    past this sequence's keys in varlen). Rows go to warps, columns to lanes (coalesced).
+    past this sequence's keys in varlen). One flat walk over (row, 4-column group) items, 16-byte
+    stores where rows are 16-byte aligned (Note [filling unvisited blocks]).
 ``visited_block_range(shape, n_tile_min, n_tile_max) -> (block_lo, block_hi)``
     The blocks touched by the visited key tiles ``[n_tile_min, n_tile_max)``.
 ``stage_partials(shape, sRows, blk)``
@@ -301,26 +302,66 @@ def visited_block_range(shape: cutlass.Constexpr, n_tile_min: Int32, n_tile_max:
         return n_tile_min // shape.tiles_per_block, (n_tile_max + shape.tiles_per_block - 1) // shape.tiles_per_block
 
 
+FILL_VEC = 4  # fp32 per vector store of fill_unvisited (16 bytes)
+
+
 @cute.jit
 def fill_unvisited(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_lo: Int32, block_hi: Int32,
                    thread: Int32, num_threads: cutlass.Constexpr, warp_size: cutlass.Constexpr = 32):
     """-inf into blocks [0, block_lo) and [block_hi, nb) of rows [0, num_rows) of ``gRows`` (rows, nb).
 
-    With no visited tile (block_lo >= block_hi) the whole row is filled.
+    With no visited tile (block_lo >= block_hi) the whole row is filled. See Note [filling unvisited
+    blocks] (``warp_size`` is kept for callers; the flat walk does not need it).
     """
-    num_warps = num_threads // warp_size
-    warp = thread // warp_size
-    lane = thread % warp_size
     lo = cutlass.min(block_lo, nb)
     hi = cutlass.max(block_hi, lo)
     if block_lo >= block_hi:
         lo = nb
         hi = nb
-    for r in cutlass.range(warp, num_rows, num_warps, unroll=1):
-        for c in cutlass.range(lane, lo, warp_size, unroll=1):
-            gRows[r, c] = -Float32.inf
-        for c in cutlass.range(hi + lane, nb, warp_size, unroll=1):
-            gRows[r, c] = -Float32.inf
+    # 16-byte stores need 16-byte aligned rows: a 16-byte aligned buffer and a row stride that keeps it.
+    vec_ok = (gRows.iterator.toint() % (4 * FILL_VEC) == 0) and (gRows.stride[0] % FILL_VEC == 0)
+    _fill_columns(gRows, num_rows, Int32(0), lo, vec_ok, thread, num_threads)
+    _fill_columns(gRows, num_rows, hi, nb, vec_ok, thread, num_threads)
+
+
+# Note [filling unvisited blocks]: the unvisited blocks of a work tile are one or two column ranges
+# shared by all its rows (causal future, left of a window), often most of a row for the light query
+# tiles of a causal pass. They are walked as ONE flat sequence of (row, group of FILL_VEC columns) items,
+# groups aligned to absolute column multiples of FILL_VEC, handed round-robin to the threads: a
+# thread's next item is ``num_threads`` further, i.e. (row + dr, group + dg) with a wrap, so the walk
+# costs two divisions per range and a few integer ops per item, not a loop per row. A group wholly
+# inside the range is one 16-byte store when rows are 16-byte aligned, otherwise (range edges, or
+# unaligned rows) up to FILL_VEC predicated scalar stores. Consecutive threads take consecutive groups,
+# so a warp writes whole rows contiguously. (The per-row loop this replaces cost ~25 instructions per
+# row on the SM90 fill warps and about 2 % of the short causal passes on the H200.)
+@cute.jit
+def _fill_columns(gRows: cute.Tensor, num_rows: Int32, c_begin: Int32, c_end: Int32, vec_ok,
+                  thread: Int32, num_threads: cutlass.Constexpr):
+    """-inf into rows [0, num_rows) x columns [c_begin, c_end) of ``gRows`` (Note [filling unvisited blocks])."""
+    if c_begin < c_end and num_rows > 0:
+        g_lo = c_begin // FILL_VEC
+        groups = (c_end + FILL_VEC - 1) // FILL_VEC - g_lo
+        dr = num_threads // groups
+        dg = num_threads - dr * groups
+        row = thread // groups
+        grp = thread - row * groups
+        ninf = cute.make_rmem_tensor((FILL_VEC,), Float32)
+        ninf.fill(-Float32.inf)
+        for _ in cutlass.range(thread, num_rows * groups, num_threads, unroll=1):
+            c = (g_lo + grp) * FILL_VEC
+            if vec_ok and c >= c_begin and c + FILL_VEC <= c_end:
+                dst = cute.make_ptr(Float32, (gRows.iterator + cute.crd2idx((row, c), gRows.layout)).toint(),
+                                    cute.AddressSpace.gmem, assumed_align=4 * FILL_VEC)
+                cute.autovec_copy(ninf, cute.make_tensor(dst, cute.make_layout(FILL_VEC)))
+            else:
+                for j in cutlass.range_constexpr(FILL_VEC):
+                    if c + j >= c_begin and c + j < c_end:
+                        gRows[row, c + j] = -Float32.inf
+            grp = grp + dg
+            row = row + dr
+            if grp >= groups:
+                grp = grp - groups
+                row = row + 1
 
 
 @cute.jit

@@ -20,10 +20,12 @@ def make_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
 
 
 def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=0, fill=None, scale=None,
-             cu_q=None, cu_k=None, max_sq=None, max_sk=None, bl_store=None, bl_reduce=None):
+             cu_q=None, cu_k=None, max_sq=None, max_sk=None, bl_store=None, bl_reduce=None, bl_offset=0):
     """One forward through ``run_fwd`` (or, given ``bl_reduce``, the build with that block_logit reduce
     mode); block_logit (block_size > 0) starts filled with ``fill`` (default SENTINEL) so unwritten
-    entries show. Returns (out, lse, block_logit or None)."""
+    entries show. ``bl_offset`` > 0: block_logit is a contiguous view starting that many fp32 into a
+    larger SENTINEL-filled storage (an under-aligned buffer; the skipped head must stay untouched).
+    Returns (out, lse, block_logit or None)."""
     from cute_kernels.attention.launch import fwd_config, run_fwd
 
     varlen = cu_q is not None
@@ -47,8 +49,10 @@ def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=
     bl = None
     if block_size:
         nb = -(-sk_for_nb // block_size)
-        bl = torch.full((*bl_shape, nb), SENTINEL if fill is None else fill, device=q.device,
-                        dtype=torch.float32)
+        numel = math.prod(bl_shape) * nb
+        storage = torch.full((bl_offset + numel,), SENTINEL, device=q.device, dtype=torch.float32)
+        bl = storage[bl_offset:].view(*bl_shape, nb)
+        bl.fill_(SENTINEL if fill is None else fill)
     if bl_reduce is None:
         run_fwd(cfg, q, k, v, out, lse, bl, cu_q, cu_k, softmax_scale=scale, softcap=softcap,
                 window_left=window[0], window_right=window[1], max_seqlen_q=max_sq, bl_store=bl_store)

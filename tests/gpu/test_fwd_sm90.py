@@ -192,6 +192,21 @@ def test_sentinel_buffer_fully_overwritten(case):
     assert torch.equal(a, c) and torch.equal(bnan, c)
 
 
+@pytest.mark.parametrize("offset", [1, 2, 3], ids=lambda o: f"offset{o}")
+@pytest.mark.parametrize("case", ["causal", "window"])
+def test_underaligned_block_logit_buffer(case, offset):
+    """A block_logit buffer that is only 4-byte aligned (rows not 16-byte aligned) gets the same values
+    as an aligned one, and nothing before it is written (the -inf fill falls back to scalar stores)."""
+    q, k, v = make_qkv(1, 640, 640, 2, 2, 128, seed=12)
+    kw = dict(causal=case == "causal", window=(96, 0) if case == "window" else (-1, -1))
+    _, _, ref = run_ours(q, k, v, block_size=16, **kw)
+    _, _, got = run_ours(q, k, v, block_size=16, bl_offset=offset, **kw)
+    assert got.data_ptr() % 16 != 0
+    assert torch.equal(got, ref)
+    storage = torch.empty(0, device=got.device, dtype=got.dtype).set_(got.untyped_storage())
+    assert bool((storage[:offset] == SENTINEL).all()), "block_logit wrote before its buffer"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [128, 256])
 def test_out_lse_bit_identical_with_without_block_logit(d, causal):
