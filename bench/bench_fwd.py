@@ -181,16 +181,16 @@ def main(argv=None) -> int:
     if args.markdown:
         print()
         extra_h = " ours+bl(producer) | ours+bl(producer) / FA4 | ours+bl(producer) / ours |" if bl_producer else ""
-        print("| d | S | B | mode | ours | ours+bl | FA4 b36 | unfused | ours+bl / FA4 | ours+bl / ours | ours+bl / unfused |"
-              + extra_h)
-        print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if bl_producer else ""))
+        print("| d | S | B | mode | ours | ours+bl | FA4 b36 | unfused | ours+bl / FA4 | ours+bl / ours | ours+bl / unfused "
+              "| bl fill / ours |" + extra_h)
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if bl_producer else ""))
         for row in rows:
             def g(key, fmt):
                 return format(row[key], fmt) if key in row else "-"
             print(f"| {row['head_dim']} | {row['seqlen']} | {row['batch']} | {'causal' if row['causal'] else 'full'} | "
                   f"{g('ours_tflops', '.0f')} | {g('ours_bl_tflops', '.0f')} | {g('fa4_tflops', '.0f')} | "
                   f"{g('unfused_tflops', '.0f')} | {g('bl_over_fa4', '.3f')} | {g('bl_over_ours', '.3f')} | "
-                  f"{g('bl_over_unfused', '.2f')} |"
+                  f"{g('bl_over_unfused', '.2f')} | {g('bl_fill_over_ours', '.3f')} |"
                   + (f" {g('ours_blp_tflops', '.0f')} | {g('blp_over_fa4', '.3f')} | {g('blp_over_ours', '.3f')} |"
                      if bl_producer else ""))
     if args.json:

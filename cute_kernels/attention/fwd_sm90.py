@@ -47,11 +47,12 @@ block) in registers; what differs is where the quad's exchange runs:
               them in the NEXT key-tile step, after that step has issued its QK^T and PV
               (the last tile's: after the final PV is issued)
 
-H200, 2026-11-29, bf16, 16 heads, block 64, 3 interleaved repeats (overhead vs no block_logit):
-d 128: split 1.3-4.0 %, fused 2.8-5.5 %, deferred -0.4-1.2 % non-causal and 2.1-3.9 % causal;
-d 64: split 7.0-10.5 %, fused 3.1-8.5 %, deferred 4.0-5.8 %; fused is the better one only for d 64
-causal (3.1-4.2 % vs 4.0-4.8 %). ``default_bl_reduce`` picks accordingly (sliding windows, not
-measured, follow the causal choice). All three are bitwise
+H200, 2026-11-29, bf16, 16 heads, block 64, interleaved repeats (overhead vs no block_logit), with the
+per-row -inf fill: d 128: split 1.3-4.0 %, fused 2.8-5.5 %, deferred -0.4-1.2 % non-causal and 2.1-3.9 %
+causal; d 64: split 7.0-10.5 %, fused 3.1-8.5 %, deferred 4.0-5.8 %. After the flat fill (Note [filling
+unvisited blocks] in common/block_logit.py), d 64 causal 4K / 16K: split 2.0-2.3 %, fused 5.4-6.4 %,
+deferred 1.0-1.5 %, so ``default_bl_reduce`` is now ``deferred`` everywhere; ``fused`` and ``split`` stay
+selectable (``FlashFwdSm90(cfg, bl_reduce=...)``) for experiments. All three are bitwise
 identical (fmax is exact; the same stores), which tests/gpu/test_fwd_sm90_bl_reduce.py checks.
 
 Note [bl_store="producer"] (opt-in, ``FlashFwdSm90(cfg, bl_store="producer")`` /
@@ -110,9 +111,9 @@ BL_REDUCE_MODES = ("split", "fused", "deferred")
 
 
 def default_bl_reduce(cfg: FwdConfig) -> str:
-    """The measured-best mode of Note [block_logit reduce modes] for ``cfg``."""
-    if cfg.head_dim <= 64 and (cfg.causal or cfg.has_window):
-        return "fused"
+    """The measured-best mode of Note [block_logit reduce modes] (``deferred`` for every config measured
+    since the flat -inf fill; ``cfg`` is kept so a later measurement can pick per config again)."""
+    del cfg
     return "deferred"
 
 
