@@ -66,7 +66,7 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
 ``pin_row(gOwn) -> Int64`` / ``row_at(addr, layout) -> Tensor``
     Compute a row view's address once (outside the key-tile loop) as an opaque register and
     rebuild the view from it inside the loop.
-``fill_unvisited(gRows, num_rows, nb, block_lo, block_hi, thread, num_threads, warp_size)``
+``fill_unvisited(gRows, num_rows, nb, block_lo, block_hi, thread, num_threads)``
     -inf for blocks ``[0, block_lo)`` and ``[block_hi, nb)`` of rows ``[0, num_rows)`` of a tile
     (key tiles the kernel never visits: causal future, left of a window, rows with no keys, blocks
     past this sequence's keys in varlen). One flat walk over (row, 4-column group) items, 16-byte
@@ -307,11 +307,11 @@ FILL_VEC = 4  # fp32 per vector store of fill_unvisited (16 bytes)
 
 @cute.jit
 def fill_unvisited(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_lo: Int32, block_hi: Int32,
-                   thread: Int32, num_threads: cutlass.Constexpr, warp_size: cutlass.Constexpr = 32):
+                   thread: Int32, num_threads: cutlass.Constexpr):
     """-inf into blocks [0, block_lo) and [block_hi, nb) of rows [0, num_rows) of ``gRows`` (rows, nb).
 
     With no visited tile (block_lo >= block_hi) the whole row is filled. See Note [filling unvisited
-    blocks] (``warp_size`` is kept for callers; the flat walk does not need it).
+    blocks].
     """
     lo = cutlass.min(block_lo, nb)
     hi = cutlass.max(block_hi, lo)
