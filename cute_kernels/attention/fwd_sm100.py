@@ -69,7 +69,8 @@ from .config import FwdConfig
 # Key tiles outside [n_begin, n_end) of a work tile are never loaded: every key in them is masked
 # for every row of the tile (causal future, left of the window, past this sequence's keys), so
 # their blocks are -inf by definition. The softmax WG writes those entries itself after its key
-# loop (fill_unvisited, coalesced), and writes all nb entries of rows that see no key at all.
+# loop (fill_unvisited_by_row, coalesced: the flat fill_unvisited spills at head_dim 256 here), and
+# writes all nb entries of rows that see no key at all.
 # Visited tiles store every block they cover (fully masked blocks come out -inf from the mask),
 # so each entry of [0, nb) of a valid row is written exactly once and no pre-fill is needed.
 
@@ -661,7 +662,7 @@ class FlashFwdSm100:
                 if has_rows:
                     block_lo, block_hi = blk.visited_block_range(self.bl_shape, n_begin, n_end)
                     stage_rows = cutlass.max(cutlass.min(seqlen_q - stage_row0, TILE_M), 0)
-                    blk.fill_unvisited(gBL, stage_rows, gBL.shape[1], block_lo, block_hi, tidx, TILE_M)
+                    blk.fill_unvisited_by_row(gBL, stage_rows, gBL.shape[1], block_lo, block_hi, tidx, TILE_M)
             work_idx += cute.arch.grid_dim()[0]
 
     @cute.jit

@@ -71,6 +71,9 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
     (key tiles the kernel never visits: causal future, left of a window, rows with no keys, blocks
     past this sequence's keys in varlen). One flat walk over (row, 4-column group) items, 16-byte
     stores where rows are 16-byte aligned (Note [filling unvisited blocks]).
+``fill_unvisited_by_row(gRows, num_rows, nb, block_lo, block_hi, thread, num_threads, warp_size)``
+    The same entries, one row per warp and one column per lane: fewer live registers, more
+    instructions (for a caller at its register limit: the SM100 softmax warpgroup).
 ``visited_block_range(shape, n_tile_min, n_tile_max) -> (block_lo, block_hi)``
     The blocks touched by the visited key tiles ``[n_tile_min, n_tile_max)``.
 ``stage_partials(shape, sRows, blk)``
@@ -324,6 +327,27 @@ def fill_unvisited(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_lo: Int
     _fill_columns(gRows, num_rows, hi, nb, vec_ok, thread, num_threads)
 
 
+@cute.jit
+def fill_unvisited_by_row(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_lo: Int32, block_hi: Int32,
+                          thread: Int32, num_threads: cutlass.Constexpr, warp_size: cutlass.Constexpr = 32):
+    """``fill_unvisited`` with the fewest live registers: one row per warp at a time, one column per lane,
+    scalar stores. For callers at their register limit (the SM100 softmax warpgroup, where the flat
+    walk's extra loop state spills at head_dim 256); more instructions per stored value."""
+    num_warps = num_threads // warp_size
+    warp = thread // warp_size
+    lane = thread % warp_size
+    lo = cutlass.min(block_lo, nb)
+    hi = cutlass.max(block_hi, lo)
+    if block_lo >= block_hi:
+        lo = nb
+        hi = nb
+    for r in cutlass.range(warp, num_rows, num_warps, unroll=1):
+        for c in cutlass.range(lane, lo, warp_size, unroll=1):
+            gRows[r, c] = -Float32.inf
+        for c in cutlass.range(hi + lane, nb, warp_size, unroll=1):
+            gRows[r, c] = -Float32.inf
+
+
 # Note [filling unvisited blocks]: the unvisited blocks of a work tile are one or two column ranges
 # shared by all its rows (causal future, left of a window), often most of a row for the light query
 # tiles of a causal pass. They are walked as ONE flat sequence of (row, group of FILL_VEC columns) items,
@@ -332,8 +356,9 @@ def fill_unvisited(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_lo: Int
 # costs two divisions per range and a few integer ops per item, not a loop per row. A group wholly
 # inside the range is one 16-byte store when rows are 16-byte aligned, otherwise (range edges, or
 # unaligned rows) up to FILL_VEC predicated scalar stores. Consecutive threads take consecutive groups,
-# so a warp writes whole rows contiguously. (The per-row loop this replaces cost ~25 instructions per
-# row on the SM90 fill warps and about 2 % of the short causal passes on the H200.)
+# so a warp writes whole rows contiguously. (The per-row loop, ``fill_unvisited_by_row``, costs ~25
+# instructions per row; on the SM90 fill warps that was about 2 % of the short causal passes on the H200.
+# It stays for the SM100 softmax warpgroup, where the flat walk's loop state spills at head_dim 256.)
 @cute.jit
 def _fill_columns(gRows: cute.Tensor, num_rows: Int32, c_begin: Int32, c_end: Int32, vec_ok,
                   thread: Int32, num_threads: cutlass.Constexpr):
