@@ -51,7 +51,7 @@ H200, 2026-11-29, bf16, 16 heads, block 64, interleaved repeats (overhead vs no 
 per-row -inf fill: d 128: split 1.3-4.0 %, fused 2.8-5.5 %, deferred -0.4-1.2 % non-causal and 2.1-3.9 %
 causal; d 64: split 7.0-10.5 %, fused 3.1-8.5 %, deferred 4.0-5.8 %. After the flat fill (Note [filling
 unvisited blocks] in common/block_logit.py), d 64 causal 4K / 16K: split 2.0-2.3 %, fused 5.4-6.4 %,
-deferred 1.0-1.5 %, so ``default_bl_reduce`` is now ``deferred`` everywhere; ``fused`` and ``split`` stay
+deferred 1.0-1.5 %, so ``DEFAULT_BL_REDUCE`` is ``deferred`` for every config; ``fused`` and ``split`` stay
 selectable (``FlashFwdSm90(cfg, bl_reduce=...)``) for experiments. All three are bitwise
 identical (fmax is exact; the same stores), which tests/gpu/test_fwd_sm90_bl_reduce.py checks.
 
@@ -110,11 +110,8 @@ BL_REDUCER_THREADS = 3 * 32
 BL_REDUCE_MODES = ("split", "fused", "deferred")
 
 
-def default_bl_reduce(cfg: FwdConfig) -> str:
-    """The measured-best mode of Note [block_logit reduce modes] (``deferred`` for every config measured
-    since the flat -inf fill; ``cfg`` is kept so a later measurement can pick per config again)."""
-    del cfg
-    return "deferred"
+#: The measured-best mode of Note [block_logit reduce modes] for every config measured since the flat -inf fill.
+DEFAULT_BL_REDUCE = "deferred"
 
 
 def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
@@ -143,7 +140,7 @@ class FlashFwdSm90:
         # See Note [bl_store="producer"]; only meaningful with block_logit.
         self.bl_producer = bl_store == "producer" and cfg.has_block_logit
         if bl_reduce is None:
-            bl_reduce = default_bl_reduce(cfg)
+            bl_reduce = DEFAULT_BL_REDUCE
         if bl_reduce not in BL_REDUCE_MODES:
             raise ValueError(f"FlashFwdSm90: bl_reduce must be one of {BL_REDUCE_MODES}, got {bl_reduce!r}")
         # See Note [block_logit reduce modes]; all three are bitwise the same. They differ only with

@@ -309,6 +309,18 @@ FILL_VEC = 4  # fp32 per vector store of fill_unvisited (16 bytes)
 
 
 @cute.jit
+def _unvisited_bounds(nb: Int32, block_lo: Int32, block_hi: Int32):
+    """(lo, hi): the unvisited blocks of a row are [0, lo) and [hi, nb); the whole row when no tile was
+    visited (block_lo >= block_hi)."""
+    lo = cutlass.min(block_lo, nb)
+    hi = cutlass.max(block_hi, lo)
+    if block_lo >= block_hi:
+        lo = nb
+        hi = nb
+    return lo, hi
+
+
+@cute.jit
 def fill_unvisited(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_lo: Int32, block_hi: Int32,
                    thread: Int32, num_threads: cutlass.Constexpr):
     """-inf into blocks [0, block_lo) and [block_hi, nb) of rows [0, num_rows) of ``gRows`` (rows, nb).
@@ -316,11 +328,7 @@ def fill_unvisited(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_lo: Int
     With no visited tile (block_lo >= block_hi) the whole row is filled. See Note [filling unvisited
     blocks].
     """
-    lo = cutlass.min(block_lo, nb)
-    hi = cutlass.max(block_hi, lo)
-    if block_lo >= block_hi:
-        lo = nb
-        hi = nb
+    lo, hi = _unvisited_bounds(nb, block_lo, block_hi)
     # 16-byte stores need 16-byte aligned rows: a 16-byte aligned buffer and a row stride that keeps it.
     vec_ok = (gRows.iterator.toint() % (4 * FILL_VEC) == 0) and (gRows.stride[0] % FILL_VEC == 0)
     _fill_columns(gRows, num_rows, Int32(0), lo, vec_ok, thread, num_threads)
@@ -336,11 +344,7 @@ def fill_unvisited_by_row(gRows: cute.Tensor, num_rows: Int32, nb: Int32, block_
     num_warps = num_threads // warp_size
     warp = thread // warp_size
     lane = thread % warp_size
-    lo = cutlass.min(block_lo, nb)
-    hi = cutlass.max(block_hi, lo)
-    if block_lo >= block_hi:
-        lo = nb
-        hi = nb
+    lo, hi = _unvisited_bounds(nb, block_lo, block_hi)
     for r in cutlass.range(warp, num_rows, num_warps, unroll=1):
         for c in cutlass.range(lane, lo, warp_size, unroll=1):
             gRows[r, c] = -Float32.inf

@@ -52,7 +52,8 @@ def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=
         numel = math.prod(bl_shape) * nb
         storage = torch.full((bl_offset + numel,), SENTINEL, device=q.device, dtype=torch.float32)
         bl = storage[bl_offset:].view(*bl_shape, nb)
-        bl.fill_(SENTINEL if fill is None else fill)
+        if fill is not None:
+            bl.fill_(fill)
     if bl_reduce is None:
         run_fwd(cfg, q, k, v, out, lse, bl, cu_q, cu_k, softmax_scale=scale, softcap=softcap,
                 window_left=window[0], window_right=window[1], max_seqlen_q=max_sq, bl_store=bl_store)
