@@ -32,8 +32,10 @@ into (no memset launch):
     lse_log2  [B, Hq, Sq_pad]     ([Hq, total_q_pad])       LSE * log2(e); -inf rows -> +inf (P = 0)
     dpsum     [B, Hq, Sq_pad]     ([Hq, total_q_pad])       D (minus dLSE)
     dq_accum  [B, Hq, Sq_pad, D]  ([Hq, total_q_pad, D])    row-major; zeroed by the preprocess
-    dq_sem    int32 [B, Hq, Sq_pad // ACCUM_ROW_PAD]  ([Hq, total_q_pad // ACCUM_ROW_PAD])
-              only when ``deterministic``: per-(row block) turn counters, zeroed by the preprocess
+    dq_sem    int32 [B, Hq, Sq_pad // DQ_SEM_ROWS]  ([Hq, total_q_pad // DQ_SEM_ROWS])
+              only when ``deterministic``: one turn counter per DQ_SEM_ROWS (64) accumulator rows,
+              zeroed by the preprocess. A kernel whose tile_m is a multiple of 64 uses the counter of
+              its query tile's first 64-row block (``dq_sem_index``); the others stay 0.
 
 Sq_pad = round_up(Sq, ACCUM_ROW_PAD). For varlen, sequence b's rows start at
 ``accum_row_start(cu_seqlens_q[b], b)`` (a multiple of ACCUM_ROW_PAD) and
@@ -49,6 +51,8 @@ from typing import Any, NamedTuple
 
 #: Row padding of the fp32 accumulators and row statistics: a multiple of every backward tile_m.
 ACCUM_ROW_PAD = 128
+#: Accumulator rows per deterministic-dQ turn counter (the smallest backward tile_m; divides ACCUM_ROW_PAD).
+DQ_SEM_ROWS = 64
 
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128))
 DTYPES = ("bfloat16", "float16")
@@ -94,6 +98,12 @@ def varlen_accum_rows(total_q: int, batch: int) -> int:
     return round_up(int(total_q) + ACCUM_ROW_PAD * int(batch), ACCUM_ROW_PAD)
 
 
+def dq_sem_index(accum_row: int) -> int:
+    """Turn counter of the query tile whose first accumulator row is ``accum_row`` (device code: the
+    same expression, ``accum_row // DQ_SEM_ROWS``)."""
+    return int(accum_row) // DQ_SEM_ROWS
+
+
 def workspace_shapes(cfg: BwdConfig, *, batch: int, seqlen_q: int, num_heads: int,
                      total_q: int = 0) -> dict:
     """``{name: (shape, dtype)}`` of the workspace one call needs (see the module docstring).
@@ -112,7 +122,7 @@ def workspace_shapes(cfg: BwdConfig, *, batch: int, seqlen_q: int, num_heads: in
         "dq_accum": (lead + [cfg.head_dim], "float32"),
     }
     if cfg.deterministic:
-        out["dq_sem"] = (lead[:-1] + [rows // ACCUM_ROW_PAD], "int32")
+        out["dq_sem"] = (lead[:-1] + [rows // DQ_SEM_ROWS], "int32")
     return out
 
 
