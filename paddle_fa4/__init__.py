@@ -3,6 +3,8 @@
 Public API (see ``docs/api.md`` for exact semantics):
 
 - :func:`flash_attn_fwd` — attention forward with fused ``block_logit`` and natural-log LSE
+  (differentiable w.r.t. q, k, v through autograd)
+- :func:`flash_attn_bwd` — its backward as a low-level op, for callers managing their own autograd
 - :func:`block_log_weight`, :func:`select_topk_blocks`, :func:`blocks_to_indices` — block selection
 - :func:`indexed_attention`, :func:`indexed_attention_plan` — sparse attention over token indices
 - :mod:`paddle_fa4.h2o` — heavy-hitter (H2O) decode ops on the paged KV layout
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "flash_attn_fwd": "attention",
+    "flash_attn_bwd": "attention",
     "block_log_weight": "selection",
     "select_topk_blocks": "selection",
     "blocks_to_indices": "selection",

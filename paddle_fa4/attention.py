@@ -1,10 +1,17 @@
-"""Attention forward with fused ``block_logit`` and natural-log LSE. See ``docs/api.md``.
+"""Attention forward with fused ``block_logit`` and natural-log LSE, its backward and autograd.
+See ``docs/api.md``.
 
 :func:`flash_attn_fwd` validates its arguments into a frozen :class:`AttnFwdSpec`, resolves the
 backend, allocates the outputs with ``paddle.empty`` on ``q.place`` (a caller's ``block_logit``
 buffer is used as is) and calls an out-parameter implementation: the pure-Paddle reference
 (``paddle_fa4.reference.attention``) or the CuTe glue (``paddle_fa4._cute.attention``), both with
 the call ``impl.flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k)``.
+
+When an input needs gradients (and grad mode is on) the forward runs inside the private PyLayer
+``_FlashAttnFn``, whose backward calls ``impl.flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse,
+dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic=...) -> (dq, dk, dv)`` on the backward's own
+backend (``_bwd_backend``: ``auto`` may run the CuTe forward and the reference backward).
+:func:`flash_attn_bwd` is the same backward as a public op, validated with the forward's rules.
 """
 
 from __future__ import annotations
@@ -14,10 +21,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from paddle.autograd import PyLayer
+
 from . import _validate as V
+from ._bridge import as_contiguous
 from .backend import resolve_backend
 
 OP = "flash_attn_fwd"
+BWD_OP = "flash_attn_bwd"
 
 #: block_logit key-block sizes.
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -90,7 +101,7 @@ class AttnFwdSpec:
 def flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    block_logit=None, block_size=64, return_block_logit=False, pack_gqa=None,
-                   backend="auto"):
+                   backend="auto", *, deterministic=False):
     r"""Attention forward; optionally the per-(row, key block) max logit ``block_logit``.
 
     Row ``i`` of a sequence with lengths ``(Sq, Sk)`` sees key ``t`` when
@@ -122,6 +133,8 @@ def flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None,
         pack_gqa (bool, optional): GQA packing hint for the kernels; results do not depend on it.
             True cannot be combined with ``block_logit``; None resolves to no packing then.
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
+        deterministic (bool): keyword-only; the backward of this call (autograd) is bitwise
+            reproducible (see :func:`flash_attn_bwd`). The forward is deterministic either way.
 
     Returns:
         tuple: ``(out, lse)``, or ``(out, lse, block_logit)`` when ``block_logit`` is given or
@@ -129,14 +142,17 @@ def flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None,
         in q's dtype, 0 on rows with no visible key; ``lse`` float32 ``[B, Hq, Sq]`` (varlen
         ``[Hq, total_q]``), natural log of the softmax normaliser, -inf on rows with no visible
         key; ``block_logit`` float32, the max visible logit of each key block (block indices
-        relative to each sequence's start), -inf where the block has no visible key. All
-        outputs have ``stop_gradient=True``.
+        relative to each sequence's start), -inf where the block has no visible key.
+        ``out`` is differentiable w.r.t. ``q``, ``k`` and ``v`` (those with
+        ``stop_gradient=False``) when gradients are enabled; ``lse`` and ``block_logit`` always
+        have ``stop_gradient=True``.
 
     Raises:
         TypeError: a tensor argument of the wrong type or dtype, or a non-int/float option.
         ValueError: inconsistent shapes or places, bad ``cu_seqlens``/``block_size``/``window_size``/
             ``softcap``, ``pack_gqa=True`` with ``block_logit``, or an unknown ``backend``.
-        NotImplementedError: a head dim above 256, or ``backend="cute"`` when no kernel applies.
+        NotImplementedError: a head dim above 256, or ``backend="cute"`` when no kernel applies
+            (for inputs that need gradients: when no backward kernel applies either).
 
     Examples:
         .. code-block:: pycon
@@ -153,19 +169,208 @@ def flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None,
 
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa)
-    impl = _impl(resolve_backend(OP, backend, q, functools.partial(_unsupported_reason, spec=spec)))
-    out = paddle.empty(spec.out_shape(), dtype=q.dtype, device=q.place)
-    lse = paddle.empty(spec.lse_shape(), dtype="float32", device=q.place)
+    V.check_bool(OP, "deterministic", deterministic)
+    fwd_backend = resolve_backend(OP, backend, q, functools.partial(_unsupported_reason, spec=spec))
     if spec.has_block_logit and block_logit is None:
         block_logit = paddle.empty(spec.block_logit_shape(), dtype="float32", device=q.place)
-    if _is_empty(spec):
-        _fill_no_keys(out, lse, block_logit)
+    if not spec.has_block_logit:
+        block_logit = None
+    if _needs_grad(q, k, v):
+        bwd_backend = _bwd_backend(backend, q, spec, deterministic, has_dlse=False)
+        out, lse = _FlashAttnFn.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, block_logit, spec, fwd_backend,
+                                      bwd_backend, deterministic)
     else:
-        impl.flash_attn_fwd(spec, q, k, v, out, lse, block_logit if spec.has_block_logit else None,
-                            cu_seqlens_q, cu_seqlens_k)
+        out, lse = _forward(spec, fwd_backend, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k)
     if spec.has_block_logit:
         return out, lse, block_logit
     return out, lse
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd must record the call: grad mode on and some input not frozen."""
+    import paddle
+
+    return paddle.is_grad_enabled() and any(not t.stop_gradient for t in tensors)
+
+
+def _forward(spec: AttnFwdSpec, backend: str, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k):
+    """``(out, lse)`` of a validated call on the resolved backend; ``block_logit`` (or None) is filled."""
+    import paddle
+
+    out = paddle.empty(spec.out_shape(), dtype=q.dtype, device=q.place)
+    lse = paddle.empty(spec.lse_shape(), dtype="float32", device=q.place)
+    if _is_empty(spec):
+        _fill_no_keys(out, lse, block_logit)
+    else:
+        _impl(backend).flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k)
+    return out, lse
+
+
+class _FlashAttnFn(PyLayer):
+    """Autograd of :func:`flash_attn_fwd`, shared by both backends.
+
+    Tensor inputs (Paddle counts them strictly, one backward slot each): q, k, v, then each of
+    cu_seqlens_q, cu_seqlens_k and block_logit that is not None. ``block_logit`` is an in-place
+    output (filled by the forward, never differentiated). Saved: q, k, v, out, lse (and the
+    cu_seqlens of a varlen call, which its backward reads); never block_logit.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_logit, spec, fwd_backend, bwd_backend,
+                deterministic):
+        out, lse = _forward(spec, fwd_backend, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k)
+        ctx.state = (spec, bwd_backend, deterministic)
+        ctx.needs_grad = tuple(not t.stop_gradient for t in (q, k, v))
+        ctx.extra_slots = sum(t is not None for t in (cu_seqlens_q, cu_seqlens_k, block_logit))
+        if spec.varlen:
+            ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        import paddle
+
+        if paddle.is_grad_enabled():
+            raise NotImplementedError(
+                f"{OP}: double backward (create_graph=True) is not supported; its backward is not "
+                f"differentiable")
+        spec, bwd_backend, deterministic = ctx.state
+        saved = ctx.saved_tensor()
+        q, k, v, out, lse = saved[:5]
+        cu_seqlens_q, cu_seqlens_k = saved[5:] if spec.varlen else (None, None)
+        # lse is not differentiable (dlse is Paddle's materialised zeros): the backward reads dout only.
+        if not any(ctx.needs_grad):
+            grads = (None, None, None)
+        else:
+            if dout is None:
+                dout = paddle.zeros_like(out)
+            grads = _backward(spec, bwd_backend, as_contiguous(dout), q, k, v, out, lse, None, None, None,
+                              None, cu_seqlens_q, cu_seqlens_k, deterministic)
+        return tuple(g if need else None for need, g in zip(ctx.needs_grad, grads)) + (None,) * ctx.extra_slots
+
+
+def _backward(spec: AttnFwdSpec, backend: str, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
+              cu_seqlens_k, deterministic: bool):
+    """``(dq, dk, dv)`` of a validated call on the resolved backward backend (out-params or None)."""
+    if _is_empty(spec):  # no row sees a key: every gradient is zero, nothing to launch
+        return tuple(_zeros_into(g, t) for g, t in ((dq, q), (dk, k), (dv, v)))
+    return _impl(backend).flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
+                                         cu_seqlens_k, deterministic=deterministic)
+
+
+def _zeros_into(buf, like):
+    """A zero gradient shaped like ``like``: written into ``buf`` when given."""
+    import paddle
+
+    with paddle.no_grad():
+        zeros = paddle.zeros(like.shape, dtype=like.dtype, device=like.place)
+        if buf is None:
+            return zeros
+        if not V.is_empty(buf):
+            paddle.assign(zeros, buf)
+        return buf
+
+
+def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(None, None),
+                   softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                   dlse=None, deterministic=False, dq=None, dk=None, dv=None, backend="auto"):
+    r"""Attention backward: ``(dq, dk, dv)`` of a :func:`flash_attn_fwd` call, for callers that run
+    their own autograd or recompute (e.g. a PaddleFleet PyLayer).
+
+    Same mask, scale, softcap, GQA and varlen semantics (and the same argument checks) as
+    :func:`flash_attn_fwd`. With ``P = exp(s - lse)`` over the visible keys,
+    ``D = rowsum(dout * out) - dlse``, ``dP = dout V^T`` and ``dS = P * (dP - D)`` (times
+    ``1 - tanh^2(s / softcap)`` with softcap), the results are ``dq = softmax_scale dS K``,
+    ``dk = softmax_scale dS^T Q`` (summed over the query heads of each kv head) and ``dv = P^T dout``.
+    Rows without a visible key (``lse = -inf``) contribute nothing; key rows no query sees get 0.
+
+    Args:
+        dout (Tensor): gradient of ``out``, ``out``'s shape and q's dtype. A non-contiguous
+            tensor is copied.
+        q, k, v (Tensor): the forward's inputs.
+        out (Tensor): the forward's ``out`` (``[B, Sq, Hq, Dv]``, varlen ``[total_q, Hq, Dv]``).
+        lse (Tensor): the forward's float32 ``lse`` (``[B, Hq, Sq]``, varlen ``[Hq, total_q]``).
+        softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k: exactly as passed to the forward.
+        dlse (Tensor, optional): float32 gradient of ``lse`` (``lse``'s shape), for callers whose
+            loss reads ``lse``; None = 0.
+        deterministic (bool): bitwise reproducible results (the CuTe kernels then sum dq in a fixed
+            order; the reference is deterministic anyway).
+        dq, dk, dv (Tensor, optional): out-parameters (shape and dtype of q, k, v), every element
+            written; allocated with ``paddle.empty`` when None.
+        backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
+
+    Returns:
+        tuple: ``(dq, dk, dv)`` in the dtypes of q, k, v, ``stop_gradient=True``.
+
+    Raises:
+        TypeError: a non-tensor argument; ``dout``/``out`` not q's dtype, ``lse``/``dlse`` not
+            float32, an out-parameter of the wrong dtype; the forward's type errors.
+        ValueError: ``dout``/``out``/``lse``/``dlse``/an out-parameter of the wrong shape or place;
+            the forward's value errors; an unknown ``backend``.
+        NotImplementedError: a head dim above 256, or ``backend="cute"`` when no backward kernel
+            applies.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> q = paddle.randn([1, 8, 2, 16])
+            >>> out, lse = paddle_fa4.flash_attn_fwd(q, q, q, causal=True, backend="reference")
+            >>> dq, dk, dv = paddle_fa4.flash_attn_bwd(paddle.ones_like(out), q, q, q, out, lse, causal=True,
+            ...                                        backend="reference")
+            >>> dq.shape, dv.shape
+            (paddle.Size([1, 8, 2, 16]), paddle.Size([1, 8, 2, 16]))
+    """
+    spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, None, 64, False, None, op=BWD_OP)
+    _check_bwd_tensors(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv)
+    V.check_bool(BWD_OP, "deterministic", deterministic)
+    name = _bwd_backend(backend, q, spec, deterministic, has_dlse=dlse is not None)
+    return _backward(spec, name, as_contiguous(dout), q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
+                     cu_seqlens_k, deterministic)
+
+
+def _bwd_backend(backend: str, q, spec: AttnFwdSpec, deterministic: bool, has_dlse: bool) -> str:
+    """The backend of a backward call: ``auto`` takes the CuTe backward only when its launcher imports
+    and supports this case on the GPU's arch (independently of the forward's choice)."""
+    return resolve_backend(BWD_OP, backend, q, functools.partial(
+        _bwd_unsupported_reason, spec=spec, deterministic=deterministic, has_dlse=has_dlse), stacklevel=4)
+
+
+def _bwd_unsupported_reason(arch: int, spec: AttnFwdSpec, deterministic: bool, has_dlse: bool) -> Optional[str]:
+    from ._cute import attention as glue
+
+    return glue.bwd_unsupported_reason(arch, spec, deterministic, has_dlse)
+
+
+def _check_bwd_tensors(spec: AttnFwdSpec, dout, q, k, v, out, lse, dlse, dq, dk, dv) -> None:
+    """Types, dtypes, shapes and places of :func:`flash_attn_bwd`'s own tensors."""
+    op = BWD_OP
+    optional = {"dlse": dlse, "dq": dq, "dk": dk, "dv": dv}
+    for name, t in {"dout": dout, "out": out, "lse": lse, **optional}.items():
+        if t is not None or name not in optional:
+            V.check_tensor(op, name, t)
+    out_layout = "[total_q, Hq, Dv]" if spec.varlen else "[B, Sq, Hq, Dv]"
+    lse_layout = "[Hq, total_q]" if spec.varlen else "[B, Hq, Sq]"
+    for name, t in (("dout", dout), ("out", out)):
+        if V.dtype_name(t) != spec.dtype:
+            raise TypeError(f"{op}: {name} must have q's dtype {spec.dtype}, got {V.dtype_name(t)}")
+        V.check_shape(op, name, t, spec.out_shape(), out_layout + " matching q and v")
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is not None:
+            V.check_dtype(op, name, t, ("float32",))
+            V.check_shape(op, name, t, spec.lse_shape(), lse_layout)
+    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if t is not None:
+            if V.dtype_name(t) != V.dtype_name(like):
+                raise TypeError(f"{op}: {name} must have {name[1]}'s dtype {V.dtype_name(like)}, got "
+                                f"{V.dtype_name(t)}")
+            V.check_shape(op, name, t, list(like.shape), f"{name[1]}'s shape")
+    V.check_same_place(op, {"q": q, "dout": dout, "out": out, "lse": lse, **optional})
 
 
 def _unsupported_reason(arch: int, spec: AttnFwdSpec) -> Optional[str]:
@@ -207,35 +412,37 @@ def _fill_no_keys(out, lse, block_logit) -> None:
 
 def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
               max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit,
-              pack_gqa) -> AttnFwdSpec:
-    """Check every argument of :func:`flash_attn_fwd` and return the call's spec."""
+              pack_gqa, op: str = OP) -> AttnFwdSpec:
+    """Check every argument of :func:`flash_attn_fwd` and return the call's spec.
+
+    ``op`` names the op in error messages (:func:`flash_attn_bwd` validates with the same rules)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("block_logit", block_logit)):
         if t is not None or name != "block_logit":
-            V.check_tensor(OP, name, t)
-    dtype = V.check_dtype(OP, "q", q, V.REFERENCE_FLOAT_DTYPES)
+            V.check_tensor(op, name, t)
+    dtype = V.check_dtype(op, "q", q, V.REFERENCE_FLOAT_DTYPES)
     for name, t in (("k", k), ("v", v)):
         if V.dtype_name(t) != dtype:
-            raise TypeError(f"{OP}: {name} must have q's dtype {dtype}, got {V.dtype_name(t)}")
-    varlen = _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    dims = _check_shapes(q, k, v, varlen, cu_seqlens_q)
-    V.check_same_place(OP, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
+            raise TypeError(f"{op}: {name} must have q's dtype {dtype}, got {V.dtype_name(t)}")
+    varlen = _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, op)
+    dims = _check_shapes(q, k, v, varlen, cu_seqlens_q, op)
+    V.check_same_place(op, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                             "cu_seqlens_k": cu_seqlens_k, "block_logit": block_logit})
     if varlen:
-        seqlen_q = V.check_int(OP, "max_seqlen_q", max_seqlen_q, low=0)
-        seqlen_k = V.check_int(OP, "max_seqlen_k", max_seqlen_k, low=0)
-        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dims["total_q"], seqlen_q, "max_seqlen_q")
-        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, dims["total_k"], seqlen_k, "max_seqlen_k")
+        seqlen_q = V.check_int(op, "max_seqlen_q", max_seqlen_q, low=0)
+        seqlen_k = V.check_int(op, "max_seqlen_k", max_seqlen_k, low=0)
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dims["total_q"], seqlen_q, "max_seqlen_q", op)
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, dims["total_k"], seqlen_k, "max_seqlen_k", op)
     else:
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    causal = V.check_bool(OP, "causal", causal)
-    window_left, window_right, causal = _check_window(window_size, causal)
-    softcap = V.check_float(OP, "softcap", softcap, low=0.0)
-    scale = dims["head_dim"] ** -0.5 if softmax_scale is None else V.check_float(OP, "softmax_scale", softmax_scale)
-    V.check_int(OP, "block_size", block_size)
-    V.check_choice(OP, "block_size", block_size, BLOCK_SIZES)
-    V.check_bool(OP, "return_block_logit", return_block_logit)
+    causal = V.check_bool(op, "causal", causal)
+    window_left, window_right, causal = _check_window(window_size, causal, op)
+    softcap = V.check_float(op, "softcap", softcap, low=0.0)
+    scale = dims["head_dim"] ** -0.5 if softmax_scale is None else V.check_float(op, "softmax_scale", softmax_scale)
+    V.check_int(op, "block_size", block_size)
+    V.check_choice(op, "block_size", block_size, BLOCK_SIZES)
+    V.check_bool(op, "return_block_logit", return_block_logit)
     wants_block_logit = block_logit is not None or return_block_logit
-    packed = _check_pack_gqa(pack_gqa, wants_block_logit)
+    packed = _check_pack_gqa(pack_gqa, wants_block_logit, op)
     num_blocks = -(-seqlen_k // block_size) if wants_block_logit else 0
     spec = AttnFwdSpec(
         batch=dims["batch"], seqlen_q=seqlen_q, seqlen_k=seqlen_k, total_q=dims["total_q"],
@@ -245,124 +452,124 @@ def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q
         window_right=window_right, block_size=block_size if wants_block_logit else 0,
         num_blocks=num_blocks, pack_gqa=packed)
     if block_logit is not None:
-        _check_block_logit_buffer(block_logit, spec)
+        _check_block_logit_buffer(block_logit, spec, op)
     return spec
 
 
-def _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
+def _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, op: str = OP) -> bool:
     """True for a varlen call; both cu_seqlens and both max_seqlen must come together."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
-                raise ValueError(f"{OP}: {name} is only used with cu_seqlens_q/cu_seqlens_k (varlen)")
+                raise ValueError(f"{op}: {name} is only used with cu_seqlens_q/cu_seqlens_k (varlen)")
         return False
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t is None:
-            raise ValueError(f"{OP}: {name} is required when the other cu_seqlens is given (varlen)")
-        V.check_tensor(OP, name, t)
-        V.check_dtype(OP, name, t, ("int32",))
-        V.check_rank(OP, name, t, (1,), "1-D [B + 1]")
+            raise ValueError(f"{op}: {name} is required when the other cu_seqlens is given (varlen)")
+        V.check_tensor(op, name, t)
+        V.check_dtype(op, name, t, ("int32",))
+        V.check_rank(op, name, t, (1,), "1-D [B + 1]")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-        raise ValueError(f"{OP}: cu_seqlens_q and cu_seqlens_k must have the same length [B + 1], got "
+        raise ValueError(f"{op}: cu_seqlens_q and cu_seqlens_k must have the same length [B + 1], got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     if cu_seqlens_q.shape[0] < 1:
-        raise ValueError(f"{OP}: cu_seqlens_q must have at least one entry (B + 1), got 0")
+        raise ValueError(f"{op}: cu_seqlens_q must have at least one entry (B + 1), got 0")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is None:
-            raise ValueError(f"{OP}: {name} is required with cu_seqlens (varlen)")
+            raise ValueError(f"{op}: {name} is required with cu_seqlens (varlen)")
     return True
 
 
-def _check_shapes(q, k, v, varlen: bool, cu_seqlens_q) -> dict:
+def _check_shapes(q, k, v, varlen: bool, cu_seqlens_q, op: str = OP) -> dict:
     """Ranks, shape agreement and head counts; returns the call's dimensions."""
     if varlen:
-        V.check_rank(OP, "q", q, (3,), "[total_q, Hq, D] with cu_seqlens")
-        V.check_rank(OP, "k", k, (3,), "[total_k, Hkv, D] with cu_seqlens")
-        V.check_rank(OP, "v", v, (3,), "[total_k, Hkv, Dv] with cu_seqlens")
+        V.check_rank(op, "q", q, (3,), "[total_q, Hq, D] with cu_seqlens")
+        V.check_rank(op, "k", k, (3,), "[total_k, Hkv, D] with cu_seqlens")
+        V.check_rank(op, "v", v, (3,), "[total_k, Hkv, Dv] with cu_seqlens")
         total_q, hq, d = q.shape
         total_k, hkv, dk = k.shape
         batch = cu_seqlens_q.shape[0] - 1
         if list(v.shape[:2]) != [total_k, hkv]:
-            raise ValueError(f"{OP}: v must be [total_k, Hkv, Dv] = [{total_k}, {hkv}, Dv] like k, "
+            raise ValueError(f"{op}: v must be [total_k, Hkv, Dv] = [{total_k}, {hkv}, Dv] like k, "
                              f"got {list(v.shape)}")
     else:
-        V.check_rank(OP, "q", q, (4,), "[B, Sq, Hq, D] (or [total_q, Hq, D] with cu_seqlens)")
-        V.check_rank(OP, "k", k, (4,), "[B, Sk, Hkv, D]")
-        V.check_rank(OP, "v", v, (4,), "[B, Sk, Hkv, Dv]")
+        V.check_rank(op, "q", q, (4,), "[B, Sq, Hq, D] (or [total_q, Hq, D] with cu_seqlens)")
+        V.check_rank(op, "k", k, (4,), "[B, Sk, Hkv, D]")
+        V.check_rank(op, "v", v, (4,), "[B, Sk, Hkv, Dv]")
         batch, sq, hq, d = q.shape
         bk, sk, hkv, dk = k.shape
         if bk != batch:
-            raise ValueError(f"{OP}: k must have q's batch size {batch}, got {bk}")
+            raise ValueError(f"{op}: k must have q's batch size {batch}, got {bk}")
         if list(v.shape[:3]) != [batch, sk, hkv]:
-            raise ValueError(f"{OP}: v must be [B, Sk, Hkv, Dv] = [{batch}, {sk}, {hkv}, Dv] like k, "
+            raise ValueError(f"{op}: v must be [B, Sk, Hkv, Dv] = [{batch}, {sk}, {hkv}, Dv] like k, "
                              f"got {list(v.shape)}")
         total_q, total_k = batch * sq, batch * sk
     dv = v.shape[-1]
     if dk != d:
-        raise ValueError(f"{OP}: k must have q's head_dim {d}, got {dk}")
+        raise ValueError(f"{op}: k must have q's head_dim {d}, got {dk}")
     if hkv < 1 or hq % hkv != 0:
-        raise ValueError(f"{OP}: q's head count {hq} must be a multiple of k's head count {hkv}")
+        raise ValueError(f"{op}: q's head count {hq} must be a multiple of k's head count {hkv}")
     for name, dim in (("head_dim", d), ("head_dim_v", dv)):
         if dim < 1:
-            raise ValueError(f"{OP}: {name} must be >= 1, got {dim}")
+            raise ValueError(f"{op}: {name} must be >= 1, got {dim}")
         if dim > MAX_HEAD_DIM:
-            raise NotImplementedError(f"{OP}: {name} {dim} is not supported (at most {MAX_HEAD_DIM})")
+            raise NotImplementedError(f"{op}: {name} {dim} is not supported (at most {MAX_HEAD_DIM})")
     return {"batch": batch, "total_q": total_q, "total_k": total_k, "num_heads": hq,
             "num_heads_k": hkv, "head_dim": d, "head_dim_v": dv}
 
 
-def _check_cu_seqlens(name: str, t, total: int, max_seqlen: int, max_name: str) -> None:
+def _check_cu_seqlens(name: str, t, total: int, max_seqlen: int, max_name: str, op: str = OP) -> None:
     """Value checks of a cu_seqlens tensor; run only when its values are on the host (no sync)."""
     values = V.host_values(t)
     if values is None:
         return
     if values[0] != 0:
-        raise ValueError(f"{OP}: {name} must start at 0, got {int(values[0])}")
+        raise ValueError(f"{op}: {name} must start at 0, got {int(values[0])}")
     lengths = values[1:] - values[:-1]
     if (lengths < 0).any():
-        raise ValueError(f"{OP}: {name} must be non-decreasing, got {values.tolist()}")
+        raise ValueError(f"{op}: {name} must be non-decreasing, got {values.tolist()}")
     if int(values[-1]) != total:
-        raise ValueError(f"{OP}: {name}[-1] must equal the packed token count {total}, got {int(values[-1])}")
+        raise ValueError(f"{op}: {name}[-1] must equal the packed token count {total}, got {int(values[-1])}")
     if lengths.size and int(lengths.max()) > max_seqlen:
-        raise ValueError(f"{OP}: {max_name} {max_seqlen} is below the longest sequence in {name} "
+        raise ValueError(f"{op}: {max_name} {max_seqlen} is below the longest sequence in {name} "
                          f"({int(lengths.max())})")
 
 
-def _window_bound(name: str, value) -> Optional[int]:
+def _window_bound(name: str, value, op: str = OP) -> Optional[int]:
     if value is None:
         return None
-    value = V.check_int(OP, name, value)
+    value = V.check_int(op, name, value)
     if value == -1:
         return None
     if value < 0:
-        raise ValueError(f"{OP}: {name} must be None, -1 (unbounded) or >= 0, got {value}")
+        raise ValueError(f"{op}: {name} must be None, -1 (unbounded) or >= 0, got {value}")
     return value
 
 
-def _check_window(window_size, causal: bool) -> Tuple[Optional[int], Optional[int], bool]:
+def _check_window(window_size, causal: bool, op: str = OP) -> Tuple[Optional[int], Optional[int], bool]:
     """``(left, right, causal)`` with None for unbounded; causal forces ``right <= 0``."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"{OP}: window_size must be a (left, right) pair, got {window_size!r}")
-    left = _window_bound("window_size[0]", window_size[0])
-    right = _window_bound("window_size[1]", window_size[1])
+        raise ValueError(f"{op}: window_size must be a (left, right) pair, got {window_size!r}")
+    left = _window_bound("window_size[0]", window_size[0], op)
+    right = _window_bound("window_size[1]", window_size[1], op)
     if causal:
         right = 0 if right is None else min(right, 0)
     causal = causal or (left is None and right == 0)
     return left, right, causal
 
 
-def _check_pack_gqa(pack_gqa, wants_block_logit: bool) -> bool:
+def _check_pack_gqa(pack_gqa, wants_block_logit: bool, op: str = OP) -> bool:
     if pack_gqa is None:
         return False
-    V.check_bool(OP, "pack_gqa", pack_gqa)
+    V.check_bool(op, "pack_gqa", pack_gqa)
     if pack_gqa and wants_block_logit:
-        raise ValueError(f"{OP}: pack_gqa=True cannot be combined with block_logit (block_logit is per "
+        raise ValueError(f"{op}: pack_gqa=True cannot be combined with block_logit (block_logit is per "
                          f"query head); pass pack_gqa=None or False")
     return pack_gqa
 
 
-def _check_block_logit_buffer(block_logit, spec: AttnFwdSpec) -> None:
-    V.check_dtype(OP, "block_logit", block_logit, ("float32",))
+def _check_block_logit_buffer(block_logit, spec: AttnFwdSpec, op: str = OP) -> None:
+    V.check_dtype(op, "block_logit", block_logit, ("float32",))
     layout = "[Hq, total_q, ceil(max_seqlen_k / block_size)]" if spec.varlen else \
         "[B, Hq, Sq, ceil(Sk / block_size)]"
-    V.check_shape(OP, "block_logit", block_logit, spec.block_logit_shape(), layout)
+    V.check_shape(op, "block_logit", block_logit, spec.block_logit_shape(), layout)

@@ -40,11 +40,13 @@ def tensor_arch(tensor) -> int | None:
     return _capability(tensor.place.gpu_device_id())
 
 
-def resolve_backend(op: str, backend: str, tensor, unsupported_reason: Callable[[int], Optional[str]]) -> str:
+def resolve_backend(op: str, backend: str, tensor, unsupported_reason: Callable[[int], Optional[str]],
+                    stacklevel: int = 3) -> str:
     """Return ``"cute"`` or ``"reference"`` for ``op`` given its first input tensor.
 
     ``unsupported_reason(arch)`` returns None when the CuTe kernel handles this call on ``arch``
-    (a kernel family: 90 or 100) or a short reason why not.
+    (a kernel family: 90 or 100) or a short reason why not. ``stacklevel`` of the fallback warning
+    counts from this function (3: the public op's caller when the op calls this directly).
     """
     if backend not in BACKENDS:
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
@@ -66,5 +68,5 @@ def resolve_backend(op: str, backend: str, tensor, unsupported_reason: Callable[
     key = (op, reason)
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"{op}: using the reference backend ({reason})", stacklevel=3)
+        warnings.warn(f"{op}: using the reference backend ({reason})", stacklevel=stacklevel)
     return "reference"

@@ -1,31 +1,45 @@
-"""CuTe backend of :func:`paddle_fa4.flash_attn_fwd`: spec -> ``FwdConfig`` -> ``run_fwd``.
+"""CuTe backend of :func:`paddle_fa4.flash_attn_fwd` (spec -> ``FwdConfig`` -> ``run_fwd``) and of
+its backward :func:`paddle_fa4.flash_attn_bwd` (spec -> ``BwdConfig`` -> workspace -> ``run_bwd``).
 
-The launcher (``cute_kernels.attention.launch``) is imported lazily, only when a call may go to the
-kernels, so ``import paddle_fa4`` never loads cutlass.
+The launchers (``cute_kernels.attention.launch``, ``cute_kernels.attention.bwd_launch``) are
+imported lazily, only when a call may go to the kernels, so ``import paddle_fa4`` never loads
+cutlass.
 """
 
 from __future__ import annotations
 
-from .._bridge import arch_of, kernel_arg, require_aligned, require_contiguous
+from .._bridge import arch_of, as_contiguous, kernel_arg, require_aligned, require_contiguous
 
 OP = "flash_attn_fwd"
+BWD_OP = "flash_attn_bwd"
 _LAUNCH_MODULE = "cute_kernels.attention.launch"
+_BWD_LAUNCH_MODULE = "cute_kernels.attention.bwd_launch"
 
 #: (head_dim, head_dim_v) pairs the kernels are built for.
 KERNEL_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128))
 KERNEL_DTYPES = ("bfloat16", "float16")
 
 
-def _launch():
+def _import_launcher(module: str):
     """The launcher module, or None when it is not part of this install yet."""
     import importlib
 
     try:
-        return importlib.import_module(_LAUNCH_MODULE)
+        return importlib.import_module(module)
     except ModuleNotFoundError as err:
-        if err.name in (_LAUNCH_MODULE, "cute_kernels.attention"):
+        if err.name in (module, "cute_kernels.attention"):
             return None
         raise
+
+
+def _launch():
+    """The forward launcher module, or None when it is not part of this install yet."""
+    return _import_launcher(_LAUNCH_MODULE)
+
+
+def _bwd_launch():
+    """The backward launcher module, or None when it is not part of this install yet."""
+    return _import_launcher(_BWD_LAUNCH_MODULE)
 
 
 def fwd_config(arch: int, spec):
@@ -36,13 +50,21 @@ def fwd_config(arch: int, spec):
         has_softcap=spec.softcap > 0, block_size=spec.block_size, varlen=spec.varlen)
 
 
-def unsupported_reason(arch: int, spec) -> str | None:
-    """None when the CuTe forward handles ``spec`` on kernel family ``arch``, else why not."""
+def _kernel_case_reason(spec) -> str | None:
+    """Why no CuTe attention kernel (forward or backward) takes ``spec``'s dtype / head dims."""
     if spec.dtype not in KERNEL_DTYPES:
         return f"the CuTe kernels take bfloat16 or float16 inputs, got {spec.dtype}"
     if (spec.head_dim, spec.head_dim_v) not in KERNEL_HEAD_DIMS:
         return (f"no CuTe kernel for head_dim {spec.head_dim} / head_dim_v {spec.head_dim_v} "
                 f"(supported: {', '.join(f'{d}/{dv}' for d, dv in KERNEL_HEAD_DIMS)})")
+    return None
+
+
+def unsupported_reason(arch: int, spec) -> str | None:
+    """None when the CuTe forward handles ``spec`` on kernel family ``arch``, else why not."""
+    reason = _kernel_case_reason(spec)
+    if reason is not None:
+        return reason
     launch = _launch()
     if launch is None:
         return f"the CuTe attention forward is not available ({_LAUNCH_MODULE} is missing)"
@@ -72,3 +94,68 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
         window_left=-1 if spec.window_left is None else spec.window_left,
         window_right=-1 if spec.window_right is None else spec.window_right,
         max_seqlen_q=spec.seqlen_q)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+
+
+def bwd_config(arch: int, spec, deterministic: bool, has_dlse: bool):
+    """The backward launcher's compile key for ``spec`` on kernel family ``arch`` (90 or 100)."""
+    return _bwd_launch().bwd_config(
+        arch=arch, dtype=spec.dtype, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
+        qhead_per_kvhead=spec.qhead_per_kvhead, causal=spec.causal, has_window=spec.has_window,
+        has_softcap=spec.softcap > 0, varlen=spec.varlen, deterministic=bool(deterministic),
+        has_dlse=bool(has_dlse))
+
+
+def bwd_unsupported_reason(arch: int, spec, deterministic: bool, has_dlse: bool) -> str | None:
+    """None when the CuTe backward handles ``spec`` on kernel family ``arch``, else why not."""
+    reason = _kernel_case_reason(spec)
+    if reason is not None:
+        return reason
+    launch = _bwd_launch()
+    if launch is None:
+        return f"the CuTe attention backward is not available ({_BWD_LAUNCH_MODULE} is missing)"
+    return launch.unsupported_reason(bwd_config(arch, spec, deterministic, has_dlse))
+
+
+def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
+                   deterministic=False):
+    """Launch the CuTe backward: allocate the workspace (and dq/dk/dv when None) with ``paddle.empty``
+    and call ``run_bwd``; same contract as the reference. Inputs that are not contiguous are copied;
+    out-parameters must be contiguous.
+
+    Raises:
+        ValueError: an out-parameter is not contiguous, or a tensor is not 16-byte (4-byte for
+            lse / dlse / cu_seqlens) aligned.
+    """
+    import paddle
+
+    dout, q, k, v, out, lse, dlse = (as_contiguous(t) for t in (dout, q, k, v, out, lse, dlse))
+    outputs = {}
+    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf is None:
+            buf = paddle.empty(like.shape, dtype=like.dtype, device=like.place)
+        require_contiguous(BWD_OP, name, buf)
+        outputs[name] = buf
+    named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, **outputs}
+    for name, t in named.items():
+        require_aligned(BWD_OP, name, t)
+    for name, t in (("lse", lse), ("dlse", dlse), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        require_contiguous(BWD_OP, name, t)
+        require_aligned(BWD_OP, name, t, nbytes=4)
+    launch = _bwd_launch()
+    cfg = bwd_config(arch_of(q), spec, deterministic, dlse is not None)
+    shapes = launch.workspace_shapes(cfg, batch=spec.batch, seqlen_q=spec.seqlen_q, num_heads=spec.num_heads,
+                                     total_q=spec.total_q)
+    workspace = {name: paddle.empty(list(shape), dtype=dtype, device=q.place) for name, (shape, dtype) in shapes.items()}
+    a = kernel_arg
+    launch.run_bwd(
+        cfg, a(dout), a(q), a(k), a(v), a(out), a(lse), a(dlse), a(outputs["dq"]), a(outputs["dk"]),
+        a(outputs["dv"]), a(cu_seqlens_q), a(cu_seqlens_k), {name: a(t) for name, t in workspace.items()},
+        softmax_scale=spec.softmax_scale, softcap=spec.softcap,
+        window_left=-1 if spec.window_left is None else spec.window_left,
+        window_right=-1 if spec.window_right is None else spec.window_right,
+        max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k)
+    return outputs["dq"], outputs["dk"], outputs["dv"]

@@ -135,3 +135,118 @@ def _block_max(s, block_size: int, num_blocks: int):
     if pad > 0:
         s = paddle.concat([s, paddle.full([hq, rows, pad], -math.inf, dtype="float32", device=s.place)], axis=-1)
     return paddle.max(s.reshape([hq, rows, num_blocks, block_size]), axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+
+
+def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
+                   deterministic=False):
+    """``(dq, dk, dv)`` of a validated call, exact float32 closed form (deterministic by construction).
+
+    Per sequence and chunk of query rows (the ``[Hq, rows, Sk]`` float32 tiles stay under
+    :data:`TILE_BYTES` / 2): recompute ``P = exp(s - lse)`` on the visible keys (0 on rows whose
+    lse is -inf), ``D = rowsum(dout * out) - dlse``, ``dP = dout V^T``, ``dS = P (dP - D)``
+    (times ``1 - tanh^2`` under softcap), then ``dq = scale dS K`` per chunk and
+    ``dk += scale dS^T Q``, ``dv += P^T dout`` over the chunks (and the query heads of each kv head)
+    in float32, cast once per sequence.
+
+    Args:
+        spec (AttnFwdSpec): the validated call.
+        dout, q, k, v, out, lse, dlse: as in :func:`paddle_fa4.flash_attn_bwd` (``dlse`` may be None).
+        dq, dk, dv (Tensor | None): out-parameters in q's / k's / v's shape and dtype, every element
+            written; allocated when None.
+        cu_seqlens_q, cu_seqlens_k (Tensor | None): int32 ``[B + 1]`` for varlen calls (read on the host).
+        deterministic (bool): accepted for the shared contract; this backend always is.
+    """
+    del deterministic  # a fixed sequence of dense Paddle ops: bitwise reproducible anyway
+    with paddle.no_grad():
+        dq = _output(dq, q)
+        dk = _output(dk, k)
+        dv = _output(dv, v)
+        if spec.varlen:
+            _varlen_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
+        else:
+            for b in range(spec.batch):
+                dq_b, dk_b, dv_b = _sequence_bwd(spec, dout[b], q[b], k[b], v[b], out[b], lse[b],
+                                                 None if dlse is None else dlse[b])
+                dq[b] = dq_b.astype(dq.dtype)
+                dk[b] = dk_b.astype(dk.dtype)
+                dv[b] = dv_b.astype(dv.dtype)
+    return dq, dk, dv
+
+
+def _output(buf, like):
+    return paddle.empty(like.shape, dtype=like.dtype, device=like.place) if buf is None else buf
+
+
+def _varlen_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k) -> None:
+    cu_q = cu_seqlens_q.numpy().tolist()
+    cu_k = cu_seqlens_k.numpy().tolist()
+    # Tokens of empty documents (and any past cu_seqlens[-1]) get zero gradients.
+    for buf in (dq, dk, dv):
+        paddle.assign(paddle.zeros(buf.shape, dtype=buf.dtype, device=buf.place), buf)
+    for b in range(spec.batch):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if q1 == q0 or k1 == k0:  # no query or no key in this document: its gradients stay 0
+            continue
+        dq_b, dk_b, dv_b = _sequence_bwd(spec, dout[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1],
+                                         lse[:, q0:q1], None if dlse is None else dlse[:, q0:q1])
+        dq[q0:q1] = dq_b.astype(dq.dtype)
+        dk[k0:k1] = dk_b.astype(dk.dtype)
+        dv[k0:k1] = dv_b.astype(dv.dtype)
+
+
+def _sequence_bwd(spec, dout, q, k, v, out, lse, dlse):
+    """One sequence: ``dout/out [Sq, Hq, Dv]``, ``q [Sq, Hq, D]``, ``k [Sk, Hkv, D]``, ``v [Sk, Hkv, Dv]``,
+    ``lse/dlse [Hq, Sq]``. Returns float32 ``(dq [Sq, Hq, D], dk [Sk, Hkv, D], dv [Sk, Hkv, Dv])``."""
+    sq, sk = q.shape[0], k.shape[0]
+    hkv = k.shape[1]
+    kf = k.astype("float32").transpose([1, 0, 2])  # [Hkv, Sk, D]
+    vf = v.astype("float32").transpose([1, 0, 2])  # [Hkv, Sk, Dv]
+    dk = paddle.zeros([hkv, sk, spec.head_dim], dtype="float32", device=q.place)
+    dv = paddle.zeros([hkv, sk, spec.head_dim_v], dtype="float32", device=q.place)
+    rows = max(1, min(sq, TILE_BYTES // (2 * 4 * spec.num_heads * max(sk, 1))))  # ~5 tiles live at once
+    dq_chunks = []
+    for row0 in range(0, sq, rows):
+        row1 = min(sq, row0 + rows)
+        d_lse = None if dlse is None else dlse[:, row0:row1]
+        dq_c, dk, dv = _chunk_bwd(spec, dout[row0:row1], q[row0:row1], kf, vf, out[row0:row1],
+                                  lse[:, row0:row1], d_lse, dk, dv, row0, sq, sk)
+        dq_chunks.append(dq_c)
+    dq = paddle.concat(dq_chunks, axis=0) if len(dq_chunks) > 1 else dq_chunks[0]
+    return dq, dk.transpose([1, 0, 2]), dv.transpose([1, 0, 2])
+
+
+def _chunk_bwd(spec, dout, q, kf, vf, out, lse, dlse, dk, dv, row0: int, sq: int, sk: int):
+    """Rows ``row0 .. row0 + q.shape[0]``: ``(dq [rows, Hq, D], dk, dv)`` with this chunk's key-side
+    gradients (``[Hkv, Sk, D]`` / ``[Hkv, Sk, Dv]`` float32) added."""
+    rows, hq = q.shape[0], q.shape[1]
+    hkv, group = kf.shape[0], hq // kf.shape[0]
+
+    def by_kv_head(x):  # [rows, Hq, X] -> float32 [Hkv, G * rows, X]; head h = kv * G + g
+        return x.astype("float32").transpose([1, 0, 2]).reshape([hkv, group * rows, -1])
+
+    qf, dof = by_kv_head(q), by_kv_head(dout)
+    s = paddle.matmul(qf, kf, transpose_y=True).reshape([hq, rows, sk]) * spec.softmax_scale
+    if spec.softcap > 0:
+        tanh = paddle.tanh(s / spec.softcap)
+        s = tanh * spec.softcap
+    row_lse = lse.unsqueeze(-1)  # [Hq, rows, 1]
+    live = visible_mask(spec, row0, rows, sq, sk, q.place).unsqueeze(0) & paddle.isfinite(row_lse)
+    zero = paddle.zeros([], dtype="float32", device=q.place)
+    safe_lse = paddle.where(paddle.isfinite(row_lse), row_lse, paddle.zeros_like(row_lse))
+    p = paddle.where(live, paddle.exp(s - safe_lse), zero)  # [Hq, rows, Sk]
+    dp = paddle.matmul(dof, vf, transpose_y=True).reshape([hq, rows, sk])
+    delta = paddle.sum(dout.astype("float32") * out.astype("float32"), axis=-1).transpose([1, 0])  # [Hq, rows]
+    if dlse is not None:
+        delta = delta - dlse
+    ds = p * (dp - delta.unsqueeze(-1))
+    if spec.softcap > 0:
+        ds = ds * (1.0 - tanh * tanh)
+    ds = ds.reshape([hkv, group * rows, sk])
+    dq = paddle.matmul(ds, kf) * spec.softmax_scale  # [Hkv, G * rows, D]
+    dk = dk + paddle.matmul(ds, qf, transpose_x=True) * spec.softmax_scale
+    dv = dv + paddle.matmul(p.reshape([hkv, group * rows, sk]), dof, transpose_x=True)
+    return dq.reshape([hq, rows, -1]).transpose([1, 0, 2]), dk, dv

@@ -44,9 +44,12 @@ def test_returns_block_logit_when_asked_or_given():
 
 
 def test_outputs_stop_gradient():
+    """out is differentiable when an input needs gradients; lse and block_logit never are."""
     q = t([1, 8, 4, 32])
     q.stop_gradient = False
-    for x in paddle_fa4.flash_attn_fwd(q, K, V, return_block_logit=True, backend="reference"):
+    out, lse, bl = paddle_fa4.flash_attn_fwd(q, K, V, return_block_logit=True, backend="reference")
+    assert not out.stop_gradient and lse.stop_gradient and bl.stop_gradient
+    for x in paddle_fa4.flash_attn_fwd(t([1, 8, 4, 32]), K, V, return_block_logit=True, backend="reference"):
         assert x.stop_gradient
 
 
