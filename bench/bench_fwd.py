@@ -1,19 +1,24 @@
-"""Attention forward speed on one GPU: ours with/without block_logit vs FA4 b36 and the unfused path.
+"""Attention forward speed on one GPU: ours with/without block_logit vs FA4 b36 (and the unfused path).
 
     python bench/bench_fwd.py [--hdims 64,128,256] [--seqlens 2048,4096,8192,16384] [--tokens 32768]
-                              [--heads 16] [--block-size 64] [--modes causal,full] [--json FILE]
-                              [--bl-store producer]
+                              [--heads 16] [--heads-kv N] [--block-size 64] [--modes full,causal]
+                              [--variants ours,ours_bl,fa4[,unfused,bl_fill]]
+                              [--window 0.5] [--rounds 3] [--no-flush] [--graph]
+                              [--json FILE] [--markdown [FILE]]
 
-Rows: bf16, B = tokens / S, Hq = Hkv = heads. Columns (TFLOPs/s, 4*B*H*Sq*Sk*d, halved for causal):
-  ours        cute_kernels SM90 forward, lse, no block_logit
-  ours+bl     the same with fused block_logit (block_size)
-  fa4         FA4 b36 ``flash_attn.cute.interface.flash_attn_func(..., return_lse=True)``
-  unfused     FA4 + a separate block-max pass (chunked torch bf16 S = QK^T, masked, amax per block)
-  ours+bl(producer)  with ``--bl-store producer`` (SM90 only): the opt-in variant in which warps 1-3
-              store block_logit from a shared-memory staging buffer (``CUTE_KERNELS_SM90_BL_STORE``)
-Ratios: ours+bl / fa4 (target >= 0.90 at d=128), ours+bl / ours (overhead), ours+bl / unfused.
-CUDA events, warm-up then median of ``--iters`` rounds, all in one process; ours, ours+bl, ours+bl(producer)
-and FA4 are timed round-robin within each round (the unfused path separately, after them).
+Rows: bf16, B = tokens / S, Hq = heads, Hkv = heads-kv (default heads). Variants (TFLOPs/s,
+4*B*Hq*Sq*Sk*d, halved for causal):
+  ours      cute_kernels forward through its launcher (``run_fwd``), lse, no block_logit
+  ours_bl   the same with fused block_logit (block_size)
+  fa4       FA4 b36 ``flash_attn.cute.interface.flash_attn_func(..., return_lse=True)``
+  unfused   FA4 + a separate block-max pass (chunked torch bf16 S = QK^T, masked, amax per block)
+  bl_fill   one ``fill_`` of the block_logit buffer (a floor for block_logit's store cost)
+Kernel time: bench/_timing.py (each variant in its own >= 0.5 s window, launches queued back to back,
+L2 flushed between repetitions, windows in alternating order for --rounds rounds; median and the
+min-max of the window medians). Ratios are taken per round: ours+bl / FA4 = t(fa4) / t(ours_bl)
+(> 1: ours+bl faster), ours+bl / ours = t(ours) / t(ours_bl) (1 - x: block_logit's overhead),
+ours / FA4, ours+bl / unfused. Host cost per call (µs, its own columns): 100 back-to-back calls on a
+tiny input (B 1, S 128) with the GPU kept busy, ours through the launcher, FA4 through its interface.
 """
 
 from __future__ import annotations
@@ -21,9 +26,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
-from _timing import interleaved_median_ms, median_ms
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _timing import (RunInfo, add_method_args, bench_windows, host_us_per_call, method_from_args,  # noqa: E402
+                     timer_from_args, write_markdown)
+
+VARIANTS = ("ours", "ours_bl", "fa4", "unfused", "bl_fill")
+LABELS = {"ours": "ours", "ours_bl": "ours+bl", "fa4": "FA4 b36", "unfused": "unfused", "bl_fill": "bl fill"}
+# (key, numerator variant, denominator variant, label): time ratios taken per round
+RATIOS = (("bl_over_fa4", "fa4", "ours_bl", "ours+bl / FA4"),
+          ("bl_over_ours", "ours", "ours_bl", "ours+bl / ours"),
+          ("ours_over_fa4", "fa4", "ours", "ours / FA4"),
+          ("bl_over_unfused", "unfused", "ours_bl", "ours+bl / unfused"),
+          ("bl_fill_over_ours", "bl_fill", "ours", "bl fill / ours"))
 
 
 def block_max_torch(q, k, block_size, causal, scale, out, chunk_rows=1024):
@@ -31,10 +49,10 @@ def block_max_torch(q, k, block_size, causal, scale, out, chunk_rows=1024):
     import torch
 
     b, sq, h, d = q.shape
-    sk = k.shape[1]
+    sk, hkv = k.shape[1], k.shape[2]
     nb = out.shape[-1]
     qt = q.permute(0, 2, 1, 3)
-    kt = k.permute(0, 2, 3, 1)
+    kt = k.permute(0, 2, 3, 1).repeat_interleave(h // hkv, dim=1)
     cols = torch.arange(nb * block_size, device=q.device)
     for r0 in range(0, sq, chunk_rows):
         r1 = min(sq, r0 + chunk_rows)
@@ -48,154 +66,165 @@ def block_max_torch(q, k, block_size, causal, scale, out, chunk_rows=1024):
         out[:, :, r0:r1] = s.view(b, h, r1 - r0, nb, block_size).amax(-1)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hdims", default="64,128,256")
     ap.add_argument("--seqlens", default="2048,4096,8192,16384")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--heads-kv", type=int, default=None, help="kv heads (GQA); default --heads")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--modes", default="full,causal")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--no-fa4", action="store_true")
-    ap.add_argument("--no-unfused", action="store_true")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--bl-store", default="consumer", choices=("consumer", "producer"),
-                    help="producer: also time the SM90 bl_store='producer' variant (ours+bl(producer))")
-    ap.add_argument("--markdown", action="store_true", help="also print a markdown table (docs/benchmarks.md)")
-    ap.add_argument("--start-after", default=None,
-                    help="compile everything first, then wait for this file to exist before timing")
+    ap.add_argument("--variants", default="ours,ours_bl,fa4",
+                    help=f"comma list of {','.join(VARIANTS)}")
+    ap.add_argument("--host-n", type=int, default=100, help="calls per host-cost measurement (0: skip)")
+    add_method_args(ap)
     args = ap.parse_args(argv)
+    args.heads_kv = args.heads_kv or args.heads
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variants {bad} (known: {', '.join(VARIANTS)})")
+    if args.heads % args.heads_kv:
+        ap.error(f"--heads {args.heads} is not a multiple of --heads-kv {args.heads_kv}")
+    args.hdims = [int(x) for x in args.hdims.split(",")]
+    args.seqlens = [int(x) for x in args.seqlens.split(",")]
+    args.modes = args.modes.split(",")
+    return args
 
+
+def row_ratios(res, variants) -> dict:
+    out = {}
+    for key, num, den, _ in RATIOS:
+        if num in variants and den in variants:
+            out[key] = res.ratio(num, den).as_dict()
+    return out
+
+
+def markdown(info: RunInfo, rows: list, variants: list) -> str:
+    ratios = [(k, lab) for k, num, den, lab in RATIOS if num in variants and den in variants]
+    tflops = [v for v in variants if v != "bl_fill"]
+    hosts = [v for v in ("ours", "ours_bl", "fa4") if v in variants]
+    head = (["d", "S", "B", "Hq/Hkv", "mode"] + [f"{LABELS[v]} TFLOPs/s" for v in tflops]
+            + [lab for _, lab in ratios] + [f"host µs {LABELS[v]}" for v in hosts])
+    lines = ["# Attention forward", "", info.markdown(), "",
+             "TFLOPs/s from the median window (min-max of the window medians in brackets); ratios per round, "
+             "median (min-max).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["head_dim"]), str(r["seqlen"]), str(r["batch"]), f"{r['heads']}/{r['heads_kv']}",
+                 "causal" if r["causal"] else "full"]
+        for v in tflops:
+            t = r["tflops"].get(v)
+            cells.append("-" if t is None else f"{t['median']:.0f} ({t['lo']:.0f}-{t['hi']:.0f})")
+        for k, _ in ratios:
+            x = r["ratios"].get(k)
+            cells.append("-" if x is None else f"{x['median']:.3f} ({x['lo']:.3f}-{x['hi']:.3f})")
+        for v in hosts:
+            h = r.get("host_us", {}).get(v)
+            cells.append("-" if h is None else f"{h:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     import torch
 
-    from cute_kernels.attention.launch import fwd_config, run_fwd
+    from cute_kernels.arch import family
+    from cute_kernels.attention.launch import compile_fwd, fwd_config, run_fwd
 
+    variants = list(args.variants)
     fa4 = None
-    if not args.no_fa4:
+    if "fa4" in variants or "unfused" in variants:
         try:
             from flash_attn.cute.interface import flash_attn_func as fa4
         except Exception as exc:  # noqa: BLE001 - report and go on without the anchor
             print(f"FA4 not available: {exc}", file=sys.stderr)
-    dev = torch.cuda.get_device_name()
-    from cute_kernels.arch import family
-
+            variants = [v for v in variants if v not in ("fa4", "unfused")]
     major, minor = torch.cuda.get_device_capability()
     arch = family(major * 10 + minor)  # 90 on Hopper, 100 on Blackwell: time the kernel this GPU runs
-    bs = args.block_size
-    bl_producer = args.bl_store == "producer" and arch == 90
-    hdims = [int(x) for x in args.hdims.split(",")]
-    modes = args.modes.split(",")
-    # Compile every config up front (CPU only), and warm FA4's compile cache on a small input.
-    from cute_kernels.attention.launch import compile_fwd
-
-    for d in hdims:
-        for mode in modes:
+    bs, hq, hkv = args.block_size, args.heads, args.heads_kv
+    ratio_qk = hq // hkv
+    info = RunInfo(gpu=torch.cuda.get_device_name(), method=method_from_args(args))
+    info.method.update({"host_calls": args.host_n, "host_input": "B 1, S 128"})
+    # Compile every config up front (CPU only).
+    for d in args.hdims:
+        for mode in args.modes:
             for b_sz in (0, bs):
-                compile_fwd(fwd_config(arch, "bfloat16", d, d, 1, mode == "causal", False, False, b_sz, False))
-            if bl_producer:
-                compile_fwd(fwd_config(arch, "bfloat16", d, d, 1, mode == "causal", False, False, bs, False),
-                            "producer")
-            if fa4 is not None:
-                t = torch.randn(1, 256, 2, d, device="cuda", dtype=torch.bfloat16)
-                fa4(t, t, t, causal=mode == "causal", return_lse=True)
-    if args.start_after:
-        import os
-        import time
+                compile_fwd(fwd_config(arch, "bfloat16", d, d, ratio_qk, mode == "causal", False, False, b_sz, False))
+    timer = timer_from_args(args)
+    print(f"# {info.gpu}  bf16  tokens={args.tokens} heads={hq}/{hkv} block_size={bs}  commit {info.commit}",
+          flush=True)
 
-        while not os.path.exists(args.start_after):
-            time.sleep(0.5)
+    def make_fns(q, k, v, out, lse, blk, s, causal, d):
+        scale = 1.0 / math.sqrt(d)
+        cfg0 = fwd_config(arch, "bfloat16", d, d, ratio_qk, causal, False, False, 0, False)
+        cfg1 = fwd_config(arch, "bfloat16", d, d, ratio_qk, causal, False, False, bs, False)
+
+        def ours(cfg, bl):
+            run_fwd(cfg, q, k, v, out, lse, bl, None, None, softmax_scale=scale, softcap=0.0,
+                    window_left=-1, window_right=-1, max_seqlen_q=s)
+
+        def fa4_fn():
+            return fa4(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+
+        def unfused():
+            fa4_fn()
+            block_max_torch(q, k, bs, causal, scale, blk)
+
+        table = {"ours": lambda: ours(cfg0, None), "ours_bl": lambda: ours(cfg1, blk), "fa4": fa4_fn,
+                 "unfused": unfused, "bl_fill": lambda: blk.fill_(float("-inf"))}
+        return {name: table[name] for name in variants}
+
+    def tensors(b, s, d):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, s, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+        k, v = (torch.randn(b, s, hkv, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+        out = torch.empty_like(q)
+        lse = torch.empty(b, hq, s, device="cuda", dtype=torch.float32)
+        blk = torch.empty(b, hq, s, -(-s // bs), device="cuda", dtype=torch.float32)
+        return q, k, v, out, lse, blk
+
+    host = {}
+    if args.host_n > 0:  # host cost per call: tiny input, GPU kept busy
+        for d in args.hdims:
+            for mode in args.modes:
+                small = tensors(1, 128, d)
+                fns = make_fns(*small, 128, mode == "causal", d)
+                host[(d, mode)] = {name: host_us_per_call(fns[name], n=args.host_n)
+                                   for name in ("ours", "ours_bl", "fa4") if name in fns}
+                del small, fns
     rows = []
-    print(f"# {dev}  bf16  tokens={args.tokens} heads={args.heads} block_size={bs}")
-    print(f"{'d':>4} {'S':>6} {'mode':>6} | {'ours':>7} {'ours+bl':>7} {'fa4':>7} {'unfused':>7} | "
-          f"{'bl/fa4':>6} {'bl/ours':>7} {'bl/unf':>6}"
-          + (f" | {'bl(p)':>7} {'p/fa4':>6} {'p/ours':>7}" if bl_producer else ""))
-    for d in hdims:
-        for s in [int(x) for x in args.seqlens.split(",")]:
+    for d in args.hdims:
+        for s in args.seqlens:
             b = max(1, args.tokens // s)
-            h = args.heads
-            g = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
-            scale = 1.0 / math.sqrt(d)
-            out = torch.empty_like(q)
-            lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
-            nb = -(-s // bs)
-            blk = torch.empty(b, h, s, nb, device="cuda", dtype=torch.float32)
-            for mode in modes:
+            q, k, v, out, lse, blk = tensors(b, s, d)
+            for mode in args.modes:
                 causal = mode == "causal"
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                cfg0 = fwd_config(arch, "bfloat16", d, d, 1, causal, False, False, 0, False)
-                cfg1 = fwd_config(arch, "bfloat16", d, d, 1, causal, False, False, bs, False)
-
-                def ours(cfg=cfg0, bl=None, bl_store="consumer"):
-                    run_fwd(cfg, q, k, v, out, lse, bl, None, None, softmax_scale=scale, softcap=0.0,
-                            window_left=-1, window_right=-1, max_seqlen_q=s, bl_store=bl_store)
-
-                row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal, "block_size": bs}
-                fns = {"ours": lambda: ours(cfg0, None), "ours_bl": lambda: ours(cfg1, blk)}
-                if bl_producer:
-                    fns["ours_blp"] = lambda: ours(cfg1, blk, "producer")
-                if fa4 is not None:
-                    def fa4_fn():
-                        return fa4(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
-
-                    fns["fa4"] = fa4_fn
-                # Lower bound on block_logit's cost if its stores overlapped nothing: one fill of the buffer.
-                fns["bl_fill"] = lambda: blk.fill_(float("-inf"))
-                for key, ms in interleaved_median_ms(fns, args.iters).items():
-                    row[f"{key}_ms"] = ms
-                if fa4 is not None:
-                    if not args.no_unfused:
-                        def unfused():
-                            fa4_fn()
-                            block_max_torch(q, k, bs, causal, scale, blk)
-
-                        row["unfused_ms"] = median_ms(unfused, max(3, args.iters // 3), warmup=1)
-                row["bl_fill_over_ours"] = row["bl_fill_ms"] / row["ours_ms"]
-                for key in ("ours", "ours_bl", "ours_blp", "fa4", "unfused"):
-                    if f"{key}_ms" in row:
-                        row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
-                if "fa4_ms" in row:
-                    row["bl_over_fa4"] = row["fa4_ms"] / row["ours_bl_ms"]
-                if "unfused_ms" in row:
-                    row["bl_over_unfused"] = row["unfused_ms"] / row["ours_bl_ms"]
-                row["bl_over_ours"] = row["ours_ms"] / row["ours_bl_ms"]
-                if "ours_blp_ms" in row:
-                    row["blp_over_ours"] = row["ours_ms"] / row["ours_blp_ms"]
-                    if "fa4_ms" in row:
-                        row["blp_over_fa4"] = row["fa4_ms"] / row["ours_blp_ms"]
+                flops = 4 * b * hq * s * s * d / (2 if causal else 1)
+                fns = make_fns(q, k, v, out, lse, blk, s, causal, d)
+                res = bench_windows(fns, rounds=args.rounds, timer=timer)
+                row = {"head_dim": d, "seqlen": s, "batch": b, "heads": hq, "heads_kv": hkv, "causal": causal,
+                       "block_size": bs, "stats": {n: st.as_dict() for n, st in res.items()},
+                       "rounds": res.rounds, "ratios": row_ratios(res, fns),
+                       "host_us": host.get((d, mode), {}),
+                       "tflops": {n: {"median": flops / (st.median_ms * 1e9), "lo": flops / (st.hi_ms * 1e9),
+                                      "hi": flops / (st.lo_ms * 1e9)}
+                                  for n, st in res.items() if n != "bl_fill"}}
                 rows.append(row)
-
-                def f(key):
-                    return f"{row[key]:7.1f}" if key in row else f"{'-':>7}"
-
-                def r(key, w=6):
-                    return f"{row[key]:{w}.3f}" if key in row else f"{'-':>{w}}"
-
-                print(f"{d:>4} {s:>6} {mode:>6} | {f('ours_tflops')} {f('ours_bl_tflops')} {f('fa4_tflops')} "
-                      f"{f('unfused_tflops')} | {r('bl_over_fa4')} {r('bl_over_ours', 7)} {r('bl_over_unfused')}"
-                      + (f" | {f('ours_blp_tflops')} {r('blp_over_fa4')} {r('blp_over_ours', 7)}" if bl_producer
-                         else ""), flush=True)
+                parts = [f"{n} {res[n].median_ms:.3f} ms ({res[n].lo_ms:.3f}-{res[n].hi_ms:.3f})" for n in fns]
+                parts += [f"{k_} {x['median']:.3f} ({x['lo']:.3f}-{x['hi']:.3f})" for k_, x in row["ratios"].items()]
+                print(f"d {d} S {s} B {b} {mode}: " + "; ".join(parts), flush=True)
             del q, k, v, out, lse, blk
             torch.cuda.empty_cache()
-    if args.markdown:
-        print()
-        extra_h = " ours+bl(producer) | ours+bl(producer) / FA4 | ours+bl(producer) / ours |" if bl_producer else ""
-        print("| d | S | B | mode | ours | ours+bl | FA4 b36 | unfused | ours+bl / FA4 | ours+bl / ours | ours+bl / unfused "
-              "| bl fill / ours |" + extra_h)
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if bl_producer else ""))
-        for row in rows:
-            def g(key, fmt):
-                return format(row[key], fmt) if key in row else "-"
-            print(f"| {row['head_dim']} | {row['seqlen']} | {row['batch']} | {'causal' if row['causal'] else 'full'} | "
-                  f"{g('ours_tflops', '.0f')} | {g('ours_bl_tflops', '.0f')} | {g('fa4_tflops', '.0f')} | "
-                  f"{g('unfused_tflops', '.0f')} | {g('bl_over_fa4', '.3f')} | {g('bl_over_ours', '.3f')} | "
-                  f"{g('bl_over_unfused', '.2f')} | {g('bl_fill_over_ours', '.3f')} |"
-                  + (f" {g('ours_blp_tflops', '.0f')} | {g('blp_over_fa4', '.3f')} | {g('blp_over_ours', '.3f')} |"
-                     if bl_producer else ""))
+    info.finish()
+    if timer.capture_errors:
+        info.method["graph_capture_failed"] = timer.capture_errors
+    write_markdown(args.markdown, markdown(info, rows, variants))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"gpu": dev, "rows": rows}, fh, indent=1)
+            json.dump({"run": info.as_dict(), "rows": rows}, fh, indent=1)
     return 0
 
 

@@ -1,12 +1,16 @@
 """Benchmark of the H2O CuTe kernels on decode shapes, against the same math composed from torch ops.
 
-    python bench/bench_h2o.py [--quick] [--json FILE]
+    python bench/bench_h2o.py [--quick] [--window 0.5] [--rounds 3] [--no-flush] [--graph]
+                              [--json FILE] [--markdown [FILE]]
 
-For every op and shape: device time of our launch(es) (CUDA-graph replay of 20 launches, so host
-overhead is excluded), the bytes the op must move (keys / summaries / state / scores read, state
-and outputs written) divided by that time, as a fraction of the measured device-copy bandwidth
-(``y.copy_(x)`` of 2 GiB: 2 x bytes / time), the host time per launch (Python launcher + TVM-FFI
-call, no sync, tiny shape) and the eager torch composition of the same math in this process.
+For every op and shape: device time of our launch(es) and of the eager torch composition of the same
+math, both timed by bench/_timing.py (each in its own >= 0.5 s window, launches queued back to back,
+L2 flushed between repetitions, alternating windows for --rounds rounds; median and min-max of the
+window medians; with --graph each repetition replays a CUDA graph of one call), the speed-up per
+round, the bytes the op must move (keys / summaries / state / scores read, state and outputs written)
+divided by that time, as a fraction of the measured device-copy bandwidth (``y.copy_(x)`` of 2 GiB:
+2 x bytes / time), and the host time per call of our launcher (Python + TVM-FFI call(s), 100 calls
+with the GPU kept busy; measured where the device time is under 100 µs, i.e. where the host limits).
 Shapes follow issue 6: Hq 32, Hkv 8, D 128, batch 1/16/64, context 4K..128K, bf16 keys.
 """
 
@@ -17,81 +21,38 @@ import json
 import math
 import os
 import sys
-import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cute_kernels.h2o import launch as L  # noqa: E402
+from _timing import (RunInfo, add_method_args, bench_windows, host_us_per_call, method_from_args,  # noqa: E402
+                     timer_from_args, write_markdown)
+
+torch = None  # imported by main() (so --help runs without torch)
+L = None  # cute_kernels.h2o.launch, likewise
 
 DEV = "cuda"
 HQ, HKV, D = 32, 8, 128
 G = HQ // HKV
 
 
-def copy_bandwidth() -> float:
+def _imports() -> None:
+    global torch, L
+    import torch as torch_
+    from cute_kernels.h2o import launch as launch_
+
+    torch, L = torch_, launch_
+
+
+def copy_bandwidth(timer, rounds: int) -> float:
+    """Bytes/s of ``y.copy_(x)`` of 2 GiB (read + write counted)."""
     n = 2 << 30
     x = torch.empty(n, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
-    return 2 * n / device_time(lambda: y.copy_(x), reps=10)
-
-
-GRAPH_OK = {"ok": True}
-
-
-def device_time(fn, reps=20) -> float:
-    """Seconds per call: ``reps`` calls captured in one CUDA graph, replayed and timed by events.
-
-    Falls back to back-to-back eager launches (recorded in the output) if capture fails.
-    """
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-    except Exception as exc:  # noqa: BLE001 - report and time eagerly instead
-        if GRAPH_OK["ok"]:
-            print(f"CUDA graph capture failed ({type(exc).__name__}: {exc}); timing eager launches", flush=True)
-        GRAPH_OK["ok"] = False
-        torch.cuda.synchronize()
-        return eager_time(fn, reps)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(3):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / reps)
-    return best
-
-
-def eager_time(fn, reps=10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
-def host_time(fn, reps=200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    host = (time.perf_counter() - t) / reps
-    torch.cuda.synchronize()
-    return host
+    st = bench_windows({"copy": lambda: y.copy_(x)}, rounds=rounds, timer=timer)["copy"]
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * n / (st.median_ms * 1e-3)
 
 
 def paged(batch, ctx, page):
@@ -103,7 +64,8 @@ def paged(batch, ctx, page):
 
 
 # ------------------------------------------------------------------------------------ ops
-def bench_page_scores(batch, ctx, summary_dtype=torch.float32):
+def bench_page_scores(batch, ctx, summary_dtype=None):
+    summary_dtype = summary_dtype or torch.float32
     page = 16
     num_pages, tables, seq_lens = paged(batch, ctx, page)
     summary = torch.randn(num_pages, HKV, 3, D, device=DEV).to(summary_dtype)
@@ -198,42 +160,76 @@ def bench_summary(batch, ctx, page=16):
     return ours, composed, nbytes
 
 
-def run(quick: bool):
-    copy_bw = copy_bandwidth()
+def plan(quick: bool) -> list:
+    ops = {"page_scores": bench_page_scores, "token_accumulate": bench_token_accumulate,
+           "select_pages": bench_select, "update_page_summary": bench_summary}
+    out = [("page_scores", ops["page_scores"], (b, c)) for b, c in
+           [(1, 4096), (1, 131072), (16, 32768), (64, 32768), (64, 131072)]]
+    out += [(f"token_accumulate P{p}", ops["token_accumulate"], (b, c, p)) for p in (1, 16) for b, c in
+            [(1, 4096), (1, 131072), (16, 32768), (64, 32768)]]
+    out += [("select_pages", ops["select_pages"], (b, c)) for b, c in [(1, 4096), (1, 131072), (16, 32768), (64, 131072)]]
+    out += [("update_page_summary", ops["update_page_summary"], (b, c)) for b, c in [(1, 4096), (64, 32768)]]
+    return out[::3] if quick else out
+
+
+def run(args) -> dict:
+    info = RunInfo(gpu=torch.cuda.get_device_name(), method=method_from_args(args))
+    info.method["host_calls"] = args.host_n
+    timer = timer_from_args(args)
+    copy_bw = copy_bandwidth(timer, args.rounds)
     print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
     rows = []
-    plan = [("page_scores", bench_page_scores, (b, c)) for b, c in
-            [(1, 4096), (1, 131072), (16, 32768), (64, 32768), (64, 131072)]]
-    plan += [(f"token_accumulate P{p}", bench_token_accumulate, (b, c, p)) for p in (1, 16) for b, c in
-             [(1, 4096), (1, 131072), (16, 32768), (64, 32768)]]
-    plan += [("select_pages", bench_select, (b, c)) for b, c in [(1, 4096), (1, 131072), (16, 32768), (64, 131072)]]
-    plan += [("update_page_summary", bench_summary, (b, c)) for b, c in [(1, 4096), (64, 32768)]]
-    if quick:
-        plan = plan[::3]
-    for name, fn, args in plan:
-        ours, composed, nbytes = fn(*args)
-        t = device_time(ours)
-        tb = eager_time(composed)
-        host = host_time(ours) if t < 1e-4 else None  # big shapes: the GPU, not the host, is the limit
-        row = {"op": name, "batch": args[0], "context": args[1], "us": t * 1e6, "GBps": nbytes / t / 1e9,
-               "frac_copy": nbytes / t / copy_bw, "composed_us": tb * 1e6, "speedup": tb / t,
-               "host_us": None if host is None else host * 1e6, "bytes": nbytes}
+    for name, fn, fargs in plan(args.quick):
+        ours, composed, nbytes = fn(*fargs)
+        res = bench_windows({"ours": ours, "composed": composed}, rounds=args.rounds, timer=timer)
+        t = res["ours"].median_ms * 1e-3
+        host = host_us_per_call(ours, n=args.host_n) if t < 1e-4 and args.host_n > 0 else None
+        speed = res.ratio("composed", "ours")
+        row = {"op": name, "batch": fargs[0], "context": fargs[1], "us": t * 1e6,
+               "us_lo": res["ours"].lo_ms * 1e3, "us_hi": res["ours"].hi_ms * 1e3,
+               "GBps": nbytes / t / 1e9, "frac_copy": nbytes / t / copy_bw,
+               "composed_us": res["composed"].median_ms * 1e3, "speedup": speed.as_dict(),
+               "host_us": host, "bytes": nbytes, "stats": {n: st.as_dict() for n, st in res.items()},
+               "rounds": res.rounds}
         rows.append(row)
-        print(f"{name:<22} B={args[0]:<3} ctx={args[1]:<7} {row['us']:9.1f} us {row['GBps']:7.0f} GB/s "
-              f"({100 * row['frac_copy']:5.1f}% of copy)  composed {row['composed_us']:9.1f} us "
-              f"x{row['speedup']:6.1f}  host {row['host_us'] or float('nan'):5.1f} us", flush=True)
+        print(f"{name:<22} B={fargs[0]:<3} ctx={fargs[1]:<7} {row['us']:9.1f} us ({row['us_lo']:.1f}-{row['us_hi']:.1f}) "
+              f"{row['GBps']:7.0f} GB/s ({100 * row['frac_copy']:5.1f}% of copy)  composed {row['composed_us']:9.1f} us "
+              f"x{speed.median:6.1f} ({speed.lo:.1f}-{speed.hi:.1f})  host {host or float('nan'):5.1f} us", flush=True)
         del ours, composed
         torch.cuda.empty_cache()
-    return {"copy_GBps": copy_bw / 1e9, "device": torch.cuda.get_device_name(), "graph_timing": GRAPH_OK["ok"],
-            "rows": rows}
+    info.finish()
+    if timer.capture_errors:
+        info.method["graph_capture_failed"] = timer.capture_errors
+    return {"run": info.as_dict(), "copy_GBps": copy_bw / 1e9, "rows": rows, "_info": info}
+
+
+def markdown(info: RunInfo, res: dict) -> str:
+    lines = ["# H2O", "", info.markdown(), f"- device copy bandwidth {res['copy_GBps']:.0f} GB/s", "",
+             "| op | B | context | us (min-max) | GB/s | % copy | composed us | speed-up (min-max) | host us |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        sp = r["speedup"]
+        host = "-" if r["host_us"] is None else f"{r['host_us']:.1f}"
+        lines.append(f"| {r['op']} | {r['batch']} | {r['context']} | {r['us']:.1f} ({r['us_lo']:.1f}-{r['us_hi']:.1f}) | "
+                     f"{r['GBps']:.0f} | {100 * r['frac_copy']:.0f}% | {r['composed_us']:.1f} | "
+                     f"{sp['median']:.1f}x ({sp['lo']:.1f}-{sp['hi']:.1f}) | {host} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="every third op/shape only")
+    ap.add_argument("--host-n", type=int, default=100, help="calls per host-cost measurement (0: skip)")
+    add_method_args(ap)
+    return ap.parse_args(argv)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    res = run(args.quick)
+    args = parse_args(argv)
+    _imports()
+    res = run(args)
+    info = res.pop("_info")
+    write_markdown(args.markdown, markdown(info, res))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

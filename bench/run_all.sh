@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Every benchmark with the bench/_timing.py method (own >= 0.5 s window per variant, launches queued
+# back to back, L2 flushed between repetitions, 3 alternating rounds, host cost as its own column),
+# on the shapes docs/benchmarks.md and README.md quote. About 8 minutes on an H200.
+#
+#   bench/run_all.sh                    # every step
+#   bench/run_all.sh fwd gqa            # some steps: fwd gqa unfused indexed select h2o (rho05: opt-in)
+#   OUT=/tmp/b PYTHON=.venv/bin/python WINDOW=0.5 ROUNDS=3 bench/run_all.sh
+#
+# Writes $OUT/<step>.json, $OUT/<step>.md, $OUT/<step>.log, and $OUT/summary.md (all markdown
+# tables concatenated, with each step's wall time). Extra flags for every step: EXTRA="--graph".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench_out}
+PYTHON=${PYTHON:-python}
+WINDOW=${WINDOW:-0.5}
+ROUNDS=${ROUNDS:-3}
+EXTRA=${EXTRA:-}
+mkdir -p "$OUT"
+: > "$OUT/summary.log"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(fwd gqa unfused indexed select h2o)
+common="--window $WINDOW --rounds $ROUNDS $EXTRA"
+status=0
+
+run_step() {  # name, script, args...
+    local name=$1 script=$2
+    shift 2
+    local t0=$SECONDS
+    echo "== $name: $PYTHON bench/$script $* $common" | tee -a "$OUT/summary.log"
+    # shellcheck disable=SC2086
+    if "$PYTHON" "bench/$script" "$@" $common --json "$OUT/$name.json" --markdown "$OUT/$name.md" \
+        > "$OUT/$name.log" 2>&1; then
+        echo "   done in $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
+    else
+        echo "   FAILED (rc $?) after $((SECONDS - t0)) s; tail of $OUT/$name.log:" | tee -a "$OUT/summary.log"
+        tail -n 20 "$OUT/$name.log" | tee -a "$OUT/summary.log"
+        status=1
+    fi
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+        # docs/benchmarks.md forward table: bf16, 16 heads, 32K tokens, block 64; d 128 at every S,
+        # d 64 / 256 at 4K and 16K (the rows README and the issue quote)
+        fwd) run_step fwd128 bench_fwd.py --hdims 128 --seqlens 2048,4096,8192,16384
+             run_step fwd64_256 bench_fwd.py --hdims 64,256 --seqlens 4096,16384 ;;
+        # GQA 32/8 at d 128 (issue 17's targets)
+        gqa) run_step fwd_gqa bench_fwd.py --hdims 128 --heads 32 --heads-kv 8 --seqlens 2048,8192,16384 ;;
+        # ours+bl against FA4 + a separate block-max pass (README's "faster than the unfused path")
+        unfused) run_step fwd_unfused bench_fwd.py --hdims 128 --seqlens 2048,16384 --variants ours_bl,unfused \
+                     --host-n 0 ;;
+        # indexed attention, production layer, rho 0.9 (README), all five shapes, baseline at Lq <= 16K
+        indexed) run_step indexed bench_indexed.py --rhos 0.9 ;;
+        rho05) run_step indexed_rho05 bench_indexed.py --rhos 0.5 --baseline-max 0 --host-n 0 ;;
+        # selection: 8K..128K, forward anchors at 8K / 32K / 128K
+        select) run_step select bench_select.py ;;
+        # H2O decode ops, every shape of the docs table
+        h2o) run_step h2o bench_h2o.py ;;
+        *) echo "unknown step $step (fwd gqa unfused indexed rho05 select h2o)"; status=1 ;;
+    esac
+done
+
+{
+    echo "# Benchmarks ($(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD))"
+    echo
+    cat "$OUT/summary.log"
+    for f in "$OUT"/*.md; do
+        [ "$f" = "$OUT/summary.md" ] && continue
+        echo
+        cat "$f"
+    done
+} > "$OUT/summary.md"
+exit $status
