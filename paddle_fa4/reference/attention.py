@@ -47,7 +47,7 @@ def _varlen(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k) ->
                       block_logit)
     for b in range(spec.batch):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
-        if q1 > q0:
+        if q1 > q0 and k1 > k0:  # a document without keys keeps the fill (out 0, lse -inf)
             _sequence(spec, q[q0:q1], k[k0:k1], v[k0:k1], _Writer(out, lse, block_logit, None, q0))
 
 
