@@ -444,6 +444,10 @@ def select_pages(scores, block_tables, seq_lens, page_size: int, topk: int, bos:
     hkv = scores.shape[1]
     import paddle
 
+    from ._debug import check_no_nan
+
+    check_no_nan(op, scores=scores)
+
     if batch == 0 or hkv == 0:
         return (paddle.empty([batch, hkv, bos + topk + eos], dtype="int32"),
                 paddle.empty([batch, hkv], dtype="int32"))

@@ -193,6 +193,9 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
 
     import paddle
 
+    from ._debug import check_no_nan
+
+    check_no_nan(op, block_logit=block_logit, lse=lse)
     if b * sq == 0:
         out = paddle.empty([b, groups, sq, topk], dtype="int32", device=block_logit.place)
     elif nb == 0:

@@ -68,9 +68,13 @@ class SelectPages:
 
         Non-negative floats already order as integers; for negative ones the magnitude bits are
         flipped so that a larger magnitude gives a smaller integer. -0.0 counts as +0.0 (a tie).
+        Every NaN maps to INT32_MIN, below the key of -inf (0x807FFFFF): a NaN page never takes a
+        slot from a number (the NaN rule, docs/api.md) and fills leftover slots in page order.
         """
         bits = Int32(cutlass.select_(bits == Int32(_s32(0x80000000)), Int32(0), bits))  # -0.0 -> +0.0
-        return bits ^ ((bits >> 31) & Int32(0x7FFFFFFF))
+        key = bits ^ ((bits >> 31) & Int32(0x7FFFFFFF))
+        is_nan = (bits & Int32(0x7FFFFFFF)) > Int32(0x7F800000)
+        return Int32(cutlass.select_(is_nan, Int32(_s32(0x80000000)), key))
 
     @cute.kernel
     def kernel(self, mBits: cute.Tensor, mTable: cute.Tensor, mSeqLen: cute.Tensor, mOut: cute.Tensor,

@@ -32,6 +32,14 @@ Note [selection without a heap]
     5-step butterfly picks the warp's best. Rounds whose best is -inf change nothing, which is
     how rows with fewer than topk visible blocks end up -1 padded.
 
+Note [NaN scores]
+    One rule for every selection op (docs/api.md, "NaN"): NaN never takes a slot a number could
+    take and forced blocks are kept. Here a register holds -inf (no head sees the block: NaN
+    block_logit counts as unseen), NaN (some head sees it but none ranks it: its block_logit - lse
+    is NaN or -inf, i.e. the row's lse is NaN or +inf) or the group's best ranked log-weight. NaN
+    registers count as visible for the diagonal and for forcing; every comparison of the selection
+    is false on NaN, so an unforced NaN block is never picked nor written.
+
 With ``causal_rows`` the row reads only blocks up to (i + Sk - Sq) // block_size (the causal read
 limit the caller vouches for) and treats the rest as -inf: half the bytes for causal self-attention.
 
@@ -154,6 +162,7 @@ class TopkBlocks:
         n_vec = (nb + cfg.vec - 1) // cfg.vec
         n_vec = Int32(cutlass.select_(n_vec > 0, n_vec, 1))
         neg_inf = Float32(-Float32.inf)
+        nan = Float32(Float32.nan)
         for e in cutlass.range_constexpr(cfg.per_lane):
             tWrW[e] = neg_inf
         # (per_lane,) fp32: one head's raw block_logit slots
@@ -168,31 +177,36 @@ class TopkBlocks:
                 chunk = Int32(cutlass.select_(m * 32 + lane < n_vec, m * 32 + lane, n_vec - 1))
                 cute.autovec_copy(cute.local_tile(gRow, (cfg.vec,), (chunk,)),
                                   cute.local_tile(tWrRaw, (cfg.vec,), (m,)))
-            # 2. log-weight and the max over heads; -inf block_logit stays -inf whatever lse is
+            # 2. log-weight and the max over heads under the NaN rule (Note [NaN scores])
             for m in cutlass.range_constexpr(cfg.chunks):
                 for v in cutlass.range_constexpr(cfg.vec):
                     e = m * cfg.vec + v
                     x = tWrRaw[e]
-                    keep = (x > neg_inf) & (self.block_id(lane, m, v) < nb)
-                    logw = Float32(cutlass.select_(keep, x - lse, neg_inf))
-                    tWrW[e] = cute.arch.fmax(tWrW[e], logw)
+                    seen = (x > neg_inf) & (self.block_id(lane, m, v) < nb)  # False for NaN x
+                    diff = x - lse
+                    val = Float32(cutlass.select_(diff > neg_inf, diff, nan))  # NaN: seen, unranked
+                    old = tWrW[e]
+                    # fmax is NaN-quiet (maximumNumber): a ranked value replaces NaN, never the reverse
+                    merged = Float32(cutlass.select_(old == neg_inf, val, cute.arch.fmax(old, val)))
+                    tWrW[e] = Float32(cutlass.select_(seen, merged, old))
 
     @cute.jit
     def force_sink_local(self, tWrW: cute.Tensor, sink_blocks: Int32, local_blocks: Int32, lane: Int32):
         cfg = self.cfg
         neg_inf = Float32(-Float32.inf)
         # The row's diagonal block is its last visible one (for causal rows (i + Sk - Sq) // block).
+        # Visible = not -inf (NaN = visible but unranked: kept only when forced, never ranked).
         last = Int32(-1)
         for m in cutlass.range_constexpr(cfg.chunks):
             for v in cutlass.range_constexpr(cfg.vec):
                 j = self.block_id(lane, m, v)
-                last = Int32(cutlass.select_(tWrW[m * cfg.vec + v] > neg_inf, j, last))
+                last = Int32(cutlass.select_(tWrW[m * cfg.vec + v] != neg_inf, j, last))
         diag = cute.arch.warp_reduction_max(last)
         for m in cutlass.range_constexpr(cfg.chunks):
             for v in cutlass.range_constexpr(cfg.vec):
                 e = m * cfg.vec + v
                 j = self.block_id(lane, m, v)
-                forced = (tWrW[e] > neg_inf) & ((j < sink_blocks) | (j > diag - local_blocks))
+                forced = (tWrW[e] != neg_inf) & ((j < sink_blocks) | (j > diag - local_blocks))
                 tWrW[e] = Float32(cutlass.select_(forced, Float32(Float32.inf), tWrW[e]))
 
     @cute.jit

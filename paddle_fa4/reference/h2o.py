@@ -175,7 +175,14 @@ def select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos):
         else:
             mid = scores[b, :, bos:n_pages - eos]  # [Hkv, W]
             mid = paddle.where(mid == 0, paddle.zeros_like(mid), mid)  # -0.0 ties +0.0
-            order = paddle.argsort(mid, axis=-1, descending=True, stable=True)[:, :topk]
+            # NaN rule: a NaN page ranks below every number (-inf included), ties in page order.
+            # Stable sorts: by score (NaN as -inf), then NaN last keeping that order.
+            nan = paddle.isnan(mid)
+            order = paddle.argsort(paddle.where(nan, paddle.full_like(mid, float("-inf")), mid), axis=-1,
+                                   descending=True, stable=True)
+            nan_last = paddle.argsort(paddle.take_along_axis(nan.astype("int32"), order, axis=-1), axis=-1,
+                                      stable=True)
+            order = paddle.take_along_axis(order, nan_last, axis=-1)[:, :topk]
             picked = paddle.sort(order, axis=-1) + bos
             head = paddle.arange(bos, dtype="int64").reshape([1, -1]).expand([hkv, bos])
             tail = paddle.arange(n_pages - eos, n_pages, dtype="int64").reshape([1, -1]).expand([hkv, eos])

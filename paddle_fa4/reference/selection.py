@@ -20,19 +20,37 @@ def block_log_weight(block_logit, lse):
     return paddle.where(bl == _NEG_INF, paddle.full_like(bl, _NEG_INF), diff)
 
 
+def _group_scores(block_logit, lse, num_groups):
+    """``(score, visible)`` of each (group, row, block) under the NaN rule (docs/api.md, "NaN").
+
+    A head sees block j when its block_logit is a number above -inf (NaN = unseen); its score is
+    ``block_logit - lse`` unless that is NaN or -inf (NaN or +inf lse): then the head sees the block
+    but ranks nothing. ``visible`` = some head of the group sees it; ``score`` = the max over the
+    heads that rank it, -inf when none does (visible-but-unranked blocks are kept only when forced).
+    """
+    b, hq, c, nb = block_logit.shape
+    group = hq // num_groups
+    bl = block_logit.astype("float32")
+    seen = bl > _NEG_INF  # False for NaN
+    diff = bl - lse.astype("float32").unsqueeze(-1)
+    ranked = seen & (diff > _NEG_INF)  # False for NaN differences
+    score = paddle.where(ranked, diff, paddle.full_like(diff, _NEG_INF))
+    score = score.reshape([b, num_groups, group, c, nb]).max(axis=2)  # [B, Hs, c, nb]
+    visible = seen.reshape([b, num_groups, group, c, nb]).any(axis=2)
+    return score, visible
+
+
 def _select_rows(block_logit, lse, topk, num_groups, sink_blocks, local_blocks, last_blocks):
     """``block_logit [B, Hq, c, nb]``, ``lse [B, Hq, c]`` -> int32 ``[B, Hs, c, topk]``.
 
     ``last_blocks [c]`` int64 (or None): the causal read limit, blocks past it count as invisible.
     """
     b, hq, c, nb = block_logit.shape
-    group = hq // num_groups
-    logw = block_log_weight(block_logit, lse)
-    logw = logw.reshape([b, num_groups, group, c, nb]).max(axis=2)  # [B, Hs, c, nb]
+    logw, visible = _group_scores(block_logit, lse, num_groups)
     col = paddle.arange(nb, dtype="int64", device=block_logit.place).reshape([1, 1, 1, nb])
     if last_blocks is not None:
-        logw = paddle.where(col <= last_blocks.reshape([1, 1, c, 1]), logw, paddle.full_like(logw, _NEG_INF))
-    visible = logw > _NEG_INF
+        visible = visible & (col <= last_blocks.reshape([1, 1, c, 1]))
+        logw = paddle.where(visible, logw, paddle.full_like(logw, _NEG_INF))
     # Diagonal block = last block with a visible key (see docs/api.md, "local blocks").
     last = paddle.where(visible, col.expand_as(logw), paddle.full_like(col, -1).expand_as(logw))
     last = last.max(axis=-1, keepdim=True)

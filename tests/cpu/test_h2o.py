@@ -187,7 +187,7 @@ def test_token_page_scores_reference():
 
 
 # ------------------------------------------------------------------------------------ select
-@pytest.mark.parametrize("case", ["ties", "negative", "short", "random"])
+@pytest.mark.parametrize("case", ["ties", "negative", "short", "random", "nan"])
 def test_select_pages(case):
     rng = np.random.default_rng(11)
     page_size, hkv = 4, 3
@@ -202,6 +202,12 @@ def test_select_pages(case):
         scores[0, 0, 5:15] = -np.inf
         scores[1, 1, 3:6] = 0.0
         scores[1, 1, 6:9] = -0.0
+    elif case == "nan":  # NaN rule: NaN below every number (-inf included), never displaces one
+        scores = rng.standard_normal((len(seq), hkv, mp))
+        scores[0, 0, 1:20] = np.nan  # 19 of the 28 window pages: every number wins, then NaN by page
+        scores[0, 1, 2:4] = -np.inf
+        scores[0, 1, 4:30] = np.nan  # the two -inf pages beat NaN
+        scores[1, 2, ::2] = -np.nan  # negative-signed NaN too
     else:
         scores = rng.standard_normal((len(seq), hkv, mp))
     scores = scores.astype(np.float32)
@@ -210,6 +216,26 @@ def test_select_pages(case):
     ref_t, ref_l = oracle.select_pages(scores, _np(tables), seq, page_size, topk, bos, eos)
     np.testing.assert_array_equal(_np(tabs), ref_t)
     np.testing.assert_array_equal(_np(lens), ref_l)
+
+
+def test_select_pages_nan_never_displaces_a_number():
+    """The issue's case: a NaN page ranked above a page scoring 99."""
+    _, tables, seq_lens = make_paged(np.random.default_rng(2), [4 * 10], 1, 4, 8)
+    scores = np.full((1, 1, tables.shape[1]), -5.0, np.float32)
+    scores[0, 0, 3] = np.nan
+    scores[0, 0, 6] = 99.0
+    tabs, _ = h2o.select_pages(_t(scores, "float32"), tables, seq_lens, 4, 1, 1, 1, backend=REF)
+    assert _np(tabs)[0, 0].tolist() == _np(tables)[0, [0, 6, 9]].tolist()
+
+
+def test_select_pages_nan_check_opt_in(monkeypatch):
+    _, tables, seq_lens = make_paged(np.random.default_rng(2), [4 * 10], 1, 4, 8)
+    scores = np.zeros((1, 1, tables.shape[1]), np.float32)
+    scores[0, 0, 3] = np.nan
+    h2o.select_pages(_t(scores, "float32"), tables, seq_lens, 4, 1, 1, 1, backend=REF)  # rule applies
+    monkeypatch.setenv("PADDLE_FA4_CHECK_NAN", "1")
+    with pytest.raises(FloatingPointError, match="h2o.select_pages: scores holds 1 NaN"):
+        h2o.select_pages(_t(scores, "float32"), tables, seq_lens, 4, 1, 1, 1, backend=REF)
 
 
 def test_select_pages_contract():

@@ -66,6 +66,46 @@ def test_selection_contract_properties():
                 assert len(ids) == 0
 
 
+def _nan_case():
+    """block_logit [1, 2, 4, 8] / lse [1, 2, 4] exercising every branch of the NaN rule."""
+    rng = np.random.default_rng(3)
+    bl = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    lse = np.full((1, 2, 4), 3.0, np.float32)
+    bl[0, :, 0, 0:2] = np.nan  # row 0: NaN block_logit in both heads = unseen blocks
+    lse[0, :, 1] = np.nan  # row 1: NaN lse in every head: visible, nothing ranked
+    lse[0, 0, 2] = np.nan  # row 2: one head's lse NaN: the other head ranks
+    bl[0, 1, 3, 4] = np.nan  # row 3: NaN in one head only, the other head's value counts
+    bl[0, :, 3, 6:] = -np.inf
+    return bl, lse
+
+
+def test_nan_rule_matches_oracle():
+    bl, lse = _nan_case()
+    for hs, sink, local, topk in ((None, 1, 1, 4), (2, 0, 2, 3), (None, 0, 0, 8), (1, 2, 0, 2)):
+        got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, num_kv_heads=hs, sink_blocks=sink,
+                                            local_blocks=local, **REF)
+        np.testing.assert_array_equal(got.numpy(), oracle.select_topk_blocks(bl, lse, topk, hs, sink, local))
+
+
+def test_nan_never_takes_a_finite_blocks_slot():
+    """The issue's rows: NaN scores must not push finite blocks out, nor drop sink / local blocks."""
+    bl = np.array([[[[np.nan, np.nan, 0.5, 0.4, 0.3, 0.2]]]], np.float32)
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(np.zeros((1, 1, 1), np.float32)), 4, **REF)
+    assert got.numpy().tolist() == [[[[2, 3, 4, 5]]]]
+    bl = np.array([[[[0.1, 0.9, 0.8, 0.2, 0.3, -np.inf]]]], np.float32)
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(np.full((1, 1, 1), np.nan, np.float32)), 4, sink_blocks=1,
+                                        local_blocks=1, **REF)
+    assert got.numpy().tolist() == [[[[0, 4, -1, -1]]]]  # sink 0 and diagonal 4 kept, nothing ranked
+
+
+def test_nan_check_opt_in(monkeypatch):
+    bl, lse = _nan_case()
+    paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 4, **REF)
+    monkeypatch.setenv("PADDLE_FA4_CHECK_NAN", "1")
+    with pytest.raises(FloatingPointError, match="select_topk_blocks: block_logit holds 5 NaN"):
+        paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 4, **REF)
+
+
 def test_ties_go_to_lower_block():
     """Equal log-weights: the lower block id wins (regression guard for unstable top-k)."""
     bl = np.zeros((1, 1, 1, 6), np.float32)

@@ -177,7 +177,7 @@ def test_token_page_scores():
 
 
 # ------------------------------------------------------------------------------- select pages
-@pytest.mark.parametrize("case", ["ties", "negative", "large", "short"])
+@pytest.mark.parametrize("case", ["ties", "negative", "large", "short", "nan"])
 def test_select_pages_exact(case):
     rng = np.random.default_rng(11)
     page_size, hkv = 16, 3
@@ -196,6 +196,13 @@ def test_select_pages_exact(case):
         scores[0, 0, 10:40] = -np.inf
         scores[1, 1, 5:20] = 0.0
         scores[1, 1, 20:30] = -0.0
+    elif case == "nan":  # NaN rule: below every number (-inf included), leftover slots by page order
+        scores = rng.standard_normal((len(seq), hkv, max_pages))
+        scores[0, 0, ::3] = np.nan
+        scores[1, 0, 1:48] = np.nan  # 47 of the 48 window pages NaN: one number, then NaN pages
+        scores[1, 1, 1:10] = -np.inf
+        scores[1, 1, 10:48] = np.nan
+        scores[2, 2, :] = -np.nan
     else:
         scores = rng.standard_normal((len(seq), hkv, max_pages))
     scores = scores.astype(np.float32)

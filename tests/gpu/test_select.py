@@ -55,6 +55,22 @@ def test_select_matches_oracle(b, hq, sq, sk, bs, hs, topk, sink, local, window,
     np.testing.assert_array_equal(_select(bl, lse, topk, hs, sink, local), want)
 
 
+@pytest.mark.parametrize("hs,sink,local,topk", [(1, 1, 1, 4), (2, 0, 2, 3), (4, 0, 0, 9), (1, 2, 0, 2)])
+def test_nan_rule_matches_oracle(hs, sink, local, topk):
+    """NaN block_logit = unseen, NaN/+inf lse = seen but unranked (kept only when forced)."""
+    rng = np.random.default_rng(5)
+    bl, lse = oracle.causal_block_logit(rng, 1, 4, 64, 64 * 16, 16)
+    bl[0, :, 0:8, 0:2] = np.nan
+    bl[0, 1, 8:16, ::3] = np.nan
+    lse[0, :, 16:24] = np.nan
+    lse[0, 0, 24:32] = np.nan
+    lse[0, 2, 32:40] = np.inf
+    mask = rng.random(bl.shape) < 0.05
+    bl[mask] = np.nan
+    want = oracle.select_topk_blocks(bl, lse, topk, hs, sink, local)
+    np.testing.assert_array_equal(_select(bl, lse, topk, hs, sink, local), want)
+
+
 @pytest.mark.parametrize("sq,sk", [(300, 300 * 8), (64, 40), (128, 512)], ids=["square", "sq>sk", "sq<sk"])
 def test_causal_read_limit_ignores_bytes_past_the_diagonal(sq, sk):
     rng = np.random.default_rng(2)

@@ -153,7 +153,9 @@ def select_pages(scores, block_tables, seq_lens, page_size, topk, bos=0, eos=0):
                 logical = list(range(n_pages))
             else:
                 mid = sc[b, g, bos:n_pages - eos]
-                order = sorted(range(mid.size), key=lambda i: (-mid[i], i))[:topk]
+                # NaN rule: NaN ranks below every number (-inf included); ties -> lower page
+                order = sorted(range(mid.size), key=lambda i: (bool(np.isnan(mid[i])),
+                                                               0.0 if np.isnan(mid[i]) else -mid[i], i))[:topk]
                 logical = list(range(bos)) + sorted(bos + i for i in order) + list(range(n_pages - eos, n_pages))
             tables[b, g, :len(logical)] = bt[b, logical]
             if n > 0:

@@ -20,22 +20,45 @@ def block_log_weight(block_logit, lse):
     return np.where(np.isneginf(bl), NEG_INF, out)
 
 
-def _select_row(scores, topk, sink_blocks, local_blocks):
-    """One row: ``scores[nb]`` (fp64 log-weights, -inf = invisible) -> ascending block ids, -1 padded."""
+def _select_row(scores, visible, topk, sink_blocks, local_blocks):
+    """One row: ``scores[nb]`` (fp64 ranked log-weights, NaN = not ranked) and ``visible[nb]`` ->
+    ascending block ids, -1 padded. NaN rule: an unranked block is kept only when forced."""
     nb = scores.shape[0]
-    visible = [j for j in range(nb) if scores[j] != NEG_INF]
+    vis = [j for j in range(nb) if visible[j]]
     picked = []
-    if visible:
-        diag = max(visible)  # last block holding a visible key
-        forced = [j for j in visible if j < sink_blocks or j > diag - local_blocks]
+    if vis:
+        diag = max(vis)  # last block holding a visible key
+        forced = [j for j in vis if j < sink_blocks or j > diag - local_blocks]
         assert len(forced) <= topk, "sink_blocks + local_blocks > topk"
-        rest = [j for j in visible if j not in forced]
+        rest = [j for j in vis if j not in forced and not np.isnan(scores[j])]
         # Largest score first; equal scores -> lower block index first.
         rest.sort(key=lambda j: (-scores[j], j))
         picked = sorted(forced + rest[: topk - len(forced)])
     row = np.full(topk, -1, np.int32)
     row[: len(picked)] = picked
     return row
+
+
+def _group_row(bl_heads, lse_heads):
+    """The NaN rule for one (group, row): ``bl_heads [group, nb]``, ``lse_heads [group]`` ->
+    ``(scores, visible)``. A head sees block j when its block_logit is a number above -inf; it ranks
+    it when also ``block_logit - lse`` (fp32) is a number above -inf. The group's score is the max
+    over ranking heads (NaN when none ranks it); visible = some head sees it."""
+    group, nb = bl_heads.shape
+    scores = np.full(nb, np.nan)
+    visible = np.zeros(nb, bool)
+    for h in range(group):
+        for j in range(nb):
+            x = bl_heads[h, j]
+            if np.isnan(x) or x == NEG_INF:
+                continue
+            visible[j] = True
+            with np.errstate(invalid="ignore"):
+                d = float(np.float32(x - np.float64(lse_heads[h])))
+            if np.isnan(d) or d == NEG_INF:
+                continue
+            scores[j] = d if np.isnan(scores[j]) else max(scores[j], d)
+    return scores, visible
 
 
 def select_topk_blocks(block_logit, lse, topk, num_kv_heads=None, sink_blocks=0, local_blocks=0,
@@ -46,29 +69,29 @@ def select_topk_blocks(block_logit, lse, topk, num_kv_heads=None, sink_blocks=0,
     invisible (the op's read limit).
     """
     bl = np.asarray(block_logit, np.float64)
+    ls = np.asarray(lse, np.float64)
     varlen = bl.ndim == 3
     if varlen:
         bl = bl[None]
-        lse = np.asarray(lse)[None]
+        ls = ls[None]
     b, hq, sq, nb = bl.shape
     hs = 1 if num_kv_heads is None else num_kv_heads
     group = hq // hs
-    logw = block_log_weight(bl, lse)
     out = np.full((b, hs, sq, topk), -1, np.int32)
     for bi in range(b):
         for g in range(hs):
-            heads = logw[bi, g * group:(g + 1) * group]  # [group, Sq, nb]
             for i in range(sq):
-                # The op's log-weight is an fp32 number (fp32 inputs, one fp32 subtraction): round
-                # the exact fp64 difference once so that ties are the ties the op sees.
-                scores = heads[:, i, :].max(axis=0).astype(np.float32).astype(np.float64)
+                # The op's log-weight is an fp32 number (fp32 inputs, one fp32 subtraction): each
+                # head's exact difference is rounded once so that ties are the ties the op sees.
+                scores, visible = _group_row(bl[bi, g * group:(g + 1) * group, i, :],
+                                             ls[bi, g * group:(g + 1) * group, i])
                 if causal_limit is not None:
                     block_size, seqlen_k = causal_limit
                     last_key = i + seqlen_k - sq
                     for j in range(nb):
                         if last_key < 0 or j > last_key // block_size:
-                            scores[j] = NEG_INF
-                out[bi, g, i] = _select_row(scores, topk, sink_blocks, local_blocks)
+                            visible[j] = False
+                out[bi, g, i] = _select_row(scores, visible, topk, sink_blocks, local_blocks)
     return out[0] if varlen else out
 
 
