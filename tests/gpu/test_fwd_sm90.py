@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs a CUDA GPU; torch is used to drive the launchers")
 
 from tests.conftest import sm90_gpu_marks  # noqa: E402
 from tests.gpu._fwd_launch import SENTINEL, make_qkv, run_ours  # noqa: E402, F401
@@ -239,13 +239,25 @@ def test_self_consistency(causal):
 
 
 def test_nondefault_stream():
-    """The launcher runs on torch's current stream (TVM-FFI env stream)."""
+    """The launcher runs on torch's current stream (TVM-FFI env stream): inputs become valid and
+    results are read only on a busy side stream (tests/gpu/_streams.py)."""
+    from tests.gpu._streams import side_stream_run
+
     q, k, v = make_qkv(1, 256, 256, 2, 2, 128, seed=11)
     ref = run_ours(q, k, v, causal=True, block_size=64)
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        got = run_ours(q, k, v, causal=True, block_size=64)
-    s.synchronize()
+    got = side_stream_run((q, k, v), lambda *qkv: run_ours(*qkv, causal=True, block_size=64),
+                          poison=(float("nan"),) * 3)
     for a, b in zip(ref, got):
-        assert torch.equal(a, b)
+        assert torch.equal(a.cpu(), b)
+
+
+def test_stream_harness_catches_a_default_stream_launch():
+    """The control of test_nondefault_stream: the same launch forced onto the default stream must
+    give a different answer in that harness, or the harness could not catch a wrong stream."""
+    from tests.gpu._streams import on_default_stream, side_stream_run
+
+    q, k, v = make_qkv(1, 256, 256, 2, 2, 128, seed=11)
+    ref = run_ours(q, k, v, causal=True, block_size=64)
+    got = side_stream_run((q, k, v), on_default_stream(lambda *qkv: run_ours(*qkv, causal=True, block_size=64)),
+                          poison=(float("nan"),) * 3)
+    assert not all(torch.equal(a.cpu(), b) for a, b in zip(ref, got))

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import torch_cuda_arch
 from tests.oracles import h2o as oracle
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs a CUDA GPU; torch is used to drive the launchers")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch_cuda_arch() is None or torch_cuda_arch() < 90,

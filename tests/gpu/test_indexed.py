@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs a CUDA GPU; torch is used to drive the launchers")
 
 from tests.conftest import torch_cuda_arch  # noqa: E402
 from tests.oracles import index_sources as src  # noqa: E402

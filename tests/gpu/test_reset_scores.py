@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs a CUDA GPU; torch is used to drive the launchers")
 
 from tests.conftest import torch_cuda_arch  # noqa: E402
 
@@ -50,21 +50,26 @@ def test_reset_scores_matches_oracle(state_dtype, hkv, page_size):
 
 
 def test_reset_scores_runs_on_current_stream_and_caches_compile():
+    """State and slots become valid, and the state is read back, only on a busy side stream
+    (tests/gpu/_streams.py): a launch on another stream zeroes nothing of the real state."""
     from cute_kernels.h2o.launch import compile_reset_scores, run_reset_scores
+
+    from tests.gpu._streams import side_stream_run
 
     state = torch.full((4, 2, 8), 7.5, device="cuda")
     slots = torch.tensor([3, 9], dtype=torch.int32, device="cuda")
     before = compile_reset_scores.cache_info()["entries"]
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(10_000_000)  # keep the side stream busy: a launch on another stream would race
-        run_reset_scores(state, slots)
-    stream.synchronize()
-    run_reset_scores(state, slots)
+
+    def launch(st, sl):
+        run_reset_scores(st, sl)
+        return st
+
+    (got,) = side_stream_run((state, slots), launch, poison=(1.0, -1))
+    (again,) = side_stream_run((state, slots), launch, poison=(1.0, -1))
     assert compile_reset_scores.cache_info()["entries"] - before <= 1
-    got = state.cpu().numpy()
-    assert got[0, :, 3].tolist() == [0, 0] and got[1, :, 1].tolist() == [0, 0]
-    assert (got == 0).sum() == 4
+    for out in (got.numpy(), again.numpy()):
+        assert out[0, :, 3].tolist() == [0, 0] and out[1, :, 1].tolist() == [0, 0]
+        assert (out == 0).sum() == 4 and (out == 7.5).sum() == out.size - 4
 
 
 def test_wrong_dtype_rejected_by_tvm_ffi_before_launch():

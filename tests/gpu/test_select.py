@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs a CUDA GPU; torch is used to drive the launchers")
 
 from tests.conftest import torch_cuda_arch  # noqa: E402
 from tests.oracles import selection as oracle  # noqa: E402
@@ -150,18 +150,22 @@ def test_select_then_indices_round_trip():
 
 
 def test_runs_on_current_stream():
+    """Inputs valid and results read only on a busy side stream (tests/gpu/_streams.py)."""
     from cute_kernels.select.launch import run_select_topk_blocks
+
+    from tests.gpu._streams import side_stream_run
 
     rng = np.random.default_rng(7)
     bl, lse = oracle.causal_block_logit(rng, 1, 4, 32, 512, 16)
-    blt, lset = torch.from_numpy(bl).cuda(), torch.from_numpy(lse).cuda()
-    out = torch.full((1, 1, 32, 4), 5, dtype=torch.int32, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(10_000_000)
+
+    def launch(blt, lset):
+        out = torch.full((1, 1, 32, 4), 5, dtype=torch.int32, device="cuda")
         run_select_topk_blocks(blt, lset, out)
-    stream.synchronize()
-    np.testing.assert_array_equal(out.cpu().numpy(), oracle.select_topk_blocks(bl, lse, 4))
+        return out
+
+    (got,) = side_stream_run((torch.from_numpy(bl).cuda(), torch.from_numpy(lse).cuda()), launch,
+                             poison=(float("-inf"), float("nan")))
+    np.testing.assert_array_equal(got.numpy(), oracle.select_topk_blocks(bl, lse, 4))
 
 
 def test_chunked_plan_equals_one_shot_with_our_forward():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs a CUDA GPU; torch is used to drive the launchers")
 pytest.importorskip("cutlass")
 
 from tests.conftest import torch_cuda_arch  # noqa: E402
