@@ -19,6 +19,7 @@ a GPU place.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -128,7 +129,8 @@ def heatmap(path, block_idx, logw_max, cfg: DemoConfig) -> None:
     cmap = ListedColormap(["#ffffff", "#e6e6e6", "#1f5fbf", "#e07b00", "#2ca02c"])
     axes[0].imshow(kind, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=4.5)
     axes[0].set_title(f"selected blocks (kv group 0): top-{cfg.topk}\n"
-                      f"blue = by weight, orange = sink, green = local")
+                      f"blue = by weight, orange = sink, green = local,\n"
+                      f"grey = visible, not chosen, white = not visible (causal)", fontsize=9)
     shown = np.where(visible, logw_max, np.nan)
     im = axes[1].imshow(shown, aspect="auto", interpolation="nearest", cmap="magma", vmin=-12, vmax=0)
     axes[1].set_title("block log-weight max over group heads\n(block_logit - lse; white = no visible key)")
@@ -139,6 +141,12 @@ def heatmap(path, block_idx, logw_max, cfg: DemoConfig) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _mean(x) -> float:
+    """Mean of a possibly empty selection: NaN (shown as n/a) instead of numpy's empty-slice warning."""
+    x = np.asarray(x)
+    return float(x.mean()) if x.size else float("nan")
 
 
 def _sync(t) -> None:
@@ -208,18 +216,22 @@ def run(cfg: DemoConfig) -> dict:
         "backend": "reference" if not on_gpu or cfg.backend == "reference" else cfg.backend,
         "rows": cfg.seq, "key_blocks": nb,
         "blocks_per_row_mean": float(counts.mean()),
-        "keys_attended_long_rows_fraction": float((keys_attended[..., long_rows] / (rows[long_rows] + 1)).mean()),
+        "keys_attended_long_rows_fraction": _mean(keys_attended[..., long_rows] / (rows[long_rows] + 1)),
         "chunked_ids_identical": bool((blk_chunked.numpy() == blk_np).all()),
         "mass_captured_mean": float(captured.mean()),
-        "mass_captured_long_rows_mean": float(captured[:, long_rows].mean()),
+        "mass_captured_long_rows_mean": _mean(captured[:, long_rows]),
         "recall_vs_exact_topk_mean": float(recall.mean()),
         "recall_vs_exact_topk_p10": float(np.quantile(recall, 0.1)),
         "sparse_vs_dense_rel_err_next_layer": rel_err(sparse_next, dense_next),
         "sparse_vs_dense_rel_err_same_layer": rel_err(sparse_same, out_full),
-        "times_s": times, "png": cfg.out,
+        "times_s": times, "png": os.path.abspath(cfg.out),
     }
     _print_report(cfg, report)
     return report
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x != x else f"{100 * x:.1f}%"
 
 
 def _print_report(cfg: DemoConfig, r: dict) -> None:
@@ -228,10 +240,10 @@ def _print_report(cfg: DemoConfig, r: dict) -> None:
           f"backend {r['backend']}")
     print(f"  key blocks per row: {r['key_blocks']} in all, {r['blocks_per_row_mean']:.2f} selected on average; "
           f"rows past the first {cfg.topk * cfg.block_size} tokens attend to "
-          f"{100 * r['keys_attended_long_rows_fraction']:.1f}% of their keys")
+          f"{_pct(r['keys_attended_long_rows_fraction'])} of their keys")
     print(f"  chunked driver (4 query chunks): ids identical to the one-shot selection: {r['chunked_ids_identical']}")
     print(f"  attention mass inside the selection: {100 * r['mass_captured_mean']:.1f}% of each row on average "
-          f"({100 * r['mass_captured_long_rows_mean']:.1f}% on rows longer than the budget)")
+          f"({_pct(r['mass_captured_long_rows_mean'])} on rows longer than the budget)")
     print(f"  recall vs the exact top-{cfg.topk} blocks by attention mass: mean "
           f"{100 * r['recall_vs_exact_topk_mean']:.1f}%, 10th percentile {100 * r['recall_vs_exact_topk_p10']:.1f}%")
     print(f"  sparse vs dense output, relative L2 error: next layer {r['sparse_vs_dense_rel_err_next_layer']:.4f}, "
@@ -257,6 +269,15 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default=d.backend, choices=("auto", "cute", "reference"))
     ap.add_argument("--out", default=d.out, help="heatmap PNG path (default %(default)s)")
     args = ap.parse_args(argv)
+    for flag, value, low in (("--seq", args.seq, 1), ("--heads", args.heads, 1), ("--kv-heads", args.kv_heads, 1),
+                             ("--head-dim", args.head_dim, 1), ("--topk", args.topk, 1),
+                             ("--sink-blocks", args.sink_blocks, 0), ("--local-blocks", args.local_blocks, 0)):
+        if value < low:
+            ap.error(f"{flag} must be >= {low}, got {value}")
+    from .attention import BLOCK_SIZES
+
+    if args.block_size not in BLOCK_SIZES:
+        ap.error(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {args.block_size}")
     if args.heads % args.kv_heads:
         ap.error("--heads must be a multiple of --kv-heads")
     if args.sink_blocks + args.local_blocks > args.topk:
