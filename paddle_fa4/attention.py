@@ -437,7 +437,10 @@ def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q
     causal = V.check_bool(op, "causal", causal)
     window_left, window_right, causal = _check_window(window_size, causal, op)
     softcap = V.check_float(op, "softcap", softcap, low=0.0)
-    scale = dims["head_dim"] ** -0.5 if softmax_scale is None else V.check_float(op, "softmax_scale", softmax_scale)
+    # >= 0: the kernels take the running max of the raw logits q.k and scale it afterwards, which
+    # for a negative scale would be the minimum of the scaled logits (and block_logit its minimum).
+    scale = (dims["head_dim"] ** -0.5 if softmax_scale is None
+             else V.check_float(op, "softmax_scale", softmax_scale, low=0.0))
     V.check_int(op, "block_size", block_size)
     V.check_choice(op, "block_size", block_size, BLOCK_SIZES)
     V.check_bool(op, "return_block_logit", return_block_logit)

@@ -321,7 +321,7 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float |
     V.check_tensor(op, "state", state)
     V.check_dtype(op, "state", state, _STATE_DTYPES)
     V.check_shape(op, "state", state, [num_pages, hkv, page_size], "[num_pages, Hkv, page_size]")
-    scale = d ** -0.5 if scale is None else V.check_float(op, "scale", scale)
+    scale = d ** -0.5 if scale is None else V.check_float(op, "scale", scale, low=0.0)  # raw-max softmax: >= 0
     decay = V.check_float(op, "decay", decay, low=0.0)
     V.check_choice(op, "gqa_reduce", gqa_reduce, TOKEN_GQA)
     bos = V.check_int(op, "bos", bos, low=0)

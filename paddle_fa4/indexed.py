@@ -187,7 +187,7 @@ def _validate(query, key, value, indices, scale, return_lse, plan) -> IndexedSpe
     expected = [b, hkv, lq, w] if per_kv_head else [b, lq, w]
     V.check_shape(OP, "indices", indices, expected, "[B, Hkv, Lq, W]" if per_kv_head else "[B, Lq, W]")
     V.check_same_place(OP, {"query": query, "key": key, "value": value, "indices": indices})
-    scale = d ** -0.5 if scale is None else V.check_float(OP, "scale", scale)
+    scale = d ** -0.5 if scale is None else V.check_float(OP, "scale", scale, low=0.0)  # raw-max softmax: >= 0
     V.check_bool(OP, "return_lse", return_lse)
     _check_plan(plan)
     return IndexedSpec(B=b, Lq=lq, Lkv=lkv, Hq=hq, Hkv=hkv, D=d, W=w, per_kv_head=per_kv_head,

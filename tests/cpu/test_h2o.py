@@ -270,6 +270,8 @@ def test_errors_name_op_and_argument():
         h2o.token_accumulate(q, key, state, tables, seq_lens, gqa_reduce="min", backend=REF)
     with pytest.raises(ValueError, match="h2o.token_accumulate: decay must be >= 0"):
         h2o.token_accumulate(q, key, state, tables, seq_lens, decay=-0.1, backend=REF)
+    with pytest.raises(ValueError, match="h2o.token_accumulate: scale must be >= 0"):
+        h2o.token_accumulate(q, key, state, tables, seq_lens, scale=-0.5, backend=REF)
     with pytest.raises(TypeError, match="h2o.token_accumulate: state must be float32 or bfloat16"):
         h2o.token_accumulate(q, key, state.astype("float16"), tables, seq_lens, backend=REF)
     with pytest.raises(ValueError, match="h2o.token_accumulate: state must have shape"):
