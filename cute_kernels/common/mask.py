@@ -43,3 +43,27 @@ def apply_mask(acc_mn: cute.Tensor, cols: cutlass.Constexpr, rows: list, col_off
                 acc_mn[r, c] = acc_mn[r, c] if cols[c] >= limit_lo else -Float32.inf
             elif const_expr(mask_right or mask_seqlen):
                 acc_mn[r, c] = acc_mn[r, c] if cols[c] < limit_hi else -Float32.inf
+
+
+@cute.jit
+def apply_mask_kv_major(acc_mn: cute.Tensor, cols: cutlass.Constexpr, keys: list, col_offset: Int32,
+                        seqlen_k: Int32, shift: Int32, left: Int32, right: Int32,
+                        mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr):
+    """The same rule on a transposed tile (the backward's S^T): register row r holds key keys[r], register
+    column c query row cols[c] + col_offset. Key t is kept for rows i with t < seqlen_k and
+    t - shift - right <= i (``mask_right``) and i <= t - shift + left (``mask_left``); else -inf."""
+    for r in cutlass.range_constexpr(len(keys)):
+        key_ok = keys[r] < seqlen_k
+        lo = Int32(0)
+        hi = Int32(0)
+        if const_expr(mask_right):
+            lo = keys[r] - shift - right - col_offset
+        if const_expr(mask_left):
+            hi = keys[r] - shift + left - col_offset
+        for c in cutlass.range_constexpr(len(cols)):
+            keep = key_ok
+            if const_expr(mask_right):
+                keep = keep and cols[c] >= lo
+            if const_expr(mask_left):
+                keep = keep and cols[c] <= hi
+            acc_mn[r, c] = acc_mn[r, c] if keep else -Float32.inf

@@ -71,3 +71,50 @@ class TileRange:
         n_right_mask = cutlass.max(cutlass.min(n_right_mask, n_max), n_min)
         n_left_mask = cutlass.min(cutlass.max(n_left_mask, n_min), n_right_mask)
         return TileRange(n_min, n_max, n_right_mask, n_left_mask)
+
+
+@dataclass(frozen=True)
+class QueryTileRange:
+    """Query tiles [m_min, m_max) that see at least one key of key tile [n_start, n_start + tile_n).
+
+    The backward's inverse of ``TileRange``, exact: m is in range iff some (row i of tile m, key t of
+    the tile) pair is visible. Key t is seen by rows i with t - shift - right <= i <= t - shift + left
+    (0 <= i < Sq), an interval of length >= 1 that moves by one row per key (left + right >= 0 after
+    ``normalize_window``), so the rows seeing the tile form the single interval
+    [t_first - shift - right, t_last - shift + left] clipped to [0, Sq); empty when the clip is empty.
+    ``first_key_tile`` is the matching exact rule in the other direction (deterministic dQ order).
+    """
+
+    m_min: Int32
+    m_max: Int32
+
+    @staticmethod
+    @cute.jit
+    def create(n_start: Int32, seqlen_q: Int32, seqlen_k: Int32, left: Int32, right: Int32,
+               tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+               mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr):
+        shift = seqlen_k - seqlen_q
+        n_last = cutlass.min(n_start + tile_n, seqlen_k) - 1  # last key of the tile (n_start < Sk)
+        row_lo = Int32(0)
+        row_hi = seqlen_q - 1
+        if const_expr(mask_right):
+            row_lo = cutlass.max(n_start - shift - right, 0)
+        if const_expr(mask_left):
+            row_hi = cutlass.min(n_last - shift + left, seqlen_q - 1)
+        m_min = row_lo // tile_m
+        m_max = m_min
+        if row_lo <= row_hi:
+            m_max = row_hi // tile_m + 1
+        return QueryTileRange(m_min, m_max)
+
+
+@cute.jit
+def first_key_tile(m_start: Int32, seqlen_q: Int32, seqlen_k: Int32, left: Int32,
+                   tile_n: cutlass.Constexpr, mask_left: cutlass.Constexpr) -> Int32:
+    """First key tile that query tile ``m_start`` sees (exact; the query tile is assumed to see one):
+    its first row's first visible key max(m_start + shift - left, 0), in tiles. Key tiles n with
+    ``QueryTileRange(n)`` containing the query tile are exactly [first_key_tile, ...) contiguous."""
+    first = Int32(0)
+    if const_expr(mask_left):
+        first = cutlass.max(m_start + seqlen_k - seqlen_q - left, 0) // tile_n
+    return first

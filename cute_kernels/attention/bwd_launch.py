@@ -1,0 +1,286 @@
+"""Host launcher of the attention backward: config, compile cache, run with any DLPack tensors.
+
+``bwd_config(...)`` builds the compile key, ``unsupported_reason(cfg)`` says why a config cannot run,
+``workspace_shapes(cfg, ...)`` (from ``bwd_config``) lists the buffers the caller allocates with its
+framework's ``empty``, and ``run_bwd(...)`` launches preprocess, main kernel and postprocess on the
+caller's current stream (each compiled once per config against fake tensors, ``--enable-tvm-ffi``).
+Arguments were validated one layer up; only internal invariants are asserted here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from cute_kernels import arch as _arch
+from cute_kernels.dtypes import cutlass_dtype, dtype_name
+from cute_kernels.jit_cache import jit_cache
+
+from .bwd_config import (ACCUM_ROW_PAD, DQ_SEM_ROWS, DTYPES, HEAD_DIMS, BwdConfig, BwdKernelArgs,
+                         workspace_shapes)
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_config(arch: int, dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
+               has_window: bool, has_softcap: bool, varlen: bool, deterministic: bool,
+               has_dlse: bool = False) -> BwdConfig:
+    """The compile key for one backward call."""
+    return BwdConfig(arch=_arch.family(int(arch)), dtype=dtype_name(dtype), head_dim=int(head_dim),
+                     head_dim_v=int(head_dim_v), qhead_per_kvhead=int(qhead_per_kvhead), causal=bool(causal),
+                     has_window=bool(has_window), has_softcap=bool(has_softcap), varlen=bool(varlen),
+                     deterministic=bool(deterministic), has_dlse=bool(has_dlse))
+
+
+def _kernel_class(arch: int):
+    if arch == 90:
+        from .bwd_sm90 import FlashBwdSm90
+
+        return FlashBwdSm90
+    if arch == 100:
+        from .bwd_sm100 import FlashBwdSm100  # written by the SM100 issue; imported lazily
+
+        return FlashBwdSm100
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def unsupported_reason(cfg: BwdConfig) -> str | None:
+    """None when ``cfg`` compiles and runs, else a reason naming the unsupported case."""
+    if cfg.arch not in (90, 100):
+        return f"no attention backward kernel for compute capability {cfg.arch}"
+    try:
+        cls = _kernel_class(cfg.arch)
+    except ImportError as exc:
+        return f"attention backward for sm_{cfg.arch}a is not available ({exc})"
+    return cls.unsupported_reason(cfg)
+
+
+def smem_bytes(cfg: BwdConfig) -> int | None:
+    return _kernel_class(cfg.arch).smem_bytes(cfg)
+
+
+# ---------------------------------------------------------------------------- fake arguments
+def _fake_common(cfg: BwdConfig):
+    """Fake q-side tensors and workspace: dict of name -> fake tensor (dense 4-D or varlen 3-D)."""
+    import cutlass
+
+    from cute_kernels.fake import fake_tensor, sym
+
+    dt = cutlass_dtype(cfg.dtype)
+    f32 = cutlass.Float32
+    hq, hkv = sym(), sym()
+    rows = sym(ACCUM_ROW_PAD)
+    t = {}
+    if cfg.varlen:
+        tq, tk, bp1 = sym(), sym(), sym()
+        t["q"] = fake_tensor(dt, (tq, hq, cfg.head_dim))
+        t["k"] = fake_tensor(dt, (tk, hkv, cfg.head_dim))
+        t["v"] = fake_tensor(dt, (tk, hkv, cfg.head_dim_v))
+        t["o"] = fake_tensor(dt, (tq, hq, cfg.head_dim_v))
+        t["lse"] = fake_tensor(f32, (hq, tq), align_bytes=4)
+        lead = (hq, rows)
+        t["cu_q"] = fake_tensor(cutlass.Int32, (bp1,), align_bytes=4)
+        t["cu_k"] = fake_tensor(cutlass.Int32, (bp1,), align_bytes=4)
+        sems = (hq, sym())
+    else:
+        b, sq, sk = sym(), sym(), sym()
+        t["q"] = fake_tensor(dt, (b, sq, hq, cfg.head_dim))
+        t["k"] = fake_tensor(dt, (b, sk, hkv, cfg.head_dim))
+        t["v"] = fake_tensor(dt, (b, sk, hkv, cfg.head_dim_v))
+        t["o"] = fake_tensor(dt, (b, sq, hq, cfg.head_dim_v))
+        t["lse"] = fake_tensor(f32, (b, hq, sq), align_bytes=4)
+        lead = (b, hq, rows)
+        t["cu_q"] = t["cu_k"] = None
+        sems = (b, hq, sym())
+    for name, src in (("do", "o"), ("dq", "q"), ("dk", "k"), ("dv", "v")):
+        t[name] = fake_tensor(dt, t[src].shape)
+    t["lse_log2"] = fake_tensor(f32, lead)
+    t["dpsum"] = fake_tensor(f32, lead)
+    t["dq_accum"] = fake_tensor(f32, lead + (cfg.head_dim,))
+    t["dq_sem"] = fake_tensor(cutlass.Int32, sems, align_bytes=4) if cfg.deterministic else None
+    t["dlse"] = fake_tensor(f32, t["lse"].shape, align_bytes=4) if cfg.has_dlse else None
+    return t
+
+
+def fake_bwd_args(cfg: BwdConfig) -> BwdKernelArgs:
+    import cutlass
+
+    t = _fake_common(cfg)
+    f32 = cutlass.Float32
+    return BwdKernelArgs(t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["dpsum"], t["dq_accum"], t["dk"],
+                         t["dv"], t["cu_q"], t["cu_k"], t["dq_sem"], f32(1.0), f32(0.0), cutlass.Int32(-1),
+                         cutlass.Int32(-1), cutlass.Int32(1), cutlass.Int32(1))
+
+
+def _prepost_key(cfg: BwdConfig) -> BwdConfig:
+    """The fields the pre/post kernels depend on (others normalised, so configs share one compile)."""
+    return dataclasses.replace(cfg, qhead_per_kvhead=1, causal=False, has_window=False, has_softcap=False)
+
+
+# ---------------------------------------------------------------------------- compile
+@jit_cache
+def compile_bwd_main(cfg: BwdConfig):
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream
+
+    reason = unsupported_reason(cfg)
+    if reason is not None:
+        raise NotImplementedError(f"flash_attn_bwd: {reason}")
+    kernel = _kernel_class(cfg.arch)(cfg)
+    return cute.compile(kernel, *fake_bwd_args(cfg), fake_stream(), options=arch_options(cfg.arch))
+
+
+@jit_cache
+def _compile_pre(key: BwdConfig):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream
+
+    from .bwd_pre import FlashBwdPre
+
+    t = _fake_common(key)
+    return cute.compile(FlashBwdPre(key), t["o"], t["do"], t["lse"], t["dlse"], t["lse_log2"], t["dpsum"],
+                        t["dq_accum"], t["dq_sem"], t["cu_q"], cutlass.Int32(1), fake_stream(),
+                        options=arch_options(key.arch))
+
+
+@jit_cache
+def _compile_post(key: BwdConfig):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream
+
+    from .bwd_post import FlashBwdPost
+
+    t = _fake_common(key)
+    return cute.compile(FlashBwdPost(key), t["dq_accum"], t["dq"], t["cu_q"], cutlass.Float32(1.0),
+                        cutlass.Int32(1), fake_stream(), options=arch_options(key.arch))
+
+
+@jit_cache
+def _compile_zero(key: BwdConfig):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream
+
+    from .bwd_post import FlashBwdZeroKV
+
+    t = _fake_common(key)
+    return cute.compile(FlashBwdZeroKV(key), t["dk"], t["dv"], t["cu_k"], cutlass.Int32(1), fake_stream(),
+                        options=arch_options(key.arch))
+
+
+def compile_bwd_pre(cfg: BwdConfig):
+    return _compile_pre(_prepost_key(cfg))
+
+
+def compile_bwd_post(cfg: BwdConfig):
+    return _compile_post(_prepost_key(cfg))
+
+
+def compile_bwd(cfg: BwdConfig):
+    """All kernels of one backward config: (pre, main, post)."""
+    return compile_bwd_pre(cfg), compile_bwd_main(cfg), compile_bwd_post(cfg)
+
+
+# ---------------------------------------------------------------------------- run
+def run_bwd(cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+            workspace: dict, *, softmax_scale: float, softcap: float, window_left: int, window_right: int,
+            max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Launch preprocess, main kernel and postprocess on the caller's current stream.
+
+    Shapes as in ``bwd_config``; ``workspace`` holds the buffers of ``workspace_shapes(cfg, ...)``
+    (uninitialised; the preprocess writes them). Writes every element of ``dq``, ``dk``, ``dv``
+    (zeros where no visible (query, key) pair contributes). Window sizes -1 = unbounded.
+    """
+    assert (cu_seqlens_q is None) == (not cfg.varlen), "cu_seqlens must match cfg.varlen"
+    assert (dlse is None) == (not cfg.has_dlse), "dlse must match cfg.has_dlse"
+    if cfg.varlen:
+        batch = int(cu_seqlens_q.shape[0]) - 1
+        total_q, total_k = int(q.shape[0]), int(k.shape[0])
+        if batch <= 0:
+            return
+        q_empty = total_q == 0 or max_seqlen_q <= 0
+        k_empty = total_k == 0 or max_seqlen_k <= 0
+    else:
+        batch = int(q.shape[0])
+        if batch == 0:
+            return
+        q_empty = int(q.shape[1]) == 0
+        k_empty = int(k.shape[1]) == 0
+        max_seqlen_q, max_seqlen_k = int(q.shape[1]), int(k.shape[1])
+    if q_empty:
+        # No query: dQ is empty (or has no rows of any sequence) and dK = dV = 0.
+        if not k_empty:
+            _compile_zero(_prepost_key(cfg))(dk, dv, cu_seqlens_k, int(max_seqlen_k))
+        return
+    ws = workspace
+    sem = ws.get("dq_sem") if cfg.deterministic else None
+    pre, main, post = compile_bwd(cfg)
+    pre(out, dout, lse, dlse, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], sem, cu_seqlens_q,
+        int(max_seqlen_q))
+    if not k_empty:
+        main(q, k, v, dout, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], dk, dv, cu_seqlens_q, cu_seqlens_k,
+             sem, float(softmax_scale), float(softcap) if cfg.has_softcap else 0.0, int(window_left),
+             int(window_right), int(max_seqlen_q), int(max_seqlen_k))
+    post(ws["dq_accum"], dq, cu_seqlens_q, float(softmax_scale), int(max_seqlen_q))
+
+
+# ---------------------------------------------------------------------------- config matrix
+_MASKS = ("none", "causal", "window")
+
+
+def _supported(cfgs):
+    return [c for c in cfgs if unsupported_reason(c) is None]
+
+
+def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
+    """Backward configs compiled by ``python -m cute_kernels.check`` (those the arch's kernel supports)."""
+    arch = _arch.family(int(arch))
+    if full:
+        out = [bwd_config(arch, dt, d, dv, r, m == "causal", m == "window", False, vl, det)
+               for dt in DTYPES for d, dv in HEAD_DIMS for m in _MASKS for r in (1, 4)
+               for vl in (False, True) for det in (False, True)]
+        out += [bwd_config(arch, "bfloat16", d, d, 1, c, False, True, False, False)
+                for d in (64, 128, 256) for c in (False, True)]
+        out += [bwd_config(arch, "bfloat16", 128, 128, 1, True, False, False, False, False, True)]
+        return _supported(out)
+    rep = [
+        ("bfloat16", 128, 1, True, False, False, False, False),
+        ("bfloat16", 128, 4, False, False, False, True, True),
+        ("float16", 64, 1, False, True, False, False, False),
+        ("bfloat16", 96, 2, True, False, True, False, False),
+        ("bfloat16", 256, 1, True, False, False, False, True),
+        ("bfloat16", 192, 1, False, False, False, True, False),
+    ]
+    out = [bwd_config(arch, dt, d, d, r, c, w, sc, vl, det) for dt, d, r, c, w, sc, vl, det in rep]
+    out.append(bwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, False, False))
+    return _supported(out)
+
+
+def prepost_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
+    """One config per distinct pre/post compile key (dtype x head dims x varlen x deterministic x dlse)."""
+    arch = _arch.family(int(arch))
+    dims = HEAD_DIMS if full else ((128, 128), (64, 64), (192, 128))
+    dts = DTYPES if full else ("bfloat16",)
+    out = [bwd_config(arch, dt, d, dv, 1, False, False, False, vl, det, dl)
+           for dt in dts for d, dv in dims for vl in (False, True) for det in (False, True)
+           for dl in (False, True)]
+    return out if full else out[:6] + [bwd_config(arch, "float16", 96, 96, 1, False, False, False, True, True)]
+
+
+def _no_smem(cfg) -> None:
+    return None
+
+
+CHECKS = {"attention_bwd": (config_matrix, compile_bwd_main, smem_bytes),
+          "attention_bwd_pre": (prepost_matrix, compile_bwd_pre, _no_smem),
+          "attention_bwd_post": (prepost_matrix, compile_bwd_post, _no_smem)}
+
+__all__ = ["bwd_config", "unsupported_reason", "workspace_shapes", "run_bwd", "compile_bwd",
+           "compile_bwd_main", "compile_bwd_pre", "compile_bwd_post", "config_matrix", "prepost_matrix",
+           "fake_bwd_args", "smem_bytes", "CHECKS", "DQ_SEM_ROWS"]
