@@ -212,7 +212,8 @@ class _FlashAttnFn(PyLayer):
     Tensor inputs (Paddle counts them strictly, one backward slot each): q, k, v, then each of
     cu_seqlens_q, cu_seqlens_k and block_logit that is not None. ``block_logit`` is an in-place
     output (filled by the forward, never differentiated). Saved: q, k, v, out, lse (and the
-    cu_seqlens of a varlen call, which its backward reads); never block_logit.
+    cu_seqlens of a varlen call, which its backward reads); never block_logit. A strided q/k/v
+    view (e.g. a slice of a fused qkv projection) is saved as a contiguous copy.
     """
 
     @staticmethod
@@ -222,10 +223,12 @@ class _FlashAttnFn(PyLayer):
         ctx.state = (spec, bwd_backend, deterministic)
         ctx.needs_grad = tuple(not t.stop_gradient for t in (q, k, v))
         ctx.extra_slots = sum(t is not None for t in (cu_seqlens_q, cu_seqlens_k, block_logit))
+        # Strided views are saved as contiguous copies: Paddle 3.3's non-reentrant recompute
+        # restores a saved view from its base buffer without the strides (wrong values).
+        saved = tuple(as_contiguous(t) for t in (q, k, v)) + (out, lse)
         if spec.varlen:
-            ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        else:
-            ctx.save_for_backward(q, k, v, out, lse)
+            saved += (as_contiguous(cu_seqlens_q), as_contiguous(cu_seqlens_k))
+        ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(lse)
         return out, lse
 

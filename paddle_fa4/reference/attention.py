@@ -145,8 +145,8 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
                    deterministic=False):
     """``(dq, dk, dv)`` of a validated call, exact float32 closed form (deterministic by construction).
 
-    Per sequence and chunk of query rows (the ``[Hq, rows, Sk]`` float32 tiles stay under
-    :data:`TILE_BYTES` / 2): recompute ``P = exp(s - lse)`` on the visible keys (0 on rows whose
+    Per sequence and chunk of query rows (each ``[Hq, rows, Sk]`` float32 tile stays under
+    :data:`TILE_BYTES` / 4): recompute ``P = exp(s - lse)`` on the visible keys (0 on rows whose
     lse is -inf), ``D = rowsum(dout * out) - dlse``, ``dP = dout V^T``, ``dS = P (dP - D)``
     (times ``1 - tanh^2`` under softcap), then ``dq = scale dS K`` per chunk and
     ``dk += scale dS^T Q``, ``dv += P^T dout`` over the chunks (and the query heads of each kv head)
@@ -207,7 +207,8 @@ def _sequence_bwd(spec, dout, q, k, v, out, lse, dlse):
     vf = v.astype("float32").transpose([1, 0, 2])  # [Hkv, Sk, Dv]
     dk = paddle.zeros([hkv, sk, spec.head_dim], dtype="float32", device=q.place)
     dv = paddle.zeros([hkv, sk, spec.head_dim_v], dtype="float32", device=q.place)
-    rows = max(1, min(sq, TILE_BYTES // (2 * 4 * spec.num_heads * max(sk, 1))))  # ~5 tiles live at once
+    # s, tanh, p, dP and dS tiles [Hq, rows, Sk] live at once: each is kept to TILE_BYTES / 4
+    rows = max(1, min(sq, TILE_BYTES // (4 * 4 * spec.num_heads * max(sk, 1))))
     dq_chunks = []
     for row0 in range(0, sq, rows):
         row1 = min(sq, row0 + rows)

@@ -185,8 +185,12 @@ def test_rows_without_keys_have_zero_gradients():
 
 def test_chunked_rows(monkeypatch):
     """Tiny tiles force many query-row chunks: dk / dv accumulate across chunks correctly."""
-    monkeypatch.setattr(ref_attention, "TILE_BYTES", 2 * 4 * 4 * 40 * 3)  # 3 rows per chunk
+    monkeypatch.setattr(ref_attention, "TILE_BYTES", 4 * 4 * 4 * 40 * 3)  # 3 rows per chunk (Hq 4, Sk 40)
+    calls = []
+    original = ref_attention._chunk_bwd
+    monkeypatch.setattr(ref_attention, "_chunk_bwd", lambda *a: calls.append(a[-3]) or original(*a))
     check_bwd(*make_case(11, 2, 17, 40, 4, 2, 16), causal=True, window_size=(9, None), softcap=4.0)
+    assert calls[:6] == [0, 3, 6, 9, 12, 15] and len(calls) == 12  # 6 chunks per sequence, 2 sequences
 
 
 def test_no_keys_at_all():
@@ -357,6 +361,14 @@ def test_pylayer_saves_only_q_k_v_out_lse(monkeypatch):
     for got, want in zip(saved[0], (q, k, v, out, lse)):
         assert got is want
     assert all(t is not bl for t in saved[0])
+    # a strided view is saved as a contiguous copy of itself
+    saved.clear()
+    qkv = leaf(np.stack([q_np, q_np, q_np], axis=2))  # [1, 6, 3, 2, 16]
+    views = [qkv[:, :, i] for i in range(3)]
+    assert not views[0].is_contiguous()
+    paddle_fa4.flash_attn_fwd(*views, backend="reference")
+    assert len(saved) == 1 and all(t.is_contiguous() for t in saved[0])
+    np.testing.assert_array_equal(saved[0][0].numpy(), q_np)
 
 
 def test_block_logit_changes_nothing_in_the_backward():
@@ -413,6 +425,46 @@ def test_lse_in_the_loss_adds_no_gradient():
         loss.backward()
         grads.append(q.grad.numpy())
     np.testing.assert_array_equal(*grads)
+
+
+def test_autograd_without_keys_gives_zero_gradients():
+    """Sk = 0 with inputs needing gradients: the PyLayer still runs and returns zeros (no launch)."""
+    q_np, k_np, v_np, _ = make_case(31, 2, 5, 0, 2, 2, 16)
+    q, k, v = leaf(q_np), leaf(k_np), leaf(v_np)
+    out, lse = paddle_fa4.flash_attn_fwd(q, k, v, backend="reference")
+    assert not out.stop_gradient and np.all(np.isneginf(lse.numpy()))
+    out.sum().backward()
+    assert q.grad.shape == [2, 5, 2, 16] and float(q.grad.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_recompute_gives_the_same_gradients(use_reentrant):
+    """Under Paddle's recompute the forward (with block_logit) runs again with grad enabled; the
+    gradients equal those without recompute bitwise. q/k/v are strided slices of one projection
+    (Paddle's non-reentrant recompute restores saved views without their strides: the PyLayer
+    saves contiguous copies)."""
+    from paddle.distributed.fleet.utils import recompute
+
+    paddle.seed(1)
+    proj = paddle.nn.Linear(16, 3 * 2 * 8)
+    x_np = np.random.default_rng(32).standard_normal((2, 20, 16)).astype(np.float32)
+
+    def block(x):
+        qkv = proj(x).reshape([2, 20, 3, 2, 8])
+        out, _, _ = paddle_fa4.flash_attn_fwd(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True,
+                                              return_block_logit=True, block_size=16, backend="reference")
+        return out
+
+    grads = []
+    for use_recompute in (False, True):
+        proj.clear_gradients()
+        x = leaf(x_np)
+        out = recompute(block, x, use_reentrant=use_reentrant) if use_recompute else block(x)
+        (out ** 2).sum().backward()
+        grads.append((proj.weight.grad.numpy(), x.grad.numpy()))
+    assert float(np.abs(grads[0][0]).max()) > 0
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_double_backward_raises():
