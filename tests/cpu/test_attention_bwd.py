@@ -777,16 +777,39 @@ def test_autograd_auto_forward_cute_backward_falls_back(fake_gpu, monkeypatch):
         paddle_fa4.flash_attn_fwd(q2, q2, q2, backend="cute")
 
 
-def test_bwd_glue_matches_the_real_launcher_contract():
-    """The glue's bwd_config keywords are the ones cute_kernels.attention.bwd_launch takes (no GPU needed)."""
+def test_bwd_glue_matches_the_real_launcher_contract(monkeypatch):
+    """The glue against the real cute_kernels.attention.bwd_launch (no GPU needed): its bwd_config
+    keywords, its workspace_shapes, and a call that binds to run_bwd's signature."""
+    import inspect
+
     launch = pytest.importorskip("cute_kernels.attention.bwd_launch", reason="backward launcher not in this tree")
     from cute_kernels.attention.bwd_config import BwdConfig
     from paddle_fa4.attention import _validate
 
-    q, k = _t([1, 8, 4, 128], "bfloat16"), _t([1, 8, 2, 128], "bfloat16")
+    q, k = _t([2, 8, 4, 128], "bfloat16"), _t([2, 8, 2, 128], "bfloat16")
     spec = _validate(q, k, k, None, True, (16, None), 5.0, None, None, None, None, None, 64, False, None)
     cfg = glue.bwd_config(90, spec, True, False)
     assert isinstance(cfg, BwdConfig)
     assert (cfg.arch, cfg.dtype, cfg.head_dim, cfg.qhead_per_kvhead, cfg.causal, cfg.has_window, cfg.has_softcap,
-            cfg.deterministic) == (90, "bfloat16", 128, 2, True, True, True, True)
-    assert launch.unsupported_reason(cfg) is None or isinstance(launch.unsupported_reason(cfg), str)
+            cfg.deterministic, cfg.has_dlse) == (90, "bfloat16", 128, 2, True, True, True, True, False)
+    reason = glue.bwd_unsupported_reason(90, spec, True, False)
+    assert reason is None or isinstance(reason, str)
+    calls = []
+    signature = inspect.signature(launch.run_bwd)
+
+    def record(*args, **kwargs):
+        calls.append(signature.bind(*args, **kwargs))  # raises TypeError on a mismatched call
+
+    monkeypatch.setattr(launch, "run_bwd", record)
+    monkeypatch.setattr(glue, "arch_of", lambda tensor: 90)
+    out, lse = paddle_fa4.flash_attn_fwd(q, k, k, causal=True, window_size=(16, None), softcap=5.0,
+                                         backend="reference")
+    dq, dk, dv = glue.flash_attn_bwd(spec, out, q, k, k, out, lse, None, None, None, None, None, None,
+                                     deterministic=True)
+    bound = calls[-1].arguments
+    assert bound["cfg"] == cfg and bound["dlse"] is None and bound["cu_seqlens_q"] is None
+    assert bound["dq"].data_ptr() == dq.data_ptr() and bound["dk"].shape == [2, 8, 2, 128]
+    assert (bound["window_left"], bound["window_right"], bound["max_seqlen_q"], bound["max_seqlen_k"]) == (16, 0, 8, 8)
+    expected = launch.workspace_shapes(cfg, batch=2, seqlen_q=8, num_heads=4, total_q=16)
+    assert {n: (list(t.shape), str(t.dtype).replace("paddle.", "")) for n, t in bound["workspace"].items()} == {
+        n: (list(shape), dtype) for n, (shape, dtype) in expected.items()}
