@@ -31,8 +31,6 @@ from typing import Any, NamedTuple
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
-#: SM90 block_logit store variants (Note [bl_store="producer"] in fwd_sm90.py).
-BL_STORE_MODES = ("consumer", "producer")
 DTYPES = ("bfloat16", "float16")
 
 

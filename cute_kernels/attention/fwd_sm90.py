@@ -11,10 +11,9 @@ Warp roles (384 threads, one CTA per (query tile of 128 rows, head, batch)):
 
     warp 0        TMA producer: Q once, then K[n], V[n+1] per key tile (descending n), 2 stages
     warps 1-3     block_logit: -inf into the blocks of key tiles this query tile never visits
-                  (bl_store="producer": also reduce and store the staged block maxima, see below)
     WG 1, WG 2    consumers, 64 query rows each: S = Q K^T (wgmma, smem x smem), mask, softcap,
-                  block_logit (its quad exchange and stores one key tile late, Note [block_logit
-                  reduce modes]), online softmax, O += P V (P from registers); the QK^T of tile n is in
+                  block_logit (its quad exchange and stores one key tile late, Note [deferred
+                  block_logit stores]), online softmax, O += P V (P from registers); the QK^T of tile n is in
                   flight while the PV of tile n+1 runs and softmax of tile n follows
                   (intra-warpgroup overlap); the two WGs alternate issuing wgmma (named barriers)
 
@@ -33,42 +32,19 @@ the running max (``_RowReducedSoftmax``): the same set of values, so again the s
 Note [block_logit in the key-tile loop]: the lane's row address, first owned block and validity are
 resolved once per work tile (``bl.owner_position`` / ``bl.pin_row``); a key tile then costs the
 quad reduce-scatter of its block maxima plus one compare, scale and predicated store per owned value
-(by default done one step later, see the next Note).
+(with several blocks per tile done one key tile later, see the next Note).
 
-Note [block_logit reduce modes] (``bl_reduce``; only with several blocks per key tile, i.e.
-block_size < tile_n, and the default store). Each lane first reduces its own columns of every (row,
-block) in registers; what differs is where the quad's exchange runs:
-
-    split     reduce-scatter of the block maxima (bl.reduce_row_threads) next to the softmax's own
-              row-max all-reduce, then the store, all inside the tile's softmax step
-    fused     one set of shuffles serves both (bl.reduce_blocks_and_rows): 2 shuffles fewer, but
-              the softmax waits for a longer chain
-    deferred  the tile's partial maxima stay in registers and block_logit_flush reduces and stores
-              them in the NEXT key-tile step, after that step has issued its QK^T and PV
-              (the last tile's: after the final PV is issued)
-
-H200, 2026-11-29, bf16, 16 heads, block 64, interleaved repeats (overhead vs no block_logit), with the
-per-row -inf fill: d 128: split 1.3-4.0 %, fused 2.8-5.5 %, deferred -0.4-1.2 % non-causal and 2.1-3.9 %
-causal; d 64: split 7.0-10.5 %, fused 3.1-8.5 %, deferred 4.0-5.8 %. After the flat fill (Note [filling
-unvisited blocks] in common/block_logit.py), d 64 causal 4K / 16K: split 2.0-2.3 %, fused 5.4-6.4 %,
-deferred 1.0-1.5 %, so ``DEFAULT_BL_REDUCE`` is ``deferred`` for every config; ``fused`` and ``split`` stay
-selectable (``FlashFwdSm90(cfg, bl_reduce=...)``) for experiments. All three are bitwise
-identical (fmax is exact; the same stores), which tests/gpu/test_fwd_sm90_bl_reduce.py checks.
-
-Note [bl_store="producer"] (opt-in, ``FlashFwdSm90(cfg, bl_store="producer")`` /
-``CUTE_KERNELS_SM90_BL_STORE=producer``; measured on the H200: SLOWER than the default, 2.9-15.4 %
-overhead at d 128, kept for experiments): the consumer warpgroups keep only
-the per-lane partial block maxima (``bl.partial_block_max``, no shuffles, no global stores) and write
-them with vector stores into a shared-memory staging buffer, ``BL_STAGES`` = 2 slots per consumer
-warpgroup, each 64 rows x 4 quad lanes x blocks_per_tile fp32 (``_bl_stage_layout``; at most 32 KiB in
-all). Warps 1-3 wait for a slot on a named barrier (``BL_FULL_BARRIER + 2 * wg + slot``, 224 threads),
-take the max over the row's 4 lanes, fold the carry of blocks spanning tiles (in registers: such a block
-leaves one value per row and tile, and thread t < 64 owns row t for the whole work tile), scale once and
-store; they release the slot (``BL_EMPTY_BARRIER + ...``) only when a later tile reuses it, and a
-consumer waits only when it reuses a slot whose previous tile is not consumed yet. The unvisited blocks'
--inf fill runs after the tile loop. The softmax reduces the row max across the quad itself
-(``OnlineSoftmax``); fmax is exact, so out, lse and block_logit are bitwise those of the default build.
-Barrier ids 3-10 are used only by this variant; the default's generated code is unchanged.
+Note [deferred block_logit stores] (several blocks per key tile, i.e. block_size < tile_n). Each lane
+first reduces its own columns of every (row, block) in registers (``bl.partial_block_max``), and the
+softmax takes the row max from those partial maxima. The quad exchange (reduce-scatter,
+``bl.reduce_row_threads``) and the stores of a tile's block maxima do not run in its softmax step:
+the partial maxima stay in registers (``bl_pending``) and ``block_logit_flush`` reduces and stores them
+in the NEXT key-tile step, after that step has issued its QK^T and PV (the last tile's: after the final
+PV is issued), so the shuffles and stores overlap the tensor cores instead of lengthening the softmax.
+With one block per tile (block_size >= tile_n) the block max is the row's tile max and one all-reduce
+serves both (``block_logit_step``). Doing the exchange inside the softmax step ("split") or sharing its
+shuffles with the row-max all-reduce ("fused"), and storing from the producer warps via shared memory,
+were measured slower on the H200 and removed (docs/benchmarks.md, SM90 forward history).
 """
 
 from __future__ import annotations
@@ -92,7 +68,7 @@ from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, co
                                        wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 
-from .config import BL_STORE_MODES, FwdConfig
+from .config import FwdConfig
 
 SMEM_BYTES_MAX = 232_448
 NUM_CONSUMER_WG = 2
@@ -101,17 +77,6 @@ THREADS_PER_WG = 128
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 # Named barrier ids (0 is __syncthreads): consumer WG w waits on WG_SCHEDULER_BARRIER + w.
 WG_SCHEDULER_BARRIER = 1
-# bl_store="producer" only: staging slot (wg, slot) is full at BL_FULL_BARRIER + 2 * wg + slot (consumer
-# WG arrives, warps 1-3 wait) and free again at BL_EMPTY_BARRIER + 2 * wg + slot (the other way round).
-BL_FULL_BARRIER = 3
-BL_EMPTY_BARRIER = 7
-BL_STAGES = 2
-BL_REDUCER_THREADS = 3 * 32
-BL_REDUCE_MODES = ("split", "fused", "deferred")
-
-
-#: The measured-best mode of Note [block_logit reduce modes] for every config measured since the flat -inf fill.
-DEFAULT_BL_REDUCE = "deferred"
 
 
 def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
@@ -130,25 +95,13 @@ class _RowReducedSoftmax(OnlineSoftmax):
 
 
 class FlashFwdSm90:
-    def __init__(self, cfg: FwdConfig, bl_store: str = "consumer", bl_reduce: str | None = None):
+    def __init__(self, cfg: FwdConfig):
         reason = FlashFwdSm90.unsupported_reason(cfg)
         if reason is not None:
             raise ValueError(f"FlashFwdSm90: {reason}")
-        if bl_store not in BL_STORE_MODES:
-            raise ValueError(f"FlashFwdSm90: bl_store must be one of {BL_STORE_MODES}, got {bl_store!r}")
         self.cfg = cfg
-        # See Note [bl_store="producer"]; only meaningful with block_logit.
-        self.bl_producer = bl_store == "producer" and cfg.has_block_logit
-        if bl_reduce is None:
-            bl_reduce = DEFAULT_BL_REDUCE
-        if bl_reduce not in BL_REDUCE_MODES:
-            raise ValueError(f"FlashFwdSm90: bl_reduce must be one of {BL_REDUCE_MODES}, got {bl_reduce!r}")
-        # See Note [block_logit reduce modes]; all three are bitwise the same. They differ only with
-        # several blocks per key tile and the default (consumer) store.
-        bpt_multi = (cfg.has_block_logit and not self.bl_producer
-                     and max(1, tile_shape(cfg)[1] // cfg.block_size) > 1)
-        self.bl_fused = bl_reduce == "fused" and bpt_multi
-        self.bl_deferred = bl_reduce == "deferred" and bpt_multi
+        # Note [deferred block_logit stores]: with several blocks per key tile.
+        self.bl_deferred = cfg.has_block_logit and max(1, tile_shape(cfg)[1] // cfg.block_size) > 1
         self.dtype = cutlass_dtype(cfg.dtype)
         self.tile_m, self.tile_n, self.kv_stages = tile_shape(cfg)
         self.hdim = cfg.head_dim
@@ -178,7 +131,7 @@ class FlashFwdSm90:
         return None
 
     @staticmethod
-    def smem_bytes(cfg: FwdConfig, bl_store: str = "consumer") -> int:
+    def smem_bytes(cfg: FwdConfig) -> int:
         tile_m, tile_n, stages = tile_shape(cfg)
         elem = 2
         q = tile_m * cfg.head_dim * elem
@@ -186,36 +139,14 @@ class FlashFwdSm90:
         v = tile_n * cfg.head_dim_v * elem * stages
         barriers = 8 * (2 + 4 * stages)
         # Each buffer is 1024-byte aligned.
-        total = sum(-(-x // 1024) * 1024 for x in (q, k, v)) + 1024 + barriers
-        if bl_store == "producer" and cfg.has_block_logit:
-            total += 4 * FlashFwdSm90.bl_stage_floats(cfg) + 128
-        return total
-
-    @staticmethod
-    def bl_stage_floats(cfg: FwdConfig) -> int:
-        """bl_store="producer": fp32 entries of the staging buffer (per-lane partial block maxima of
-        64 rows x 4 lanes x blocks_per_tile, BL_STAGES slots per consumer warpgroup)."""
-        _, tile_n, _ = tile_shape(cfg)
-        blocks_per_tile = max(1, tile_n // cfg.block_size)
-        return NUM_CONSUMER_WG * BL_STAGES * 64 * 4 * blocks_per_tile
-
-    def _bl_stage_layout(self):
-        """(v, chunk, quad lane, row, slot, wg) -> offset: a lane's blocks_per_tile values of one row are
-        ``chunk`` vectors of ``v`` contiguous floats, and lanes of a warp write adjacent vectors."""
-        bpt = self.bl_shape.blocks_per_tile
-        v = min(4, bpt)
-        chunks = bpt // v
-        rows = 64
-        slot = rows * 4 * bpt
-        return cute.make_layout((v, chunks, 4, rows, BL_STAGES, NUM_CONSUMER_WG),
-                                stride=(1, rows * 4 * v, v, 4 * v, slot, BL_STAGES * slot))
+        return sum(-(-x // 1024) * 1024 for x in (q, k, v)) + 1024 + barriers
 
     # ------------------------------------------------------------------ host launch
     def _smem_layout(self, rows: int, cols: int, stages: int | None):
         return wgmma_smem_layout(self.dtype, (rows, cols) if stages is None else (rows, cols, stages))
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
-        """The CTA's shared memory; bl_store="producer" appends the block_logit staging buffer.
+        """The CTA's shared memory.
 
         Fields are given as a dict (this module uses postponed annotations, which cute.struct does
         not evaluate outside a @cute.jit body).
@@ -228,9 +159,6 @@ class FlashFwdSm90:
             "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
             "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024],
         }
-        if self.bl_producer:
-            fields["sBL"] = cute.struct.Align[
-                cute.struct.MemRange[Float32, FlashFwdSm90.bl_stage_floats(self.cfg)], 128]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -305,9 +233,6 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sBL = None
-        if const_expr(self.bl_producer):
-            sBL = storage.sBL.get_tensor(self._bl_stage_layout())
 
         # Work tile: causal/window tiles are launched heaviest (last query tile) first.
         bidx, head_idx, batch_idx = cute.arch.block_idx()
@@ -329,17 +254,13 @@ class FlashFwdSm90:
                               pipeline_q, pipeline_k, pipeline_v, seqlen, tiles, m_tile, head_idx, batch_idx)
                 else:
                     if const_expr(cfg.has_block_logit):
-                        if const_expr(self.bl_producer):
-                            self.reduce_block_logit(mBlockLogit, sBL, seqlen, tiles, m_start, head_idx,
-                                                    batch_idx, tidx - 32, softmax_scale)
-                        else:
-                            self.fill_block_logit(mBlockLogit, seqlen, tiles, m_start, head_idx, batch_idx,
-                                                  tidx - 32)
+                        self.fill_block_logit(mBlockLogit, seqlen, tiles, m_start, head_idx, batch_idx,
+                                              tidx - 32)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 self.consume(mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                              seqlen, tiles, left, right, m_tile, head_idx, batch_idx, tidx - THREADS_PER_WG,
-                             softmax_scale, softcap, sBL)
+                             softmax_scale, softcap)
 
     # ------------------------------------------------------------------ producer
     def _batch_view(self, t: cute.Tensor, offset, batch_idx, varlen: bool):
@@ -410,79 +331,6 @@ class FlashFwdSm90:
         num_rows = cutlass.min(seqlen.seqlen_q - m_start, self.tile_m)
         bl.fill_unvisited(gRows, num_rows, nb, lo, hi, thread, 3 * 32)
 
-    @cute.jit
-    def reduce_block_logit(self, mBlockLogit, sBL: cute.Tensor, seqlen: SeqlenInfo, tiles: TileRange,
-                           m_start: Int32, head_idx: Int32, batch_idx: Int32, thread: Int32,
-                           softmax_scale: Float32):
-        """Warps 1-3 with bl_store="producer": finish and store the block maxima that the consumer
-        warpgroups stage per key tile (see Note [bl_store="producer"]), then -inf for unvisited blocks."""
-        shape = self.bl_shape
-        mRows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
-        nb = mRows.shape[1]
-        # This tile's rows with a 32-bit row stride (offsets stay below tile_m * nb): fewer registers
-        # for warps 1-3, which run on PRODUCER_REGS.
-        gTile = cute.domain_offset((m_start, 0), mRows)
-        gRows = cute.make_tensor(gTile.iterator, cute.make_layout(
-            (self.tile_m, nb), stride=(Int32(gTile.stride[0]), gTile.stride[1])))
-        num_rows = cutlass.min(seqlen.seqlen_q - m_start, self.tile_m)
-        # tiles_per_block > 1: one value per row (bpt == 1); thread t < 64 owns row t of both
-        # warpgroups for the whole work tile, so the running max of a block lives in its registers.
-        carry = None
-        if const_expr(shape.tiles_per_block > 1):
-            carry = cute.make_rmem_tensor((NUM_CONSUMER_WG,), Float32)
-            carry.fill(-Float32.inf)
-        num_tiles = tiles.n_max - tiles.n_min
-        entries = 64 * shape.blocks_per_tile
-        passes = (entries + BL_REDUCER_THREADS - 1) // BL_REDUCER_THREADS
-        for k in cutlass.range(num_tiles, unroll=1):
-            n_tile = tiles.n_max - 1 - k
-            slot = k % BL_STAGES
-            for wg in cutlass.range_constexpr(NUM_CONSUMER_WG):
-                cute.arch.barrier(barrier_id=BL_FULL_BARRIER + 2 * wg + slot,
-                                  number_of_threads=THREADS_PER_WG + BL_REDUCER_THREADS)
-                # A dynamic loop (not unrolled): warps 1-3 run on PRODUCER_REGS registers.
-                for p in cutlass.range(passes, unroll=1):
-                    e = thread + p * BL_REDUCER_THREADS
-                    if e < entries:
-                        self._reduce_block_entry(sBL, gRows, carry, e, wg, slot, n_tile, tiles.n_min,
-                                                 num_rows, nb, softmax_scale)
-                # The slot is reused by tile k + BL_STAGES only; the consumers wait for it there.
-                if k + BL_STAGES < num_tiles:
-                    cute.arch.barrier_arrive(barrier_id=BL_EMPTY_BARRIER + 2 * wg + slot,
-                                             number_of_threads=THREADS_PER_WG + BL_REDUCER_THREADS)
-        lo, hi = bl.visited_block_range(shape, tiles.n_min, tiles.n_max)
-        bl.fill_unvisited(gRows, num_rows, nb, lo, hi, thread, BL_REDUCER_THREADS)
-
-    @cute.jit
-    def _reduce_block_entry(self, sBL: cute.Tensor, gRows: cute.Tensor, carry: cute.Tensor, e: Int32,
-                            wg: cutlass.Constexpr, slot: Int32, n_tile: Int32, n_tile_min: Int32,
-                            num_rows: Int32, nb: Int32, softmax_scale: Float32):
-        """Entry ``e`` (row-major over (row, block of the tile)) of staging slot (wg, slot): max over the
-        row's 4 quad lanes, fold the carry (blocks spanning tiles), scale once, plain store."""
-        shape = self.bl_shape
-        bpt = shape.blocks_per_tile
-        tpb = shape.tiles_per_block
-        v = min(4, bpt)
-        row = e // bpt
-        b = e % bpt
-        c = b // v
-        j = b % v
-        m = cute.arch.fmax(cute.arch.fmax(sBL[j, c, 0, row, slot, wg], sBL[j, c, 1, row, slot, wg]),
-                           cute.arch.fmax(sBL[j, c, 2, row, slot, wg], sBL[j, c, 3, row, slot, wg]))
-        tile_row = 64 * wg + row
-        store = tile_row < num_rows
-        block = n_tile * bpt + b
-        if const_expr(tpb > 1):
-            m = cute.arch.fmax(m, carry[wg])
-            flush = (n_tile % tpb == 0) or (n_tile == n_tile_min)
-            carry[wg] = -Float32.inf if flush else m
-            store = store and flush
-            block = n_tile // tpb
-        if store and block < nb:
-            if const_expr(not self.cfg.has_softcap):
-                m = m * softmax_scale
-            gRows[tile_row, block] = m
-
     # ------------------------------------------------------------------ consumers
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
@@ -503,8 +351,7 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                 seqlen: SeqlenInfo, tiles: TileRange, left: Int32, right: Int32, m_tile: Int32,
-                head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32,
-                sBL=None):
+                head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         lane = ctidx % 32
@@ -550,8 +397,8 @@ class FlashFwdSm90:
             softcap_in = Float32(0.0)
             bl_scale = softmax_scale
         # block_size >= tile_n: block_logit's all-reduced block max is the row max (see block_logit_step).
-        softmax_cls = (_RowReducedSoftmax if cfg.has_block_logit and not self.bl_producer
-                       and (self.bl_shape.blocks_per_tile == 1 or self.bl_fused) else OnlineSoftmax)
+        softmax_cls = (_RowReducedSoftmax if cfg.has_block_logit and self.bl_shape.blocks_per_tile == 1
+                       else OnlineSoftmax)
         softmax = softmax_cls(scale_log2, 2, 4)
         softmax.reset()
         acc_O.fill(0.0)
@@ -563,7 +410,7 @@ class FlashFwdSm90:
         bl_limit = Int32(0)
         bl_row_sel = Int32(0)
         carry = None
-        if const_expr(cfg.has_block_logit and not self.bl_producer):
+        if const_expr(cfg.has_block_logit):
             bl_rows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
             row_sel, first_block, is_owner = bl.owner_position(self.bl_shape, lane)
             bl_row_sel = row_sel
@@ -582,11 +429,6 @@ class FlashFwdSm90:
                               softcap=softcap, softcap_in=softcap_in, softmax=softmax)
         if const_expr(self.bl_deferred):
             ctx.bl_pending = cute.make_rmem_tensor((2, self.bl_shape.blocks_per_tile), Float32)
-        if const_expr(self.bl_producer):
-            # This lane's staging views, one per S row r: (v, chunk, slot) at (quad lane lane % 4, the
-            # row within the warpgroup, this WG); resolved once, so a key tile only adds the slot.
-            ctx.bl_wg = wg
-            ctx.bl_stage_rows = [sBL[None, None, lane % 4, tScS_mn[r, 0][0] % 64, None, wg] for r in range(2)]
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         if tiles.n_min < tiles.n_max:
@@ -673,41 +515,33 @@ class FlashFwdSm90:
                        cfg.has_window)
         local_max = None
         if const_expr(cfg.has_block_logit):
-            if const_expr(self.bl_producer):
-                local_max = self.block_logit_stage(ctx, acc_S_mn, n_tile)
-            elif const_expr(self.bl_deferred):
+            if const_expr(self.bl_deferred):
                 # Keep this tile's partial block maxima; block_logit_flush finishes them while the
                 # next tile's QK^T runs (or after the loop for the last tile).
                 blk = bl.partial_block_max(self.bl_shape, acc_S_mn, ctx.cols)
                 local_max = [bl.row_max_from_blocks(self.bl_shape, blk, r) for r in range(2)]
                 ctx.bl_pending.store(blk.load())
             else:
-                local_max = self.block_logit_step(acc_S_mn, ctx.cols, ctx.lane, n_tile, ctx.tiles.n_min,
+                local_max = self.block_logit_step(acc_S_mn, ctx.cols, n_tile, ctx.tiles.n_min,
                                                   bl.row_at(ctx.bl_addr, ctx.bl_layout), ctx.bl_limit,
                                                   ctx.bl_row_sel, ctx.carry, ctx.bl_scale)
         return ctx.softmax.update(acc_S_mn, is_first, local_max)
 
     @cute.jit
-    def block_logit_step(self, acc_S_mn, cols: cutlass.Constexpr, lane: Int32, n_tile: Int32,
-                         n_tile_min: Int32, bl_own: cute.Tensor, bl_limit: Int32, row_sel: Int32, carry,
-                         scale):
-        """Block maxima of this S tile -> plain stores; returns this thread's row maxima for the softmax.
+    def block_logit_step(self, acc_S_mn, cols: cutlass.Constexpr, n_tile: Int32, n_tile_min: Int32,
+                         bl_own: cute.Tensor, bl_limit: Int32, row_sel: Int32, carry, scale):
+        """One block per key tile (block_size >= tile_n): block maxima of this S tile -> plain stores;
+        returns this thread's row maxima for the softmax.
 
-        ``bl_own``/``bl_limit`` (from ``consume``) already hold the lane's row, first owned block and
-        validity, so a tile costs the reduce-scatter, one compare, scale and predicated store per
-        owned value: no row address arithmetic and no branch in the key-tile loop.
+        The block max is the row's tile max, so one all-reduce serves both (the softmax is a
+        ``_RowReducedSoftmax`` here and does not reduce again). ``bl_own``/``bl_limit`` (from
+        ``consume``) already hold the lane's row, first owned block and validity, so a tile costs the
+        all-reduce, one compare, scale and predicated store: no row address arithmetic and no branch
+        in the key-tile loop.
         """
-        shape = self.bl_shape
+        shape = self.bl_shape  # blocks_per_tile == 1 (several: Note [deferred block_logit stores])
         blk = bl.partial_block_max(shape, acc_S_mn, cols)
-        if const_expr(shape.blocks_per_tile == 1):
-            # The block max is the row's tile max: one all-reduce serves both (the softmax is a
-            # _RowReducedSoftmax here and does not reduce again).
-            local_max, owned = bl.reduce_single_block(shape, blk, row_sel)
-        elif const_expr(self.bl_fused):
-            local_max, owned = bl.reduce_blocks_and_rows(shape, blk, lane)
-        else:
-            local_max = [bl.row_max_from_blocks(shape, blk, r) for r in range(2)]
-            owned = bl.reduce_row_threads(shape, blk, lane)
+        local_max, owned = bl.reduce_single_block(shape, blk, row_sel)
         if const_expr(shape.tiles_per_block > 1):
             # block_size spans tiles: one owned value (first_block 0); store when the block is finished.
             if bl.carry_across_tiles(owned, carry, n_tile, n_tile_min, shape.tiles_per_block):
@@ -718,31 +552,12 @@ class FlashFwdSm90:
 
     @cute.jit
     def block_logit_flush(self, ctx, n_tile: Int32):
-        """bl_reduce="deferred": reduce-scatter, carry and store the block maxima kept from key tile
-        ``n_tile`` (the tile processed last); called while the next QK^T (or the last PV) runs."""
+        """Note [deferred block_logit stores]: reduce-scatter and store the block maxima kept from key
+        tile ``n_tile`` (the tile processed last); called while the next QK^T (or the last PV) runs."""
         shape = self.bl_shape  # blocks_per_tile >= 2: no block spans tiles
         owned = bl.reduce_row_threads(shape, ctx.bl_pending, ctx.lane)
         bl.store_owned(bl.row_at(ctx.bl_addr, ctx.bl_layout), owned, n_tile * shape.blocks_per_tile,
                        ctx.bl_limit, ctx.bl_scale)
-
-    @cute.jit
-    def block_logit_stage(self, ctx, acc_S_mn, n_tile: Int32):
-        """bl_store="producer": this lane's partial block maxima of the S tile -> staging slot; the
-        reduction across the quad, scaling and global stores happen in warps 1-3. Returns this
-        thread's row maxima for the softmax (which reduces them across the quad itself)."""
-        shape = self.bl_shape
-        blk = bl.partial_block_max(shape, acc_S_mn, ctx.cols)
-        local_max = [bl.row_max_from_blocks(shape, blk, r) for r in range(2)]
-        k = ctx.tiles.n_max - 1 - n_tile
-        slot = k % BL_STAGES
-        if k >= BL_STAGES:
-            # Wait only when the slot's previous tile (k - BL_STAGES) is not yet consumed.
-            cute.arch.barrier(barrier_id=BL_EMPTY_BARRIER + 2 * ctx.bl_wg + slot,
-                              number_of_threads=THREADS_PER_WG + BL_REDUCER_THREADS)
-        bl.stage_partials(shape, [view[None, None, slot] for view in ctx.bl_stage_rows], blk)
-        cute.arch.barrier_arrive(barrier_id=BL_FULL_BARRIER + 2 * ctx.bl_wg + slot,
-                                 number_of_threads=THREADS_PER_WG + BL_REDUCER_THREADS)
-        return local_max
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, m_tile: Int32,

@@ -10,13 +10,12 @@ Arguments were validated one layer up; only internal invariants are asserted her
 from __future__ import annotations
 
 import functools
-import os
 
 from cute_kernels import arch as _arch
 from cute_kernels.dtypes import cutlass_dtype, dtype_name
 from cute_kernels.jit_cache import jit_cache
 
-from .config import BL_STORE_MODES, BLOCK_SIZES, DTYPES, FwdArgs, FwdConfig
+from .config import BLOCK_SIZES, DTYPES, FwdArgs, FwdConfig
 
 
 # fwd_config and unsupported_reason are pure and run on every call of the Paddle op (backend
@@ -94,31 +93,9 @@ def fake_fwd_args(cfg: FwdConfig) -> FwdArgs:
                    cutlass.Int32(-1), cutlass.Int32(1))
 
 
-# SM90 only, opt-in (measured slower than the default on the H200): who stores block_logit
-# ("consumer": the softmax warpgroups, the default; "producer": warps 1-3 from a shared-memory staging
-# buffer). Read by run_fwd on each call; each mode is compiled once.
-BL_STORE_ENV = "CUTE_KERNELS_SM90_BL_STORE"
-
-
-def bl_store_mode(cfg: FwdConfig, bl_store: str | None = None) -> str:
-    """The block_logit store variant for ``cfg``: ``bl_store``, else ``$CUTE_KERNELS_SM90_BL_STORE``,
-    else "consumer"; always "consumer" where it changes nothing (not SM90, or no block_logit)."""
-    mode = bl_store if bl_store is not None else (os.environ.get(BL_STORE_ENV) or "consumer")
-    if mode not in BL_STORE_MODES:
-        raise ValueError(f"flash_attn_fwd: {BL_STORE_ENV} / bl_store must be one of {BL_STORE_MODES}, "
-                         f"got {mode!r}")
-    if cfg.arch != 90 or not cfg.has_block_logit:
-        return "consumer"
-    return mode
-
-
 @jit_cache
-def compile_fwd(cfg: FwdConfig, bl_store: str = "consumer"):
-    """Compile the arch kernel for ``cfg`` once (fake tensors; TVM-FFI env stream).
-
-    ``bl_store`` (SM90 only, part of the cache key) picks the block_logit store variant; see
-    ``bl_store_mode``.
-    """
+def compile_fwd(cfg: FwdConfig):
+    """Compile the arch kernel for ``cfg`` once (fake tensors; TVM-FFI env stream)."""
     import cutlass.cute as cute
 
     from cute_kernels.fake import arch_options, fake_stream
@@ -126,23 +103,18 @@ def compile_fwd(cfg: FwdConfig, bl_store: str = "consumer"):
     reason = unsupported_reason(cfg)
     if reason is not None:
         raise NotImplementedError(f"flash_attn_fwd: {reason}")
-    if bl_store != "consumer" and cfg.arch != 90:
-        raise NotImplementedError(f"flash_attn_fwd: bl_store={bl_store!r} exists only on SM90")
-    cls = _kernel_class(cfg.arch)
-    kernel = cls(cfg, bl_store=bl_store) if cfg.arch == 90 else cls(cfg)
+    kernel = _kernel_class(cfg.arch)(cfg)
     return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(),
                         options=arch_options(cfg.arch))
 
 
 def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, *,
             softmax_scale: float, softcap: float, window_left: int, window_right: int,
-            max_seqlen_q: int, bl_store: str | None = None) -> None:
+            max_seqlen_q: int) -> None:
     """Launch the forward on the caller's current stream; writes ``out``, ``lse``, ``block_logit``.
 
     Shapes as in ``config.FwdArgs``; ``block_logit`` is None iff ``cfg.block_size == 0``;
     ``cu_seqlens_*`` are None iff not ``cfg.varlen``; window sizes -1 = unbounded.
-    ``bl_store``: SM90 block_logit store variant (None: ``$CUTE_KERNELS_SM90_BL_STORE``, default
-    "consumer"); see ``bl_store_mode``.
     """
     assert (block_logit is None) == (not cfg.has_block_logit), "block_logit must match cfg.block_size"
     assert (cu_seqlens_q is None) == (not cfg.varlen), "cu_seqlens must match cfg.varlen"
@@ -153,7 +125,7 @@ def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seq
         return
     if max_seqlen_q <= 0:
         return
-    fn = compile_fwd(cfg, bl_store_mode(cfg, bl_store))
+    fn = compile_fwd(cfg)
     fn(q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q))
 
@@ -201,40 +173,7 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
     return out
 
 
-
-def config_matrix_bl_producer(arch: int, full: bool = False) -> list[FwdConfig]:
-    """SM90 configs compiled with bl_store="producer" (every block size at d 128 and 256, plus
-    causal/varlen/window/softcap/GQA/fp16/d 64, 96, 192); empty for other archs."""
-    if _arch.family(int(arch)) != 90:
-        return []
-    rep = [(dt, d, r, c, w, sc, b, vl)
-           for dt, d, r, c, w, sc, vl in [("bfloat16", 128, 1, True, False, False, False),
-                                          ("bfloat16", 256, 2, True, False, False, False)]
-           for b in BLOCK_SIZES]
-    rep += [
-        ("bfloat16", 128, 4, False, False, False, 16, True),
-        ("float16", 64, 1, False, True, False, 128, False),
-        ("bfloat16", 192, 1, False, False, False, 32, True),
-        ("bfloat16", 96, 1, True, False, True, 64, False),
-    ]
-    out = [fwd_config(90, dt, d, d, r, c, w, sc, b, vl) for dt, d, r, c, w, sc, b, vl in rep]
-    if full:
-        out = [c for c in config_matrix(90, True) if c.has_block_logit]
-    return out
-
-
-def compile_fwd_bl_producer(cfg: FwdConfig):
-    return compile_fwd(cfg, "producer")
-
-
-def smem_bytes_bl_producer(cfg: FwdConfig) -> int | None:
-    return _kernel_class(cfg.arch).smem_bytes(cfg, bl_store="producer")
-
-
-CHECKS = {"attention_fwd": (config_matrix, compile_fwd, smem_bytes),
-          "attention_fwd_bl_producer": (config_matrix_bl_producer, compile_fwd_bl_producer,
-                                        smem_bytes_bl_producer)}
+CHECKS = {"attention_fwd": (config_matrix, compile_fwd, smem_bytes)}
 
 __all__ = ["fwd_config", "unsupported_reason", "compile_fwd", "run_fwd", "config_matrix", "CHECKS",
-           "bl_store_mode", "BL_STORE_ENV", "config_matrix_bl_producer",
            "fake_fwd_args", "smem_bytes"]

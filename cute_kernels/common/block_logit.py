@@ -36,9 +36,6 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
     finished values: row ``row_sel`` of its R rows, blocks ``first_block + k`` of the tile, k < K,
     with ``(row_sel, first_block, is_owner)`` from ``owner_position`` (``is_owner`` is False only
     for duplicate holders, when fewer values than lanes remain).
-``reduce_blocks_and_rows(shape, blk, lane) -> (row_max list, owned (K,) rmem)``
-    SM90 quad with ``blocks_per_tile >= 2``: ``reduce_row_threads`` and the all-reduced row maxima
-    for the softmax from one set of shuffles (2 extra instead of the softmax's 4).
 ``reduce_single_block(shape, blk, row_sel) -> (row_max list, owned (1,) rmem)``
     ``blocks_per_tile == 1`` shortcut for ``reduce_row_threads``: a row's block max over the tile
     IS its tile max, so one butterfly all-reduce per row gives both the softmax's row max (already
@@ -76,9 +73,6 @@ API (all device functions are ``@cute.jit``; sizes are compile-time Python ints)
     instructions (for a caller at its register limit: the SM100 softmax warpgroup).
 ``visited_block_range(shape, n_tile_min, n_tile_max) -> (block_lo, block_hi)``
     The blocks touched by the visited key tiles ``[n_tile_min, n_tile_max)``.
-``stage_partials(shape, sRows, blk)``
-    ``partial_block_max``'s values -> a shared-memory staging view (vector stores), for kernels in
-    which other warps finish the cross-lane reduction and store (SM90 ``bl_store="producer"``).
 
 Masked columns must already be -inf in ``acc_mn`` (masking happens before these helpers); a
 visited block whose columns are all masked is therefore written as -inf by ``store_blocks``.
@@ -171,39 +165,6 @@ def reduce_row_threads(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int32):
     for k in cutlass.range_constexpr(shape.owned):
         owned[k] = vals[k]
     return owned
-
-
-@cute.jit
-def reduce_blocks_and_rows(shape: cutlass.Constexpr, blk: cute.Tensor, lane: Int32):
-    """``reduce_row_threads`` plus both rows' maxima all-reduced across the quad, sharing shuffles.
-
-    For the SM90 quad (2 rows, 4 lanes per row) with ``blocks_per_tile >= 2``. Returns
-    ``(row_max list, owned)`` with the placement of ``reduce_row_threads`` / ``owner_position``.
-    A row's max is the max of its finished block maxima, so after the reduce-scatter one exchange
-    between the two lanes holding the row's halves and one with the other row's lanes give both row
-    maxima (2 shuffles instead of the softmax's own 4). With two blocks per tile the second
-    butterfly all-reduces instead of splitting (the same shuffle count), leaving the row's two
-    finished blocks in both lanes of a pair. fmax is exact, so every value is bitwise what the
-    separate reductions give; the softmax must not reduce the row maxima again.
-    """
-    hi = (lane // 2) % 2
-    if const_expr(shape.blocks_per_tile == 2):
-        vals = []
-        for b in cutlass.range_constexpr(2):
-            send = blk[1, b] if hi == 0 else blk[0, b]
-            mine = blk[0, b] if hi == 0 else blk[1, b]
-            vals.append(cute.arch.fmax(mine, cute.arch.shuffle_sync_bfly(send, offset=2)))
-        vals = [cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=1)) for v in vals]
-        own_row = cute.arch.fmax(vals[0], vals[1])
-        owned = cute.make_rmem_tensor((1,), Float32)
-        owned[0] = vals[0] if lane % 2 == 0 else vals[1]
-    else:
-        owned = reduce_row_threads(shape, blk, lane)
-        own_half = tree_max([owned[k] for k in range(shape.owned)])
-        own_row = cute.arch.fmax(own_half, cute.arch.shuffle_sync_bfly(own_half, offset=1))
-    other_row = cute.arch.shuffle_sync_bfly(own_row, offset=2)
-    row_max = [own_row if hi == 0 else other_row, other_row if hi == 0 else own_row]
-    return row_max, owned
 
 
 @cute.jit
@@ -391,20 +352,3 @@ def _fill_columns(gRows: cute.Tensor, num_rows: Int32, c_begin: Int32, c_end: In
             if grp >= groups:
                 grp = grp - groups
                 row = row + 1
-
-
-@cute.jit
-def stage_partials(shape: cutlass.Constexpr, sRows: list, blk: cute.Tensor):
-    """This thread's partial block maxima ``blk`` (from ``partial_block_max``) -> shared memory, for a
-    kernel in which other warps finish the cross-lane reduction and store (SM90 bl_store="producer").
-
-    ``sRows[r]`` is the thread's (v, chunks) shared-memory view for its row r, v = min(4, blocks_per_tile)
-    contiguous floats per chunk (chunks * v == blocks_per_tile): one vector store per chunk.
-    """
-    v = min(4, shape.blocks_per_tile)
-    for r in cutlass.range_constexpr(shape.rows):
-        for c in cutlass.range_constexpr(shape.blocks_per_tile // v):
-            frag = cute.make_rmem_tensor((v,), Float32)
-            for j in cutlass.range_constexpr(v):
-                frag[j] = blk[r, c * v + j]
-            cute.autovec_copy(frag, sRows[r][None, c])

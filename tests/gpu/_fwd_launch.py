@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -20,11 +19,10 @@ def make_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
 
 
 def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=0, fill=None, scale=None,
-             cu_q=None, cu_k=None, max_sq=None, max_sk=None, bl_store=None, bl_reduce=None, bl_offset=0):
-    """One forward through ``run_fwd`` (or, given ``bl_reduce``, the build with that block_logit reduce
-    mode); block_logit (block_size > 0) starts filled with ``fill`` (default SENTINEL) so unwritten
-    entries show. ``bl_offset`` > 0: block_logit is a contiguous view starting that many fp32 into a
-    larger SENTINEL-filled storage (an under-aligned buffer; the skipped head must stay untouched).
+             cu_q=None, cu_k=None, max_sq=None, max_sk=None, bl_offset=0):
+    """One forward through ``run_fwd``; block_logit (block_size > 0) starts filled with ``fill``
+    (default SENTINEL) so unwritten entries show. ``bl_offset`` > 0: block_logit is a contiguous view
+    starting that many fp32 into a larger SENTINEL-filled storage (an under-aligned buffer; the skipped head must stay untouched).
     Returns (out, lse, block_logit or None)."""
     from cute_kernels.attention.launch import fwd_config, run_fwd
 
@@ -54,24 +52,6 @@ def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=
         bl = storage[bl_offset:].view(*bl_shape, nb)
         if fill is not None:
             bl.fill_(fill)
-    if bl_reduce is None:
-        run_fwd(cfg, q, k, v, out, lse, bl, cu_q, cu_k, softmax_scale=scale, softcap=softcap,
-                window_left=window[0], window_right=window[1], max_seqlen_q=max_sq, bl_store=bl_store)
-    else:
-        _compiled_bl_reduce(cfg, bl_reduce)(q, k, v, out, lse, bl, cu_q, cu_k, scale, softcap, window[0],
-                                            window[1], max_sq)
+    run_fwd(cfg, q, k, v, out, lse, bl, cu_q, cu_k, softmax_scale=scale, softcap=softcap,
+            window_left=window[0], window_right=window[1], max_seqlen_q=max_sq)
     return out, lse, bl
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_bl_reduce(cfg, mode: str):
-    """The SM90 forward built with block_logit reduce mode ``mode`` (not a launcher option: the
-    modes are bitwise interchangeable and only tests/gpu/test_fwd_sm90_bl_reduce.py picks one)."""
-    import cutlass.cute as cute
-
-    from cute_kernels.attention.fwd_sm90 import FlashFwdSm90
-    from cute_kernels.attention.launch import fake_fwd_args
-    from cute_kernels.fake import arch_options, fake_stream
-
-    return cute.compile(FlashFwdSm90(cfg, bl_reduce=mode), *fake_fwd_args(cfg), fake_stream(),
-                        options=arch_options(90))
