@@ -142,8 +142,9 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
     named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, **outputs}
     for name, t in named.items():
         require_aligned(BWD_OP, name, t)
-    for name, t in (("lse", lse), ("dlse", dlse), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         require_contiguous(BWD_OP, name, t)
+    for name, t in (("lse", lse), ("dlse", dlse), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         require_aligned(BWD_OP, name, t, nbytes=4)
     launch = _bwd_launch()
     cfg = bwd_config(arch_of(q), spec, deterministic, dlse is not None)

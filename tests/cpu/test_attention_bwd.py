@@ -726,6 +726,17 @@ def test_bwd_glue_out_params_must_be_contiguous(fake_gpu):
     assert not fake_gpu.bwd.runs
 
 
+def test_bwd_glue_copies_a_non_contiguous_dout(fake_gpu):
+    q = _t([1, 8, 2, 64], "bfloat16")
+    out, lse = paddle_fa4.flash_attn_fwd(q, q, q, backend="reference")
+    dout = _t([1, 2, 8, 64], "bfloat16").transpose([0, 2, 1, 3])
+    assert not dout.is_contiguous()
+    paddle_fa4.flash_attn_bwd(dout, q, q, q, out, lse, backend="cute")
+    passed = fake_gpu.bwd.runs[-1]["tensors"][0]
+    assert passed.is_contiguous() and not dout.is_contiguous()
+    np.testing.assert_array_equal(passed.astype("float32").numpy(), dout.astype("float32").numpy())
+
+
 def test_bwd_unsupported_reasons(fake_gpu, monkeypatch):
     from paddle_fa4.attention import _validate
 
