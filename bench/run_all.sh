@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Every benchmark with the bench/_timing.py method (own >= 0.5 s window per variant, launches queued
 # back to back, L2 flushed between repetitions, 3 alternating rounds, host cost as its own column),
-# on the shapes docs/benchmarks.md and README.md quote. About 8 minutes on an H200.
+# on the shapes docs/benchmarks.md and README.md quote. Estimated (not yet run) on an H200: fwd + gqa +
+# unfused about 5 minutes, indexed + select + h2o about 4-5; for a 10-minute limit per command run the
+# two halves as two calls:
 #
-#   bench/run_all.sh                    # every step
-#   bench/run_all.sh fwd gqa            # some steps: fwd gqa unfused indexed select h2o (rho05: opt-in)
+#   bench/run_all.sh                    # every default step
+#   bench/run_all.sh fwd gqa unfused    # first half
+#   bench/run_all.sh indexed select h2o # second half
+#   bench/run_all.sh rho05 bwd          # opt-in steps (indexed at rho 0.5; the attention backward)
 #   OUT=/tmp/b PYTHON=.venv/bin/python WINDOW=0.5 ROUNDS=3 bench/run_all.sh
 #
 # Writes $OUT/<step>.json, $OUT/<step>.md, $OUT/<step>.log, and $OUT/summary.md (all markdown
@@ -57,7 +61,9 @@ for step in "${steps[@]}"; do
         select) run_step select bench_select.py ;;
         # H2O decode ops, every shape of the docs table
         h2o) run_step h2o bench_h2o.py ;;
-        *) echo "unknown step $step (fwd gqa unfused indexed rho05 select h2o)"; status=1 ;;
+        # the attention backward vs FA4's (bench_bwd.py's own default shapes; about 4 minutes)
+        bwd) run_step bwd bench_bwd.py ;;
+        *) echo "unknown step $step (fwd gqa unfused indexed rho05 select h2o bwd)"; status=1 ;;
     esac
 done
 
