@@ -19,6 +19,10 @@ import importlib
 
 __version__ = "0.1.0"
 
+from ._static import install_sot_graph_break as _install_sot_graph_break
+
+_install_sot_graph_break()  # to_static's SOT mode runs every op eagerly between graph breaks
+
 _EXPORTS = {
     "flash_attn_fwd": "attention",
     "flash_attn_bwd": "attention",

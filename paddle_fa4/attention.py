@@ -26,6 +26,7 @@ from paddle.autograd import PyLayer
 from . import _validate as V
 from ._bridge import as_contiguous
 from .backend import resolve_backend
+from ._static import dynamic_only
 
 OP = "flash_attn_fwd"
 BWD_OP = "flash_attn_bwd"
@@ -98,6 +99,7 @@ class AttnFwdSpec:
         return [self.batch, self.num_heads, self.seqlen_q, self.num_blocks]
 
 
+@dynamic_only("flash_attn_fwd")
 def flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    block_logit=None, block_size=64, return_block_logit=False, pack_gqa=None,
@@ -277,6 +279,7 @@ def _zeros_into(buf, like):
         return buf
 
 
+@dynamic_only("flash_attn_bwd")
 def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(None, None),
                    softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    dlse=None, deterministic=False, dq=None, dk=None, dv=None, backend="auto"):
@@ -341,7 +344,7 @@ def _bwd_backend(backend: str, q, spec: AttnFwdSpec, deterministic: bool, has_dl
     """The backend of a backward call: ``auto`` takes the CuTe backward only when its launcher imports
     and supports this case on the GPU's arch (independently of the forward's choice)."""
     return resolve_backend(BWD_OP, backend, q, functools.partial(
-        _bwd_unsupported_reason, spec=spec, deterministic=deterministic, has_dlse=has_dlse), stacklevel=4)
+        _bwd_unsupported_reason, spec=spec, deterministic=deterministic, has_dlse=has_dlse), stacklevel=5)
 
 
 def _bwd_unsupported_reason(arch: int, spec: AttnFwdSpec, deterministic: bool, has_dlse: bool) -> Optional[str]:

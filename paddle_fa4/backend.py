@@ -41,7 +41,7 @@ def tensor_arch(tensor) -> int | None:
 
 
 def resolve_backend(op: str, backend: str, tensor, unsupported_reason: Callable[[int], Optional[str]],
-                    stacklevel: int = 3) -> str:
+                    stacklevel: int = 4) -> str:
     """Return ``"cute"`` or ``"reference"`` for ``op`` given its first input tensor.
 
     ``unsupported_reason(arch)`` returns None when the CuTe kernel handles this call on ``arch``

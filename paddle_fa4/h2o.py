@@ -22,6 +22,7 @@ from typing import Literal
 
 from . import _validate as V
 from .backend import resolve_backend
+from ._static import dynamic_only
 
 _STATE_DTYPES = ("float32", "bfloat16")
 _SUMMARY_DTYPES = ("float32", "bfloat16")
@@ -107,6 +108,7 @@ def _check_q(op: str, q, hkv: int, d: int, batch: int) -> int:
 
 
 # ------------------------------------------------------------------------------------ reset
+@dynamic_only("h2o.reset_scores")
 def reset_scores(state, slot_mapping, backend: Literal["auto", "cute", "reference"] = "auto"):
     """Zero the accumulated score of the token slots written this step (in place).
 
@@ -154,6 +156,7 @@ def reset_scores(state, slot_mapping, backend: Literal["auto", "cute", "referenc
 
 
 # ------------------------------------------------------------------------------ page summaries
+@dynamic_only("h2o.update_page_summary")
 def update_page_summary(key_cache, slot_mapping, summary, backend: Literal["auto", "cute", "reference"] = "auto"):
     """Refresh the per-page mean / max / min of the keys of the pages written this step (in place).
 
@@ -204,6 +207,7 @@ def update_page_summary(key_cache, slot_mapping, summary, backend: Literal["auto
     return summary
 
 
+@dynamic_only("h2o.page_scores")
 def page_scores(q, summary, block_tables, seq_lens, page_size: int, w_avg: float = 1.0, w_peak: float = 1.0,
                 gqa_reduce: Literal["mean_q", "max"] = "mean_q",
                 backend: Literal["auto", "cute", "reference"] = "auto"):
@@ -271,6 +275,7 @@ def page_scores(q, summary, block_tables, seq_lens, page_size: int, w_avg: float
 
 
 # --------------------------------------------------------------------------- token accumulate
+@dynamic_only("h2o.token_accumulate")
 def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float | None = None,
                      decay: float = DEFAULT_DECAY, gqa_reduce: Literal["mean_q", "max", "sum", "mean_p"] = "mean_q",
                      bos: int = 0, eos: int = 0, return_page_scores: bool = False,
@@ -355,6 +360,7 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float |
     return state
 
 
+@dynamic_only("h2o.token_page_scores")
 def token_page_scores(state, block_tables, seq_lens, backend: Literal["auto", "cute", "reference"] = "auto"):
     """Per-page sums of the token state in request order: the scores :func:`select_pages` ranks.
 
@@ -400,6 +406,7 @@ def _token_page_scores(op: str, state, block_tables, seq_lens, batch: int, backe
 
 
 # ------------------------------------------------------------------------------------ select
+@dynamic_only("h2o.select_pages")
 def select_pages(scores, block_tables, seq_lens, page_size: int, topk: int, bos: int = 1, eos: int = 1,
                  backend: Literal["auto", "cute", "reference"] = "auto"):
     """Top-k pages per request and kv head, with the first ``bos`` and last ``eos`` pages kept.

@@ -17,6 +17,7 @@ from paddle.autograd import PyLayer
 
 from . import _validate as V
 from .backend import resolve_backend
+from ._static import dynamic_only
 
 OP = "indexed_attention"
 _GLUE_MODULE = "paddle_fa4._cute.indexed"
@@ -42,6 +43,7 @@ class IndexedSpec:
     dtype: str
 
 
+@dynamic_only("indexed_attention")
 def indexed_attention(query, key, value, indices, scale=None, return_lse=False, backend="auto", plan=None):
     r"""Attention of each query token over its own set of key tokens, with autograd.
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ._static import dynamic_only
+
 OP = "indexed_attention_plan"
 KEY_TILE = 32
 _TILE_M = 64
@@ -79,6 +81,7 @@ def plan_shapes(num_sets: int, num_queries: int, width: int, kv_len: int, wq: in
             "tile_win": [pairs], "tile_start": [pairs]}
 
 
+@dynamic_only("indexed_attention_plan")
 def indexed_attention_plan(indices, kv_len: int, heads_per_kv: int, backend: str = "auto",
                            name: Optional[str] = None) -> IndexedAttentionPlan:
     r"""Build the windowed plan :func:`indexed_attention` uses for ``indices``.

@@ -13,6 +13,7 @@ from typing import Literal, Optional
 
 from . import _validate as V
 from .backend import resolve_backend
+from ._static import dynamic_only
 
 Backend = Literal["auto", "cute", "reference"]
 
@@ -63,6 +64,7 @@ def _check_logit_lse(op: str, block_logit, lse) -> bool:
     return block_logit.ndim == 3
 
 
+@dynamic_only("block_log_weight")
 def block_log_weight(block_logit, lse, name: Optional[str] = None):
     r"""
     Log of the largest softmax weight in each key block: ``block_logit - lse[..., None]``.
@@ -94,6 +96,7 @@ def block_log_weight(block_logit, lse, name: Optional[str] = None):
     return out
 
 
+@dynamic_only("select_topk_blocks")
 def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] = None,
                        sink_blocks: int = 0, local_blocks: int = 0, backend: Backend = "auto",
                        name: Optional[str] = None, *, block_size: Optional[int] = None,
@@ -223,6 +226,7 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
     return out[0] if varlen else out
 
 
+@dynamic_only("blocks_to_indices")
 def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = True,
                       backend: Backend = "auto", name: Optional[str] = None):
     r"""
@@ -300,6 +304,7 @@ def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = 
 CHUNK_BLOCK_LOGIT_BYTES = 1 << 30
 
 
+@dynamic_only("select_topk_blocks_chunked")
 def select_topk_blocks_chunked(q, k, v, topk: int, softmax_scale: Optional[float] = None,
                                causal: bool = True, window_size=(None, None), softcap: float = 0.0,
                                block_size: int = 64, num_kv_heads: Optional[int] = None,
