@@ -1,0 +1,872 @@
+"""FlashBwdSm100: Blackwell (sm_100a) attention backward main kernel (tcgen05 / TMEM), 1-CTA.
+
+Math, tensors and workspace are those of ``cute_kernels/attention/bwd_config.py``:
+
+    P^T  = exp2(S^T * scale_log2 - lse_log2)      S^T = K Q^T (raw, fp32 in TMEM; softcapped first)
+    dP^T = V dO^T                                 dS^T = P^T * (dP^T - D) (* (1 - tanh^2) with softcap)
+    dV  += P^T dO        dK += dS^T Q (x softmax_scale at the end)        dQ_accum += dS K  (fp32)
+
+One CTA = one 128-key tile of one (kv head, batch); grid (key tiles, Hkv, B), key tile fastest, not
+persistent. It loops over the (query head of the group, 128-row query tile) pairs that see the tile,
+head-major, so dK / dV of a GQA group accumulate in TMEM across the group's query heads and are
+written once, in q's dtype. 512 threads, warp-specialised:
+
+    warps 0-3    dQ reduce: tcgen05.ld dQ (query row = TMEM lane) -> red.global.add.v4.f32 into dq_accum;
+                 deterministic: in key-tile order per (query head, row block), via dq_sem turn counters
+    warps 4-11   compute, two warpgroups: WG w owns query columns [64 w, 64 w + 64) of S^T / dP^T for all
+                 128 key rows (TMEM lane = key row); P^T -> TMEM (16-bit over S^T), dS^T -> smem;
+                 after the loop the dK / dV epilogue (WG w: head-dim columns [d/2 w, d/2 (w + 1)))
+    warp 12      MMA: single-thread tcgen05 issue; warp 13: TMA loads (K, V once; Q, dO per query tile)
+    warps 14-15  idle
+
+TMEM columns (512 allocated):  S^T / P^T [0, 128) | dP^T, then dQ [128, 256) | dV | dK  (d <= 128).
+Shared memory: K, V (one tile each), Q (2 stages), dO (2 stages if they fit, else 1), dS (one tile).
+The MN-major operand views (Q and dO as B of dK / dV, K as B of dQ, dS as A of dQ) alias the K-major
+buffers the TMA writes (the canonical SW128 layouts of both majors place the same bytes).
+
+Every cross-role edge is a ``cutlass.pipeline`` object or a named barrier (ids in ``BwdBarrier``); see
+Note [SM100 backward handshakes]. Arrival counts are checked against the role sizes at trace time
+(``check_arrivals``).
+
+Not supported (``unsupported_reason`` names each): head dims above 128 and (192, 128) (dK + dV + S^T +
+dP^T need 128 + 128 + d + dv > 512 TMEM columns: FA4 needs 2-CTA MMA for them), head_dim != head_dim_v.
+No Blackwell GPU was available: compiled for sm_100a only, never run.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from cute_kernels.common.mask import apply_mask_kv_major
+from cute_kernels.common.seqlen import SeqlenInfo
+from cute_kernels.common.tile_range import QueryTileRange, first_key_tile, normalize_window
+from cute_kernels.common.utils import LN_2, LOG2_E
+
+from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
+
+# Note [SM100 backward handshakes]
+# Per (query head, query tile) iteration t, in issue order of the MMA warp:
+#   Q(t) full -> S^T(t) = K Q^T -> [pipe_S full] -> compute loads S^T, writes P^T over it
+#   dO(t) full, [pipe_dQ acquire: dQ(t-1) drained], [pipe_dP acquire] -> dP^T(t) = V dO^T -> [pipe_dP full]
+#   [pipe_S acquire = P^T(t) written] -> dV += P^T dO -> release dO(t)
+#   [pipe_dS full: dS(t) in smem] -> dK += dS^T Q -> release Q(t) -> dQ(t) = dS K -> [pipe_dQ full]
+#   -> release dS (smem free once dK and dQ complete)
+# * P^T(t) overwrites S^T(t) columns: every compute thread has loaded its S^T columns before any writes
+#   P (named barrier BwdBarrier.Compute; the two warpgroups' P columns overlap the other's S columns).
+# * S^T(t+1) is issued after dV(t) (which reads P^T(t)); tcgen05 MMAs of one thread run in issue order.
+#   pipe_S is acquired once before the loop and once per iteration before dV, so its empty barrier
+#   ("P^T written, S^T read") is waited exactly once per release.
+# * dQ(t) overwrites dP^T(t) columns: it is issued after pipe_dS full, which the compute threads
+#   signal after loading dP^T(t). dP^T(t+1) waits pipe_dQ empty (reduce warps loaded dQ(t)).
+# * dK / dV are final after the last iteration's MMAs: pipe_dKV (one commit) -> compute epilogue.
+# * TMEM is freed after the compute and reduce warps (its last readers) meet at BwdBarrier.TmemFree.
+
+TILE_M = 128  # query rows per query tile (= ACCUM_ROW_PAD: one dq_sem counter per tile)
+TILE_N = 128  # keys per CTA (TMEM lane = key row)
+NUM_THREADS = 512
+SMEM_BYTES_MAX_SM100 = 232_448
+TMEM_COLS = 512
+Q_STAGE = 2
+
+_WARPS_REDUCE = (0, 1, 2, 3)
+_WARPS_COMPUTE = (4, 5, 6, 7, 8, 9, 10, 11)
+_WARP_MMA, _WARP_LOAD = 12, 13
+# setmaxnreg per warpgroup: reduce, compute (x2 WGs), MMA/load/idle; sum <= 4 * 128.
+REGS = (64, 192, 64)
+EPI_CHUNK = 16  # dK / dV columns per TMEM load in the epilogue
+DQ_CHUNK = 16  # dQ columns per TMEM load in the reduce warps
+DS_CHUNK = 16  # dP^T / dS^T columns per TMEM load / smem store in the compute warps
+STAT_CHUNK = 16  # lse_log2 / dpsum values per vector load in the compute warps
+
+assert ACCUM_ROW_PAD % TILE_M == 0 and TILE_M % DQ_SEM_ROWS == 0, "query tiles own whole accumulator / counter blocks"
+
+
+class BwdBarrier(IntEnum):
+    """Named barrier ids (0 is __syncthreads)."""
+
+    Compute = 1  # the 256 compute threads: all S^T loaded before P^T overwrites it
+    Reduce = 2  # the 128 dQ-reduce threads: deterministic turn taking
+    TmemFree = 3  # compute + reduce threads: last TMEM reads done, then dealloc
+
+
+ROLE_THREADS = {"reduce": 32 * len(_WARPS_REDUCE), "compute": 32 * len(_WARPS_COMPUTE), "mma": 1,
+                "load": 1}
+# pipeline name -> (producer role, consumer role). tcgen05 / TMA sides arrive from one elected thread.
+PIPES = {"kv": ("load", "mma"), "q": ("load", "mma"), "do": ("load", "mma"), "S": ("mma", "compute"),
+         "dP": ("mma", "compute"), "dS": ("compute", "mma"), "dQ": ("mma", "reduce"),
+         "dKV": ("mma", "compute")}
+BARRIERS = {BwdBarrier.Compute: ("compute",), BwdBarrier.Reduce: ("reduce",),
+            BwdBarrier.TmemFree: ("compute", "reduce")}
+
+
+def check_arrivals(groups: dict, barriers: dict) -> None:
+    """Trace-time check: every pipeline's producer / consumer arrival count and every named
+    barrier's thread count equal the threads of the roles that arrive (ValueError otherwise)."""
+    for name, (prod, cons) in PIPES.items():
+        p, c = groups[name]
+        if p != ROLE_THREADS[prod] or c != ROLE_THREADS[cons]:
+            raise ValueError(f"pipeline {name}: arrival counts ({p}, {c}) != role threads "
+                             f"({ROLE_THREADS[prod]} {prod}, {ROLE_THREADS[cons]} {cons})")
+    for bid, roles in BARRIERS.items():
+        want = sum(ROLE_THREADS[r] for r in roles)
+        if barriers[bid] != want:
+            raise ValueError(f"named barrier {bid.name}: {barriers[bid]} threads != {want} ({'+'.join(roles)})")
+
+
+def tmem_plan(cfg: BwdConfig) -> dict:
+    """TMEM column offsets of each accumulator (d <= 128)."""
+    s, dp = 0, TILE_M
+    dv = 2 * TILE_M
+    dk = dv + cfg.head_dim_v
+    return {"S": s, "P": s, "dP": dp, "dQ": dp, "dV": dv, "dK": dk, "end": dk + cfg.head_dim}
+
+
+def _smem_bytes(d: int, dv: int, do_stage: int) -> int:
+    """Upper bound of the SharedStorage: barriers (one 1 KiB block), K, V, Q stages, dO stages, dS,
+    each 1024-B aligned, plus 1024 B for aligning the dynamic smem base."""
+    tile = lambda rows, cols: ((rows * cols * 2 + 1023) // 1024) * 1024  # noqa: E731
+    return (1024 + 1024 + tile(TILE_N, d) + tile(TILE_N, dv) + Q_STAGE * tile(TILE_M, d)
+            + do_stage * tile(TILE_M, dv) + tile(TILE_N, TILE_M))
+
+
+def _do_stage(cfg: BwdConfig) -> int:
+    return 2 if _smem_bytes(cfg.head_dim, cfg.head_dim_v, 2) <= SMEM_BYTES_MAX_SM100 else 1
+
+
+@dsl_user_op
+def _red_add_f32x4(ptr_i64, a, b, c, d, *, loc=None, ip=None) -> None:
+    """red.global.add.v4.f32 (sm_90+): four fp32 reduce-adds to a 16-byte-aligned global address."""
+    llvm.inline_asm(
+        None,
+        [Int64(ptr_i64).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "{\n\t.reg .v4 .f32 abcd;\n\tmov.f32 abcd.x, $1;\n\tmov.f32 abcd.y, $2;\n\t"
+        "mov.f32 abcd.z, $3;\n\tmov.f32 abcd.w, $4;\n\tred.global.add.v4.f32 [$0], abcd;\n\t}",
+        "l,f,f,f,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _ld_acquire_s32(ptr_i64, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(
+        cutlass.Int32.mlir_type, [Int64(ptr_i64).ir_value(loc=loc, ip=ip)],
+        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _red_release_add_s32(ptr_i64, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None, [Int64(ptr_i64).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], 1;", "l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+class FlashBwdSm100:
+    """Blackwell backward main kernel for one ``BwdConfig``; see the module docstring."""
+
+    def __init__(self, cfg: BwdConfig):
+        reason = self.unsupported_reason(cfg)
+        if reason is not None:
+            raise ValueError(f"FlashBwdSm100: {reason}")
+        self.cfg = cfg
+        self.head_dim = cfg.head_dim
+        self.head_dim_v = cfg.head_dim_v
+        self.group = cfg.qhead_per_kvhead
+        self.do_stage = _do_stage(cfg)
+        self.tmem = tmem_plan(cfg)
+        assert self.tmem["end"] <= TMEM_COLS, self.tmem
+        assert cfg.head_dim <= TILE_M, "dQ reuses the dP^T columns"
+        assert self.smem_bytes(cfg) <= SMEM_BYTES_MAX_SM100
+        assert sum((REGS[0], 2 * REGS[1], REGS[2])) <= 4 * 128
+
+    # ------------------------------------------------------------------ host-side facts
+    @staticmethod
+    def unsupported_reason(cfg: BwdConfig) -> str | None:
+        if cfg.arch != 100:
+            return f"arch {cfg.arch} is not SM100"
+        if cfg.dtype not in ("bfloat16", "float16"):
+            return f"dtype {cfg.dtype} (bfloat16/float16 only)"
+        if cfg.head_dim != cfg.head_dim_v:
+            return (f"head_dim_v {cfg.head_dim_v} != head_dim {cfg.head_dim} (SM100 backward: the 1-CTA "
+                    f"kernel needs S^T + dP^T + dV + dK = 256 + {cfg.head_dim_v} + {cfg.head_dim} TMEM columns "
+                    "<= 512; (192, 128) needs the 2-CTA kernel, not implemented)")
+        if cfg.head_dim not in (64, 96, 128):
+            return (f"head_dim {cfg.head_dim} (SM100 backward supports 64, 96, 128: above 128 the 1-CTA "
+                    f"TMEM map needs 256 + 2 x {cfg.head_dim} > 512 columns; the 2-CTA kernel is not implemented)")
+        if cfg.qhead_per_kvhead < 1:
+            return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
+        return None
+
+    @staticmethod
+    def smem_bytes(cfg: BwdConfig) -> int:
+        return _smem_bytes(cfg.head_dim, cfg.head_dim_v, _do_stage(cfg))
+
+    # ------------------------------------------------------------------ host (jit) side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSElog2: cute.Tensor, mdPsum: cute.Tensor, mdQaccum: cute.Tensor,
+                 mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem,
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream):
+        cfg = self.cfg
+        self.dtype = mQ.element_type
+        varlen = const_expr(mCuSeqlensQ is not None)
+        if const_expr(cfg.varlen != varlen):
+            raise ValueError("cfg.varlen does not match the cu_seqlens arguments")
+        if const_expr(cfg.deterministic != (mdQsem is not None)):
+            raise ValueError("cfg.deterministic does not match mdQsem")
+        # (seq, dim, head[, batch]) views of every [.., seq, head, dim] tensor
+        modes = [0, 2, 1] if const_expr(varlen) else [1, 3, 2, 0]
+        mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        d, dv = self.head_dim, self.head_dim_v
+        cta_group = tcgen05.CtaGroup.ONE
+        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        self.tiler_S = (TILE_N, TILE_M, d)  # S^T = K Q^T
+        self.tiler_dP = (TILE_N, TILE_M, dv)  # dP^T = V dO^T
+        self.tiler_dV = (TILE_N, dv, TILE_M)  # dV += P^T dO
+        self.tiler_dK = (TILE_N, d, TILE_M)  # dK += dS^T Q
+        self.tiler_dQ = (TILE_M, d, TILE_N)  # dQ = dS K
+        dt = self.dtype
+        mma_S = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, cta_group, self.tiler_S[:2])
+        mma_dP = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, cta_group, self.tiler_dP[:2])
+        mma_dV = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, cta_group, self.tiler_dV[:2],
+                                                    tcgen05.OperandSource.TMEM)
+        mma_dK = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, cta_group, self.tiler_dK[:2])
+        mma_dQ = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, cta_group, self.tiler_dQ[:2])
+
+        sK_layout = sm100_utils.make_smem_layout_a(mma_S, self.tiler_S, dt, 1)
+        sQ_layout = sm100_utils.make_smem_layout_b(mma_S, self.tiler_S, dt, Q_STAGE)
+        sV_layout = sm100_utils.make_smem_layout_a(mma_dP, self.tiler_dP, dt, 1)
+        sdO_layout = sm100_utils.make_smem_layout_b(mma_dP, self.tiler_dP, dt, self.do_stage)
+        tP_layout = sm100_utils.make_smem_layout_a(mma_dV, self.tiler_dV, dt, 1)
+        sdOt_layout = sm100_utils.make_smem_layout_b(mma_dV, self.tiler_dV, dt, self.do_stage)
+        sdSt_layout = sm100_utils.make_smem_layout_a(mma_dK, self.tiler_dK, dt, 1)
+        sQt_layout = sm100_utils.make_smem_layout_b(mma_dK, self.tiler_dK, dt, Q_STAGE)
+        sdS_layout = sm100_utils.make_smem_layout_a(mma_dQ, self.tiler_dQ, dt, 1)
+        sKt_layout = sm100_utils.make_smem_layout_b(mma_dQ, self.tiler_dQ, dt, 1)
+        sdS_epi_layout = sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M), 1)
+
+        tma_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        vmnk = (1, 1, 1, 1)
+        sel = lambda l: cute.select(l, mode=[0, 1, 2])  # noqa: E731
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(tma_op, mK, sel(sK_layout), self.tiler_S, mma_S, vmnk)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(tma_op, mQ, sel(sQ_layout), self.tiler_S, mma_S, vmnk)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(tma_op, mV, sel(sV_layout), self.tiler_dP, mma_dP, vmnk)
+        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(tma_op, mdO, sel(sdO_layout), self.tiler_dP, mma_dP,
+                                                               vmnk)
+        self.k_bytes = cute.size_in_bytes(dt, sel(sK_layout))
+        self.v_bytes = cute.size_in_bytes(dt, sel(sV_layout))
+        self.q_bytes = cute.size_in_bytes(dt, sel(sQ_layout))
+        self.do_bytes = cute.size_in_bytes(dt, sel(sdO_layout))
+
+        q_stage, do_stage = Q_STAGE, self.do_stage
+
+        @cute.struct
+        class SharedStorage:
+            bar_kv: cute.struct.MemRange[Int64, 2]
+            bar_q: cute.struct.MemRange[Int64, 2 * q_stage]
+            bar_do: cute.struct.MemRange[Int64, 2 * do_stage]
+            bar_S: cute.struct.MemRange[Int64, 2]
+            bar_dP: cute.struct.MemRange[Int64, 2]
+            bar_dS: cute.struct.MemRange[Int64, 2]
+            bar_dQ: cute.struct.MemRange[Int64, 2]
+            bar_dKV: cute.struct.MemRange[Int64, 2]
+            tmem_holding: Int32
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdSt_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        # Without softcap S stays raw q.k and the scale lives in the exp2 FMA; with softcap the
+        # compute threads form the scaled logit first (as the forward), so the exp2 scale is log2(e).
+        if const_expr(cfg.has_softcap):
+            scale_log2 = Float32(LOG2_E)
+            softcap_in = softmax_scale / softcap
+        else:
+            scale_log2 = softmax_scale * Float32(LOG2_E)
+            softcap_in = Float32(0.0)
+
+        if const_expr(varlen):
+            num_batch = mCuSeqlensQ.shape[0] - 1
+            num_heads_kv = mK.shape[2]
+        else:
+            num_batch = mQ.shape[3]
+            num_heads_kv = mK.shape[2]
+        num_n_tiles = (max_seqlen_k + TILE_N - 1) // TILE_N
+
+        self.kernel(
+            mma_S, mma_dP, mma_dV, mma_dK, mma_dQ,
+            tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO,
+            mLSElog2, mdPsum, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mdQsem,
+            sK_layout, sQ_layout, sV_layout, sdO_layout, tP_layout, sdOt_layout, sdSt_layout, sQt_layout,
+            sdS_layout, sKt_layout, sdS_epi_layout,
+            softmax_scale, scale_log2, softcap_in, softcap, window_left, window_right,
+        ).launch(grid=[num_n_tiles, num_heads_kv, num_batch], block=[NUM_THREADS, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, mma_S: cute.TiledMma, mma_dP: cute.TiledMma, mma_dV: cute.TiledMma,
+               mma_dK: cute.TiledMma, mma_dQ: cute.TiledMma,
+               tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
+               tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_dO: cute.CopyAtom, mdO: cute.Tensor,
+               mLSElog2: cute.Tensor, mdPsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem,
+               sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sdO_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
+               sdOt_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
+               sQt_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+               sKt_layout: cute.ComposedLayout, sdS_epi_layout: cute.ComposedLayout,
+               softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32,
+               window_left: Int32, window_right: Int32):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == _WARP_LOAD:
+            for atom in (tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        def group(n):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+        rt = ROLE_THREADS
+        counts = {name: (rt[p], rt[c]) for name, (p, c) in PIPES.items()}
+        check_arrivals(counts, {b: sum(rt[r] for r in roles) for b, roles in BARRIERS.items()})
+        g = {name: (group(p), group(c)) for name, (p, c) in counts.items()}
+
+        pipe_kv = pipeline.PipelineTmaUmma.create(
+            num_stages=1, producer_group=g["kv"][0], consumer_group=g["kv"][1],
+            tx_count=self.k_bytes + self.v_bytes, barrier_storage=storage.bar_kv.data_ptr(), defer_sync=True)
+        pipe_q = pipeline.PipelineTmaUmma.create(
+            num_stages=Q_STAGE, producer_group=g["q"][0], consumer_group=g["q"][1],
+            tx_count=self.q_bytes, barrier_storage=storage.bar_q.data_ptr(), defer_sync=True)
+        pipe_do = pipeline.PipelineTmaUmma.create(
+            num_stages=self.do_stage, producer_group=g["do"][0], consumer_group=g["do"][1],
+            tx_count=self.do_bytes, barrier_storage=storage.bar_do.data_ptr(), defer_sync=True)
+        pipe_S = pipeline.PipelineUmmaAsync.create(
+            num_stages=1, producer_group=g["S"][0], consumer_group=g["S"][1],
+            barrier_storage=storage.bar_S.data_ptr(), defer_sync=True)
+        pipe_dP = pipeline.PipelineUmmaAsync.create(
+            num_stages=1, producer_group=g["dP"][0], consumer_group=g["dP"][1],
+            barrier_storage=storage.bar_dP.data_ptr(), defer_sync=True)
+        pipe_dS = pipeline.PipelineAsyncUmma.create(
+            num_stages=1, producer_group=g["dS"][0], consumer_group=g["dS"][1],
+            barrier_storage=storage.bar_dS.data_ptr(), defer_sync=True)
+        pipe_dQ = pipeline.PipelineUmmaAsync.create(
+            num_stages=1, producer_group=g["dQ"][0], consumer_group=g["dQ"][1],
+            barrier_storage=storage.bar_dQ.data_ptr(), defer_sync=True)
+        pipe_dKV = pipeline.PipelineUmmaAsync.create(
+            num_stages=1, producer_group=g["dKV"][0], consumer_group=g["dKV"][1],
+            barrier_storage=storage.bar_dKV.data_ptr(), defer_sync=True)
+        pipes = (pipe_kv, pipe_q, pipe_do, pipe_S, pipe_dP, pipe_dS, pipe_dQ, pipe_dKV)
+
+        if warp_idx == _WARPS_REDUCE[0]:
+            cute.arch.alloc_tmem(TMEM_COLS, storage.tmem_holding.ptr)
+            cute.arch.relinquish_tmem_alloc_permit()
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+        pipeline.pipeline_init_wait()
+
+        dt = self.dtype
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)
+        # MN-major views of the same bytes
+        sQt = cute.make_tensor(cute.recast_ptr(sQ.iterator, sQt_layout.inner, dtype=dt), sQt_layout.outer)
+        sdOt = cute.make_tensor(cute.recast_ptr(sdO.iterator, sdOt_layout.inner, dtype=dt), sdOt_layout.outer)
+        sKt = cute.make_tensor(cute.recast_ptr(sK.iterator, sKt_layout.inner, dtype=dt), sKt_layout.outer)
+        sdS = cute.make_tensor(cute.recast_ptr(sdSt.iterator, sdS_layout.inner, dtype=dt), sdS_layout.outer)
+        sdS_epi = cute.make_tensor(cute.recast_ptr(sdSt.iterator, sdS_epi_layout.inner, dtype=dt),
+                                   cute.slice_(sdS_epi_layout.outer, (None, None, 0)))
+
+        tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, storage.tmem_holding.ptr)
+        tm = self.tmem
+
+        def acc(tiled_mma, mn, col):
+            thr = tiled_mma.get_slice(0)
+            layout = thr.make_fragment_C(thr.partition_shape_C(mn)).layout
+            return cute.make_tensor(tmem_ptr + col, layout)
+
+        tStS = acc(mma_S, self.tiler_S[:2], tm["S"])
+        tdPtdP = acc(mma_dP, self.tiler_dP[:2], tm["dP"])
+        tdVtdV = acc(mma_dV, self.tiler_dV[:2], tm["dV"])
+        tdKtdK = acc(mma_dK, self.tiler_dK[:2], tm["dK"])
+        tdQtdQ = acc(mma_dQ, self.tiler_dQ[:2], tm["dQ"])
+
+        tile_args = (mCuSeqlensQ, mCuSeqlensK, mQ, mK, window_left, window_right)
+
+        if warp_idx <= _WARPS_REDUCE[-1]:
+            cute.arch.setmaxregister_decrease(REGS[0])
+            tile = self.tile_info(*tile_args)
+            self.reduce(tdQtdQ, mdQaccum, mdQsem, pipe_dQ, tile, mCuSeqlensQ)
+            pipeline.NamedBarrier(barrier_id=int(BwdBarrier.TmemFree),
+                                  num_threads=rt["compute"] + rt["reduce"]).arrive_and_wait()
+            if warp_idx == _WARPS_REDUCE[0]:
+                cute.arch.dealloc_tmem(tmem_ptr, TMEM_COLS)
+        elif warp_idx <= _WARPS_COMPUTE[-1]:
+            cute.arch.setmaxregister_increase(REGS[1])
+            tile = self.tile_info(*tile_args)
+            self.compute(tStS, tdPtdP, tdVtdV, tdKtdK, sdS_epi, mLSElog2, mdPsum, mdK, mdV,
+                         pipe_S, pipe_dP, pipe_dS, pipe_dKV, tile, mCuSeqlensQ,
+                         softmax_scale, scale_log2, softcap_in, softcap)
+            pipeline.NamedBarrier(barrier_id=int(BwdBarrier.TmemFree),
+                                  num_threads=rt["compute"] + rt["reduce"]).arrive()
+        elif warp_idx == _WARP_MMA:
+            cute.arch.setmaxregister_decrease(REGS[2])
+            tile = self.tile_info(*tile_args)
+            self.mma(mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, sK, sV, sQ, sdO, sQt, sdOt, sKt, sdSt, sdS,
+                     tP_layout, tmem_ptr, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ, pipes, tile)
+        elif warp_idx == _WARP_LOAD:
+            cute.arch.setmaxregister_decrease(REGS[2])
+            tile = self.tile_info(*tile_args)
+            self.load(mma_S, mma_dP, tma_atom_K, mK, tma_atom_V, mV, tma_atom_Q, mQ, tma_atom_dO, mdO,
+                      sK, sV, sQ, sdO, pipe_kv, pipe_q, pipe_do, tile)
+        else:
+            cute.arch.setmaxregister_decrease(REGS[2])
+
+    # ------------------------------------------------------------------ work of this CTA
+    @cute.jit
+    def tile_info(self, mCuSeqlensQ, mCuSeqlensK, mQ, mK, window_left: Int32, window_right: Int32):
+        """(n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k, m_min, num_m, n_iter,
+        accum_row0, left, right): the same values in every role."""
+        cfg = self.cfg
+        n_tile, head_kv, batch = cute.arch.block_idx()
+        seq = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        offset_q, offset_k, seqlen_q, seqlen_k = seq.offset_q, seq.offset_k, seq.seqlen_q, seq.seqlen_k
+        accum_row0 = Int32(0)
+        if const_expr(mCuSeqlensQ is not None):
+            # bwd_config.accum_row_start: (cu_q[b] + R b) // R * R
+            accum_row0 = (offset_q + ACCUM_ROW_PAD * batch) // ACCUM_ROW_PAD * ACCUM_ROW_PAD
+        left, right = normalize_window(window_left, window_right, seqlen_q, seqlen_k, cfg.causal, cfg.has_window)
+        n_start = n_tile * TILE_N
+        m_min = Int32(0)
+        num_m = Int32(0)
+        if n_start < seqlen_k:
+            rng = QueryTileRange.create(n_start, seqlen_q, seqlen_k, left, right, TILE_M, TILE_N,
+                                        cfg.causal or cfg.has_window, cfg.has_window)
+            m_min = rng.m_min
+            num_m = cutlass.max(rng.m_max - rng.m_min, 0)
+        n_iter = num_m * self.group
+        return (n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k, m_min, num_m, n_iter,
+                accum_row0, left, right)
+
+    def first_coords(self, tile):
+        """(query head, query tile) of iteration 0; ``next_coords`` steps them (head-major order over
+        the kv head's group, no division in the loops)."""
+        return tile[1] * self.group, tile[7]
+
+    @cute.jit
+    def next_coords(self, head: Int32, m_tile: Int32, tile):
+        m_min, num_m = tile[7], tile[8]
+        m_next = m_tile + 1
+        head_next = head
+        if m_next == m_min + num_m:
+            m_next = m_min
+            head_next = head + 1
+        return head_next, m_next
+
+    # ------------------------------------------------------------------ load warp
+    @cute.jit
+    def load(self, mma_S, mma_dP, tma_atom_K, mK, tma_atom_V, mV, tma_atom_Q, mQ, tma_atom_dO, mdO,
+             sK, sV, sQ, sdO, pipe_kv, pipe_q, pipe_do, tile):
+        n_tile, head_kv, batch, offset_q, offset_k = tile[0], tile[1], tile[2], tile[3], tile[4]
+        n_iter = tile[9]
+        thr_S = mma_S.get_slice(0)
+        thr_dP = mma_dP.get_slice(0)
+        if n_iter > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            mK_cur = self.seq_view(mK, offset_k, head_kv, batch)
+            mV_cur = self.seq_view(mV, offset_k, head_kv, batch)
+            gK = cute.local_tile(mK_cur, (TILE_N, self.head_dim), (None, 0))
+            gV = cute.local_tile(mV_cur, (TILE_N, self.head_dim_v), (None, 0))
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+                                               cute.group_modes(thr_S.partition_A(gK), 0, 3))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+                                               cute.group_modes(thr_dP.partition_A(gV), 0, 3))
+            pipe_kv.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, n_tile], tKsK[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            cute.copy(tma_atom_V, tVgV[None, n_tile], tVsV[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGE)
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stage)
+            head, m_tile = self.first_coords(tile)
+            for it in cutlass.range(n_iter, unroll=1):
+                gQ = cute.local_tile(self.seq_view(mQ, offset_q, head, batch), (TILE_M, self.head_dim), (None, 0))
+                gdO = cute.local_tile(self.seq_view(mdO, offset_q, head, batch), (TILE_M, self.head_dim_v),
+                                      (None, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                                                   cute.group_modes(thr_S.partition_B(gQ), 0, 3))
+                tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1),
+                                                       cute.group_modes(sdO, 0, 3),
+                                                       cute.group_modes(thr_dP.partition_B(gdO), 0, 3))
+                pipe_q.producer_acquire(q_state)
+                cute.copy(tma_atom_Q, tQgQ[None, m_tile], tQsQ[None, q_state.index],
+                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+                pipe_do.producer_acquire(do_state)
+                cute.copy(tma_atom_dO, tdOgdO[None, m_tile], tdOsdO[None, do_state.index],
+                          tma_bar_ptr=pipe_do.producer_get_barrier(do_state))
+                do_state.advance()
+                head, m_tile = self.next_coords(head, m_tile, tile)
+
+    @cute.jit
+    def seq_view(self, mX, offset: Int32, head: Int32, batch: Int32):
+        """(seq, dim) view of one head of one sequence."""
+        if const_expr(self.cfg.varlen):
+            return cute.domain_offset((offset, 0), mX[None, None, head])
+        return mX[None, None, head, batch]
+
+    # ------------------------------------------------------------------ MMA warp
+    @cute.jit
+    def mma(self, mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, sK, sV, sQ, sdO, sQt, sdOt, sKt, sdSt, sdS,
+            tP_layout, tmem_ptr, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ, pipes, tile):
+        pipe_kv, pipe_q, pipe_do, pipe_S, pipe_dP, pipe_dS, pipe_dQ, pipe_dKV = pipes
+        n_iter = tile[9]
+        thr_S, thr_dP, thr_dV = mma_S.get_slice(0), mma_dP.get_slice(0), mma_dV.get_slice(0)
+        thr_dK, thr_dQ = mma_dK.get_slice(0), mma_dQ.get_slice(0)
+        tSrK = thr_S.make_fragment_A(sK)
+        tSrQ = thr_S.make_fragment_B(sQ)
+        tdPrV = thr_dP.make_fragment_A(sV)
+        tdPrdO = thr_dP.make_fragment_B(sdO)
+        tdVrdO = thr_dV.make_fragment_B(sdOt)
+        tdKrdS = thr_dK.make_fragment_A(sdSt)
+        tdKrQ = thr_dK.make_fragment_B(sQt)
+        tdQrdS = thr_dQ.make_fragment_A(sdS)
+        tdQrK = thr_dQ.make_fragment_B(sKt)
+        # P^T (16-bit, K-major A operand) in TMEM over the S^T columns
+        tP = cute.make_tensor(tStS.iterator, tP_layout.outer)
+        tdVrP_layout = thr_dV.make_fragment_A(tP)[None, None, None, 0].layout
+        tdVrP = cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem["P"], dtype=self.dtype), tdVrP_layout)
+
+        if n_iter > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGE)
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stage)
+            s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            dp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            dkv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_kv.consumer_wait(kv_state)
+            pipe_S.producer_acquire(s_state)
+            for it in cutlass.range(n_iter, unroll=1):
+                # S^T = K Q^T
+                pipe_q.consumer_wait(q_state)
+                self.gemm(mma_S, tStS, tSrK[None, None, None, 0], tSrQ[None, None, None, q_state.index], False)
+                pipe_S.producer_commit(s_state)
+                s_state.advance()
+                # dP^T = V dO^T into the dP / dQ columns
+                pipe_do.consumer_wait(do_state)
+                pipe_dQ.producer_acquire(dq_state)
+                pipe_dP.producer_acquire(dp_state)
+                self.gemm(mma_dP, tdPtdP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, do_state.index],
+                          False)
+                pipe_dP.producer_commit(dp_state)
+                dp_state.advance()
+                # dV += P^T dO once P^T is in TMEM
+                pipe_S.producer_acquire(s_state)
+                self.gemm(mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, do_state.index], it > 0)
+                pipe_do.consumer_release(do_state)
+                do_state.advance()
+                # dK += dS^T Q and dQ = dS K once dS is in smem
+                pipe_dS.consumer_wait(ds_state)
+                self.gemm(mma_dK, tdKtdK, tdKrdS[None, None, None, 0], tdKrQ[None, None, None, q_state.index],
+                          it > 0)
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
+                self.gemm(mma_dQ, tdQtdQ, tdQrdS[None, None, None, 0], tdQrK[None, None, None, 0], False)
+                pipe_dQ.producer_commit(dq_state)
+                dq_state.advance()
+                pipe_dS.consumer_release(ds_state)
+                ds_state.advance()
+            pipe_dKV.producer_acquire(dkv_state)
+            pipe_dKV.producer_commit(dkv_state)
+            pipe_kv.consumer_release(kv_state)
+
+    @cute.jit
+    def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+             accumulate):
+        """acc (+)= A B over the K blocks of one tile (issued by one elected thread inside cute.gemm)."""
+        mma = cute.make_tiled_mma(tiled_mma.op)
+        for k in cutlass.range(cute.size(tCrA.shape[2]), unroll=1):
+            mma.set(tcgen05.Field.ACCUMULATE, accumulate | (k != 0))
+            cute.gemm(mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+    # ------------------------------------------------------------------ compute warpgroups
+    @cute.jit
+    def compute(self, tStS, tdPtdP, tdVtdV, tdKtdK, sdS_epi, mLSElog2, mdPsum, mdK, mdV,
+                pipe_S, pipe_dP, pipe_dS, pipe_dKV, tile, mCuSeqlensQ,
+                softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32):
+        cfg = self.cfg
+        n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k = tile[:7]
+        n_iter, accum_row0, left, right = tile[9], tile[10], tile[11], tile[12]
+        tidx = cute.arch.thread_idx()[0] % 128  # TMEM lane = key row of the tile
+        wg = (cute.arch.make_warp_uniform(cute.arch.warp_idx()) - _WARPS_COMPUTE[0]) // 4
+        half = TILE_M // 2  # query columns of this warpgroup
+        # S^T / dP^T: (128 keys, 64 query columns) of this warpgroup
+        tS_all = tStS[(None, None), 0, 0]
+        half_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, half)))
+        t2r_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+        tiled_t2r = tcgen05.make_tmem_copy(t2r_atom, cute.make_tensor(tS_all.iterator, half_layout))
+        thr_t2r = tiled_t2r.get_slice(tidx)
+        tS_t2r0 = thr_t2r.partition_S(cute.make_tensor(tS_all.iterator, half_layout))
+        tS_t2r = cute.make_tensor(tS_t2r0.iterator + half * wg, tS_t2r0.layout)
+        # dP^T and dS^T in DS_CHUNK-column chunks (fewer live registers than the whole half)
+        tdP_all = tdPtdP[(None, None), 0, 0]
+        chunk_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, DS_CHUNK)))
+        t2r_atom_c = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DS_CHUNK)), Float32)
+        tiled_t2r_c = tcgen05.make_tmem_copy(t2r_atom_c, cute.make_tensor(tdP_all.iterator, chunk_layout))
+        thr_t2r_c = tiled_t2r_c.get_slice(tidx)
+        tdP_t2r0 = thr_t2r_c.partition_S(cute.make_tensor(tdP_all.iterator, chunk_layout))
+        rdP_shape = thr_t2r_c.partition_D(cute.make_identity_tensor((TILE_N, DS_CHUNK))).shape
+        rS_shape = thr_t2r.partition_D(cute.make_identity_tensor((TILE_N, half))).shape
+        # P^T: this warpgroup's 64 query columns as 32 packed 16-bit pairs, at P + 32 wg
+        p_cols = half * self.dtype.width // 32
+        p_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, p_cols)))
+        r2t_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols)), Float32)
+        tP0 = cute.make_tensor(tS_all.iterator + (self.tmem["P"] - self.tmem["S"]), p_layout)
+        thr_r2t = tcgen05.make_tmem_copy(r2t_atom, tP0).get_slice(tidx)
+        tP_r2t0 = thr_r2t.partition_D(tP0)
+        tP_r2t = cute.make_tensor(tP_r2t0.iterator + p_cols * wg, tP_r2t0.layout)
+        rP_shape = thr_r2t.partition_S(cute.make_identity_tensor((TILE_N, p_cols))).shape
+        # dS^T -> smem (row = key, columns = this warpgroup's query half)
+        r2s_atom = sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_t2r_c)
+        thr_r2s = cute.make_tiled_copy_D(r2s_atom, tiled_t2r_c).get_slice(tidx)
+        n_ds = half // DS_CHUNK
+
+        key = n_tile * TILE_N + tidx  # key row within the sequence
+        tanh_coef = Float32(0.0)
+        if const_expr(cfg.has_softcap):
+            tanh_coef = Float32(LN_2) / softcap
+        shift = seqlen_k - seqlen_q
+        cols = list(range(half))
+        if n_iter > 0:
+            s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            dp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            bar_compute = pipeline.NamedBarrier(barrier_id=int(BwdBarrier.Compute), num_threads=ROLE_THREADS["compute"])
+            head, m_tile = self.first_coords(tile)
+            for it in cutlass.range(n_iter, unroll=1):
+                q0 = m_tile * TILE_M + half * wg  # first query row (sequence-relative) of this WG's columns
+                stats_off = self.stats_offset(mLSElog2, head, batch, accum_row0 + q0)
+                # 1. S^T columns -> registers
+                pipe_S.consumer_wait(s_state)
+                rS = cute.make_rmem_tensor(rS_shape, Float32)
+                cute.copy(thr_t2r, tS_t2r, rS)
+                cute.arch.fence_view_async_tmem_load()
+                # 2. softcap (keep tanh for the chain rule), mask, P = exp2(s * scale_log2 - lse_log2)
+                if const_expr(cfg.has_softcap):
+                    for k in cutlass.range_constexpr(half):
+                        rS[k] = cute.math.tanh(rS[k] * softcap_in, fastmath=True) * softcap
+                apply_mask_kv_major(cute.make_tensor(rS.iterator, cute.make_layout((1, half), stride=(0, 1))),
+                                    cols, [key], q0, seqlen_k, shift, left, right,
+                                    cfg.causal or cfg.has_window, cfg.has_window)
+                for j in cutlass.range_constexpr(half // STAT_CHUNK):
+                    rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j, seqlen_q, Float32.inf)
+                    for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):
+                        k = j * STAT_CHUNK + kk
+                        x0, x1 = cute.arch.fma_packed_f32x2((rS[k], rS[k + 1]), (scale_log2, scale_log2),
+                                                            (-rLSE[kk], -rLSE[kk + 1]))
+                        rS[k] = cute.math.exp2(x0, fastmath=True)
+                        rS[k + 1] = cute.math.exp2(x1, fastmath=True)
+                # 3. P^T (16-bit) over S^T once every compute thread has read its S^T columns
+                rP = cute.make_rmem_tensor(rP_shape, Float32)
+                rP_h = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(half))
+                rP_h.store(cute.make_tensor(rS.iterator, cute.make_layout(half)).load().to(self.dtype))
+                bar_compute.arrive_and_wait()
+                cute.copy(thr_r2t, rP, tP_r2t)
+                cute.arch.fence_view_async_tmem_store()
+                pipe_S.consumer_release(s_state)
+                s_state.advance()
+                # 4. dS^T = P^T (dP^T - D) [* (1 - tanh^2)]
+                pipe_dP.consumer_wait(dp_state)
+                pipe_dS.producer_acquire(ds_state)  # sdS free once the previous dK / dQ MMAs completed
+                for j in cutlass.range_constexpr(n_ds):
+                    rdP = cute.make_rmem_tensor(rdP_shape, Float32)
+                    cute.copy(thr_t2r_c, cute.make_tensor(tdP_t2r0.iterator + half * wg + DS_CHUNK * j,
+                                                          tdP_t2r0.layout), rdP)
+                    cute.arch.fence_view_async_tmem_load()
+                    if const_expr(j == n_ds - 1):
+                        pipe_dP.consumer_release(dp_state)
+                    for jj in cutlass.range_constexpr(DS_CHUNK // STAT_CHUNK):
+                        rD = self.load_row_stats(mdPsum, stats_off, q0, j * DS_CHUNK // STAT_CHUNK + jj, seqlen_q,
+                                                 0.0)
+                        rL = None
+                        if const_expr(cfg.has_softcap):
+                            rL = self.load_row_stats(mLSElog2, stats_off, q0, j * DS_CHUNK // STAT_CHUNK + jj,
+                                                     seqlen_q, 0.0)
+                        for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):
+                            c = jj * STAT_CHUNK + kk
+                            k = j * DS_CHUNK + c
+                            a0, a1 = cute.arch.sub_packed_f32x2((rdP[c], rdP[c + 1]), (rD[kk], rD[kk + 1]))
+                            a0, a1 = cute.arch.mul_packed_f32x2((rS[k], rS[k + 1]), (a0, a1))
+                            if const_expr(cfg.has_softcap):
+                                a0 = self.softcap_grad(a0, rS[k], rL[kk], tanh_coef)
+                                a1 = self.softcap_grad(a1, rS[k + 1], rL[kk + 1], tanh_coef)
+                            rdP[c] = a0
+                            rdP[c + 1] = a1
+                    rdS = cute.make_rmem_tensor(rdP_shape, self.dtype)
+                    rdS.store(rdP.load().to(self.dtype))
+                    # dS^T rows = keys, columns = query rows [q0 + DS_CHUNK j, ..) of the tile
+                    sdS_c = cute.local_tile(sdS_epi, (TILE_N, DS_CHUNK), (0, wg * n_ds + j))
+                    cute.autovec_copy(rdS, thr_r2s.partition_D(sdS_c))
+                dp_state.advance()
+                cute.arch.fence_view_async_shared()
+                pipe_dS.producer_commit(ds_state)
+                ds_state.advance()
+                head, m_tile = self.next_coords(head, m_tile, tile)
+        # 6. epilogue: dK = softmax_scale * acc, dV = acc, this warpgroup's half of the head dims
+        dkv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        if n_iter > 0:
+            pipe_dKV.consumer_wait(dkv_state)
+        row_ok = key < seqlen_k
+        self.store_rows(tdKtdK, mdK, self.head_dim, n_iter > 0, row_ok, softmax_scale, key, offset_k, head_kv,
+                        batch, wg, tidx)
+        self.store_rows(tdVtdV, mdV, self.head_dim_v, n_iter > 0, row_ok, Float32(1.0), key, offset_k, head_kv,
+                        batch, wg, tidx)
+        if n_iter > 0:
+            cute.arch.fence_view_async_tmem_load()
+            pipe_dKV.consumer_release(dkv_state)
+
+    @cute.jit
+    def softcap_grad(self, ds: Float32, p: Float32, lse_log2: Float32, tanh_coef: Float32) -> Float32:
+        """dS = dS' (1 - t^2), t = tanh(s / c) = s' / c, with the logit s' recovered from P itself:
+        log2 P = s' log2(e) - lse_log2, so t = (log2 P + lse_log2) ln2 / c (one MUFU lg2 instead of
+        keeping 64 registers of tanh per thread). P = 0 (masked, or no keys) gives dS = 0."""
+        t = (cute.math.log2(p, fastmath=True) + lse_log2) * tanh_coef
+        return Float32(cutlass.select_(p > Float32(0.0), ds * (Float32(1.0) - t * t), Float32(0.0)))
+
+    @cute.jit
+    def stats_offset(self, mStat, head: Int32, batch: Int32, row: Int32):
+        """Element offset of (head, batch, accumulator row) in lse_log2 / dpsum (same layout)."""
+        if const_expr(self.cfg.varlen):
+            return cute.crd2idx((head, row), mStat.layout)
+        return cute.crd2idx((batch, head, row), mStat.layout)
+
+    @cute.jit
+    def load_row_stats(self, mStat, offset, q0: Int32, j: cutlass.Constexpr, seqlen_q: Int32,
+                       fill: cutlass.Constexpr):
+        """Chunk j (STAT_CHUNK query rows from q0 + j * STAT_CHUNK) of this warpgroup's per-row values;
+        rows >= seqlen_q read as ``fill`` (+inf lse: P = 0; 0 for D): padded rows are never trusted."""
+        src = cute.make_tensor(
+            cute.make_ptr(Float32, (mStat.iterator + offset + j * STAT_CHUNK).toint(), cute.AddressSpace.gmem,
+                          assumed_align=16),
+            cute.make_layout(STAT_CHUNK))
+        r = cute.make_rmem_tensor((STAT_CHUNK,), Float32)
+        cute.autovec_copy(src, r)
+        for k in cutlass.range_constexpr(STAT_CHUNK):
+            r[k] = Float32(cutlass.select_(q0 + j * STAT_CHUNK + k < seqlen_q, r[k], Float32(fill)))
+        return r
+
+    @cute.jit
+    def store_rows(self, tAcc, mOut, dim: cutlass.Constexpr, has_work, row_ok, scale: Float32, key: Int32,
+                   offset_k: Int32, head_kv: Int32, batch: Int32, wg: Int32, tidx: Int32):
+        """Row ``key`` of dK or dV: columns [dim/2 wg, dim/2 (wg + 1)) from TMEM (x scale) -> q's dtype."""
+        acc_all = tAcc[(None, None), 0, 0]
+        chunk_layout = cute.composition(acc_all.layout, cute.make_layout((TILE_N, EPI_CHUNK)))
+        atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(EPI_CHUNK)), Float32)
+        chunk0 = cute.make_tensor(acc_all.iterator, chunk_layout)
+        thr = tcgen05.make_tmem_copy(atom, chunk0).get_slice(tidx)
+        src0 = thr.partition_S(chunk0)
+        r_shape = thr.partition_D(cute.make_identity_tensor((TILE_N, EPI_CHUNK))).shape
+        cols_wg = dim // 2
+        row_g = key
+        if const_expr(self.cfg.varlen):
+            row_g = offset_k + key
+            out_row = mOut[row_g, None, head_kv]
+        else:
+            out_row = mOut[row_g, None, head_kv, batch]
+        for c in cutlass.range_constexpr(cols_wg // EPI_CHUNK):
+            col = wg * cols_wg + c * EPI_CHUNK
+            r = cute.make_rmem_tensor(r_shape, Float32)
+            if has_work:
+                cute.copy(thr, cute.make_tensor(src0.iterator + col, src0.layout), r)
+                for k in cutlass.range_constexpr(0, EPI_CHUNK, 2):
+                    r[k], r[k + 1] = cute.arch.mul_packed_f32x2((r[k], r[k + 1]), (scale, scale))
+            else:
+                r.fill(0.0)
+            if row_ok:
+                r_h = cute.make_rmem_tensor((EPI_CHUNK,), self.dtype)
+                r_h.store(cute.make_tensor(r.iterator, cute.make_layout(EPI_CHUNK)).load().to(self.dtype))
+                dst = cute.make_tensor(
+                    cute.make_ptr(self.dtype, (out_row.iterator + col).toint(), cute.AddressSpace.gmem,
+                                  assumed_align=16),
+                    cute.make_layout(EPI_CHUNK))
+                cute.autovec_copy(r_h, dst)
+
+    # ------------------------------------------------------------------ dQ reduce warps
+    @cute.jit
+    def reduce(self, tdQtdQ, mdQaccum, mdQsem, pipe_dQ, tile, mCuSeqlensQ):
+        cfg = self.cfg
+        n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k = tile[:7]
+        n_iter, accum_row0, left = tile[9], tile[10], tile[11]
+        tidx = cute.arch.thread_idx()[0] % 128  # TMEM lane = query row of the tile
+        d = self.head_dim
+        acc_all = tdQtdQ[(None, None), 0, 0]
+        chunk_layout = cute.composition(acc_all.layout, cute.make_layout((TILE_M, DQ_CHUNK)))
+        atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQ_CHUNK)), Float32)
+        chunk0 = cute.make_tensor(acc_all.iterator, chunk_layout)
+        thr = tcgen05.make_tmem_copy(atom, chunk0).get_slice(tidx)
+        src0 = thr.partition_S(chunk0)
+        r_shape = thr.partition_D(cute.make_identity_tensor((TILE_M, DQ_CHUNK))).shape
+        nchunk = d // DQ_CHUNK
+        if n_iter > 0:
+            dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            bar_reduce = pipeline.NamedBarrier(barrier_id=int(BwdBarrier.Reduce), num_threads=ROLE_THREADS["reduce"])
+            head, m_tile = self.first_coords(tile)
+            for it in cutlass.range(n_iter, unroll=1):
+                row = m_tile * TILE_M + tidx
+                sem_ptr = Int64(0)
+                if const_expr(cfg.deterministic):
+                    # turn = rank of this key tile among the key tiles that see query tile m_tile
+                    turn = n_tile - first_key_tile(m_tile * TILE_M, seqlen_q, seqlen_k, left, TILE_N, cfg.has_window)
+                    blk = (accum_row0 + m_tile * TILE_M) // DQ_SEM_ROWS  # bwd_config.dq_sem_index
+                    if const_expr(cfg.varlen):
+                        sem_off = cute.crd2idx((head, blk), mdQsem.layout)
+                    else:
+                        sem_off = cute.crd2idx((batch, head, blk), mdQsem.layout)
+                    sem_ptr = (mdQsem.iterator + sem_off).toint()
+                    if tidx == 0:
+                        seen = _ld_acquire_s32(sem_ptr)
+                        while seen != turn:
+                            seen = _ld_acquire_s32(sem_ptr)
+                    bar_reduce.arrive_and_wait()
+                if const_expr(cfg.varlen):
+                    off = cute.crd2idx((head, accum_row0 + row, 0), mdQaccum.layout)
+                else:
+                    off = cute.crd2idx((batch, head, row, 0), mdQaccum.layout)
+                base = (mdQaccum.iterator + off).toint()
+                pipe_dQ.consumer_wait(dq_state)
+                # one DQ_CHUNK of columns at a time: TMEM -> registers -> reduce-add; the TMEM
+                # columns are released after the last chunk's load
+                for c in cutlass.range_constexpr(nchunk):
+                    r = cute.make_rmem_tensor(r_shape, Float32)
+                    cute.copy(thr, cute.make_tensor(src0.iterator + c * DQ_CHUNK, src0.layout), r)
+                    cute.arch.fence_view_async_tmem_load()
+                    if const_expr(c == nchunk - 1):
+                        pipe_dQ.consumer_release(dq_state)
+                    if row < seqlen_q:
+                        for k in cutlass.range_constexpr(0, DQ_CHUNK, 4):
+                            _red_add_f32x4(base + 4 * (c * DQ_CHUNK + k), r[k], r[k + 1], r[k + 2], r[k + 3])
+                dq_state.advance()
+                if const_expr(cfg.deterministic):
+                    cute.arch.fence_acq_rel_gpu()
+                    bar_reduce.arrive_and_wait()
+                    if tidx == 0:
+                        _red_release_add_s32(sem_ptr)
+                head, m_tile = self.next_coords(head, m_tile, tile)

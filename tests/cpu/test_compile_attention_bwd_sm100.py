@@ -1,0 +1,151 @@
+"""The SM100 attention backward main kernel compiles for sm_100a without a GPU: 0 spills, smem and TMEM
+within the limits; host-side facts of FlashBwdSm100 (argument order, unsupported cases, the pipeline
+arrival-count check) need no compile.
+
+``python -m cute_kernels.check --arch sm_100a --kernel attention_bwd`` compiles the representative subset
+of ``bwd_launch.config_matrix(100)`` (the configs the SM100 kernel supports); ``_EXTRA`` adds the feature
+combinations that subset lacks (softcap with GQA and masks, deterministic varlen window, fp16 d 96) and
+the whole matrix (``--full``) is under the slow marker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.cpu._check_cli import run_check
+
+SMEM_LIMIT = 232_448
+
+
+@pytest.mark.compile
+def test_attention_bwd_compiles_for_sm100(tmp_path):
+    from cute_kernels.attention.bwd_launch import config_matrix
+
+    rows = run_check(tmp_path, "sm_100a", "attention_bwd", timeout=7200)
+    assert len(rows) == len(config_matrix(100, False)) >= 4
+    assert all(r["smem_bytes"] <= SMEM_LIMIT for r in rows)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_attention_bwd_full_matrix_compiles_for_sm100(tmp_path):
+    rows = run_check(tmp_path, "sm_100a", "attention_bwd", "--full", timeout=14400)
+    assert all(r["smem_bytes"] <= SMEM_LIMIT for r in rows)
+
+
+# (dtype, d, qhead_per_kvhead, causal, window, softcap, varlen, deterministic)
+_EXTRA = [("bfloat16", 128, 8, True, True, True, False, False),
+          ("bfloat16", 64, 8, True, True, True, True, True),
+          ("float16", 96, 1, False, True, True, True, True),
+          ("bfloat16", 128, 1, False, False, False, False, False)]
+
+_EXTRA_SCRIPT = r"""
+import json, os, sys
+os.environ["CUTE_DSL_ARCH"] = "sm_100a"
+os.environ["CUTE_KERNELS_EXTRA_OPTS"] = "remarks{ptx}"
+from cute_kernels.check import _capture_fd2, parse_remarks
+from cute_kernels.attention.bwd_launch import bwd_config, compile_bwd_main
+rows = []
+for dt, d, g, causal, window, softcap, varlen, det in json.loads(sys.argv[1]):
+    cfg = bwd_config(100, dt, d, d, g, causal, window, softcap, varlen, det)
+    with _capture_fd2() as box:
+        compile_bwd_main(cfg)
+    fns = parse_remarks(box["text"])
+    rows.append({"config": repr(cfg), "remarks": len(fns), "registers": [f["registers"] for f in fns],
+                 "spill": sum(f["spill_store_bytes"] + f["spill_load_bytes"] for f in fns)})
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.compile
+def test_feature_combinations_compile_for_sm100():
+    """softcap x GQA x masks and deterministic varlen (outside the check subset) compile spill-free."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("CUTE_DSL_ARCH", None)
+    proc = subprocess.run([sys.executable, "-c", _EXTRA_SCRIPT, json.dumps(_EXTRA)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == len(_EXTRA)
+    assert all(r["remarks"] == 1 and r["spill"] == 0 for r in rows), rows
+
+
+def test_kernel_call_takes_bwd_kernel_args():
+    """BwdKernelArgs is the one argument order: __call__ takes exactly it, then stream."""
+    from cute_kernels.attention.bwd_config import BwdKernelArgs
+    from cute_kernels.attention.bwd_sm100 import FlashBwdSm100
+
+    params = list(inspect.signature(FlashBwdSm100.__call__).parameters)
+    assert params == ["self", *BwdKernelArgs._fields, "stream"]
+
+
+def _cfg(d=128, dv=None, **kw):
+    from cute_kernels.attention.bwd_config import BwdConfig
+
+    args = dict(arch=100, dtype="bfloat16", head_dim=d, head_dim_v=dv or d, qhead_per_kvhead=1, causal=False,
+                has_window=False, has_softcap=False, varlen=False, deterministic=False)
+    args.update(kw)
+    return BwdConfig(**args)
+
+
+def test_unsupported_reasons_name_the_case():
+    from cute_kernels.attention.bwd_launch import unsupported_reason
+    from cute_kernels.attention.bwd_sm100 import FlashBwdSm100
+
+    for d in (64, 96, 128):
+        assert unsupported_reason(_cfg(d)) is None
+        assert unsupported_reason(_cfg(d, qhead_per_kvhead=8, causal=True, has_softcap=True, varlen=True,
+                                       deterministic=True)) is None
+    assert "head_dim 256" in unsupported_reason(_cfg(256)) and "TMEM" in unsupported_reason(_cfg(256))
+    assert "head_dim 192" in unsupported_reason(_cfg(192))
+    assert "head_dim_v 128" in unsupported_reason(_cfg(192, 128))
+    assert "float32" in unsupported_reason(_cfg(dtype="float32"))
+    assert "arch 90" in FlashBwdSm100.unsupported_reason(_cfg(arch=90))
+    with pytest.raises(ValueError, match="head_dim 256"):
+        FlashBwdSm100(_cfg(256))
+
+
+def test_smem_and_tmem_plan_fits_every_config():
+    """Every supported config of the full matrix: smem <= 232,448 B, TMEM map inside 512 columns with
+    dQ inside the dP^T columns it reuses, register split within 64K registers."""
+    from cute_kernels.attention import bwd_sm100 as m
+    from cute_kernels.attention.bwd_launch import config_matrix
+
+    cfgs = config_matrix(100, True)
+    assert {c.head_dim for c in cfgs} == {64, 96, 128}
+    for cfg in cfgs:
+        k = m.FlashBwdSm100(cfg)
+        assert m.FlashBwdSm100.smem_bytes(cfg) <= SMEM_LIMIT, cfg
+        t = k.tmem
+        assert t["end"] <= m.TMEM_COLS and t["dQ"] + cfg.head_dim <= t["dP"] + m.TILE_M, t
+        spans = sorted([(t["S"], t["S"] + m.TILE_M), (t["dP"], t["dP"] + m.TILE_M),
+                        (t["dV"], t["dV"] + cfg.head_dim_v), (t["dK"], t["dK"] + cfg.head_dim)])
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # S, dP, dV, dK disjoint
+    r, c, o = m.REGS
+    assert r + 2 * c + o <= 4 * 128 and all(x % 8 == 0 and 24 <= x <= 256 for x in m.REGS)
+    # d 128 keeps two dO stages (the largest smem config: 231,424 B)
+    assert m.FlashBwdSm100(_cfg(128)).do_stage == 2
+
+
+def test_arrival_check_rejects_wrong_counts():
+    """check_arrivals (run at trace time) accepts the kernel's own counts and fails on a wrong one."""
+    from cute_kernels.attention import bwd_sm100 as m
+
+    rt = m.ROLE_THREADS
+    good = {name: (rt[p], rt[c]) for name, (p, c) in m.PIPES.items()}
+    bars = {b: sum(rt[r] for r in roles) for b, roles in m.BARRIERS.items()}
+    m.check_arrivals(good, bars)
+    bad = dict(good, dS=(128, 1))  # one compute warpgroup instead of two
+    with pytest.raises(ValueError, match="pipeline dS"):
+        m.check_arrivals(bad, bars)
+    with pytest.raises(ValueError, match="TmemFree"):
+        m.check_arrivals(good, {**bars, m.BwdBarrier.TmemFree: 256})
+    assert rt["compute"] == 32 * len(m._WARPS_COMPUTE) == 256 and rt["reduce"] == 128
+    assert m.NUM_THREADS == 32 * 16
