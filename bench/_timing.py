@@ -392,7 +392,7 @@ class RunInfo:
         return (f"- date {self.date}, commit `{self.commit}`, GPU {self.gpu}\n"
                 f"- command `{self.command}`\n"
                 f"- clocks.sm, clocks.mem, power.draw: start {self.clocks_start}; end {self.clocks_end}\n"
-                + (f"- method: {m}\n" if m else ""))
+                + (f"- method: {m}" if m else "")).rstrip("\n")
 
 
 def add_method_args(ap, window_s: float = 0.5, rounds: int = 3) -> None:

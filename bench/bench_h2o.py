@@ -49,7 +49,7 @@ def copy_bandwidth(timer, rounds: int) -> float:
     n = 2 << 30
     x = torch.empty(n, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
-    st = bench_windows({"copy": lambda: y.copy_(x)}, rounds=rounds, timer=timer)["copy"]
+    st = bench_windows({"copy": lambda x=x, y=y: y.copy_(x)}, rounds=rounds, timer=timer)["copy"]
     del x, y
     torch.cuda.empty_cache()
     return 2 * n / (st.median_ms * 1e-3)

@@ -1,0 +1,72 @@
+"""The bench scripts' main() end to end on the CPU (tests/cpu/_bench_dry.py: stand-in torch, FA4,
+launchers and timer, in a subprocess): every variant is timed in alternating windows, rows carry
+per-round ratios and the run metadata, and the JSON / markdown files are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("cutlass")  # the scripts import the launch modules (no GPU needed)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def dry(tmp_path, script, *args):
+    js, md = tmp_path / f"{script}.json", tmp_path / f"{script}.md"
+    res = subprocess.run([sys.executable, os.path.join(HERE, "_bench_dry.py"), script, *args,
+                          "--json", str(js), "--markdown", str(md)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    windows = [w.split(":") for w in res.stdout.split("WINDOWS ")[-1].strip().split(",")]
+    return json.loads(js.read_text()), md.read_text(), windows
+
+
+def test_bench_fwd_dry(tmp_path):
+    out, md, windows = dry(tmp_path, "bench_fwd", "--hdims", "128", "--seqlens", "2048,4096", "--heads", "32",
+                           "--heads-kv", "8", "--variants", "ours,ours_bl,fa4,unfused")
+    rows = out["rows"]
+    assert [(r["seqlen"], r["causal"]) for r in rows] == [(2048, False), (2048, True), (4096, False), (4096, True)]
+    assert out["run"]["gpu"] == "FakeGPU" and out["run"]["commit"] and "bench_fwd" in out["run"]["command"]
+    # one config's windows: 3 rounds in alternating order
+    first = [n for n, _ in windows[:12]]
+    assert first == ["ours", "ours_bl", "fa4", "unfused", "unfused", "fa4", "ours_bl", "ours",
+                     "ours", "ours_bl", "fa4", "unfused"]
+    r = rows[0]
+    assert set(r["ratios"]) == {"bl_over_fa4", "bl_over_ours", "ours_over_fa4", "bl_over_unfused"}
+    for key, x in r["ratios"].items():
+        assert len(x["rounds"]) == 3 and x["lo"] <= x["median"] <= x["hi"], key
+    assert r["host_us"] == {"ours": 12.5, "ours_bl": 12.5, "fa4": 12.5}
+    assert r["heads"] == 32 and r["heads_kv"] == 8 and r["batch"] == 16
+    assert "| 128 | 2048 | 16 | 32/8 | full |" in md and "clocks.sm" in md
+
+
+def test_bench_indexed_dry(tmp_path):
+    out, md, _ = dry(tmp_path, "bench_indexed", "--shapes", "16Kx16K,64Kx64K", "--rhos", "0.9")
+    rows = out["rows"]
+    assert [r["shape"] for r in rows] == ["16Kx16K", "64Kx64K"]
+    assert set(rows[0]["stats"]) == {"plan", "fwd", "dq", "dkdv", "total"}
+    assert "baseline_gather_dense_ms" in rows[0] and "baseline_gather_dense_ms" not in rows[1]
+    assert len(rows[0]["ratio_vs_published_windowed"]["rounds"]) == 3
+    assert set(out["host_us_per_call"]) == {"plan", "fwd", "dq", "dkdv", "total"}
+    assert "| 16Kx16K | 0.9 |" in md
+
+
+def test_bench_select_dry(tmp_path):
+    out, md, _ = dry(tmp_path, "bench_select", "--seqlens", "8192,16384", "--forward-seqlens", "8192")
+    rows = out["rows"]
+    assert [r["S"] for r in rows] == [8192, 16384] and all("error" not in r for r in rows)
+    assert set(rows[0]["forward_stats"]) == {"fa4_fwd", "ours_fwd", "ours_fwd_blk"}
+    assert "forward_stats" not in rows[1]
+    assert len(rows[0]["speedup_vs_composite"]["rounds"]) == 3
+    assert "| 8192 | 0.125 |" in md
+
+
+def test_bench_h2o_dry(tmp_path):
+    out, md, windows = dry(tmp_path, "bench_h2o")
+    assert [r["op"] for r in out["rows"]] == ["page_scores", "select_pages"]
+    assert out["copy_GBps"] > 0 and len(out["rows"][0]["speedup"]["rounds"]) == 3
+    assert ["copy", "0"] in windows and "| page_scores | 1 | 4096 |" in md
