@@ -467,6 +467,43 @@ def test_recompute_gives_the_same_gradients(use_reentrant):
         np.testing.assert_array_equal(a, b)
 
 
+def test_custom_pylayer_with_flash_attn_bwd_matches_autograd():
+    """The PaddleFleet pattern: a caller's own PyLayer runs flash_attn_fwd (grad mode is off inside, so
+    no inner PyLayer) with a -inf-prefilled block_logit buffer as an in-place input, saves q/k/v/out/lse
+    and calls flash_attn_bwd in its backward. Its gradients equal flash_attn_fwd's own autograd."""
+    from paddle.autograd import PyLayer
+
+    class BlockScoreAttn(PyLayer):
+        @staticmethod
+        def forward(ctx, q, k, v, block_logit):
+            out, lse, _ = paddle_fa4.flash_attn_fwd(q, k, v, causal=True, block_logit=block_logit, block_size=16,
+                                                    backend="reference")
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensor()
+            dq, dk, dv = paddle_fa4.flash_attn_bwd(dout, q, k, v, out, lse, causal=True, backend="reference")
+            return dq, dk, dv, None
+
+    q_np, k_np, v_np, w_np = make_case(33, 2, 12, 20, 4, 2, 16)
+    w = paddle.to_tensor(w_np)
+    grads = []
+    for custom in (True, False):
+        q, k, v = leaf(q_np), leaf(k_np), leaf(v_np)
+        if custom:
+            buf = paddle.full([2, 4, 12, 2], float("-inf"), dtype="float32")
+            out = BlockScoreAttn.apply(q, k, v, buf)
+            assert np.isfinite(buf.numpy()).any()
+        else:
+            out, _ = paddle_fa4.flash_attn_fwd(q, k, v, causal=True, backend="reference")
+        (out * w).sum().backward()
+        grads.append([t.grad.numpy() for t in (q, k, v)])
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_double_backward_raises():
     q_np, k_np, v_np, _ = make_case(26, 1, 5, 5, 2, 2, 16)
     q, k, v = leaf(q_np), leaf(k_np), leaf(v_np)
