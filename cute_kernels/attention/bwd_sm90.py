@@ -38,6 +38,14 @@ dq_sem == n - first_key_tile(m), reduce-adds, waits for the writes to complete a
 A key tile that does not see m never touches its counter, and no counter waits on one. CTAs are
 launched in ascending n within a (head, batch), so the tile a writer waits on is already resident.
 
+Note [deterministic dQ, descending order] (``FlashBwdSm90(cfg, spt=True)``, causal / window only;
+opt-in, NOT yet run on a GPU). Measured on the H200 the ascending order costs causal rows half their
+speed (det / FA4 det 0.49-0.67): key tile n's first query tile (its diagonal) waits for every lower
+key tile to reach that tile, which they do last. With spt the writers of query tile m go in
+descending n (lock = last_key_tile(m) - n) and blockIdx.x maps to the highest key tile first, so a
+key tile is the first writer of its diagonal tiles and waits only on tiles launched before it (FA4's
+"SPT" order). Every counter still sees each of its writers exactly once.
+
 Not supported (``unsupported_reason``): head_dim > 128 (192, 256, (192, 128)) -- not implemented yet.
 """
 
@@ -55,7 +63,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
-from cute_kernels.common.tile_range import QueryTileRange, first_key_tile, normalize_window
+from cute_kernels.common.tile_range import QueryTileRange, first_key_tile, last_key_tile, normalize_window
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
                                        select_modes, sm90_thread0_cols, transpose_view, wgmma_gemm,
                                        wgmma_smem_layout)
@@ -70,6 +78,8 @@ THREADS_PER_WG = 128
 NUM_THREADS = 3 * THREADS_PER_WG
 STAGES = 2
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
+# tile_m 128 (d 64): S^T and dP^T are 64 registers each; 232 spilled 8 bytes (sm_90a, ptxas).
+PRODUCER_REGS_M128, CONSUMER_REGS_M128 = 32, 240
 # Named barriers (0 is __syncthreads).
 DS_FULL_BARRIER = 1  # both consumer WGs: dS^T of the step is in smem
 DQ_FULL_BARRIER = 2  # consumer WGs that stage dQ arrive, warp 1 waits
@@ -101,11 +111,13 @@ def _red_release_add(addr: Int64, val: Int32, *, loc=None, ip=None) -> None:
 
 
 class FlashBwdSm90:
-    def __init__(self, cfg: BwdConfig):
+    def __init__(self, cfg: BwdConfig, spt: bool = False):
         reason = FlashBwdSm90.unsupported_reason(cfg)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90: {reason}")
         self.cfg = cfg
+        # Note [deterministic dQ, descending order]: opt-in, NOT yet run on a GPU.
+        self.spt = bool(spt) and cfg.deterministic and (cfg.causal or cfg.has_window)
         self.dtype = cutlass_dtype(cfg.dtype)
         self.hdim = cfg.head_dim
         self.hdimv = cfg.head_dim_v
@@ -270,7 +282,12 @@ class FlashBwdSm90:
 
         n_tile, head_kv, batch_idx = cute.arch.block_idx()
         seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static, mCuSeqlensQ, mCuSeqlensK)
+        if const_expr(self.spt):
+            # Highest key tile first (it is the first writer of its query tiles in descending order).
+            n_tile = (seqlen.seqlen_k + self.tile_n - 1) // self.tile_n - 1 - n_tile
         n_start = n_tile * self.tile_n
+        if const_expr(self.spt):
+            n_start = n_start if n_tile >= 0 else seqlen.seqlen_k  # past this sequence's key tiles: no work
         if n_start < seqlen.seqlen_k:
             left, right = normalize_window(window_left, window_right, seqlen.seqlen_q, seqlen.seqlen_k,
                                            cfg.causal, cfg.has_window)
@@ -285,8 +302,10 @@ class FlashBwdSm90:
             row0 = Int32(0)
             if const_expr(cfg.varlen):
                 row0 = (seqlen.offset_q + ACCUM_ROW_PAD * batch_idx) // ACCUM_ROW_PAD * ACCUM_ROW_PAD
+            regs_p, regs_c = ((PRODUCER_REGS_M128, CONSUMER_REGS_M128) if const_expr(self.tile_m == 128)
+                              else (PRODUCER_REGS, CONSUMER_REGS))
             if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                cute.arch.setmaxregister_decrease(regs_p)
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, tma_atom_Q,
                               tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
@@ -294,9 +313,9 @@ class FlashBwdSm90:
                               head_kv, batch_idx)
                 if warp_idx == 1:
                     self.store_dq(mdQacc, mdQsem, sdQ, tma_atom_dQ, seqlen, qtiles, steps, row0, left,
-                                  n_tile, head_kv, batch_idx)
+                                  right, n_tile, head_kv, batch_idx)
             else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                cute.arch.setmaxregister_increase(regs_c)
                 self.consume(mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                              pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, batch_idx,
                              tidx - THREADS_PER_WG, softmax_scale, softcap)
@@ -367,7 +386,8 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------ dQ writer (warp 1)
     @cute.jit
     def store_dq(self, mdQacc, mdQsem, sdQ, tma_atom_dQ, seqlen: SeqlenInfo, qtiles: QueryTileRange,
-                 steps: Int32, row0: Int32, left: Int32, n_tile: Int32, head_kv: Int32, batch_idx: Int32):
+                 steps: Int32, row0: Int32, left: Int32, right: Int32, n_tile: Int32, head_kv: Int32,
+                 batch_idx: Int32):
         cfg = self.cfg
         G = cfg.qhead_per_kvhead
         lane = cute.arch.lane_idx()
@@ -396,8 +416,12 @@ class FlashBwdSm90:
                     else:
                         sem_ptr = mdQsem.iterator + cute.crd2idx((batch_idx, head, sem_idx), mdQsem.layout)
                     sem_addr = sem_ptr.toint()
-                    lock = n_tile - first_key_tile(m * self.tile_m, seqlen.seqlen_q, seqlen.seqlen_k, left,
-                                                   self.tile_n, cfg.has_window)
+                    if const_expr(self.spt):
+                        lock = last_key_tile(m * self.tile_m, seqlen.seqlen_q, seqlen.seqlen_k, right, self.tile_m,
+                                             self.tile_n, cfg.causal or cfg.has_window) - n_tile
+                    else:
+                        lock = n_tile - first_key_tile(m * self.tile_m, seqlen.seqlen_q, seqlen.seqlen_k, left,
+                                                       self.tile_n, cfg.has_window)
                     if lane == 0:
                         cur = _ld_acquire(sem_addr)
                         while cur != lock:

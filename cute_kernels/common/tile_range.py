@@ -118,3 +118,16 @@ def first_key_tile(m_start: Int32, seqlen_q: Int32, seqlen_k: Int32, left: Int32
     if const_expr(mask_left):
         first = cutlass.max(m_start + seqlen_k - seqlen_q - left, 0) // tile_n
     return first
+
+
+@cute.jit
+def last_key_tile(m_start: Int32, seqlen_q: Int32, seqlen_k: Int32, right: Int32,
+                  tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, mask_right: cutlass.Constexpr) -> Int32:
+    """Last key tile that query tile ``m_start`` sees (exact; the tile is assumed to see one): its last
+    row's last visible key min(m_end - 1 + shift + right, Sk - 1), in tiles. With ``first_key_tile``
+    the visitors of the query tile are [first_key_tile, last_key_tile]."""
+    last_key = seqlen_k - 1
+    if const_expr(mask_right):
+        m_end = cutlass.min(m_start + tile_m, seqlen_q)
+        last_key = cutlass.min(m_end - 1 + seqlen_k - seqlen_q + right, seqlen_k - 1)
+    return last_key // tile_n

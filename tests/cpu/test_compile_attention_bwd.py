@@ -80,8 +80,9 @@ def _visible(i, t, sq, sk, left, right):
 @pytest.mark.parametrize("sq,sk", [(300, 300), (517, 300), (100, 700), (1, 129), (256, 1024)])
 @pytest.mark.parametrize("window", [(None, None), (None, 0), (100, 30), (10, 0), (0, 0)])
 def test_query_tile_range_is_exact(sq, sk, window):
-    """Python replica of common/tile_range.QueryTileRange / first_key_tile against brute force: key tile n
-    visits query tile m iff a visible pair exists, and the visitors of m are [first_key_tile(m), ...)."""
+    """Python replica of common/tile_range.QueryTileRange / first_key_tile / last_key_tile against brute
+    force: key tile n visits query tile m iff a visible pair exists, and the visitors of m are exactly
+    [first_key_tile(m), last_key_tile(m)] (so every deterministic turn counter sees 0 .. k-1)."""
     big = sq + sk
     left = big if window[0] is None else window[0]
     right = big if window[1] is None else window[1]
@@ -106,4 +107,7 @@ def test_query_tile_range_is_exact(sq, sk, window):
                                for t in range(n * tile_n, min(n * tile_n + tile_n, sk)))]
             if visitors:
                 first = max(m * tile_m + shift - left, 0) // tile_n if mask_left else 0
-                assert visitors == list(range(first, first + len(visitors))), (sq, sk, window, m)
+                m_end = min(m * tile_m + tile_m, sq)
+                last = (min(m_end - 1 + shift + right, sk - 1) if mask_right else sk - 1) // tile_n
+                # ascending lock n - first and descending (spt) lock last - n both give 0 .. k-1
+                assert visitors == list(range(first, last + 1)), (sq, sk, window, m)
