@@ -132,6 +132,21 @@ def compile_bwd_main(cfg: BwdConfig):
 
 
 @jit_cache
+def compile_bwd_main_spt(cfg: BwdConfig):
+    """SM90 main kernel with the opt-in descending deterministic dQ order (``FlashBwdSm90(cfg, spt=True)``,
+    Note [deterministic dQ, descending order]); for tests and benches, not used by ``run_bwd``."""
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream
+
+    from .bwd_sm90 import FlashBwdSm90
+
+    assert cfg.arch == 90 and unsupported_reason(cfg) is None
+    return cute.compile(FlashBwdSm90(cfg, spt=True), *fake_bwd_args(cfg), fake_stream(),
+                        options=arch_options(cfg.arch))
+
+
+@jit_cache
 def _compile_pre(key: BwdConfig):
     import cutlass
     import cutlass.cute as cute
@@ -197,6 +212,15 @@ def run_bwd(cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlen
     (uninitialised; the preprocess writes them). Writes every element of ``dq``, ``dk``, ``dv``
     (zeros where no visible (query, key) pair contributes). Window sizes -1 = unbounded.
     """
+    run_bwd_with(compile_bwd_main, cfg, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                 workspace, softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
+                 window_right=window_right, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def run_bwd_with(compile_main, cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
+                 cu_seqlens_k, workspace: dict, *, softmax_scale: float, softcap: float, window_left: int,
+                 window_right: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """``run_bwd`` with the main kernel from ``compile_main(cfg)`` (e.g. ``compile_bwd_main_spt``)."""
     assert (cu_seqlens_q is None) == (not cfg.varlen), "cu_seqlens must match cfg.varlen"
     assert (dlse is None) == (not cfg.has_dlse), "dlse must match cfg.has_dlse"
     if cfg.varlen:
@@ -220,7 +244,7 @@ def run_bwd(cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlen
         return
     ws = workspace
     sem = ws.get("dq_sem") if cfg.deterministic else None
-    pre, main, post = compile_bwd(cfg)
+    pre, main, post = compile_bwd_pre(cfg), compile_main(cfg), compile_bwd_post(cfg)
     pre(out, dout, lse, dlse, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], sem, cu_seqlens_q,
         int(max_seqlen_q))
     if not k_empty:
@@ -281,6 +305,7 @@ CHECKS = {"attention_bwd": (config_matrix, compile_bwd_main, smem_bytes),
           "attention_bwd_pre": (prepost_matrix, compile_bwd_pre, _no_smem),
           "attention_bwd_post": (prepost_matrix, compile_bwd_post, _no_smem)}
 
-__all__ = ["bwd_config", "unsupported_reason", "workspace_shapes", "run_bwd", "compile_bwd",
+__all__ = ["bwd_config", "unsupported_reason", "workspace_shapes", "run_bwd", "run_bwd_with", "compile_bwd",
+           "compile_bwd_main_spt",
            "compile_bwd_main", "compile_bwd_pre", "compile_bwd_post", "config_matrix", "prepost_matrix",
            "fake_bwd_args", "smem_bytes", "CHECKS", "DQ_SEM_ROWS"]

@@ -72,8 +72,9 @@ def poison_like(x):
 
 
 def run_bwd_ours(q, k, v, out, lse, do, *, causal=False, window=(-1, -1), softcap=0.0, scale=None,
-                 deterministic=False, dlse=None, cu_q=None, cu_k=None, max_sq=None, max_sk=None):
-    from cute_kernels.attention.bwd_launch import bwd_config, run_bwd, workspace_shapes
+                 deterministic=False, dlse=None, cu_q=None, cu_k=None, max_sq=None, max_sk=None, spt=False):
+    from cute_kernels.attention.bwd_launch import (bwd_config, compile_bwd_main, compile_bwd_main_spt, run_bwd_with,
+                                                   workspace_shapes)
 
     varlen = cu_q is not None
     d, dv = q.shape[-1], v.shape[-1]
@@ -93,9 +94,9 @@ def run_bwd_ours(q, k, v, out, lse, do, *, causal=False, window=(-1, -1), softca
         t = torch.empty(shape, device=q.device, dtype=getattr(torch, dtn))
         ws[name] = poison_like(t)
     dq, dk, dv_ = poison_like(q), poison_like(k), poison_like(v)
-    run_bwd(cfg, do, q, k, v, out, lse, dlse, dq, dk, dv_, cu_q, cu_k, ws, softmax_scale=scale,
-            softcap=softcap, window_left=window[0], window_right=window[1], max_seqlen_q=max_sq,
-            max_seqlen_k=max_sk)
+    run_bwd_with(compile_bwd_main_spt if spt else compile_bwd_main, cfg, do, q, k, v, out, lse, dlse, dq, dk,
+                 dv_, cu_q, cu_k, ws, softmax_scale=scale, softcap=softcap, window_left=window[0],
+                 window_right=window[1], max_seqlen_q=max_sq, max_seqlen_k=max_sk)
     return dq, dk, dv_
 
 
@@ -133,7 +134,7 @@ def check_grads(name, ours, ref, lowp, fa4=None, factor=2.0):
 
 
 def dense_case(b, sq, sk, hq, hkv, d, dtype="bf16", causal=False, window=(-1, -1), softcap=0.0,
-               deterministic=False, with_dlse=False, seed=0, fa4=True):
+               deterministic=False, with_dlse=False, seed=0, fa4=True, spt=False):
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=DT[dtype], seed=seed)
     scale = 1.0 / math.sqrt(d)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
@@ -143,13 +144,13 @@ def dense_case(b, sq, sk, hq, hkv, d, dtype="bf16", causal=False, window=(-1, -1
     if dlse is not None:
         dlse = dlse.masked_fill(torch.isinf(lse), 0.0)
     ours = run_bwd_ours(q, k, v, out, lse, do, causal=causal, window=window, softcap=softcap, scale=scale,
-                        deterministic=deterministic, dlse=dlse)
+                        deterministic=deterministic, dlse=dlse, spt=spt)
     kw = dict(causal=causal, window=window, softcap=softcap, scale=scale)
     ref = ref_grads(q, k, v, do, dlse, upcast=True, **kw)
     lowp = ref_grads(q, k, v, do, dlse, upcast=False, **kw)
     fa = fa4_grads(q, k, v, do, deterministic=deterministic, **kw) if fa4 and dlse is None else None
     name = (f"b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d} {dtype} causal={causal} win={window} cap={softcap} "
-            f"det={deterministic} dlse={with_dlse}")
+            f"det={deterministic} dlse={with_dlse}" + (" spt" if spt else ""))
     check_grads(name, ours, ref, lowp, fa)
     return ours
 
@@ -188,11 +189,12 @@ def test_deterministic(d):
         dense_case(2, 700, 900, 8, 2, d, causal=mask == "causal", window=window, deterministic=True)
 
 
-def _det_runs(deterministic, n=3, d=128, causal=False):
+def _det_runs(deterministic, n=3, d=128, causal=False, spt=False):
     q, k, v = make_qkv(1, 512, 4096, 4, 2, d, seed=11)
     do = torch.randn_like(q)
     out, lse, _ = run_ours(q, k, v, causal=causal)
-    return [run_bwd_ours(q, k, v, out, lse, do, causal=causal, deterministic=deterministic) for _ in range(n)]
+    return [run_bwd_ours(q, k, v, out, lse, do, causal=causal, deterministic=deterministic, spt=spt)
+            for _ in range(n)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -269,3 +271,30 @@ def test_zero_queries():
     lse = torch.empty(2, 4, 0, device="cuda")
     dq, dk, dv = run_bwd_ours(q, k, v, out, lse, do)
     assert torch.count_nonzero(dk) == 0 and torch.count_nonzero(dv) == 0 and not torch.isnan(dk).any()
+
+
+# ---------------------------------------------------------------- opt-in descending deterministic order
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_deterministic_spt(d):
+    """FlashBwdSm90(cfg, spt=True) (Note [deterministic dQ, descending order]): correct and bitwise stable."""
+    for mask in ("causal", "window"):
+        window = (300, 50) if mask == "window" else (-1, -1)
+        dense_case(2, 700, 900, 8, 2, d, causal=mask == "causal", window=window, deterministic=True, spt=True)
+    runs = _det_runs(True, 3, d=d, causal=True, spt=True)
+    for r in runs[1:]:
+        for a, b_ in zip(runs[0], r):
+            assert torch.equal(a, b_), "spt deterministic backward differs between runs"
+
+
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_varlen_spt(mask):
+    from cute_kernels.attention import bwd_launch as L
+
+    window = (60, 20) if mask == "window" else (-1, -1)
+    orig = L.compile_bwd_main
+    try:  # _varlen_case goes through run_bwd_ours(spt=False): route it to the spt build
+        L.compile_bwd_main = L.compile_bwd_main_spt
+        _varlen_case([130, 0, 257, 64, 1, 300], [200, 50, 100, 0, 129, 300], 4, 2, 128,
+                     causal=mask == "causal", window=window, deterministic=True)
+    finally:
+        L.compile_bwd_main = orig

@@ -1,0 +1,14 @@
+#!/bin/bash
+# SM90 attention backward on the H200, what the 2026-12-01 session left unrun (see the issue #16 report):
+# the d 64 register split of aca714b, the opt-in spt order, varlen d 64, deterministic d 96, memcheck,
+# and the d 128 / d 64 benchmark with the spt variant. Logs under ${OUT:-/tmp/out}.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+timeout 400 python -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_bwd_sm90.py \
+  -k "spt or (varlen and 64) or test_deterministic[96] or test_dense[False-causal-64] or test_dense[True-none-64]" \
+  > "$OUT/pytest_rest.log" 2>&1; echo "pytest rc=$?" | tee -a "$OUT/pytest_rest.log"; tail -3 "$OUT/pytest_rest.log"
+timeout 200 compute-sanitizer --tool memcheck --print-limit 20 python tests/gpu/_bwd_smoke.py 190 \
+  "T.dense_case(1,200,333,4,2,128,causal=True,fa4=False,deterministic=True,spt=True)" \
+  "T.dense_case(1,300,300,2,2,64,fa4=False)" > "$OUT/memcheck.log" 2>&1
+grep -E "Invalid|ERROR SUMMARY" "$OUT/memcheck.log" | tail -3
+timeout 400 python bench/bench_bwd.py --hdims 128,64 --window 0.3 --rounds 3 --markdown "$OUT/bench.md" \
+  --json "$OUT/bench.json" 2>&1 | grep "^d "
