@@ -3,8 +3,11 @@
 # the d 64 register split of aca714b, the opt-in spt order, varlen d 64, deterministic d 96, memcheck,
 # and the d 128 / d 64 benchmark with the spt variant. Logs under ${OUT:-/tmp/out}.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 400 python -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_bwd_sm90.py \
-  -k "spt or (varlen and 64) or test_deterministic[96] or test_dense[False-causal-64] or test_dense[True-none-64]" \
+T=tests/gpu/test_bwd_sm90.py
+timeout 400 python -m pytest -q -s -p no:cacheprovider -W ignore "$T::test_deterministic[96]" \
+  "$T::test_dense[False-causal-64]" "$T::test_dense[True-none-64]" "$T::test_deterministic[64]" \
+  "$T::test_fp16_softcap_dlse[64]" "$T::test_deterministic_spt" "$T::test_varlen_spt" \
+  $(for m in none causal window; do for det in False True; do echo "$T::test_varlen[$det-$m-64]"; done; done) \
   > "$OUT/pytest_rest.log" 2>&1; echo "pytest rc=$?" | tee -a "$OUT/pytest_rest.log"; tail -3 "$OUT/pytest_rest.log"
 timeout 200 compute-sanitizer --tool memcheck --print-limit 20 python tests/gpu/_bwd_smoke.py 190 \
   "T.dense_case(1,200,333,4,2,128,causal=True,fa4=False,deterministic=True,spt=True)" \
