@@ -49,34 +49,39 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
-from cute_kernels.common.tile_range import QueryTileRange, first_key_tile, normalize_window
+from cute_kernels.common.tile_range import QueryTileRange, TileRange, first_key_tile, normalize_window
 from cute_kernels.common.utils import LN_2, LOG2_E
 
 from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
 
 # Note [SM100 backward handshakes]
-# Per (query head, query tile) iteration t, in issue order of the MMA warp:
-#   Q(t) full -> S^T(t) = K Q^T -> [pipe_S full] -> compute loads S^T, writes P^T over it
-#   dO(t) full, [pipe_dQ acquire: dQ(t-1) drained], [pipe_dP acquire] -> dP^T(t) = V dO^T -> [pipe_dP full]
-#   [pipe_S acquire = P^T(t) written] -> dV += P^T dO -> release dO(t)
-#   [pipe_dS full: dS(t) in smem] -> dK += dS^T Q -> release Q(t) -> dQ(t) = dS K -> [pipe_dQ full]
-#   -> release dS (smem free once dK and dQ complete)
-# * P^T(t) overwrites S^T(t) columns: every compute thread has loaded its S^T columns before any writes
-#   P (named barrier BwdBarrier.Compute; the two warpgroups' P columns overlap the other's S columns).
-# * S^T(t+1) is issued after dV(t) (which reads P^T(t)); tcgen05 MMAs of one thread run in issue order.
-#   pipe_S is acquired once before the loop and once per iteration before dV, so its empty barrier
-#   ("P^T written, S^T read") is waited exactly once per release.
-# * dQ(t) overwrites dP^T(t) columns: it is issued after pipe_dS full, which the compute threads
-#   signal after loading dP^T(t). dP^T(t+1) waits pipe_dQ empty (reduce warps loaded dQ(t)).
+# The MMA warp issues, for query tiles t = 0 .. n-1 (prologue: S^T(0), dP^T(0)):
+#   [pipe_S acquire: P^T(t) written] dV += P^T(t) dO(t), release dO(t)
+#   S^T(t+1) = K Q(t+1)^T -> [pipe_S full]                      (not for t = n-1)
+#   [pipe_dS full: dS(t) in smem] dK += dS^T(t) Q(t), release Q(t); dQ(t) = dS(t) K -> [pipe_dQ full];
+#   release dS (the smem is free once dK and dQ complete)
+#   [pipe_dQ acquire: dQ(t) loaded by the reduce warps][pipe_dP acquire] dP^T(t+1) -> [pipe_dP full]
+# while the compute warps, per t: [S full] load S^T, P^T over it, [S release]; [dP full] load dP^T,
+# [dP release]; [dS acquire] dS^T -> smem, [dS commit].
+# * P^T(t) overwrites S^T(t) columns: every compute thread has loaded its S^T columns before any
+#   writes P (named barrier BwdBarrier.Compute; the two warpgroups' P columns overlap the other's S).
+# * S^T(t+1) overwrites P^T(t): it is issued after dV(t) and tcgen05 MMAs of one thread execute in
+#   issue order. pipe_S is acquired once before S^T(0) and once before each dV, so its empty barrier
+#   ("S^T read, P^T written") is waited exactly once per release. S^T(t+1) is issued before dK(t)
+#   releases Q(t), so Q needs two stages (Q_STAGE = 2).
+# * dQ(t) overwrites dP^T(t) columns: issued after pipe_dS full, which the compute threads signal after
+#   loading dP^T(t). dP^T(t+1) waits pipe_dQ empty (dQ(t) loaded) and pipe_dP empty (dP^T(t) read).
 # * dK / dV are final after the last iteration's MMAs: pipe_dKV (one commit) -> compute epilogue.
 # * TMEM is freed after the compute and reduce warps (its last readers) meet at BwdBarrier.TmemFree.
+# * The pipeline states live in the staged loops as loop-carried values (the MMA loop reassigns
+#   them from mma_iter; the last iteration is peeled so no state changes inside a runtime branch).
 
 TILE_M = 128  # query rows per query tile (= ACCUM_ROW_PAD: one dq_sem counter per tile)
 TILE_N = 128  # keys per CTA (TMEM lane = key row)
 NUM_THREADS = 512
 SMEM_BYTES_MAX_SM100 = 232_448
 TMEM_COLS = 512
-Q_STAGE = 2
+Q_STAGE = 2  # >= 2: S^T(t+1) is issued before Q(t) is released (Note [SM100 backward handshakes])
 
 _WARPS_REDUCE = (0, 1, 2, 3)
 _WARPS_COMPUTE = (4, 5, 6, 7, 8, 9, 10, 11)
@@ -141,6 +146,64 @@ def _smem_bytes(d: int, dv: int, do_stage: int) -> int:
 
 def _do_stage(cfg: BwdConfig) -> int:
     return 2 if _smem_bytes(cfg.head_dim, cfg.head_dim_v, 2) <= SMEM_BYTES_MAX_SM100 else 1
+
+
+def _size(shape) -> int:
+    if isinstance(shape, tuple):
+        out = 1
+        for sh in shape:
+            out *= _size(sh)
+        return out
+    return int(shape)
+
+
+def _crd2idx(coord, shape, stride) -> int:
+    """cute.crd2idx for static (nested int tuple) layouts in plain Python (an int coordinate of a
+    tuple mode is split colexicographically, as CuTe does)."""
+    if isinstance(shape, tuple):
+        if isinstance(coord, int):
+            out = 0
+            for sh, st in zip(shape, stride):
+                n = _size(sh)
+                out += _crd2idx(coord % n, sh, st)
+                coord //= n
+            return out
+        return sum(_crd2idx(c, sh, st) for c, sh, st in zip(coord, shape, stride))
+    return coord * stride
+
+
+def _mma_offset(shape_stride, row: int, col: int, stage: int = 0) -> int:
+    """Pre-swizzle offset of logical element (row, col) = (M or N, K) of an MMA operand smem layout
+    ((row_inst, col_inst), MMA_rows, MMA_cols, stages), given as its outer (shape, stride)."""
+    shape, stride = shape_stride
+    ri, ci = _size(shape[0][0]), _size(shape[0][1])
+    return _crd2idx(((row % ri, col % ci), row // ri, col // ci, stage), shape, stride)
+
+
+def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8) -> None:
+    """Trace-time check that two views of one smem buffer place every element at the same byte: for
+    each (name, a, b, b_is_2d) the element (r, c) of ``a`` (MMA operand layout) and (c, r) of ``b``
+    (the transposed MMA operand, or the (r, c) of a 2-D row-major epilogue layout) have equal offsets
+    and equal swizzles. Rows and columns are sampled at the first and last element of every ``step``
+    group (8 rows: a swizzle atom's rows; 8 columns: one 16-byte chunk)."""
+    for name, a, b, b_is_2d in pairs:
+        if str(a.inner) != str(b.inner):
+            raise ValueError(f"{name}: swizzles differ ({a.inner} vs {b.inner})")
+        sa = (a.outer.shape, a.outer.stride)
+        sb = (b.outer.shape, b.outer.stride)
+        ri, ci = _size(sa[0][0][0]), _size(sa[0][0][1])
+        r, c = rows - 1, cols - 1
+        if _mma_offset(sa, r, c) != cute.crd2idx(((r % ri, c % ci), r // ri, c // ci, 0), a.outer):
+            raise ValueError(f"{name}: _crd2idx disagrees with cute.crd2idx")
+        samples = lambda n: sorted({x for x0 in range(0, n, step) for x in (x0, min(x0 + step - 1, n - 1))})  # noqa: E731
+        for r in samples(rows):
+            for c in samples(cols):
+                oa = _mma_offset(sa, r, c)
+                ob = _crd2idx((r, c), *sb) if b_is_2d else _mma_offset(sb, c, r)
+                if not (isinstance(oa, int) and isinstance(ob, int)):
+                    raise TypeError(f"{name}: layouts must be static ({type(oa)}, {type(ob)})")
+                if oa != ob:
+                    raise ValueError(f"{name}: element ({r}, {c}) at {oa} vs {ob}")
 
 
 @dsl_user_op
@@ -256,6 +319,16 @@ class FlashBwdSm100:
         sKt_layout = sm100_utils.make_smem_layout_b(mma_dQ, self.tiler_dQ, dt, 1)
         sdS_epi_layout = sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M), 1)
 
+        # The MN-major views alias the K-major buffers the TMA fills (stage 0 checked; stages are
+        # whole-tile strides in both), and the dS^T epilogue view aliases the dK A operand.
+        check_operand_aliases([("K / K^T", sK_layout, sKt_layout, False),
+                               ("Q / Q^T", sQ_layout, sQt_layout, False),
+                               ("dO / dO^T", sdO_layout, sdOt_layout, False)], TILE_N, d)
+        check_operand_aliases([("dS^T / dS", sdSt_layout, sdS_layout, False)], TILE_N, TILE_M)
+        check_operand_aliases([("dS^T / epilogue", sdSt_layout,
+                                cute.make_composed_layout(sdS_epi_layout.inner, 0,
+                                                          cute.slice_(sdS_epi_layout.outer, (None, None, 0))),
+                                True)], TILE_N, TILE_M)
         tma_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         vmnk = (1, 1, 1, 1)
         sel = lambda l: cute.select(l, mode=[0, 1, 2])  # noqa: E731
@@ -563,40 +636,73 @@ class FlashBwdSm100:
             ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             dkv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.consumer_wait(kv_state)
+            q_s = q_state.clone()  # Q of the next S^T to issue (one query tile ahead of q_state)
+            ops = (mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ,
+                   tdQrdS, tdQrK, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ)
+            states = (q_state, q_s, do_state, s_state, dp_state, dq_state, ds_state)
+            # prologue: S^T(0), dP^T(0)
             pipe_S.producer_acquire(s_state)
-            for it in cutlass.range(n_iter, unroll=1):
-                # S^T = K Q^T
-                pipe_q.consumer_wait(q_state)
-                self.gemm(mma_S, tStS, tSrK[None, None, None, 0], tSrQ[None, None, None, q_state.index], False)
-                pipe_S.producer_commit(s_state)
-                s_state.advance()
-                # dP^T = V dO^T into the dP / dQ columns
-                pipe_do.consumer_wait(do_state)
-                pipe_dQ.producer_acquire(dq_state)
-                pipe_dP.producer_acquire(dp_state)
-                self.gemm(mma_dP, tdPtdP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, do_state.index],
-                          False)
-                pipe_dP.producer_commit(dp_state)
-                dp_state.advance()
-                # dV += P^T dO once P^T is in TMEM
-                pipe_S.producer_acquire(s_state)
-                self.gemm(mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, do_state.index], it > 0)
-                pipe_do.consumer_release(do_state)
-                do_state.advance()
-                # dK += dS^T Q and dQ = dS K once dS is in smem
-                pipe_dS.consumer_wait(ds_state)
-                self.gemm(mma_dK, tdKtdK, tdKrdS[None, None, None, 0], tdKrQ[None, None, None, q_state.index],
-                          it > 0)
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
-                self.gemm(mma_dQ, tdQtdQ, tdQrdS[None, None, None, 0], tdQrK[None, None, None, 0], False)
-                pipe_dQ.producer_commit(dq_state)
-                dq_state.advance()
-                pipe_dS.consumer_release(ds_state)
-                ds_state.advance()
+            self.mma_s(mma_S, tStS, tSrK, tSrQ, pipe_q, pipe_S, q_s, s_state)
+            self.mma_dp(mma_dP, tdPtdP, tdPrV, tdPrdO, pipe_do, pipe_dQ, pipe_dP, do_state, dq_state, dp_state)
+            # the last iteration is peeled: no pipeline state changes inside a data-dependent branch
+            # (states is reassigned from the call, so the staged loop carries the pipeline states)
+            for it in cutlass.range(n_iter - 1, unroll=1):
+                states = self.mma_iter(ops, pipes, states, it > 0, False)
+            states = self.mma_iter(ops, pipes, states, n_iter > 1, True)
             pipe_dKV.producer_acquire(dkv_state)
             pipe_dKV.producer_commit(dkv_state)
             pipe_kv.consumer_release(kv_state)
+
+    @cute.jit
+    def mma_iter(self, ops, pipes, states, accumulate, last: cutlass.Constexpr):
+        """One query tile (see Note [SM100 backward handshakes]): dV, S^T(next), dK, dQ, dP^T(next)."""
+        (mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ,
+         tdQrdS, tdQrK, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ) = ops
+        pipe_kv, pipe_q, pipe_do, pipe_S, pipe_dP, pipe_dS, pipe_dQ, pipe_dKV = pipes
+        q_state, q_s, do_state, s_state, dp_state, dq_state, ds_state = states
+        # dV += P^T dO once P^T is in TMEM (pipe_S empty: S^T read, P^T written)
+        s_state.advance()
+        pipe_S.producer_acquire(s_state)
+        self.gemm(mma_dV, tdVtdV, tdVrP, tdVrdO[None, None, None, do_state.index], accumulate)
+        pipe_do.consumer_release(do_state)
+        do_state.advance()
+        # S^T(next) over the S^T / P^T columns: issued after dV (tcgen05 issue order), so the tensor
+        # core computes it while the compute warps form dS
+        if const_expr(not last):
+            q_s.advance()
+            self.mma_s(mma_S, tStS, tSrK, tSrQ, pipe_q, pipe_S, q_s, s_state)
+        # dK += dS^T Q and dQ = dS K once dS is in smem
+        pipe_dS.consumer_wait(ds_state)
+        self.gemm(mma_dK, tdKtdK, tdKrdS[None, None, None, 0], tdKrQ[None, None, None, q_state.index], accumulate)
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
+        self.gemm(mma_dQ, tdQtdQ, tdQrdS[None, None, None, 0], tdQrK[None, None, None, 0], False)
+        pipe_dQ.producer_commit(dq_state)
+        pipe_dS.consumer_release(ds_state)
+        ds_state.advance()
+        # dP^T(next) over the dP^T / dQ columns once the reduce warps have loaded this dQ
+        if const_expr(not last):
+            dp_state.advance()
+            dq_state.advance()
+            self.mma_dp(mma_dP, tdPtdP, tdPrV, tdPrdO, pipe_do, pipe_dQ, pipe_dP, do_state, dq_state, dp_state)
+        return q_state, q_s, do_state, s_state, dp_state, dq_state, ds_state
+
+    @cute.jit
+    def mma_s(self, mma_S, tStS, tSrK, tSrQ, pipe_q, pipe_S, q_s, s_state):
+        """S^T = K Q^T of the query tile in stage ``q_s`` (the caller acquired the S^T columns)."""
+        pipe_q.consumer_wait(q_s)
+        self.gemm(mma_S, tStS, tSrK[None, None, None, 0], tSrQ[None, None, None, q_s.index], False)
+        pipe_S.producer_commit(s_state)
+
+    @cute.jit
+    def mma_dp(self, mma_dP, tdPtdP, tdPrV, tdPrdO, pipe_do, pipe_dQ, pipe_dP, do_state, dq_state, dp_state):
+        """dP^T = V dO^T into the dP^T / dQ columns: waits dO, the columns' previous dQ drained
+        (pipe_dQ) and read (pipe_dP)."""
+        pipe_do.consumer_wait(do_state)
+        pipe_dQ.producer_acquire(dq_state)
+        pipe_dP.producer_acquire(dp_state)
+        self.gemm(mma_dP, tdPtdP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, do_state.index], False)
+        pipe_dP.producer_commit(dp_state)
 
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
@@ -673,9 +779,17 @@ class FlashBwdSm100:
                 if const_expr(cfg.has_softcap):
                     for k in cutlass.range_constexpr(half):
                         rS[k] = cute.math.tanh(rS[k] * softcap_in, fastmath=True) * softcap
-                apply_mask_kv_major(cute.make_tensor(rS.iterator, cute.make_layout((1, half), stride=(0, 1))),
-                                    cols, [key], q0, seqlen_k, shift, left, right,
-                                    cfg.causal or cfg.has_window, cfg.has_window)
+                # mask only where the tile crosses a limit (TileRange's rule; rows >= seqlen_q get P = 0
+                # from their +inf lse fill, see load_row_stats)
+                need_mask = n_tile * TILE_N + TILE_N > seqlen_k
+                if const_expr(cfg.causal or cfg.has_window):
+                    rng = TileRange.create(m_tile * TILE_M, seqlen_q, seqlen_k, left, right, TILE_M, TILE_N,
+                                           True, cfg.has_window)
+                    need_mask = need_mask | (n_tile >= rng.n_right_mask) | (n_tile < rng.n_left_mask)
+                if need_mask:
+                    apply_mask_kv_major(cute.make_tensor(rS.iterator, cute.make_layout((1, half), stride=(0, 1))),
+                                        cols, [key], q0, seqlen_k, shift, left, right,
+                                        cfg.causal or cfg.has_window, cfg.has_window)
                 for j in cutlass.range_constexpr(half // STAT_CHUNK):
                     rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j, seqlen_q, Float32.inf)
                     for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):
