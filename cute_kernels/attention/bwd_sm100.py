@@ -148,6 +148,13 @@ def _do_stage(cfg: BwdConfig) -> int:
     return 2 if _smem_bytes(cfg.head_dim, cfg.head_dim_v, 2) <= SMEM_BYTES_MAX_SM100 else 1
 
 
+def check_smem_plan(storage_bytes: int, plan_bytes: int) -> None:
+    """Trace-time: the SharedStorage (+1024 B base alignment) fits the host-side plan and the arch."""
+    if storage_bytes + 1024 > plan_bytes or plan_bytes > SMEM_BYTES_MAX_SM100:
+        raise ValueError(f"SharedStorage {storage_bytes} B (+1024 alignment) exceeds the plan {plan_bytes} B "
+                         f"or the {SMEM_BYTES_MAX_SM100} B limit")
+
+
 def _size(shape) -> int:
     if isinstance(shape, tuple):
         out = 1
@@ -362,6 +369,8 @@ class FlashBwdSm100:
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdSt_layout)], 1024]
 
         self.shared_storage = SharedStorage
+        # the launch requests the allocator's usage: keep smem_bytes (the host-side plan) an upper bound
+        check_smem_plan(SharedStorage.size_in_bytes(), self.smem_bytes(cfg))
 
         # Without softcap S stays raw q.k and the scale lives in the exp2 FMA; with softcap the
         # compute threads form the scaled logit first (as the forward), so the exp2 scale is log2(e).
@@ -649,9 +658,11 @@ class FlashBwdSm100:
             for it in cutlass.range(n_iter - 1, unroll=1):
                 states = self.mma_iter(ops, pipes, states, it > 0, False)
             states = self.mma_iter(ops, pipes, states, n_iter > 1, True)
+            # every tcgen05.commit is issued before the dKV one: the compute warps wait for dKV, so no
+            # commit arrives on this CTA's barriers after they (and the CTA) are done
+            pipe_kv.consumer_release(kv_state)
             pipe_dKV.producer_acquire(dkv_state)
             pipe_dKV.producer_commit(dkv_state)
-            pipe_kv.consumer_release(kv_state)
 
     @cute.jit
     def mma_iter(self, ops, pipes, states, accumulate, last: cutlass.Constexpr):

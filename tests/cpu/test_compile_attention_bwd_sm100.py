@@ -149,3 +149,16 @@ def test_arrival_check_rejects_wrong_counts():
         m.check_arrivals(good, {**bars, m.BwdBarrier.TmemFree: 256})
     assert rt["compute"] == 32 * len(m._WARPS_COMPUTE) == 256 and rt["reduce"] == 128
     assert m.NUM_THREADS == 32 * 16
+
+
+def test_smem_plan_check_rejects_an_overflow():
+    """check_smem_plan (run at trace time on the real SharedStorage size) passes the kernel's own plan
+    and fails when the storage outgrows it or the plan outgrows the arch."""
+    from cute_kernels.attention import bwd_sm100 as m
+
+    plan = m.FlashBwdSm100.smem_bytes(_cfg(128))
+    m.check_smem_plan(plan - 1024, plan)
+    with pytest.raises(ValueError, match="exceeds the plan"):
+        m.check_smem_plan(plan - 1023, plan)
+    with pytest.raises(ValueError, match="limit"):
+        m.check_smem_plan(1000, m.SMEM_BYTES_MAX_SM100 + 1)
