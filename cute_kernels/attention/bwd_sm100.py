@@ -28,6 +28,10 @@ Every cross-role edge is a ``cutlass.pipeline`` object or a named barrier (ids i
 Note [SM100 backward handshakes]. Arrival counts are checked against the role sizes at trace time
 (``check_arrivals``).
 
+``FlashBwdSm100(cfg, spt=True)`` (opt-in, like the SM90 kernel's; deterministic causal / window only):
+the writers of a query tile go in descending key tile (turn = last_key_tile(m) - n) and blockIdx.x
+maps to the highest key tile first (Note [deterministic dQ, descending order] in bwd_sm90.py).
+
 Not supported (``unsupported_reason`` names each): head dims above 128 and (192, 128) (dK + dV + S^T +
 dP^T need 128 + 128 + d + dv > 512 TMEM columns: FA4 needs 2-CTA MMA for them), head_dim != head_dim_v.
 No Blackwell GPU was available: compiled for sm_100a only, never run.
@@ -49,7 +53,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
-from cute_kernels.common.tile_range import QueryTileRange, TileRange, first_key_tile, normalize_window
+from cute_kernels.common.tile_range import (QueryTileRange, TileRange, first_key_tile, last_key_tile,
+                                             normalize_window)
 from cute_kernels.common.utils import LN_2, LOG2_E
 
 from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
@@ -243,11 +248,14 @@ def _red_release_add_s32(ptr_i64, *, loc=None, ip=None) -> None:
 class FlashBwdSm100:
     """Blackwell backward main kernel for one ``BwdConfig``; see the module docstring."""
 
-    def __init__(self, cfg: BwdConfig):
+    def __init__(self, cfg: BwdConfig, spt: bool = False):
         reason = self.unsupported_reason(cfg)
         if reason is not None:
             raise ValueError(f"FlashBwdSm100: {reason}")
         self.cfg = cfg
+        # Note [deterministic dQ, descending order] of bwd_sm90 (opt-in there too): deterministic
+        # causal / window writers of a query tile go in descending key tile, highest key tile first.
+        self.spt = bool(spt) and cfg.deterministic and (cfg.causal or cfg.has_window)
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
         self.group = cfg.qhead_per_kvhead
@@ -535,7 +543,11 @@ class FlashBwdSm100:
             # bwd_config.accum_row_start: (cu_q[b] + R b) // R * R
             accum_row0 = (offset_q + ACCUM_ROW_PAD * batch) // ACCUM_ROW_PAD * ACCUM_ROW_PAD
         left, right = normalize_window(window_left, window_right, seqlen_q, seqlen_k, cfg.causal, cfg.has_window)
+        if const_expr(self.spt):
+            n_tile = (seqlen_k + TILE_N - 1) // TILE_N - 1 - n_tile  # < 0: past this sequence's key tiles
         n_start = n_tile * TILE_N
+        if const_expr(self.spt):
+            n_start = n_start if n_tile >= 0 else seqlen_k
         m_min = Int32(0)
         num_m = Int32(0)
         if n_start < seqlen_k:
@@ -859,7 +871,7 @@ class FlashBwdSm100:
         dkv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         if n_iter > 0:
             pipe_dKV.consumer_wait(dkv_state)
-        row_ok = key < seqlen_k
+        row_ok = (key < seqlen_k) & (n_tile >= 0)  # n_tile < 0: spt CTA past this sequence's key tiles
         self.store_rows(tdKtdK, mdK, self.head_dim, n_iter > 0, row_ok, softmax_scale, key, offset_k, head_kv,
                         batch, wg, tidx)
         self.store_rows(tdVtdV, mdV, self.head_dim_v, n_iter > 0, row_ok, Float32(1.0), key, offset_k, head_kv,
@@ -959,7 +971,12 @@ class FlashBwdSm100:
                 sem_ptr = Int64(0)
                 if const_expr(cfg.deterministic):
                     # turn = rank of this key tile among the key tiles that see query tile m_tile
-                    turn = n_tile - first_key_tile(m_tile * TILE_M, seqlen_q, seqlen_k, left, TILE_N, cfg.has_window)
+                    if const_expr(self.spt):
+                        turn = last_key_tile(m_tile * TILE_M, seqlen_q, seqlen_k, tile[12], TILE_M, TILE_N,
+                                             True) - n_tile
+                    else:
+                        turn = n_tile - first_key_tile(m_tile * TILE_M, seqlen_q, seqlen_k, left, TILE_N,
+                                                       cfg.has_window)
                     blk = (accum_row0 + m_tile * TILE_M) // DQ_SEM_ROWS  # bwd_config.dq_sem_index
                     if const_expr(cfg.varlen):
                         sem_off = cute.crd2idx((head, blk), mdQsem.layout)

@@ -40,23 +40,32 @@ def test_attention_bwd_full_matrix_compiles_for_sm100(tmp_path):
     assert all(r["smem_bytes"] <= SMEM_LIMIT for r in rows)
 
 
-# (dtype, d, qhead_per_kvhead, causal, window, softcap, varlen, deterministic)
-_EXTRA = [("bfloat16", 128, 8, True, True, True, False, False),
-          ("bfloat16", 64, 8, True, True, True, True, True),
-          ("float16", 96, 1, False, True, True, True, True),
-          ("bfloat16", 128, 1, False, False, False, False, False)]
+# (dtype, d, qhead_per_kvhead, causal, window, softcap, varlen, deterministic, spt)
+_EXTRA = [("bfloat16", 128, 8, True, True, True, False, False, False),
+          ("bfloat16", 64, 8, True, True, True, True, True, False),
+          ("float16", 96, 1, False, True, True, True, True, False),
+          ("bfloat16", 128, 1, False, False, False, False, False, False),
+          ("bfloat16", 128, 4, True, False, False, True, True, True)]
 
 _EXTRA_SCRIPT = r"""
 import json, os, sys
 os.environ["CUTE_DSL_ARCH"] = "sm_100a"
 os.environ["CUTE_KERNELS_EXTRA_OPTS"] = "remarks{ptx}"
 from cute_kernels.check import _capture_fd2, parse_remarks
-from cute_kernels.attention.bwd_launch import bwd_config, compile_bwd_main
+import cutlass.cute as cute
+from cute_kernels.fake import arch_options, fake_stream
+from cute_kernels.attention.bwd_launch import bwd_config, compile_bwd_main, fake_bwd_args
+from cute_kernels.attention.bwd_sm100 import FlashBwdSm100
 rows = []
-for dt, d, g, causal, window, softcap, varlen, det in json.loads(sys.argv[1]):
+for dt, d, g, causal, window, softcap, varlen, det, spt in json.loads(sys.argv[1]):
     cfg = bwd_config(100, dt, d, d, g, causal, window, softcap, varlen, det)
     with _capture_fd2() as box:
-        compile_bwd_main(cfg)
+        if spt:  # opt-in descending deterministic order (not reachable through the launcher)
+            kernel = FlashBwdSm100(cfg, spt=True)
+            assert kernel.spt
+            cute.compile(kernel, *fake_bwd_args(cfg), fake_stream(), options=arch_options(100))
+        else:
+            compile_bwd_main(cfg)
     fns = parse_remarks(box["text"])
     rows.append({"config": repr(cfg), "remarks": len(fns), "registers": [f["registers"] for f in fns],
                  "spill": sum(f["spill_store_bytes"] + f["spill_load_bytes"] for f in fns)})
@@ -66,7 +75,8 @@ print(json.dumps(rows))
 
 @pytest.mark.compile
 def test_feature_combinations_compile_for_sm100():
-    """softcap x GQA x masks and deterministic varlen (outside the check subset) compile spill-free."""
+    """softcap x GQA x masks, deterministic varlen window and the opt-in descending deterministic
+    order (outside the check subset) compile spill-free."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("CUTE_DSL_ARCH", None)
     proc = subprocess.run([sys.executable, "-c", _EXTRA_SCRIPT, json.dumps(_EXTRA)], cwd=ROOT, env=env,
