@@ -77,9 +77,9 @@ KEYS_PER_WG = 64
 THREADS_PER_WG = 128
 NUM_THREADS = 3 * THREADS_PER_WG
 STAGES = 2
+# setmaxnreg split within the launch allocation (168 registers x 384 threads = 64,512): 128 * 40 + 256 * 232.
+# (A split over it, e.g. 32 / 240 = 65,536, would leave setmaxnreg.inc waiting for registers that never free.)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
-# tile_m 128 (d 64): S^T and dP^T are 64 registers each; 232 spilled 8 bytes (sm_90a, ptxas).
-PRODUCER_REGS_M128, CONSUMER_REGS_M128 = 32, 240
 # Named barriers (0 is __syncthreads).
 DS_FULL_BARRIER = 1  # both consumer WGs: dS^T of the step is in smem
 DQ_FULL_BARRIER = 2  # consumer WGs that stage dQ arrive, warp 1 waits
@@ -302,10 +302,8 @@ class FlashBwdSm90:
             row0 = Int32(0)
             if const_expr(cfg.varlen):
                 row0 = (seqlen.offset_q + ACCUM_ROW_PAD * batch_idx) // ACCUM_ROW_PAD * ACCUM_ROW_PAD
-            regs_p, regs_c = ((PRODUCER_REGS_M128, CONSUMER_REGS_M128) if const_expr(self.tile_m == 128)
-                              else (PRODUCER_REGS, CONSUMER_REGS))
             if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(regs_p)
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, tma_atom_Q,
                               tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
@@ -315,7 +313,7 @@ class FlashBwdSm90:
                     self.store_dq(mdQacc, mdQsem, sdQ, tma_atom_dQ, seqlen, qtiles, steps, row0, left,
                                   right, n_tile, head_kv, batch_idx)
             else:
-                cute.arch.setmaxregister_increase(regs_c)
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 self.consume(mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                              pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, batch_idx,
                              tidx - THREADS_PER_WG, softmax_scale, softcap)
@@ -560,22 +558,30 @@ class FlashBwdSm90:
                             acc_S[i] = cute.math.tanh(acc_S[i] * softcap_in, fastmath=False) * softcap
                     apply_mask_kv_major(S, cols, keys, m * self.tile_m + thr_col, seqlen.seqlen_k, shift,
                                         left, right, mask_right, cfg.has_window)
-                    lse = [sLSE[thr_col + cols[c], stage] for c in range(ncols)]
-                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        for c in cutlass.range_constexpr(ncols):
-                            S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
-                    warpgroup.wait_group(0)
                     dP = acc_mn_view(acc_dP)
-                    dps = [sdPsum[thr_col + cols[c], stage] for c in range(ncols)]
-                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    if const_expr(self.tile_m == 128):
+                        # Column (query row) outer: each lse / dpsum value is live for its column only
+                        # (holding all 32 of each spilled at tile_m 128).
                         for c in cutlass.range_constexpr(ncols):
-                            ds = S[r, c] * (dP[r, c] - dps[c])
-                            if const_expr(cfg.has_softcap):
-                                # tanh of this entry from P: s' = c t = (log2 P + lse_log2) / log2e.
-                                p = S[r, c]
-                                t = (cute.math.log2(p, fastmath=True) + lse[c]) * inv_cap_log2
-                                ds = ds * (1.0 - t * t) if p > 0.0 else Float32(0.0)
-                            dP[r, c] = ds
+                            lse_c = sLSE[thr_col + cols[c], stage]
+                            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_c, fastmath=True)
+                        warpgroup.wait_group(0)
+                        for c in cutlass.range_constexpr(ncols):
+                            dps_c = sdPsum[thr_col + cols[c], stage]
+                            lse_c = sLSE[thr_col + cols[c], stage] if const_expr(cfg.has_softcap) else None
+                            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                                dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps_c, lse_c, inv_cap_log2)
+                    else:
+                        lse = [sLSE[thr_col + cols[c], stage] for c in range(ncols)]
+                        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                            for c in cutlass.range_constexpr(ncols):
+                                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
+                        warpgroup.wait_group(0)
+                        dps = [sdPsum[thr_col + cols[c], stage] for c in range(ncols)]
+                        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                            for c in cutlass.range_constexpr(ncols):
+                                dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], inv_cap_log2)
                     convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
                     convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
                     wgmma_gemm(mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, stage], False)
@@ -608,6 +614,16 @@ class FlashBwdSm90:
         # Epilogue: dK * scale, dV; keys past seqlen_k are not written.
         self.store_kv(acc_dK, softmax_scale, mdK, thr_dkv, seqlen, key_base, head_kv, batch_idx, self.hdim)
         self.store_kv(acc_dV, None, mdV, thr_dkv, seqlen, key_base, head_kv, batch_idx, self.hdimv)
+
+    @cute.jit
+    def grad_score(self, p: Float32, dp: Float32, dpsum: Float32, lse2, inv_cap_log2: Float32) -> Float32:
+        """dS = P (dP - D), times 1 - tanh^2 with softcap (tanh recovered from P: s' = c t =
+        (log2 P + lse_log2) / log2e; P = 0 -> 0)."""
+        ds = p * (dp - dpsum)
+        if const_expr(self.cfg.has_softcap):
+            t = (cute.math.log2(p, fastmath=True) + lse2) * inv_cap_log2
+            ds = ds * (1.0 - t * t) if p > 0.0 else Float32(0.0)
+        return ds
 
     @cute.jit
     def store_kv(self, acc, scale, mX, thr_dkv, seqlen: SeqlenInfo, key_base: Int32, head_kv: Int32,
