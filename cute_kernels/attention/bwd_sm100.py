@@ -11,8 +11,9 @@ persistent. It loops over the (query head of the group, 128-row query tile) pair
 head-major, so dK / dV of a GQA group accumulate in TMEM across the group's query heads and are
 written once, in q's dtype. 512 threads, warp-specialised:
 
-    warps 0-3    dQ reduce: tcgen05.ld dQ (query row = TMEM lane) -> red.global.add.v4.f32 into dq_accum;
-                 deterministic: in key-tile order per (query head, row block), via dq_sem turn counters
+    warps 0-3    dQ reduce: tcgen05.ld dQ (query row = TMEM lane) -> fp32 smem stages of 32 columns -> TMA
+                 reduce-add (cp.reduce.async.bulk.tensor add.f32) into dq_accum; deterministic: in key-tile
+                 order per (query head, row block), via dq_sem turn counters
     warps 4-11   compute, two warpgroups: WG w owns query columns [64 w, 64 w + 64) of S^T / dP^T for all
                  128 key rows (TMEM lane = key row); P^T -> TMEM (16-bit over S^T), dS^T -> smem;
                  after the loop the dK / dV epilogue (WG w: head-dim columns [d/2 w, d/2 (w + 1)))
@@ -20,7 +21,8 @@ written once, in q's dtype. 512 threads, warp-specialised:
     warps 14-15  idle
 
 TMEM columns (512 allocated):  S^T / P^T [0, 128) | dP^T, then dQ [128, 256) | dV | dK  (d <= 128).
-Shared memory: K, V (one tile each), Q (2 stages), dO (2 stages if they fit, else 1), dS (one tile).
+Shared memory: K, V (one tile each), Q (2 stages), dO (2 stages if they fit, else 1: d 128, as FA4's
+1-CTA kernel), dS (one tile), dQ staging (2 x 128 x 32 fp32).
 The MN-major operand views (Q and dO as B of dK / dV, K as B of dQ, dS as A of dQ) alias the K-major
 buffers the TMA writes (the canonical SW128 layouts of both majors place the same bytes).
 
@@ -94,7 +96,8 @@ _WARP_MMA, _WARP_LOAD = 12, 13
 # setmaxnreg per warpgroup: reduce, compute (x2 WGs), MMA/load/idle; sum <= 4 * 128.
 REGS = (64, 192, 64)
 EPI_CHUNK = 16  # dK / dV columns per TMEM load in the epilogue
-DQ_CHUNK = 16  # dQ columns per TMEM load in the reduce warps
+DQ_CHUNK = 32  # dQ columns per TMEM load, smem stage and TMA reduce-add box (128 rows x 32 fp32 = 16 KiB)
+DQ_STAGES = 2  # dQ staging buffers: the reduce warps fill one while the TMA reads the other
 DS_CHUNK = 16  # dP^T / dS^T columns per TMEM load / smem store in the compute warps
 STAT_CHUNK = 16  # lse_log2 / dpsum values per vector load in the compute warps
 
@@ -142,11 +145,11 @@ def tmem_plan(cfg: BwdConfig) -> dict:
 
 
 def _smem_bytes(d: int, dv: int, do_stage: int) -> int:
-    """Upper bound of the SharedStorage: barriers (one 1 KiB block), K, V, Q stages, dO stages, dS,
-    each 1024-B aligned, plus 1024 B for aligning the dynamic smem base."""
+    """Upper bound of the SharedStorage: barriers (one 1 KiB block), K, V, Q stages, dO stages, dS, the
+    fp32 dQ staging, each 1024-B aligned, plus 1024 B for aligning the dynamic smem base."""
     tile = lambda rows, cols: ((rows * cols * 2 + 1023) // 1024) * 1024  # noqa: E731
     return (1024 + 1024 + tile(TILE_N, d) + tile(TILE_N, dv) + Q_STAGE * tile(TILE_M, d)
-            + do_stage * tile(TILE_M, dv) + tile(TILE_N, TILE_M))
+            + do_stage * tile(TILE_M, dv) + tile(TILE_N, TILE_M) + DQ_STAGES * TILE_M * DQ_CHUNK * 4)
 
 
 def _do_stage(cfg: BwdConfig) -> int:
@@ -216,17 +219,6 @@ def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8) -> None:
                     raise TypeError(f"{name}: layouts must be static ({type(oa)}, {type(ob)})")
                 if oa != ob:
                     raise ValueError(f"{name}: element ({r}, {c}) at {oa} vs {ob}")
-
-
-@dsl_user_op
-def _red_add_f32x4(ptr_i64, a, b, c, d, *, loc=None, ip=None) -> None:
-    """red.global.add.v4.f32 (sm_90+): four fp32 reduce-adds to a 16-byte-aligned global address."""
-    llvm.inline_asm(
-        None,
-        [Int64(ptr_i64).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "{\n\t.reg .v4 .f32 abcd;\n\tmov.f32 abcd.x, $1;\n\tmov.f32 abcd.y, $2;\n\t"
-        "mov.f32 abcd.z, $3;\n\tmov.f32 abcd.w, $4;\n\tred.global.add.v4.f32 [$0], abcd;\n\t}",
-        "l,f,f,f,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
@@ -352,6 +344,14 @@ class FlashBwdSm100:
         tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(tma_op, mV, sel(sV_layout), self.tiler_dP, mma_dP, vmnk)
         tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(tma_op, mdO, sel(sdO_layout), self.tiler_dP, mma_dP,
                                                                vmnk)
+        # dQ: fp32 row-major staging (128 rows x DQ_CHUNK) -> TMA reduce-add into dq_accum, viewed as
+        # (accumulator rows, D, head[, batch])
+        sdQ_layout = sm100_utils.make_smem_layout_epi(Float32, LayoutEnum.ROW_MAJOR, (TILE_M, DQ_CHUNK), DQ_STAGES)
+        acc_modes = [1, 2, 0] if const_expr(varlen) else [2, 3, 1, 0]
+        mdQacc = cute.make_tensor(mdQaccum.iterator, cute.select(mdQaccum.layout, mode=acc_modes))
+        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]),
+            (TILE_M, DQ_CHUNK))
         self.k_bytes = cute.size_in_bytes(dt, sel(sK_layout))
         self.v_bytes = cute.size_in_bytes(dt, sel(sV_layout))
         self.q_bytes = cute.size_in_bytes(dt, sel(sQ_layout))
@@ -375,6 +375,7 @@ class FlashBwdSm100:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdSt_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
         # the launch requests the allocator's usage: keep smem_bytes (the host-side plan) an upper bound
@@ -399,10 +400,10 @@ class FlashBwdSm100:
 
         self.kernel(
             mma_S, mma_dP, mma_dV, mma_dK, mma_dQ,
-            tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO,
+            tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_dQ, tma_dQ,
             mLSElog2, mdPsum, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mdQsem,
             sK_layout, sQ_layout, sV_layout, sdO_layout, tP_layout, sdOt_layout, sdSt_layout, sQt_layout,
-            sdS_layout, sKt_layout, sdS_epi_layout,
+            sdS_layout, sKt_layout, sdS_epi_layout, sdQ_layout,
             softmax_scale, scale_log2, softcap_in, softcap, window_left, window_right,
         ).launch(grid=[num_n_tiles, num_heads_kv, num_batch], block=[NUM_THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
@@ -413,6 +414,7 @@ class FlashBwdSm100:
                mma_dK: cute.TiledMma, mma_dQ: cute.TiledMma,
                tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
                tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_dO: cute.CopyAtom, mdO: cute.Tensor,
+               tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor,
                mLSElog2: cute.Tensor, mdPsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
@@ -420,11 +422,12 @@ class FlashBwdSm100:
                sdOt_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
                sQt_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sKt_layout: cute.ComposedLayout, sdS_epi_layout: cute.ComposedLayout,
+               sdQ_layout: cute.ComposedLayout,
                softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32,
                window_left: Int32, window_right: Int32):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == _WARP_LOAD:
-            for atom in (tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO):
+            for atom in (tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO, tma_atom_dQ):
                 cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.utils.SmemAllocator()
@@ -503,7 +506,8 @@ class FlashBwdSm100:
         if warp_idx <= _WARPS_REDUCE[-1]:
             cute.arch.setmaxregister_decrease(REGS[0])
             tile = self.tile_info(*tile_args)
-            self.reduce(tdQtdQ, mdQaccum, mdQsem, pipe_dQ, tile, mCuSeqlensQ)
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+            self.reduce(tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, pipe_dQ, tile)
             pipeline.NamedBarrier(barrier_id=int(BwdBarrier.TmemFree),
                                   num_threads=rt["compute"] + rt["reduce"]).arrive_and_wait()
             if warp_idx == _WARPS_REDUCE[0]:
@@ -948,11 +952,19 @@ class FlashBwdSm100:
 
     # ------------------------------------------------------------------ dQ reduce warps
     @cute.jit
-    def reduce(self, tdQtdQ, mdQaccum, mdQsem, pipe_dQ, tile, mCuSeqlensQ):
+    def reduce(self, tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, pipe_dQ, tile):
+        """dQ(t) of each query tile: TMEM -> registers -> fp32 smem stage (DQ_CHUNK columns) -> one TMA
+        reduce-add (``cp.reduce.async.bulk.tensor ... add.f32``) per stage into dq_accum. Warp 0 of the
+        role issues the TMA and owns its bulk groups; a stage is rewritten only after warp 0 saw its
+        previous reduce finish reading (wait_group read, then the Reduce barrier).
+
+        Every query tile reduces whole 128-row boxes: rows past seqlen_q add exact zeros (their dS is 0)
+        into accumulator rows the tile owns (Sq_pad rows, or the sequence's padded varlen rows)."""
         cfg = self.cfg
         n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k = tile[:7]
-        n_iter, accum_row0, left = tile[9], tile[10], tile[11]
+        n_iter, accum_row0, left, right = tile[9], tile[10], tile[11], tile[12]
         tidx = cute.arch.thread_idx()[0] % 128  # TMEM lane = query row of the tile
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - _WARPS_REDUCE[0]
         d = self.head_dim
         acc_all = tdQtdQ[(None, None), 0, 0]
         chunk_layout = cute.composition(acc_all.layout, cute.make_layout((TILE_M, DQ_CHUNK)))
@@ -967,14 +979,19 @@ class FlashBwdSm100:
             bar_reduce = pipeline.NamedBarrier(barrier_id=int(BwdBarrier.Reduce), num_threads=ROLE_THREADS["reduce"])
             head, m_tile = self.first_coords(tile)
             for it in cutlass.range(n_iter, unroll=1):
-                row = m_tile * TILE_M + tidx
+                if const_expr(cfg.varlen):
+                    gdQ = cute.local_tile(cute.domain_offset((accum_row0, 0), mdQacc[None, None, head]),
+                                          (TILE_M, DQ_CHUNK), (None, None))
+                else:
+                    gdQ = cute.local_tile(mdQacc[None, None, head, batch], (TILE_M, DQ_CHUNK), (None, None))
+                tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                                                       cute.group_modes(gdQ, 0, 2))
                 sem_ptr = Int64(0)
                 if const_expr(cfg.deterministic):
-                    # turn = rank of this key tile among the key tiles that see query tile m_tile
                     if const_expr(self.spt):
-                        turn = last_key_tile(m_tile * TILE_M, seqlen_q, seqlen_k, tile[12], TILE_M, TILE_N,
-                                             True) - n_tile
+                        turn = last_key_tile(m_tile * TILE_M, seqlen_q, seqlen_k, right, TILE_M, TILE_N, True) - n_tile
                     else:
+                        # turn = rank of this key tile among the key tiles that see query tile m_tile
                         turn = n_tile - first_key_tile(m_tile * TILE_M, seqlen_q, seqlen_k, left, TILE_N,
                                                        cfg.has_window)
                     blk = (accum_row0 + m_tile * TILE_M) // DQ_SEM_ROWS  # bwd_config.dq_sem_index
@@ -987,28 +1004,33 @@ class FlashBwdSm100:
                         seen = _ld_acquire_s32(sem_ptr)
                         while seen != turn:
                             seen = _ld_acquire_s32(sem_ptr)
-                    bar_reduce.arrive_and_wait()
-                if const_expr(cfg.varlen):
-                    off = cute.crd2idx((head, accum_row0 + row, 0), mdQaccum.layout)
-                else:
-                    off = cute.crd2idx((batch, head, row, 0), mdQaccum.layout)
-                base = (mdQaccum.iterator + off).toint()
                 pipe_dQ.consumer_wait(dq_state)
-                # one DQ_CHUNK of columns at a time: TMEM -> registers -> reduce-add; the TMEM
-                # columns are released after the last chunk's load
                 for c in cutlass.range_constexpr(nchunk):
+                    stage = (it * nchunk + c) % DQ_STAGES  # stages alternate across tiles too (d 96: 3 chunks)
                     r = cute.make_rmem_tensor(r_shape, Float32)
                     cute.copy(thr, cute.make_tensor(src0.iterator + c * DQ_CHUNK, src0.layout), r)
                     cute.arch.fence_view_async_tmem_load()
                     if const_expr(c == nchunk - 1):
                         pipe_dQ.consumer_release(dq_state)
-                    if row < seqlen_q:
-                        for k in cutlass.range_constexpr(0, DQ_CHUNK, 4):
-                            _red_add_f32x4(base + 4 * (c * DQ_CHUNK + k), r[k], r[k + 1], r[k + 2], r[k + 3])
+                    # the stage's previous reduce has read it (at most DQ_STAGES - 1 groups in flight)
+                    if warp == 0:
+                        cute.arch.cp_async_bulk_wait_group(DQ_STAGES - 1, read=True)
+                    bar_reduce.arrive_and_wait()
+                    cute.autovec_copy(cute.make_tensor(r.iterator, cute.make_layout(DQ_CHUNK)),
+                                      sdQ[tidx, None, stage])
+                    cute.arch.fence_view_async_shared()
+                    bar_reduce.arrive_and_wait()
+                    if warp == 0:  # the whole warp issues (the TMA copy elects one lane)
+                        cute.copy(tma_atom_dQ, tdQsdQ[None, stage], tdQgdQ[None, m_tile, c])
+                        cute.arch.cp_async_bulk_commit_group()
                 dq_state.advance()
                 if const_expr(cfg.deterministic):
-                    cute.arch.fence_acq_rel_gpu()
-                    bar_reduce.arrive_and_wait()
-                    if tidx == 0:
-                        _red_release_add_s32(sem_ptr)
+                    if warp == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done
+                        cute.arch.sync_warp()
+                        if tidx == 0:
+                            cute.arch.fence_acq_rel_gpu()
+                            _red_release_add_s32(sem_ptr)
                 head, m_tile = self.next_coords(head, m_tile, tile)
+            if warp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # smem and the adds outlive no CTA
