@@ -35,10 +35,12 @@ Note [selection without a heap]
 Note [NaN scores]
     One rule for every selection op (docs/api.md, "NaN"): NaN never takes a slot a number could
     take and forced blocks are kept. Here a register holds -inf (no head sees the block: NaN
-    block_logit counts as unseen), NaN (some head sees it but none ranks it: its block_logit - lse
-    is NaN or -inf, i.e. the row's lse is NaN or +inf) or the group's best ranked log-weight. NaN
-    registers count as visible for the diagonal and for forcing; every comparison of the selection
-    is false on NaN, so an unforced NaN block is never picked nor written.
+    block_logit counts as unseen), UNRANKED = -FLT_MAX (some head sees it but none ranks it: its
+    block_logit - lse is NaN or -inf, i.e. the row's lse is NaN or +inf) or the group's best
+    log-weight; the three are ordered, so the max over heads is a plain fmax. UNRANKED counts as
+    visible for the diagonal and for forcing, but the selection and the write only take values
+    above it, so an unforced unranked block is never picked nor written. (A genuine log-weight of
+    -FLT_MAX or below, i.e. |block_logit - lse| beyond fp32's range, is unranked too.)
 
 With ``causal_rows`` the row reads only blocks up to (i + Sk - Sq) // block_size (the causal read
 limit the caller vouches for) and treats the rest as -inf: half the bytes for causal self-attention.
@@ -59,6 +61,9 @@ WARPS_PER_CTA = 4
 #: Largest nb (2,048 blocks = 128K keys at block 64) and topk the register-resident kernel takes.
 NB_MAX = 2048
 TOPK_MAX = 64
+#: Register value of a block some head sees but none ranks (Note [NaN scores]): -FLT_MAX, below
+#: every log-weight a real score can have and above -inf (= unseen), so fmax merges heads as is.
+UNRANKED = -3.4028234663852886e38
 #: A block id larger than any real one (sorts after every real id on equal weights).
 _NO_BLOCK = 1 << 30
 
@@ -162,7 +167,7 @@ class TopkBlocks:
         n_vec = (nb + cfg.vec - 1) // cfg.vec
         n_vec = Int32(cutlass.select_(n_vec > 0, n_vec, 1))
         neg_inf = Float32(-Float32.inf)
-        nan = Float32(Float32.nan)
+        unranked = Float32(UNRANKED)
         for e in cutlass.range_constexpr(cfg.per_lane):
             tWrW[e] = neg_inf
         # (per_lane,) fp32: one head's raw block_logit slots
@@ -183,30 +188,27 @@ class TopkBlocks:
                     e = m * cfg.vec + v
                     x = tWrRaw[e]
                     seen = (x > neg_inf) & (self.block_id(lane, m, v) < nb)  # False for NaN x
-                    diff = x - lse
-                    val = Float32(cutlass.select_(diff > neg_inf, diff, nan))  # NaN: seen, unranked
-                    old = tWrW[e]
-                    # fmax is NaN-quiet (maximumNumber): a ranked value replaces NaN, never the reverse
-                    merged = Float32(cutlass.select_(old == neg_inf, val, cute.arch.fmax(old, val)))
-                    tWrW[e] = Float32(cutlass.select_(seen, merged, old))
+                    diff = x - lse  # NaN or -inf when lse is NaN or +inf: seen but unranked
+                    val = Float32(cutlass.select_(diff > unranked, diff, unranked))
+                    tWrW[e] = cute.arch.fmax(tWrW[e], Float32(cutlass.select_(seen, val, neg_inf)))
 
     @cute.jit
     def force_sink_local(self, tWrW: cute.Tensor, sink_blocks: Int32, local_blocks: Int32, lane: Int32):
         cfg = self.cfg
         neg_inf = Float32(-Float32.inf)
         # The row's diagonal block is its last visible one (for causal rows (i + Sk - Sq) // block).
-        # Visible = not -inf (NaN = visible but unranked: kept only when forced, never ranked).
+        # Visible = above -inf (UNRANKED included: kept when forced, never ranked).
         last = Int32(-1)
         for m in cutlass.range_constexpr(cfg.chunks):
             for v in cutlass.range_constexpr(cfg.vec):
                 j = self.block_id(lane, m, v)
-                last = Int32(cutlass.select_(tWrW[m * cfg.vec + v] != neg_inf, j, last))
+                last = Int32(cutlass.select_(tWrW[m * cfg.vec + v] > neg_inf, j, last))
         diag = cute.arch.warp_reduction_max(last)
         for m in cutlass.range_constexpr(cfg.chunks):
             for v in cutlass.range_constexpr(cfg.vec):
                 e = m * cfg.vec + v
                 j = self.block_id(lane, m, v)
-                forced = (tWrW[e] != neg_inf) & ((j < sink_blocks) | (j > diag - local_blocks))
+                forced = (tWrW[e] > neg_inf) & ((j < sink_blocks) | (j > diag - local_blocks))
                 tWrW[e] = Float32(cutlass.select_(forced, Float32(Float32.inf), tWrW[e]))
 
     @cute.jit
@@ -216,11 +218,10 @@ class TopkBlocks:
         See Note [selection without a heap].
         """
         cfg = self.cfg
-        neg_inf = Float32(-Float32.inf)
         pick_v = Float32(Float32.inf)
         pick_j = Int32(-1)
         for _ in cutlass.range(cfg.topk):
-            best_v = neg_inf
+            best_v = Float32(UNRANKED)  # only ranked values (or forced +inf) are candidates
             best_j = Int32(_NO_BLOCK)
             # lane's best key strictly below the previous pick; ascending j keeps the lower id on ties
             for m in cutlass.range_constexpr(cfg.chunks):
@@ -238,7 +239,7 @@ class TopkBlocks:
                 take = (other_v > best_v) | ((other_v == best_v) & (other_j < best_j))
                 best_v = Float32(cutlass.select_(take, other_v, best_v))
                 best_j = Int32(cutlass.select_(take, other_j, best_j))
-            found = best_v > neg_inf
+            found = best_v > Float32(UNRANKED)
             pick_v = Float32(cutlass.select_(found, best_v, pick_v))
             pick_j = Int32(cutlass.select_(found, best_j, pick_j))
         return pick_v, pick_j
@@ -247,7 +248,6 @@ class TopkBlocks:
     def write_ids(self, tWrW: cute.Tensor, mOut: cute.Tensor, batch: Int32, group: Int32, i: Int32,
                   last_v: Float32, last_j: Int32, lane: Int32):
         cfg = self.cfg
-        neg_inf = Float32(-Float32.inf)
         lanes_below = (Int32(1) << lane) - 1
         base = Int32(0)  # chosen blocks in earlier chunks (warp-uniform)
         for m in cutlass.range_constexpr(cfg.chunks):
@@ -257,7 +257,7 @@ class TopkBlocks:
             for v in cutlass.range_constexpr(cfg.vec):
                 x = tWrW[m * cfg.vec + v]
                 j = self.block_id(lane, m, v)
-                pred = (x > neg_inf) & ((x > last_v) | ((x == last_v) & (j <= last_j)))
+                pred = (x > Float32(UNRANKED)) & ((x > last_v) | ((x == last_v) & (j <= last_j)))
                 ballot = cute.arch.vote_ballot_sync(pred)
                 below = below + cute.arch.popc(ballot & lanes_below)
                 total = total + cute.arch.popc(ballot)
