@@ -35,12 +35,28 @@ def arch_name(arch: int) -> str:
 
 
 def family(arch: int) -> int:
-    """Kernel family for a compute capability: 9.x -> 90, 10.x/11.x -> 100, else the arch itself."""
-    if 90 <= arch < 100:
-        return 90
-    if 100 <= arch < 120:
-        return 100
+    """Kernel family of a compute capability: 90 for 9.0 and 100 for 10.0, else the arch itself.
+
+    The kernels compile for ``sm_90a`` / ``sm_100a``: arch-specific targets, whose binaries load only
+    on exactly CC 9.0 / 10.0. Any other part (10.3 = B300/GB300, 11.x, 12.x consumer Blackwell, < 9.0)
+    maps to itself, which no kernel supports, so ``backend="auto"`` falls back to the reference
+    with ``unsupported_reason`` saying why (see ``arch_reason``) instead of a failed launch.
+    """
     return arch
+
+
+def arch_reason(arch: int) -> str | None:
+    """Why no CuTe kernel runs on compute capability ``arch`` (None for 9.0 and 10.0)."""
+    if arch in SUPPORTED_ARCHS:
+        return None
+    cc = f"{arch // 10}.{arch % 10}"
+    if arch == 103:
+        return (f"compute capability {cc} (B300 / GB300): the kernels are built for sm_100a, whose "
+                f"binaries load only on 10.0, and no sm_103a build exists yet")
+    if 100 <= arch < 130:
+        return (f"compute capability {cc}: the Blackwell kernels are built for sm_100a (CC 10.0 only; "
+                f"tcgen05 is not on consumer Blackwell 12.x)")
+    return f"no CuTe kernels for compute capability {cc} (need 9.0 or 10.0)"
 
 
 def compile_only() -> bool:

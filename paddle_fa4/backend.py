@@ -58,7 +58,7 @@ def resolve_backend(op: str, backend: str, tensor, unsupported_reason: Callable[
     if arch is None:
         reason = f"inputs are on {tensor.place}, CuTe kernels need a CUDA place"
     elif _arch.family(arch) not in _arch.SUPPORTED_ARCHS:
-        reason = f"no CuTe kernels for compute capability {arch // 10}.{arch % 10} (need 9.x or 10.x)"
+        reason = _arch.arch_reason(arch)
     else:
         reason = unsupported_reason(_arch.family(arch))
     if reason is None:

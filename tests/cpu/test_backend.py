@@ -271,3 +271,17 @@ def test_as_contiguous_never_relays_out_the_callers_tensor():
     assert bool((y == x).all())
     z = paddle.randn([3, 5])
     assert as_contiguous(z) is z
+
+
+@pytest.mark.parametrize("cc", [103, 120])
+def test_blackwell_parts_other_than_cc_10_0_fall_back(monkeypatch, fresh_warnings, cc):
+    """An sm_100a binary does not load on CC 10.3 / 12.x: auto takes the reference with the reason,
+    cute refuses before any launch."""
+    monkeypatch.setattr(backend_mod, "tensor_arch", lambda tensor: cc)
+    q = paddle.randn([1, 8, 2, 16])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, lse = paddle_fa4.flash_attn_fwd(q, q, q)
+    assert any("sm_100a" in str(w.message) for w in caught)
+    with pytest.raises(NotImplementedError, match="sm_100a"):
+        paddle_fa4.flash_attn_fwd(q, q, q, backend="cute")

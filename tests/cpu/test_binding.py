@@ -26,9 +26,17 @@ def test_parse_arch_rejects_garbage():
         arch_mod.parse_arch("hopper")
 
 
-@pytest.mark.parametrize("cc,fam", [(90, 90), (100, 100), (103, 100), (80, 80), (120, 120)])
+@pytest.mark.parametrize("cc,fam", [(90, 90), (100, 100), (103, 103), (110, 110), (80, 80), (120, 120)])
 def test_family(cc, fam):
+    """sm_90a / sm_100a binaries load only on CC 9.0 / 10.0: no other part maps onto their family."""
     assert arch_mod.family(cc) == fam
+
+
+@pytest.mark.parametrize("cc,needle", [(90, None), (100, None), (103, "B300 / GB300"), (110, "sm_100a"),
+                                       (120, "consumer Blackwell"), (89, "need 9.0 or 10.0")])
+def test_arch_reason(cc, needle):
+    reason = arch_mod.arch_reason(cc)
+    assert (reason is None) if needle is None else (needle in reason)
 
 
 def test_dtype_name_accepts_framework_dtypes():
@@ -118,7 +126,7 @@ def test_device_queries_return_none_without_a_driver():
 
 
 def test_kernel_arch_uses_the_given_arch_and_refuses_without_a_device():
-    assert arch_mod.kernel_arch(90) == 90 and arch_mod.kernel_arch(103) == 100
+    assert arch_mod.kernel_arch(90) == 90 and arch_mod.kernel_arch(100) == 100 and arch_mod.kernel_arch(103) == 103
     if arch_mod.device_arch() is None:
         with pytest.raises(RuntimeError, match="no CUDA device"):
             arch_mod.kernel_arch(None)

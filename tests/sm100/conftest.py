@@ -34,7 +34,8 @@ def paddle_cuda_arch() -> int | None:
 
 
 def _is_sm10x(arch: int | None) -> bool:
-    return arch is not None and 100 <= arch < 110
+    """CC 10.0 only: the kernels are sm_100a builds, which do not load on 10.3 (B300)."""
+    return arch == 100
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +57,7 @@ def sm100_framework() -> str | None:
 def skip_reason() -> str:
     arches = {"paddle": paddle_cuda_arch(), "torch": torch_cuda_arch()}
     seen = ", ".join(f"{k}: sm_{v}" for k, v in arches.items() if v is not None) or "no CUDA device"
-    return f"needs a compute-capability-10.x (Blackwell) GPU via Paddle or torch ({seen})"
+    return f"needs a compute-capability-10.0 (B200 / GB200) GPU via Paddle or torch ({seen})"
 
 
 def pytest_collection_modifyitems(config, items):
