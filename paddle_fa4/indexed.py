@@ -16,6 +16,7 @@ from typing import Optional
 from paddle.autograd import PyLayer
 
 from . import _validate as V
+from ._bridge import as_contiguous
 from .backend import resolve_backend
 from ._static import dynamic_only
 
@@ -134,7 +135,9 @@ class _IndexedAttentionFn(PyLayer):
         out, lse, plan = _impl(backend).forward(spec, query, key, value, indices, plan)
         ctx.state = (spec, backend, plan)
         ctx.needs_grad = tuple(not t.stop_gradient for t in (query, key, value))
-        ctx.save_for_backward(query, key, value, indices, out, lse)
+        # Strided views are saved as contiguous copies: Paddle 3.3's non-reentrant recompute
+        # restores a saved view from its base buffer without the strides (wrong gradients).
+        ctx.save_for_backward(*(as_contiguous(t) for t in (query, key, value, indices)), out, lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
