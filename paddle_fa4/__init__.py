@@ -2,6 +2,7 @@
 
 Public API (see ``docs/api.md`` for exact semantics):
 
+- :func:`flash_attn_func`, :func:`flash_attn_varlen_func` — FA4-compatible entry points (autograd)
 - :func:`flash_attn_fwd` — attention forward with fused ``block_logit`` and natural-log LSE
   (differentiable w.r.t. q, k, v through autograd)
 - :func:`flash_attn_bwd` — its backward as a low-level op, for callers managing their own autograd
@@ -24,6 +25,8 @@ from ._static import install_sot_graph_break as _install_sot_graph_break
 _install_sot_graph_break()  # to_static's SOT mode runs every op eagerly between graph breaks
 
 _EXPORTS = {
+    "flash_attn_func": "attention",
+    "flash_attn_varlen_func": "attention",
     "flash_attn_fwd": "attention",
     "flash_attn_bwd": "attention",
     "block_log_weight": "selection",

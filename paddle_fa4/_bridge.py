@@ -2,7 +2,9 @@
 
 The launchers in ``cute_kernels`` are compiled with ``--enable-tvm-ffi`` and take Paddle tensors
 directly (DLPack C exchange API, Paddle's current stream). This module holds the little that is
-Paddle-specific: detaching, contiguity/alignment checks done *before* a launch, and the arch.
+Paddle-specific: detaching, compact copies of strided inputs and staging of strided out-parameters
+(:func:`kernel_input`, :func:`stage_output`/:func:`commit_output`), checks done *before* a launch,
+and the arch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,37 @@ def as_contiguous(t):
     Never ``t.contiguous()``: in Paddle 3.3 that re-lays-out the caller's tensor *in place*.
     """
     return t if t is None or t.is_contiguous() else t.clone()
+
+
+def _compact(t, nbytes: int) -> bool:
+    """Whether the kernels can take ``t`` as it is: contiguous (row-major) and ``nbytes``-aligned."""
+    return t.is_contiguous() and (is_empty(t) or t.data_ptr() % nbytes == 0)
+
+
+def kernel_input(t, nbytes: int = 16):
+    """``t`` when contiguous and ``nbytes``-aligned, else a contiguous copy (a fresh, aligned
+    allocation). The caller's tensor is never modified; the kernels stay compiled for compact
+    row-major layouts (strides are not part of any compile key)."""
+    return t if t is None or _compact(t, nbytes) else t.clone()
+
+
+def stage_output(t, nbytes: int = 16, keep_values: bool = False):
+    """A buffer the kernel may write in place of the caller's out-parameter ``t``: ``t`` itself
+    when contiguous and aligned, else a contiguous temporary (a copy of ``t`` when the kernel
+    also reads it, ``keep_values``). Pass the result to :func:`commit_output` after the launch."""
+    if t is None or _compact(t, nbytes):
+        return t
+    if keep_values:
+        return t.clone()
+    import paddle
+
+    return paddle.empty(t.shape, dtype=t.dtype, device=t.place)
+
+
+def commit_output(t, buf) -> None:
+    """Copy a staged temporary back into the caller's strided out-parameter (stream-ordered)."""
+    if buf is not t and t is not None:
+        t.copy_(buf.detach(), False)
 
 
 def require_contiguous(op: str, name: str, t) -> None:

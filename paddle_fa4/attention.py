@@ -100,10 +100,10 @@ class AttnFwdSpec:
 
 
 @dynamic_only("flash_attn_fwd")
-def flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    block_logit=None, block_size=64, return_block_logit=False, pack_gqa=None,
-                   backend="auto", *, deterministic=False):
+                   backend="auto", deterministic=False):
     r"""Attention forward; optionally the per-(row, key block) max logit ``block_logit``.
 
     Row ``i`` of a sequence with lengths ``(Sq, Sk)`` sees key ``t`` when
@@ -135,7 +135,7 @@ def flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None,
         pack_gqa (bool, optional): GQA packing hint for the kernels; results do not depend on it.
             True cannot be combined with ``block_logit``; None resolves to no packing then.
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
-        deterministic (bool): keyword-only; the backward of this call (autograd) is bitwise
+        deterministic (bool): the backward of this call (autograd) is bitwise
             reproducible (see :func:`flash_attn_bwd`). The forward is deterministic either way.
 
     Returns:
@@ -167,25 +167,203 @@ def flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, window_size=(None,
             >>> bl.shape
             paddle.Size([1, 2, 8, 1])
     """
+    out, lse, block_logit = _attention(
+        OP, q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, block_logit=block_logit, block_size=block_size,
+        return_block_logit=return_block_logit, pack_gqa=pack_gqa, backend=backend,
+        deterministic=deterministic, lse_grad=False)
+    if block_logit is not None:
+        return out, lse, block_logit
+    return out, lse
+
+
+def _attention(op, q, k, v, *, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
+               max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa, backend,
+               deterministic, lse_grad):
+    """``(out, lse, block_logit or None)`` of every forward entry point (validated with ``op``'s name).
+
+    ``lse_grad``: ``lse`` is differentiable (``flash_attn_func(..., return_lse=True)``, as FA4);
+    the backward then reads its gradient as ``dlse``.
+    """
     import paddle
 
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa)
-    V.check_bool(OP, "deterministic", deterministic)
-    fwd_backend = resolve_backend(OP, backend, q, functools.partial(_unsupported_reason, spec=spec))
+                     max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa, op=op)
+    V.check_bool(op, "deterministic", deterministic)
+    fwd_backend = resolve_backend(op, backend, q, functools.partial(_unsupported_reason, spec=spec),
+                                  stacklevel=5)
     if spec.has_block_logit and block_logit is None:
         block_logit = paddle.empty(spec.block_logit_shape(), dtype="float32", device=q.place)
     if not spec.has_block_logit:
         block_logit = None
     if _needs_grad(q, k, v):
-        bwd_backend = _bwd_backend(backend, q, spec, deterministic, has_dlse=False)
+        bwd_backend = _bwd_backend(backend, q, spec, deterministic, has_dlse=lse_grad, stacklevel=6)
         out, lse = _FlashAttnFn.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, block_logit, spec, fwd_backend,
-                                      bwd_backend, deterministic)
+                                      bwd_backend, deterministic, lse_grad)
     else:
         out, lse = _forward(spec, fwd_backend, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k)
-    if spec.has_block_logit:
-        return out, lse, block_logit
-    return out, lse
+    return out, lse, block_logit
+
+
+#: FA4 b36 keywords of ``flash_attn_func`` / ``flash_attn_varlen_func`` with no counterpart here:
+#: accepted only at their FA4 defaults (None / False), else NotImplementedError naming them.
+FA4_UNSUPPORTED = {
+    "qv": "MLA weight absorption (qv)",
+    "gather_kv_indices": "gathered-KV sparse MLA (use indexed_attention)",
+    "learnable_sink": "learnable attention sinks",
+    "score_mod": "score_mod callbacks",
+    "score_mod_bwd": "score_mod callbacks",
+    "mask_mod": "mask_mod callbacks",
+    "aux_tensors": "score_mod/mask_mod aux tensors",
+    "aux_scalars": "score_mod/mask_mod aux scalars",
+    "block_sparse_tensors": "FA4 block sparsity (use select_topk_blocks + indexed_attention)",
+    "block_sparse_tensors_bwd": "FA4 block sparsity",
+    "gather_bwd_recompute_p": "gathered-KV sparse MLA backward options",
+    "gather_bwd_token_chunk": "gathered-KV sparse MLA backward options",
+}
+#: Additional FA4 b36 keywords of ``flash_attn_varlen_func`` only.
+FA4_VARLEN_UNSUPPORTED = {
+    "seqused_q": "seqused_q (per-sequence used lengths)",
+    "seqused_k": "seqused_k (per-sequence used lengths)",
+    "page_table": "paged KV (page_table)",
+    "scheduler_metadata": "scheduler metadata",
+    "seqlen_k_per_split": "split-KV options",
+}
+#: FA4 performance hints accepted and ignored (results do not depend on them here).
+FA4_HINTS = ("num_splits", "min_seqlen_k", "disable_scheduler_metadata")
+
+
+def _check_fa4_extras(op: str, extras: dict, varlen: bool) -> None:
+    """Reject FA4-only keywords that would change the result; unknown keywords are a TypeError."""
+    table = dict(FA4_UNSUPPORTED, **(FA4_VARLEN_UNSUPPORTED if varlen else {}))
+    hints = FA4_HINTS if varlen else ("num_splits",)
+    for name, value in extras.items():
+        if name in hints:
+            continue
+        if name not in table:
+            raise TypeError(f"{op}() got an unexpected keyword argument {name!r}")
+        if value is not None and value is not False:
+            raise NotImplementedError(
+                f"{op}: {name} is an FA4 option paddle_fa4 does not implement ({table[name]}); leave it "
+                f"at its default (None)")
+
+
+@dynamic_only("flash_attn_func")
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                    pack_gqa=None, deterministic=False, return_lse=False, block_logit=None, block_size=64,
+                    return_block_logit=False, backend="auto", **fa4_options):
+    r"""FA4-compatible attention forward (``flash_attn.cute.flash_attn_func``, b36), with autograd.
+
+    The same attention as :func:`flash_attn_fwd` (dense layout ``[B, S, H, D]``; mask, scale,
+    softcap and GQA semantics identical) under FA4's names and return convention. Every option is
+    keyword-only.
+
+    Args:
+        q, k, v (Tensor): as :func:`flash_attn_fwd` (dense layout). Strided views are accepted.
+        softmax_scale, causal, window_size, softcap, pack_gqa, deterministic: as
+            :func:`flash_attn_fwd` (and as FA4).
+        return_lse (bool): as FA4: ``lse`` is differentiable (its gradient reaches q and k through
+            the backward's ``dlse``). Default False: ``lse`` is returned anyway but does not carry
+            gradients.
+        block_logit, block_size, return_block_logit: the fused per-(row, key block) max logit, as
+            :func:`flash_attn_fwd` (not an FA4 option).
+        backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
+        **fa4_options: FA4 b36 keywords. ``num_splits`` is a performance hint and ignored; the others
+            (``qv``, ``gather_kv_indices``, ``learnable_sink``, ``score_mod``, ``score_mod_bwd``,
+            ``mask_mod``, ``aux_tensors``, ``aux_scalars``, ``block_sparse_tensors``,
+            ``block_sparse_tensors_bwd``, ``gather_bwd_recompute_p``, ``gather_bwd_token_chunk``)
+            raise NotImplementedError unless left at their defaults. Any other name is a TypeError.
+
+    Returns:
+        tuple: ``(out, lse)`` as FA4 b36 (which returns the pair whether or not ``return_lse`` is
+        set; ``lse`` float32 ``[B, Hq, Sq]``, natural log), or ``(out, lse, block_logit)`` when a
+        ``block_logit`` is given or ``return_block_logit`` is True.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> q = paddle.randn([1, 8, 2, 64]).astype("bfloat16")
+            >>> out, lse = paddle_fa4.flash_attn_func(q, q, q, causal=True, backend="reference")
+            >>> out.shape, lse.shape
+            (paddle.Size([1, 8, 2, 64]), paddle.Size([1, 2, 8]))
+    """
+    op = "flash_attn_func"
+    _check_fa4_extras(op, fa4_options, varlen=False)
+    V.check_bool(op, "return_lse", return_lse)
+    out, lse, block_logit = _attention(
+        op, q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_logit=block_logit,
+        block_size=block_size, return_block_logit=return_block_logit, pack_gqa=pack_gqa, backend=backend,
+        deterministic=deterministic, lse_grad=return_lse)
+    return (out, lse) if block_logit is None else (out, lse, block_logit)
+
+
+@dynamic_only("flash_attn_varlen_func")
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                           softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                           pack_gqa=None, deterministic=False, return_lse=False, block_logit=None,
+                           block_size=64, return_block_logit=False, backend="auto", **fa4_options):
+    r"""FA4-compatible varlen attention forward (``flash_attn.cute.flash_attn_varlen_func``, b36).
+
+    The packed layout of :func:`flash_attn_fwd`: ``q [total_q, Hq, D]``, ``k [total_k, Hkv, D]``,
+    ``v [total_k, Hkv, Dv]``, int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``[B + 1]``. Unlike FA4,
+    ``cu_seqlens_q``/``cu_seqlens_k`` are required (FA4's ``seqused_*`` alternative is not
+    implemented) and may be passed positionally after ``v``; everything after them is keyword-only.
+
+    Args:
+        max_seqlen_q, max_seqlen_k (int, optional): longest query / key sequence. When None it is
+            computed from the cu_seqlens on the host: for GPU tensors that copies them to the CPU
+            and **synchronises with the device** (pass the ints to avoid it, e.g. under CUDA graphs).
+        return_lse (bool): ``lse`` ``[Hq, total_q]`` is differentiable, as FA4.
+        other options: as :func:`flash_attn_func`; FA4's ``min_seqlen_k``, ``num_splits`` and
+            ``disable_scheduler_metadata`` are hints and ignored; ``seqused_q``, ``seqused_k``,
+            ``page_table``, ``scheduler_metadata``, ``seqlen_k_per_split`` and the keywords
+            :func:`flash_attn_func` rejects raise NotImplementedError unless left at None.
+
+    Returns:
+        tuple: ``(out, lse)`` (``out [total_q, Hq, Dv]``, ``lse [Hq, total_q]``), or
+        ``(out, lse, block_logit)`` (``block_logit [Hq, total_q, ceil(max_seqlen_k / block_size)]``).
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> q = paddle.randn([12, 2, 64]).astype("bfloat16")
+            >>> cu = paddle.to_tensor([0, 5, 12], dtype="int32")
+            >>> out, lse = paddle_fa4.flash_attn_varlen_func(q, q, q, cu, cu, causal=True, backend="reference")
+            >>> out.shape, lse.shape
+            (paddle.Size([12, 2, 64]), paddle.Size([2, 12]))
+    """
+    op = "flash_attn_varlen_func"
+    _check_fa4_extras(op, fa4_options, varlen=True)
+    V.check_bool(op, "return_lse", return_lse)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t is None:
+            raise ValueError(f"{op}: {name} is required (FA4's seqused_q/seqused_k are not supported)")
+    max_seqlen_q = _max_seqlen(op, "cu_seqlens_q", cu_seqlens_q, max_seqlen_q)
+    max_seqlen_k = _max_seqlen(op, "cu_seqlens_k", cu_seqlens_k, max_seqlen_k)
+    out, lse, block_logit = _attention(
+        op, q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, block_logit=block_logit, block_size=block_size,
+        return_block_logit=return_block_logit, pack_gqa=pack_gqa, backend=backend,
+        deterministic=deterministic, lse_grad=return_lse)
+    return (out, lse) if block_logit is None else (out, lse, block_logit)
+
+
+def _max_seqlen(op: str, name: str, cu_seqlens, given):
+    """``given``, or the longest sequence of ``cu_seqlens`` read on the host (a device sync on GPU)."""
+    if given is not None:
+        return given
+    V.check_tensor(op, name, cu_seqlens)
+    V.check_dtype(op, name, cu_seqlens, ("int32",))
+    V.check_rank(op, name, cu_seqlens, (1,), "1-D [B + 1]")
+    if cu_seqlens.shape[0] < 2:
+        return 0
+    values = cu_seqlens.numpy()  # copies to the host: synchronises with the GPU
+    return int((values[1:] - values[:-1]).max(initial=0))
 
 
 def _needs_grad(*tensors) -> bool:
@@ -220,9 +398,9 @@ class _FlashAttnFn(PyLayer):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_logit, spec, fwd_backend, bwd_backend,
-                deterministic):
+                deterministic, lse_grad=False):
         out, lse = _forward(spec, fwd_backend, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k)
-        ctx.state = (spec, bwd_backend, deterministic)
+        ctx.state = (spec, bwd_backend, deterministic, lse_grad)
         ctx.needs_grad = tuple(not t.stop_gradient for t in (q, k, v))
         ctx.extra_slots = sum(t is not None for t in (cu_seqlens_q, cu_seqlens_k, block_logit))
         # Strided views are saved as contiguous copies: Paddle 3.3's non-reentrant recompute
@@ -231,7 +409,8 @@ class _FlashAttnFn(PyLayer):
         if spec.varlen:
             saved += (as_contiguous(cu_seqlens_q), as_contiguous(cu_seqlens_k))
         ctx.save_for_backward(*saved)
-        ctx.mark_non_differentiable(lse)
+        if not lse_grad:
+            ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
@@ -242,18 +421,23 @@ class _FlashAttnFn(PyLayer):
             raise NotImplementedError(
                 f"{OP}: double backward (create_graph=True) is not supported; its backward is not "
                 f"differentiable")
-        spec, bwd_backend, deterministic = ctx.state
+        spec, bwd_backend, deterministic, lse_grad = ctx.state
         saved = ctx.saved_tensor()
         q, k, v, out, lse = saved[:5]
         cu_seqlens_q, cu_seqlens_k = saved[5:] if spec.varlen else (None, None)
-        # lse is not differentiable (dlse is Paddle's materialised zeros): the backward reads dout only.
+        # Unless lse_grad, lse is not differentiable (dlse is Paddle's materialised zeros): the
+        # backward reads dout only. With lse_grad (flash_attn_func(return_lse=True)) dlse is passed on.
         if not any(ctx.needs_grad):
             grads = (None, None, None)
         else:
             if dout is None:
                 dout = paddle.zeros_like(out)
-            grads = _backward(spec, bwd_backend, as_contiguous(dout), q, k, v, out, lse, None, None, None,
-                              None, cu_seqlens_q, cu_seqlens_k, deterministic)
+            if not lse_grad:
+                dlse = None
+            elif dlse is None:
+                dlse = paddle.zeros_like(lse)
+            grads = _backward(spec, bwd_backend, as_contiguous(dout), q, k, v, out, lse, as_contiguous(dlse),
+                              None, None, None, cu_seqlens_q, cu_seqlens_k, deterministic)
         return tuple(g if need else None for need, g in zip(ctx.needs_grad, grads)) + (None,) * ctx.extra_slots
 
 
@@ -340,11 +524,13 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
                      cu_seqlens_k, deterministic)
 
 
-def _bwd_backend(backend: str, q, spec: AttnFwdSpec, deterministic: bool, has_dlse: bool) -> str:
+def _bwd_backend(backend: str, q, spec: AttnFwdSpec, deterministic: bool, has_dlse: bool,
+                 stacklevel: int = 5) -> str:
     """The backend of a backward call: ``auto`` takes the CuTe backward only when its launcher imports
     and supports this case on the GPU's arch (independently of the forward's choice)."""
     return resolve_backend(BWD_OP, backend, q, functools.partial(
-        _bwd_unsupported_reason, spec=spec, deterministic=deterministic, has_dlse=has_dlse), stacklevel=5)
+        _bwd_unsupported_reason, spec=spec, deterministic=deterministic, has_dlse=has_dlse),
+        stacklevel=stacklevel)
 
 
 def _bwd_unsupported_reason(arch: int, spec: AttnFwdSpec, deterministic: bool, has_dlse: bool) -> Optional[str]:

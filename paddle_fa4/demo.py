@@ -182,18 +182,18 @@ def run(cfg: DemoConfig) -> dict:
     out_full, lse, block_logit = timed("full forward + block_logit", lambda: paddle_fa4.flash_attn_fwd(
         q, k, v, causal=True, block_size=cfg.block_size, return_block_logit=True, **be))
     blk = timed("select_topk_blocks", lambda: paddle_fa4.select_topk_blocks(
-        block_logit, lse, cfg.topk, num_kv_heads=cfg.kv_heads, sink_blocks=cfg.sink_blocks,
+        block_logit, lse, topk=cfg.topk, num_kv_heads=cfg.kv_heads, sink_blocks=cfg.sink_blocks,
         local_blocks=cfg.local_blocks, block_size=cfg.block_size, seqlen_k=cfg.seq, **be))
     chunk_q = max(1, cfg.seq // 4)
     _, _, blk_chunked = timed("chunked forward + selection (4 chunks)", lambda: paddle_fa4.select_topk_blocks_chunked(
-        q, k, v, cfg.topk, block_size=cfg.block_size, num_kv_heads=cfg.kv_heads, sink_blocks=cfg.sink_blocks,
+        q, k, v, topk=cfg.topk, block_size=cfg.block_size, num_kv_heads=cfg.kv_heads, sink_blocks=cfg.sink_blocks,
         local_blocks=cfg.local_blocks, chunk_q=chunk_q, **be))
-    idx = timed("blocks_to_indices", lambda: paddle_fa4.blocks_to_indices(blk, cfg.block_size, cfg.seq, **be))
+    idx = timed("blocks_to_indices", lambda: paddle_fa4.blocks_to_indices(blk, block_size=cfg.block_size, seqlen_k=cfg.seq, **be))
     sparse_next = timed("sparse layer (indexed_attention)", lambda: paddle_fa4.indexed_attention(
-        q2, k, v, idx, scale=scale, **be))
+        q2, k, v, idx, softmax_scale=scale, **be))
     dense_next = timed("dense layer (flash_attn_fwd, for comparison)", lambda: paddle_fa4.flash_attn_fwd(
         q2, k, v, causal=True, **be)[0])
-    sparse_same = paddle_fa4.indexed_attention(q, k, v, idx, scale=scale, **be)
+    sparse_same = paddle_fa4.indexed_attention(q, k, v, idx, softmax_scale=scale, **be)
 
     blk_np = blk.numpy()
     nb = block_logit.shape[-1]

@@ -39,20 +39,6 @@ def _dtype_name(t) -> str:
     return V.dtype_name(t)
 
 
-def _contiguous_reason(**tensors) -> str | None:
-    for name, t in tensors.items():
-        if t is not None and not t.is_contiguous():
-            return f"{name} must be contiguous"
-    return None
-
-
-def _aligned_reason(nbytes: int = 16, **tensors) -> str | None:
-    for name, t in tensors.items():
-        if t is not None and not V.is_empty(t) and t.data_ptr() % nbytes != 0:
-            return f"{name} must be {nbytes}-byte aligned"
-    return None
-
-
 def _check_paged(op: str, block_tables, seq_lens, batch: int | None = None) -> int:
     V.check_tensor(op, "block_tables", block_tables)
     V.check_tensor(op, "seq_lens", seq_lens)
@@ -109,7 +95,7 @@ def _check_q(op: str, q, hkv: int, d: int, batch: int) -> int:
 
 # ------------------------------------------------------------------------------------ reset
 @dynamic_only("h2o.reset_scores")
-def reset_scores(state, slot_mapping, backend: Literal["auto", "cute", "reference"] = "auto"):
+def reset_scores(state, slot_mapping, *, backend: Literal["auto", "cute", "reference"] = "auto"):
     """Zero the accumulated score of the token slots written this step (in place).
 
     Run it after the K/V write and before :func:`token_accumulate` of the same step, for prefill
@@ -141,8 +127,7 @@ def reset_scores(state, slot_mapping, backend: Literal["auto", "cute", "referenc
     def reason(arch):
         from ._cute import h2o as glue
 
-        return _contiguous_reason(state=state, slot_mapping=slot_mapping) or glue.unsupported_reason(
-            arch, "reset_scores")
+        return glue.unsupported_reason(arch, "reset_scores")
 
     if resolve_backend(op, backend, state, reason) == "cute":
         from ._cute import h2o as glue
@@ -157,7 +142,7 @@ def reset_scores(state, slot_mapping, backend: Literal["auto", "cute", "referenc
 
 # ------------------------------------------------------------------------------ page summaries
 @dynamic_only("h2o.update_page_summary")
-def update_page_summary(key_cache, slot_mapping, summary, backend: Literal["auto", "cute", "reference"] = "auto"):
+def update_page_summary(key_cache, slot_mapping, summary, *, backend: Literal["auto", "cute", "reference"] = "auto"):
     """Refresh the per-page mean / max / min of the keys of the pages written this step (in place).
 
     For every slot ``s = page * page_size + off`` in ``slot_mapping`` that ends the step's run of
@@ -192,9 +177,7 @@ def update_page_summary(key_cache, slot_mapping, summary, backend: Literal["auto
     def reason(arch):
         from ._cute import h2o as glue
 
-        return (_contiguous_reason(key_cache=key_cache, slot_mapping=slot_mapping, summary=summary)
-                or _aligned_reason(key_cache=key_cache, summary=summary)
-                or glue.unsupported_reason(arch, "update_page_summary", key_cache=key_cache, summary=summary))
+        return glue.unsupported_reason(arch, "update_page_summary", key_cache=key_cache, summary=summary)
 
     if resolve_backend(op, backend, key_cache, reason) == "cute":
         from ._cute import h2o as glue
@@ -208,7 +191,7 @@ def update_page_summary(key_cache, slot_mapping, summary, backend: Literal["auto
 
 
 @dynamic_only("h2o.page_scores")
-def page_scores(q, summary, block_tables, seq_lens, page_size: int, w_avg: float = 1.0, w_peak: float = 1.0,
+def page_scores(q, summary, block_tables, seq_lens, *, page_size: int, w_avg: float = 1.0, w_peak: float = 1.0,
                 gqa_reduce: Literal["mean_q", "max"] = "mean_q",
                 backend: Literal["auto", "cute", "reference"] = "auto"):
     r"""Query-aware score of every page of every request and kv head (no softmax, no state).
@@ -261,9 +244,7 @@ def page_scores(q, summary, block_tables, seq_lens, page_size: int, w_avg: float
     def reason(arch):
         from ._cute import h2o as glue
 
-        return (_contiguous_reason(q=q, summary=summary, block_tables=block_tables, seq_lens=seq_lens)
-                or _aligned_reason(q=q, summary=summary)
-                or glue.unsupported_reason(arch, "page_scores", q=q, summary=summary, group=group))
+        return glue.unsupported_reason(arch, "page_scores", q=q, summary=summary, group=group)
 
     if resolve_backend(op, backend, q, reason) == "cute":
         from ._cute import h2o as glue
@@ -276,7 +257,7 @@ def page_scores(q, summary, block_tables, seq_lens, page_size: int, w_avg: float
 
 # --------------------------------------------------------------------------- token accumulate
 @dynamic_only("h2o.token_accumulate")
-def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float | None = None,
+def token_accumulate(q, key_cache, state, block_tables, seq_lens, *, softmax_scale: float | None = None,
                      decay: float = DEFAULT_DECAY, gqa_reduce: Literal["mean_q", "max", "sum", "mean_p"] = "mean_q",
                      bos: int = 0, eos: int = 0, return_page_scores: bool = False,
                      backend: Literal["auto", "cute", "reference"] = "auto"):
@@ -287,7 +268,7 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float |
 
     .. math::
 
-        P_{h,t} = \mathrm{softmax}_{t \in W}(\text{scale}\cdot q_h\cdot k_t),\qquad
+        P_{h,t} = \mathrm{softmax}_{t \in W}(\text{softmax\_scale}\cdot q_h\cdot k_t),\qquad
         hh_t \leftarrow p_t + \text{decay}\cdot hh_t \quad (t \in W)
 
     with ``p = softmax of q-bar`` (``"mean_q"``, one softmax of the mean query), or the per-head
@@ -309,7 +290,7 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float |
         key_cache (Tensor): ``[num_pages, Hkv, page_size, D]`` holding this step's keys.
         state (Tensor): ``[num_pages, Hkv, page_size]`` float32 or bfloat16 score state.
         block_tables (Tensor): int32 ``[B, max_pages]``; seq_lens (Tensor): int32 ``[B]``.
-        scale (float, optional): logit scale, default ``D ** -0.5``.
+        softmax_scale (float, optional): logit scale, default ``D ** -0.5``.
         decay (float): ``>= 0``; default ``0.984375`` (steady mass ``1 / (1 - decay) = 64``).
         gqa_reduce (str): ``"mean_q"``, ``"max"``, ``"sum"`` or ``"mean_p"``.
         bos, eos (int): tokens at the start / end never scored (their state keeps its value).
@@ -326,7 +307,7 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float |
     V.check_tensor(op, "state", state)
     V.check_dtype(op, "state", state, _STATE_DTYPES)
     V.check_shape(op, "state", state, [num_pages, hkv, page_size], "[num_pages, Hkv, page_size]")
-    scale = d ** -0.5 if scale is None else V.check_float(op, "scale", scale, low=0.0)  # raw-max softmax: >= 0
+    scale = d ** -0.5 if softmax_scale is None else V.check_float(op, "softmax_scale", softmax_scale, low=0.0)  # raw-max softmax: >= 0
     decay = V.check_float(op, "decay", decay, low=0.0)
     V.check_choice(op, "gqa_reduce", gqa_reduce, TOKEN_GQA)
     bos = V.check_int(op, "bos", bos, low=0)
@@ -340,11 +321,8 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float |
         def reason(arch):
             from ._cute import h2o as glue
 
-            return (_contiguous_reason(q=q, key_cache=key_cache, state=state, block_tables=block_tables,
-                                       seq_lens=seq_lens)
-                    or _aligned_reason(q=q, key_cache=key_cache)
-                    or glue.unsupported_reason(arch, "token_accumulate", q=q, key_cache=key_cache, state=state,
-                                               group=group, gqa_reduce=gqa_reduce))
+            return glue.unsupported_reason(arch, "token_accumulate", q=q, key_cache=key_cache, state=state,
+                                           group=group, gqa_reduce=gqa_reduce)
 
         if resolve_backend(op, backend, q, reason) == "cute":
             from ._cute import h2o as glue
@@ -361,7 +339,7 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale: float |
 
 
 @dynamic_only("h2o.token_page_scores")
-def token_page_scores(state, block_tables, seq_lens, backend: Literal["auto", "cute", "reference"] = "auto"):
+def token_page_scores(state, block_tables, seq_lens, *, backend: Literal["auto", "cute", "reference"] = "auto"):
     """Per-page sums of the token state in request order: the scores :func:`select_pages` ranks.
 
     ``out[b, g, j] = sum of state[block_tables[b, j], g, o]`` over the page's valid offsets
@@ -393,8 +371,7 @@ def _token_page_scores(op: str, state, block_tables, seq_lens, batch: int, backe
     def reason(arch):
         from ._cute import h2o as glue
 
-        return (_contiguous_reason(state=state, block_tables=block_tables, seq_lens=seq_lens)
-                or glue.unsupported_reason(arch, "token_page_scores", state=state))
+        return glue.unsupported_reason(arch, "token_page_scores", state=state)
 
     if resolve_backend(op, backend, state, reason) == "cute":
         from ._cute import h2o as glue
@@ -407,7 +384,7 @@ def _token_page_scores(op: str, state, block_tables, seq_lens, batch: int, backe
 
 # ------------------------------------------------------------------------------------ select
 @dynamic_only("h2o.select_pages")
-def select_pages(scores, block_tables, seq_lens, page_size: int, topk: int, bos: int = 1, eos: int = 1,
+def select_pages(scores, block_tables, seq_lens, *, page_size: int, topk: int, bos: int = 1, eos: int = 1,
                  backend: Literal["auto", "cute", "reference"] = "auto"):
     """Top-k pages per request and kv head, with the first ``bos`` and last ``eos`` pages kept.
 
@@ -462,8 +439,7 @@ def select_pages(scores, block_tables, seq_lens, page_size: int, topk: int, bos:
     def reason(arch):
         from ._cute import h2o as glue
 
-        return (_contiguous_reason(scores=scores, block_tables=block_tables, seq_lens=seq_lens)
-                or glue.unsupported_reason(arch, "select_pages"))
+        return glue.unsupported_reason(arch, "select_pages")
 
     if resolve_backend(op, backend, scores, reason) == "cute":
         from ._cute import h2o as glue

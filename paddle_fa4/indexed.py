@@ -45,35 +45,35 @@ class IndexedSpec:
 
 
 @dynamic_only("indexed_attention")
-def indexed_attention(query, key, value, indices, scale=None, return_lse=False, backend="auto", plan=None):
+def indexed_attention(q, k, v, indices, *, softmax_scale=None, return_lse=False, backend="auto", plan=None):
     r"""Attention of each query token over its own set of key tokens, with autograd.
 
     Query token ``i`` of batch ``b`` attends, in every query head ``h``, to the distinct valid
     indices of its row (``indices[b, i]``, or ``indices[b, h // (Hq // Hkv), i]`` per kv head):
-    ``out = softmax(scale * q . K[S]^T) V[S]`` with ``S`` that set. Indices ``< 0`` or ``>= Lkv``
+    ``out = softmax(softmax_scale * q . K[S]^T) V[S]`` with ``S`` that set. Indices ``< 0`` or ``>= Lkv``
     are padding and never read; duplicates count once. A row with no valid index gives ``out`` 0,
     ``lse`` -inf and zero gradients.
 
     Args:
-        query (Tensor): ``[B, Lq, Hq, D]``, bfloat16 or float16 (float32 on the reference backend).
-        key (Tensor): ``[B, Lkv, Hkv, D]``, query's dtype; ``Hq % Hkv == 0``.
-        value (Tensor): ``[B, Lkv, Hkv, D]``, query's dtype.
+        q (Tensor): ``[B, Lq, Hq, D]``, bfloat16 or float16 (float32 on the reference backend).
+        k (Tensor): ``[B, Lkv, Hkv, D]``, q's dtype; ``Hq % Hkv == 0``.
+        v (Tensor): ``[B, Lkv, Hkv, D]``, q's dtype.
         indices (Tensor): int32 token indices into the key axis (global coordinates, so
             ``Lq != Lkv`` is allowed): ``[B, Lq, W]`` shared by all heads of a token, or
             ``[B, Hkv, Lq, W]`` one row per kv head.
-        scale (float, optional): softmax scale, default ``D ** -0.5``.
+        softmax_scale (float, optional): default ``D ** -0.5``.
         return_lse (bool): also return ``lse``.
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
         plan (IndexedAttentionPlan, optional): a plan from :func:`paddle_fa4.indexed_attention_plan`
             for these ``indices`` (the CuTe backend builds one when None; the reference ignores it).
 
     Returns:
-        Tensor | tuple: ``out [B, Lq, Hq, D]`` in query's dtype, or ``(out, lse)`` with
+        Tensor | tuple: ``out [B, Lq, Hq, D]`` in q's dtype, or ``(out, lse)`` with
         ``lse [B, Hq, Lq]`` float32 natural log (-inf on empty rows, not differentiable).
 
     Raises:
         TypeError: a non-tensor input, a wrong dtype (``indices`` must be int32), a bad ``plan``.
-        ValueError: shapes, places or head counts that disagree, a non-finite ``scale``, an
+        ValueError: shapes, places or head counts that disagree, a non-finite ``softmax_scale``, an
             unknown ``backend``.
         NotImplementedError: ``backend="cute"`` when no kernel applies.
 
@@ -88,11 +88,11 @@ def indexed_attention(query, key, value, indices, scale=None, return_lse=False, 
             >>> lse.shape
             paddle.Size([1, 2, 4])
     """
-    spec = _validate(query, key, value, indices, scale, return_lse, plan)
-    name = resolve_backend(OP, backend, query, functools.partial(_unsupported_reason, spec=spec))
+    spec = _validate(q, k, v, indices, softmax_scale, return_lse, plan)
+    name = resolve_backend(OP, backend, q, functools.partial(_unsupported_reason, spec=spec))
     if _no_work(spec):  # zero-size or W == 0: zeros / -inf and zero gradients, no launch
         name = "reference"
-    out, lse = _IndexedAttentionFn.apply(query, key, value, indices, spec, name, plan)
+    out, lse = _IndexedAttentionFn.apply(q, k, v, indices, spec, name, plan)
     return (out, lse) if return_lse else out
 
 
@@ -128,16 +128,16 @@ def _impl(backend: str):
 
 
 class _IndexedAttentionFn(PyLayer):
-    """Autograd of :func:`indexed_attention`; positional tensor inputs: query, key, value, indices."""
+    """Autograd of :func:`indexed_attention`; positional tensor inputs: q, k, v, indices."""
 
     @staticmethod
-    def forward(ctx, query, key, value, indices, spec, backend, plan):
-        out, lse, plan = _impl(backend).forward(spec, query, key, value, indices, plan)
+    def forward(ctx, q, k, v, indices, spec, backend, plan):
+        out, lse, plan = _impl(backend).forward(spec, q, k, v, indices, plan)
         ctx.state = (spec, backend, plan)
-        ctx.needs_grad = tuple(not t.stop_gradient for t in (query, key, value))
+        ctx.needs_grad = tuple(not t.stop_gradient for t in (q, k, v))
         # Strided views are saved as contiguous copies: Paddle 3.3's non-reentrant recompute
         # restores a saved view from its base buffer without the strides (wrong gradients).
-        ctx.save_for_backward(*(as_contiguous(t) for t in (query, key, value, indices)), out, lse)
+        ctx.save_for_backward(*(as_contiguous(t) for t in (q, k, v, indices)), out, lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -146,20 +146,20 @@ class _IndexedAttentionFn(PyLayer):
         import paddle
 
         spec, backend, plan = ctx.state
-        query, key, value, indices, out, lse = ctx.saved_tensor()
+        q, k, v, indices, out, lse = ctx.saved_tensor()
         if not any(ctx.needs_grad):
             return None, None, None, None
         if dout is None:
             dout = paddle.zeros_like(out)
         if backend == "cute":
-            grads = _glue().backward(spec, query, key, value, out, lse, dout, plan)
+            grads = _glue().backward(spec, q, k, v, out, lse, dout, plan)
         else:
-            grads = _impl(backend).backward(spec, query, key, value, out, lse, dout, indices)
+            grads = _impl(backend).backward(spec, q, k, v, out, lse, dout, indices)
         return _grad_slots(ctx.needs_grad, grads)
 
 
 def _grad_slots(needs_grad, grads) -> tuple:
-    """One slot per tensor input (query, key, value, indices); None where no gradient is wanted."""
+    """One slot per tensor input (q, k, v, indices); None where no gradient is wanted."""
     return tuple(g if need else None for need, g in zip(needs_grad, grads)) + (None,)
 
 
@@ -167,32 +167,32 @@ def _grad_slots(needs_grad, grads) -> tuple:
 # validation
 
 
-def _validate(query, key, value, indices, scale, return_lse, plan) -> IndexedSpec:
+def _validate(q, k, v, indices, softmax_scale, return_lse, plan) -> IndexedSpec:
     """Check every argument of :func:`indexed_attention` and return the call's spec."""
-    for name, t in (("query", query), ("key", key), ("value", value), ("indices", indices)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("indices", indices)):
         V.check_tensor(OP, name, t)
-    dtype = V.check_dtype(OP, "query", query, V.REFERENCE_FLOAT_DTYPES)
-    for name, t in (("key", key), ("value", value)):
+    dtype = V.check_dtype(OP, "q", q, V.REFERENCE_FLOAT_DTYPES)
+    for name, t in (("k", k), ("v", v)):
         if V.dtype_name(t) != dtype:
-            raise TypeError(f"{OP}: {name} must have query's dtype {dtype}, got {V.dtype_name(t)}")
+            raise TypeError(f"{OP}: {name} must have q's dtype {dtype}, got {V.dtype_name(t)}")
     V.check_dtype(OP, "indices", indices, ("int32",))
-    V.check_rank(OP, "query", query, (4,), "[B, Lq, Hq, D]")
-    V.check_rank(OP, "key", key, (4,), "[B, Lkv, Hkv, D]")
+    V.check_rank(OP, "q", q, (4,), "[B, Lq, Hq, D]")
+    V.check_rank(OP, "k", k, (4,), "[B, Lkv, Hkv, D]")
     V.check_rank(OP, "indices", indices, (3, 4), "[B, Lq, W] or [B, Hkv, Lq, W]")
-    b, lq, hq, d = query.shape
-    _, lkv, hkv, _ = key.shape
-    V.check_shape(OP, "key", key, [b, lkv, hkv, d], "[B, Lkv, Hkv, D] with query's B and D")
-    V.check_shape(OP, "value", value, [b, lkv, hkv, d], "[B, Lkv, Hkv, D] like key")
+    b, lq, hq, d = q.shape
+    _, lkv, hkv, _ = k.shape
+    V.check_shape(OP, "k", k, [b, lkv, hkv, d], "[B, Lkv, Hkv, D] with q's B and D")
+    V.check_shape(OP, "v", v, [b, lkv, hkv, d], "[B, Lkv, Hkv, D] like k")
     if hkv < 1 or hq % hkv != 0:
-        raise ValueError(f"{OP}: query's head count {hq} must be a multiple of key's head count {hkv}")
+        raise ValueError(f"{OP}: q's head count {hq} must be a multiple of k's head count {hkv}")
     if d < 1:
         raise ValueError(f"{OP}: head dim D must be >= 1, got {d}")
     per_kv_head = indices.ndim == 4
     w = indices.shape[-1]
     expected = [b, hkv, lq, w] if per_kv_head else [b, lq, w]
     V.check_shape(OP, "indices", indices, expected, "[B, Hkv, Lq, W]" if per_kv_head else "[B, Lq, W]")
-    V.check_same_place(OP, {"query": query, "key": key, "value": value, "indices": indices})
-    scale = d ** -0.5 if scale is None else V.check_float(OP, "scale", scale, low=0.0)  # raw-max softmax: >= 0
+    V.check_same_place(OP, {"q": q, "k": k, "v": v, "indices": indices})
+    scale = d ** -0.5 if softmax_scale is None else V.check_float(OP, "softmax_scale", softmax_scale, low=0.0)  # raw-max softmax: >= 0
     V.check_bool(OP, "return_lse", return_lse)
     _check_plan(plan)
     return IndexedSpec(B=b, Lq=lq, Lkv=lkv, Hq=hq, Hkv=hkv, D=d, W=w, per_kv_head=per_kv_head,

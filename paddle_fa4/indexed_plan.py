@@ -82,7 +82,7 @@ def plan_shapes(num_sets: int, num_queries: int, width: int, kv_len: int, wq: in
 
 
 @dynamic_only("indexed_attention_plan")
-def indexed_attention_plan(indices, kv_len: int, heads_per_kv: int, backend: str = "auto",
+def indexed_attention_plan(indices, *, kv_len: int, heads_per_kv: int, backend: str = "auto",
                            name: Optional[str] = None) -> IndexedAttentionPlan:
     r"""Build the windowed plan :func:`indexed_attention` uses for ``indices``.
 

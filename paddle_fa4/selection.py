@@ -19,6 +19,9 @@ Backend = Literal["auto", "cute", "reference"]
 
 #: Block sizes flash_attn_fwd emits block_logit for.
 BLOCK_SIZES = (16, 32, 64, 128, 256)
+#: How select_topk_blocks merges the heads of a group: the max of their log-weights (default), or
+#: the sum of their weights (PaddleFleet's ``head_agg="sum"``, ranked by its log: logsumexp).
+HEAD_AGG = ("max", "sum")
 _NEG_INF = float("-inf")
 
 
@@ -65,7 +68,7 @@ def _check_logit_lse(op: str, block_logit, lse) -> bool:
 
 
 @dynamic_only("block_log_weight")
-def block_log_weight(block_logit, lse, name: Optional[str] = None):
+def block_log_weight(block_logit, lse, *, name: Optional[str] = None):
     r"""
     Log of the largest softmax weight in each key block: ``block_logit - lse[..., None]``.
 
@@ -97,10 +100,10 @@ def block_log_weight(block_logit, lse, name: Optional[str] = None):
 
 
 @dynamic_only("select_topk_blocks")
-def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] = None,
-                       sink_blocks: int = 0, local_blocks: int = 0, backend: Backend = "auto",
-                       name: Optional[str] = None, *, block_size: Optional[int] = None,
-                       seqlen_k: Optional[int] = None):
+def select_topk_blocks(block_logit, lse, *, topk: int, num_kv_heads: Optional[int] = None,
+                       sink_blocks: int = 0, local_blocks: int = 0, head_agg: str = "max",
+                       backend: Backend = "auto", name: Optional[str] = None,
+                       block_size: Optional[int] = None, seqlen_k: Optional[int] = None):
     r"""
     Pick, for every query row, the ``topk`` key blocks carrying the most attention.
 
@@ -126,7 +129,8 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
 
     Args:
         block_logit (Tensor): float32 ``[B, Hq, Sq, nb]`` or varlen ``[Hq, total_q, nb]``;
-            ``-inf`` = no visible key in the block.
+            ``-inf`` = no visible key in the block. Strided views are accepted (the CuTe backend
+            reads a contiguous copy).
         lse (Tensor): float32 ``[B, Hq, Sq]`` or varlen ``[Hq, total_q]``, natural log, as
             returned by :func:`flash_attn_fwd`.
         topk (int): blocks kept per row, ``>= 1``. May exceed ``nb``; slots that no visible block
@@ -136,6 +140,12 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
         sink_blocks (int, optional): leading blocks always kept. Default: 0.
         local_blocks (int, optional): blocks ending at the diagonal block always kept. Default: 0.
             ``sink_blocks + local_blocks`` must not exceed ``topk``.
+        head_agg (str, optional): how a group's heads are merged: ``"max"`` (default) ranks a block
+            by its largest log-weight over the heads; ``"sum"`` by the sum over the heads of the
+            weights ``exp(block_logit - lse)`` (PaddleFleet's ``head_agg="sum"``; computed as a
+            logsumexp of the log-weights, heads that rank nothing add 0). ``"sum"`` runs on the
+            reference backend only: ``backend="cute"`` raises NotImplementedError, ``"auto"``
+            falls back with a warning (the CuTe kernel merges heads with ``fmax``).
         backend (str, optional): ``"auto"``, ``"cute"`` or ``"reference"``. Default: ``"auto"``.
         name (str|None, optional): Name for the operation. Default: None.
         block_size (int|None, optional): with ``seqlen_k``, the causal read limit above (dense
@@ -166,6 +176,8 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
     _require_int(op, "topk", topk, 1)
     sink_blocks = _require_int(op, "sink_blocks", sink_blocks, 0)
     local_blocks = _require_int(op, "local_blocks", local_blocks, 0)
+    if not isinstance(head_agg, str) or head_agg not in HEAD_AGG:
+        raise ValueError(f"{op}: head_agg must be one of {HEAD_AGG}, got {head_agg!r}")
     if sink_blocks + local_blocks > topk:
         raise ValueError(f"{op}: sink_blocks + local_blocks ({sink_blocks} + {local_blocks}) must not "
                          f"exceed topk ({topk})")
@@ -207,9 +219,7 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
         def reason(arch):
             from ._cute import selection as glue
 
-            if not (block_logit.is_contiguous() and lse.is_contiguous()):
-                return "block_logit and lse must be contiguous"
-            return glue.topk_unsupported_reason(arch, nb=nb, topk=topk)
+            return glue.topk_unsupported_reason(arch, nb=nb, topk=topk, head_agg=head_agg)
 
         out = paddle.empty([b, groups, sq, topk], dtype="int32", device=block_logit.place)
         if resolve_backend(op, backend, block_logit, reason) == "cute":
@@ -221,13 +231,13 @@ def select_topk_blocks(block_logit, lse, topk: int, num_kv_heads: Optional[int] 
             from .reference import selection as ref
 
             ref.select_topk_blocks(dense_bl, dense_lse, out, topk, groups, sink_blocks, local_blocks,
-                                   causal_limit)
+                                   causal_limit, head_agg)
     out.stop_gradient = True
     return out[0] if varlen else out
 
 
 @dynamic_only("blocks_to_indices")
-def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = True,
+def blocks_to_indices(block_idx, *, block_size: int, seqlen_k: int, causal: bool = True,
                       backend: Backend = "auto", name: Optional[str] = None):
     r"""
     Expand selected key blocks into the token index rows :func:`indexed_attention` takes.
@@ -258,7 +268,7 @@ def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = 
 
             >>> import paddle, paddle_fa4
             >>> blk = paddle.to_tensor([[[[0, 1, -1]]]], dtype="int32")
-            >>> idx = paddle_fa4.blocks_to_indices(blk, 16, seqlen_k=20, backend="reference")
+            >>> idx = paddle_fa4.blocks_to_indices(blk, block_size=16, seqlen_k=20, backend="reference")
             >>> idx.shape, idx[0, 0, 14:22].tolist()
             (paddle.Size([1, 1, 48]), [14, 15, 16, 17, 18, 19, -1, -1])
     """
@@ -284,8 +294,6 @@ def blocks_to_indices(block_idx, block_size: int, seqlen_k: int, causal: bool = 
         def reason(arch):
             from ._cute import selection as glue
 
-            if not block_idx.is_contiguous():
-                return "block_idx must be contiguous"
             return glue.indices_unsupported_reason(arch, topk=topk, block_size=block_size)
 
         if resolve_backend(op, backend, block_idx, reason) == "cute":
@@ -305,7 +313,7 @@ CHUNK_BLOCK_LOGIT_BYTES = 1 << 30
 
 
 @dynamic_only("select_topk_blocks_chunked")
-def select_topk_blocks_chunked(q, k, v, topk: int, softmax_scale: Optional[float] = None,
+def select_topk_blocks_chunked(q, k, v, *, topk: int, softmax_scale: Optional[float] = None,
                                causal: bool = True, window_size=(None, None), softcap: float = 0.0,
                                block_size: int = 64, num_kv_heads: Optional[int] = None,
                                sink_blocks: int = 0, local_blocks: int = 0,
@@ -388,7 +396,7 @@ def select_topk_blocks_chunked(q, k, v, topk: int, softmax_scale: Optional[float
                                          causal=causal, window_size=window_size, softcap=softcap,
                                          block_size=block_size, return_block_logit=True, backend=backend)
         limit = {"block_size": block_size, "seqlen_k": keys} if read_limit else {}
-        blk = select_topk_blocks(bl, row_lse, topk, num_kv_heads=num_kv_heads, sink_blocks=sink_blocks,
+        blk = select_topk_blocks(bl, row_lse, topk=topk, num_kv_heads=num_kv_heads, sink_blocks=sink_blocks,
                                  local_blocks=local_blocks, backend=backend, **limit)
         del bl
         out[:, c0:c1] = o

@@ -77,9 +77,9 @@ def _layer_pair_class():
             h = x + self.o1(out.reshape([b, s, cfg.heads * cfg.head_dim]))
             with paddle.no_grad():  # the selection is discrete: no gradient flows through it
                 blocks = paddle_fa4.select_topk_blocks(
-                    block_logit, lse, cfg.topk, num_kv_heads=cfg.kv_heads, sink_blocks=cfg.sink_blocks,
+                    block_logit, lse, topk=cfg.topk, num_kv_heads=cfg.kv_heads, sink_blocks=cfg.sink_blocks,
                     local_blocks=cfg.local_blocks, block_size=cfg.block_size, seqlen_k=s, **be)
-                indices = paddle_fa4.blocks_to_indices(blocks, cfg.block_size, s, **be)
+                indices = paddle_fa4.blocks_to_indices(blocks, block_size=cfg.block_size, seqlen_k=s, **be)
             q2, k2, v2 = (self._heads(p(h), n) for p, n in ((self.q2, cfg.heads), (self.k2, cfg.kv_heads),
                                                             (self.v2, cfg.kv_heads)))
             sparse = paddle_fa4.indexed_attention(q2, k2, v2, indices, **be)

@@ -8,7 +8,8 @@ cutlass.
 
 from __future__ import annotations
 
-from .._bridge import arch_of, as_contiguous, kernel_arg, require_aligned, require_contiguous
+from .._bridge import (arch_of, commit_output, kernel_arg, kernel_input, require_aligned, require_contiguous,
+                       stage_output)
 
 OP = "flash_attn_fwd"
 BWD_OP = "flash_attn_bwd"
@@ -74,17 +75,21 @@ def unsupported_reason(arch: int, spec) -> str | None:
 def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k) -> None:
     """Launch the CuTe forward; same out-parameter contract as the reference.
 
+    Strided (or misaligned) q / k / v / cu_seqlens are read through contiguous copies; a strided
+    caller ``block_logit`` buffer is written through a contiguous temporary and copied back (the
+    kernels are compiled for compact row-major layouts). ``out``/``lse`` are the op's own
+    ``paddle.empty`` allocations.
+
     Raises:
-        ValueError: an input or output is not contiguous or not 16-byte aligned.
+        ValueError: ``out`` or ``lse`` is not contiguous or not aligned (never for the op's own).
     """
-    named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "block_logit": block_logit,
-             "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    for name, t in named.items():
+    q, k, v = (kernel_input(t) for t in (q, k, v))
+    cu_seqlens_q, cu_seqlens_k = kernel_input(cu_seqlens_q, 4), kernel_input(cu_seqlens_k, 4)
+    caller_block_logit, block_logit = block_logit, stage_output(block_logit, 4)
+    for name, t in (("out", out), ("lse", lse)):
         require_contiguous(OP, name, t)
-    for name in ("q", "k", "v", "out"):
-        require_aligned(OP, name, named[name])
-    for name in ("lse", "block_logit", "cu_seqlens_q", "cu_seqlens_k"):
-        require_aligned(OP, name, named[name], nbytes=4)
+    require_aligned(OP, "out", out)
+    require_aligned(OP, "lse", lse, nbytes=4)
     launch = _launch()
     cfg = fwd_config(arch_of(q), spec)
     launch.run_fwd(
@@ -94,6 +99,7 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
         window_left=-1 if spec.window_left is None else spec.window_left,
         window_right=-1 if spec.window_right is None else spec.window_right,
         max_seqlen_q=spec.seqlen_q)
+    commit_output(caller_block_logit, block_logit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,29 +129,20 @@ def bwd_unsupported_reason(arch: int, spec, deterministic: bool, has_dlse: bool)
 def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
                    deterministic=False):
     """Launch the CuTe backward: allocate the workspace (and dq/dk/dv when None) with ``paddle.empty``
-    and call ``run_bwd``; same contract as the reference. Inputs that are not contiguous are copied;
-    out-parameters must be contiguous.
-
-    Raises:
-        ValueError: an out-parameter is not contiguous, or a tensor is not 16-byte (4-byte for
-            lse / dlse / cu_seqlens) aligned.
+    and call ``run_bwd``; same contract as the reference. Strided (or misaligned) inputs are read
+    through contiguous copies; strided dq/dk/dv out-parameters are written through contiguous
+    temporaries and copied back (the caller's tensors then hold the result, as for compact ones).
     """
     import paddle
 
-    dout, q, k, v, out, lse, dlse = (as_contiguous(t) for t in (dout, q, k, v, out, lse, dlse))
-    outputs = {}
+    dout, q, k, v, out = (kernel_input(t) for t in (dout, q, k, v, out))
+    lse, dlse, cu_seqlens_q, cu_seqlens_k = (kernel_input(t, 4) for t in (lse, dlse, cu_seqlens_q, cu_seqlens_k))
+    results, outputs = {}, {}
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if buf is None:
             buf = paddle.empty(like.shape, dtype=like.dtype, device=like.place)
-        require_contiguous(BWD_OP, name, buf)
-        outputs[name] = buf
-    named = {"dout": dout, "q": q, "k": k, "v": v, "out": out, **outputs}
-    for name, t in named.items():
-        require_aligned(BWD_OP, name, t)
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        require_contiguous(BWD_OP, name, t)
-    for name, t in (("lse", lse), ("dlse", dlse), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        require_aligned(BWD_OP, name, t, nbytes=4)
+        results[name] = buf
+        outputs[name] = stage_output(buf)
     launch = _bwd_launch()
     cfg = bwd_config(arch_of(q), spec, deterministic, dlse is not None)
     shapes = launch.workspace_shapes(cfg, batch=spec.batch, seqlen_q=spec.seqlen_q, num_heads=spec.num_heads,
@@ -159,4 +156,6 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
         window_left=-1 if spec.window_left is None else spec.window_left,
         window_right=-1 if spec.window_right is None else spec.window_right,
         max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k)
-    return outputs["dq"], outputs["dk"], outputs["dv"]
+    for name in ("dq", "dk", "dv"):
+        commit_output(results[name], outputs[name])
+    return results["dq"], results["dk"], results["dv"]

@@ -1,8 +1,13 @@
-"""CuTe backend of ``paddle_fa4.h2o``: allocate with ``paddle.empty``, call the cute_kernels launchers."""
+"""CuTe backend of ``paddle_fa4.h2o``: allocate with ``paddle.empty``, call the cute_kernels launchers.
+
+Strided (or misaligned) inputs are read through contiguous copies (:func:`kernel_input`); a
+strided ``state``/``summary`` updated in place is staged through a contiguous copy of its values
+and copied back after the launch. The kernels stay compiled for compact row-major layouts.
+"""
 
 from __future__ import annotations
 
-from .._bridge import arch_of, kernel_arg
+from .._bridge import arch_of, commit_output, kernel_arg, kernel_input, stage_output
 
 
 # (arch, op, the dtypes and static dims the op's kernel config is built from) -> reason. A decode
@@ -62,14 +67,18 @@ def _kernel_reason(arch: int, op: str, **kw) -> str | None:
 def reset_scores(state, slot_mapping) -> None:
     from cute_kernels.h2o.launch import run_reset_scores
 
-    run_reset_scores(kernel_arg(state), kernel_arg(slot_mapping), arch=arch_of(state))
+    buf = stage_output(state, 4, keep_values=True)
+    run_reset_scores(kernel_arg(buf), kernel_arg(kernel_input(slot_mapping, 4)), arch=arch_of(state))
+    commit_output(state, buf)
 
 
 def update_page_summary(key_cache, slot_mapping, summary) -> None:
     from cute_kernels.h2o.launch import run_update_page_summary
 
-    run_update_page_summary(kernel_arg(key_cache), kernel_arg(slot_mapping), kernel_arg(summary),
-                            arch=arch_of(key_cache))
+    buf = stage_output(summary, keep_values=True)
+    run_update_page_summary(kernel_arg(kernel_input(key_cache)), kernel_arg(kernel_input(slot_mapping, 4)),
+                            kernel_arg(buf), arch=arch_of(key_cache))
+    commit_output(summary, buf)
 
 
 def page_scores(q, summary, block_tables, seq_lens, page_size, w_avg, w_peak, gqa_reduce):
@@ -77,6 +86,8 @@ def page_scores(q, summary, block_tables, seq_lens, page_size, w_avg, w_peak, gq
 
     from cute_kernels.h2o.launch import run_page_scores
 
+    q, summary = kernel_input(q), kernel_input(summary)
+    block_tables, seq_lens = kernel_input(block_tables, 4), kernel_input(seq_lens, 4)
     out = paddle.empty([q.shape[0], summary.shape[1], block_tables.shape[1]], dtype="float32", device=q.place)
     run_page_scores(kernel_arg(q), kernel_arg(summary), kernel_arg(block_tables), kernel_arg(seq_lens), out,
                     page_size=page_size, w_avg=w_avg, w_peak=w_peak, gqa_reduce=gqa_reduce, arch=arch_of(q))
@@ -88,12 +99,16 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, scale, decay, 
 
     from cute_kernels.h2o.launch import run_token_accumulate, token_workspace_shapes
 
+    caller_state, state = state, stage_output(state, 4, keep_values=True)
+    q, key_cache = kernel_input(q), kernel_input(key_cache)
+    block_tables, seq_lens = kernel_input(block_tables, 4), kernel_input(seq_lens, 4)
     lg_shape, st_shape = token_workspace_shapes(q, key_cache, block_tables, gqa_reduce)
     logits = paddle.empty(list(lg_shape), dtype="float32", device=q.place)
     stats = paddle.empty(list(st_shape), dtype="float32", device=q.place)
     run_token_accumulate(kernel_arg(q), kernel_arg(key_cache), kernel_arg(state), kernel_arg(block_tables),
                          kernel_arg(seq_lens), logits, stats, scale=scale, decay=decay, bos=bos, eos=eos,
                          gqa_reduce=gqa_reduce, arch=arch_of(q))
+    commit_output(caller_state, state)
 
 
 def token_page_scores(state, block_tables, seq_lens):
@@ -101,6 +116,8 @@ def token_page_scores(state, block_tables, seq_lens):
 
     from cute_kernels.h2o.launch import run_token_page_scores
 
+    state = kernel_input(state, 4)
+    block_tables, seq_lens = kernel_input(block_tables, 4), kernel_input(seq_lens, 4)
     out = paddle.empty([block_tables.shape[0], state.shape[1], block_tables.shape[1]], dtype="float32", device=state.place)
     run_token_page_scores(kernel_arg(state), kernel_arg(block_tables), kernel_arg(seq_lens), out, arch=arch_of(state))
     return out
@@ -111,6 +128,8 @@ def select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos):
 
     from cute_kernels.h2o.launch import run_select_pages
 
+    scores = kernel_input(scores, 4)
+    block_tables, seq_lens = kernel_input(block_tables, 4), kernel_input(seq_lens, 4)
     b, hkv = scores.shape[0], scores.shape[1]
     out = paddle.empty([b, hkv, bos + topk + eos], dtype="int32", device=scores.place)
     out_lens = paddle.empty([b, hkv], dtype="int32", device=scores.place)

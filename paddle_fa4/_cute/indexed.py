@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from .._bridge import arch_of, as_contiguous, kernel_arg
+from .._bridge import arch_of, kernel_arg, kernel_input
 
 OP = "indexed_attention"
 _LAUNCH_MODULE = "cute_kernels.indexed.launch"
@@ -55,7 +55,7 @@ def build_plan(flat_indices, *, num_sets: int, num_queries: int, width: int, kv_
     t = {n: paddle.empty(s, dtype="int32", device=place) for n, s in shapes.items() if n != "tile_bits"}
     t["tile_bits"] = paddle.zeros(shapes["tile_bits"], dtype="int32", device=place)
     if num_sets * num_queries * width > 0 and kv_len > 0:
-        _launch().run_plan(kernel_arg(as_contiguous(flat_indices)), kv_len, *(kernel_arg(t[n]) for n in (
+        _launch().run_plan(kernel_arg(kernel_input(flat_indices, 4)), kv_len, *(kernel_arg(t[n]) for n in (
             "win_key", "win_mask", "win_count", "tile_bits", "tile_ptr", "tile_win", "tile_start")),
             window_queries=wq, arch=arch_of(flat_indices))
     else:
@@ -96,8 +96,9 @@ def _attn_config(arch: int, head_dim: int, group: int, num_kv_heads: int, per_kv
 def forward(spec, q, k, v, indices, plan):
     import paddle
 
+    indices = kernel_input(indices, 4)
     plan = _plan_for(spec, indices, plan)
-    q, k, v = as_contiguous(q), as_contiguous(k), as_contiguous(v)
+    q, k, v = kernel_input(q), kernel_input(k), kernel_input(v)  # strided views: contiguous copies
     out = paddle.empty([spec.B, spec.Lq, spec.Hq, spec.D], dtype=q.dtype, device=q.place)
     lse = paddle.empty([spec.B, spec.Hq, spec.Lq], dtype="float32", device=q.place)
     _launch().run_fwd(_config(spec, q), kernel_arg(q), kernel_arg(k), kernel_arg(v), kernel_arg(plan.win_key),
@@ -109,7 +110,7 @@ def forward(spec, q, k, v, indices, plan):
 def backward(spec, q, k, v, out, lse, dout, plan):
     import paddle
 
-    q, k, v, out, dout = (as_contiguous(t) for t in (q, k, v, out, dout))
+    q, k, v, out, dout = (kernel_input(t) for t in (q, k, v, out, dout))
     dq = paddle.empty(q.shape, dtype=q.dtype, device=q.place)
     dk = paddle.empty(k.shape, dtype=k.dtype, device=k.place)
     dv = paddle.empty(v.shape, dtype=v.dtype, device=v.place)

@@ -20,13 +20,15 @@ def block_log_weight(block_logit, lse):
     return paddle.where(bl == _NEG_INF, paddle.full_like(bl, _NEG_INF), diff)
 
 
-def _group_scores(block_logit, lse, num_groups):
+def _group_scores(block_logit, lse, num_groups, head_agg="max"):
     """``(score, visible)`` of each (group, row, block) under the NaN rule (docs/api.md, "NaN").
 
     A head sees block j when its block_logit is a number above -inf (NaN = unseen); its score is
     ``block_logit - lse`` unless that is NaN or -inf (NaN or +inf lse): then the head sees the block
     but ranks nothing. ``visible`` = some head of the group sees it; ``score`` = the max over the
-    heads that rank it, -inf when none does (visible-but-unranked blocks are kept only when forced).
+    heads that rank it (``head_agg="sum"``: the log of the sum of their weights, ``logsumexp``;
+    an unranked head adds weight 0), -inf when none does (visible-but-unranked blocks are kept
+    only when forced).
     """
     b, hq, c, nb = block_logit.shape
     group = hq // num_groups
@@ -35,18 +37,27 @@ def _group_scores(block_logit, lse, num_groups):
     diff = bl - lse.astype("float32").unsqueeze(-1)
     ranked = seen & (diff > _NEG_INF)  # False for NaN differences
     score = paddle.where(ranked, diff, paddle.full_like(diff, _NEG_INF))
-    score = score.reshape([b, num_groups, group, c, nb]).max(axis=2)  # [B, Hs, c, nb]
+    score = score.reshape([b, num_groups, group, c, nb])
+    best = score.max(axis=2)  # [B, Hs, c, nb]
+    if head_agg == "sum":
+        # log(sum_h exp(score_h)) around the max (no overflow/underflow of the weights); the heads
+        # that rank nothing hold -inf and add exp(-inf) = 0; all -inf stays -inf.
+        none = best == _NEG_INF
+        shift = paddle.where(none, paddle.zeros_like(best), best)
+        total = paddle.exp(score - shift.unsqueeze(2)).sum(axis=2)
+        best = paddle.where(none, best, shift + paddle.log(total))
+    score = best
     visible = seen.reshape([b, num_groups, group, c, nb]).any(axis=2)
     return score, visible
 
 
-def _select_rows(block_logit, lse, topk, num_groups, sink_blocks, local_blocks, last_blocks):
+def _select_rows(block_logit, lse, topk, num_groups, sink_blocks, local_blocks, last_blocks, head_agg="max"):
     """``block_logit [B, Hq, c, nb]``, ``lse [B, Hq, c]`` -> int32 ``[B, Hs, c, topk]``.
 
     ``last_blocks [c]`` int64 (or None): the causal read limit, blocks past it count as invisible.
     """
     b, hq, c, nb = block_logit.shape
-    logw, visible = _group_scores(block_logit, lse, num_groups)
+    logw, visible = _group_scores(block_logit, lse, num_groups, head_agg)
     col = paddle.arange(nb, dtype="int64", device=block_logit.place).reshape([1, 1, 1, nb])
     if last_blocks is not None:
         visible = visible & (col <= last_blocks.reshape([1, 1, c, 1]))
@@ -70,7 +81,7 @@ def _select_rows(block_logit, lse, topk, num_groups, sink_blocks, local_blocks, 
 
 
 def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, local_blocks,
-                       causal_limit=None) -> None:
+                       causal_limit=None, head_agg="max") -> None:
     """Dense 4-D inputs, ``out [B, Hs, Sq, topk]`` int32 (varlen callers add a batch axis of 1).
 
     ``causal_limit = (block_size, seqlen_k)``: row i sees only blocks <= (i + Sk - Sq) // block_size.
@@ -87,7 +98,7 @@ def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, loc
             last_blocks = paddle.floor_divide(rows_k, paddle.full([], block_size, dtype="int64",
                                                                   device=block_logit.place))
         out[:, :, s0:s1] = _select_rows(block_logit[:, :, s0:s1], lse[:, :, s0:s1], topk, num_groups,
-                                        sink_blocks, local_blocks, last_blocks)
+                                        sink_blocks, local_blocks, last_blocks, head_agg)
 
 
 def blocks_to_indices(block_idx, out, block_size, seqlen_k, causal) -> None:

@@ -207,31 +207,31 @@ def test_indexed_spec_fields():
 
 
 INDEXED_ERRORS = [
-    pytest.param(dict(query=np.zeros([2, 5, 4, 16])), TypeError, "query must be a paddle.Tensor", id="q-numpy"),
-    pytest.param(dict(query=t([2, 5, 4, 16], "int32")), TypeError, "query must be", id="q-int"),
-    pytest.param(dict(key=t([2, 7, 2, 16], "bfloat16")), TypeError, "key must have query's dtype", id="k-dtype"),
-    pytest.param(dict(value=t([2, 7, 2, 16], "float16")), TypeError, "value must have query's dtype",
+    pytest.param(dict(q=np.zeros([2, 5, 4, 16])), TypeError, "q must be a paddle.Tensor", id="q-numpy"),
+    pytest.param(dict(q=t([2, 5, 4, 16], "int32")), TypeError, "q must be", id="q-int"),
+    pytest.param(dict(k=t([2, 7, 2, 16], "bfloat16")), TypeError, "k must have q's dtype", id="k-dtype"),
+    pytest.param(dict(v=t([2, 7, 2, 16], "float16")), TypeError, "v must have q's dtype",
                  id="v-dtype"),
     pytest.param(dict(indices=IDX.astype("int64")), TypeError, "indices must be int32, got int64", id="idx-int64"),
     pytest.param(dict(indices=t([2, 5, 3])), TypeError, "indices must be int32, got float32", id="idx-float"),
-    pytest.param(dict(query=t([5, 4, 16])), ValueError, "query must be [B, Lq, Hq, D]", id="q-rank"),
-    pytest.param(dict(key=t([7, 2, 16])), ValueError, "key must be [B, Lkv, Hkv, D]", id="k-rank"),
+    pytest.param(dict(q=t([5, 4, 16])), ValueError, "q must be [B, Lq, Hq, D]", id="q-rank"),
+    pytest.param(dict(k=t([7, 2, 16])), ValueError, "k must be [B, Lkv, Hkv, D]", id="k-rank"),
     pytest.param(dict(indices=paddle.zeros([10, 3], dtype="int32")), ValueError,
                  "indices must be [B, Lq, W] or [B, Hkv, Lq, W]", id="idx-rank"),
-    pytest.param(dict(key=t([1, 7, 2, 16]), value=t([1, 7, 2, 16])), ValueError, "key must have shape",
+    pytest.param(dict(k=t([1, 7, 2, 16]), v=t([1, 7, 2, 16])), ValueError, "k must have shape",
                  id="batch-mismatch"),
-    pytest.param(dict(key=t([2, 7, 2, 8]), value=t([2, 7, 2, 8])), ValueError, "key must have shape",
+    pytest.param(dict(k=t([2, 7, 2, 8]), v=t([2, 7, 2, 8])), ValueError, "k must have shape",
                  id="head-dim-mismatch"),
-    pytest.param(dict(value=t([2, 6, 2, 16])), ValueError, "value must have shape", id="value-shape"),
-    pytest.param(dict(key=t([2, 7, 3, 16]), value=t([2, 7, 3, 16])), ValueError, "multiple of key's head count",
+    pytest.param(dict(v=t([2, 6, 2, 16])), ValueError, "v must have shape", id="value-shape"),
+    pytest.param(dict(k=t([2, 7, 3, 16]), v=t([2, 7, 3, 16])), ValueError, "multiple of k's head count",
                  id="heads-not-divisible"),
     pytest.param(dict(indices=paddle.zeros([2, 4, 3], dtype="int32")), ValueError,
                  "indices must have shape [2, 5, 3]", id="idx-lq"),
     pytest.param(dict(indices=paddle.zeros([2, 3, 5, 3], dtype="int32")), ValueError,
                  "indices must have shape [2, 2, 5, 3]", id="idx-per-head-hkv"),
-    pytest.param(dict(scale=float("nan")), ValueError, "scale must be finite", id="scale-nan"),
-    pytest.param(dict(scale=-1.0), ValueError, "scale must be >= 0", id="scale-negative"),
-    pytest.param(dict(scale="0.1"), TypeError, "scale must be a float", id="scale-str"),
+    pytest.param(dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite", id="scale-nan"),
+    pytest.param(dict(softmax_scale=-1.0), ValueError, "softmax_scale must be >= 0", id="scale-negative"),
+    pytest.param(dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float", id="scale-str"),
     pytest.param(dict(return_lse=1), TypeError, "return_lse must be a bool", id="return-lse-int"),
     pytest.param(dict(plan=object()), TypeError, "plan must be an IndexedAttentionPlan", id="plan-type"),
     pytest.param(dict(backend="fast"), ValueError, "backend must be one of", id="backend"),
@@ -240,7 +240,7 @@ INDEXED_ERRORS = [
 
 @pytest.mark.parametrize("override,exc,fragment", INDEXED_ERRORS)
 def test_indexed_attention_errors(override, exc, fragment):
-    kw = dict(query=IQ, key=IK, value=IV, indices=IDX)
+    kw = dict(q=IQ, k=IK, v=IV, indices=IDX)
     kw.update(override)
     with pytest.raises(exc, match="^indexed_attention: .*" + re.escape(fragment)):
         paddle_fa4.indexed_attention(**kw)

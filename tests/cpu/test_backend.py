@@ -169,13 +169,17 @@ def test_float32_auto_falls_back_to_reference(fake_gpu, fresh_warnings):
     assert not fake_gpu.runs and float(out.abs().max()) != 7.0
 
 
-def test_cute_requires_contiguous_inputs(fake_gpu):
+def test_cute_takes_strided_inputs_as_contiguous_copies(fake_gpu):
     q = t([1, 2, 8, 64], "bfloat16").transpose([0, 2, 1, 3])  # [1, 8, 2, 64] strided view
     k = t([1, 8, 2, 64], "bfloat16")  # (Paddle's Tensor.contiguous() makes its tensor contiguous in place)
+    before = q.astype("float32").numpy()
     assert not q.is_contiguous()
-    with pytest.raises(ValueError, match="flash_attn_fwd: q must be contiguous for the CuTe backend"):
-        paddle_fa4.flash_attn_fwd(q, k, k, backend="cute")
-    assert not fake_gpu.runs
+    out, _ = paddle_fa4.flash_attn_fwd(q, k, k, backend="cute")
+    tq = fake_gpu.runs[-1]["tensors"][0]
+    assert tq.is_contiguous() and tq.data_ptr() != q.data_ptr()
+    np.testing.assert_array_equal(tq.astype("float32").numpy(), before)
+    assert not q.is_contiguous()  # the caller's view is left as it was (see tests/cpu/test_strided.py)
+    assert float(out.astype("float32").abs().max()) == 7.0
 
 
 # ---------------------------------------------------------------------------------------------

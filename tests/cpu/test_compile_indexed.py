@@ -107,7 +107,7 @@ def test_glue_rejects_a_plan_built_for_other_indices():
     from paddle_fa4._cute import indexed as glue
 
     idx = paddle.zeros([1, 20, 7], dtype="int32")
-    plan = paddle_fa4.indexed_attention_plan(idx, 50, 12, backend="reference")
+    plan = paddle_fa4.indexed_attention_plan(idx, kv_len=50, heads_per_kv=12, backend="reference")
     assert glue._plan_for(_spec(), idx, plan) is plan
     with pytest.raises(ValueError, match="indexed_attention: plan was built for other indices"):
         glue._plan_for(_spec(Lkv=60), idx, plan)

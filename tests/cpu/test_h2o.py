@@ -99,7 +99,7 @@ def test_page_scores(G, gqa):
     bt[2, 1] = 10 ** 6  # out-of-range entry of a valid page: -inf
     summary = _t(rng.standard_normal((key.shape[0], hkv, 3, d)), "float32")
     q = _t(rng.standard_normal((len(seq), hkv * G, d)), "bfloat16")
-    out = h2o.page_scores(q, summary, _t(bt, "int32"), seq_lens, page_size, w_avg=0.7, w_peak=1.3, gqa_reduce=gqa,
+    out = h2o.page_scores(q, summary, _t(bt, "int32"), seq_lens, page_size=page_size, w_avg=0.7, w_peak=1.3, gqa_reduce=gqa,
                           backend=REF)
     assert out.dtype == paddle.float32 and list(out.shape) == [len(seq), hkv, bt.shape[1]]
     ref = oracle.page_scores(_np(q), _np(summary), bt, seq, page_size, 0.7, 1.3, gqa)
@@ -118,8 +118,8 @@ def test_page_scores_peak_bounds_every_key():
     slots = [int(bt[0, t // 16]) * 16 + t % 16 for t in range(64)]
     h2o.update_page_summary(key, _t(slots, "int32"), summary, backend=REF)
     q = rng.standard_normal((1, 1, 32))
-    peak = h2o.page_scores(_t(q, "float32"), summary, tables, seq_lens, 16, w_avg=0.0, w_peak=1.0, backend=REF)
-    avg = h2o.page_scores(_t(q, "float32"), summary, tables, seq_lens, 16, w_avg=1.0, w_peak=0.0, backend=REF)
+    peak = h2o.page_scores(_t(q, "float32"), summary, tables, seq_lens, page_size=16, w_avg=0.0, w_peak=1.0, backend=REF)
+    avg = h2o.page_scores(_t(q, "float32"), summary, tables, seq_lens, page_size=16, w_avg=1.0, w_peak=0.0, backend=REF)
     k = _np(key)
     for j in range(4):
         dots = k[bt[0, j], 0] @ q[0, 0]
@@ -153,7 +153,7 @@ def test_token_accumulate_explicit_scale_and_page_scores():
     key, tables, seq_lens = make_paged(rng, [40, 17], 2, 4, 16)
     q = _t(rng.standard_normal((2, 6, 16)), "float32")
     state = _t(np.zeros((key.shape[0], 2, 4)), "float32")
-    st, pages = h2o.token_accumulate(q, key, state, tables, seq_lens, scale=0.3, decay=0.5, gqa_reduce="sum",
+    st, pages = h2o.token_accumulate(q, key, state, tables, seq_lens, softmax_scale=0.3, decay=0.5, gqa_reduce="sum",
                                      bos=1, eos=2, return_page_scores=True, backend=REF)
     ref = oracle.token_accumulate(_np(q), _np(key), np.zeros(state.shape), _np(tables), [40, 17], 0.3, 0.5, "sum",
                                   1, 2)
@@ -211,7 +211,7 @@ def test_select_pages(case):
     else:
         scores = rng.standard_normal((len(seq), hkv, mp))
     scores = scores.astype(np.float32)
-    tabs, lens = h2o.select_pages(_t(scores, "float32"), tables, seq_lens, page_size, topk, bos, eos, backend=REF)
+    tabs, lens = h2o.select_pages(_t(scores, "float32"), tables, seq_lens, page_size=page_size, topk=topk, bos=bos, eos=eos, backend=REF)
     assert tabs.dtype == paddle.int32 and list(tabs.shape) == [len(seq), hkv, bos + topk + eos]
     ref_t, ref_l = oracle.select_pages(scores, _np(tables), seq, page_size, topk, bos, eos)
     np.testing.assert_array_equal(_np(tabs), ref_t)
@@ -224,7 +224,7 @@ def test_select_pages_nan_never_displaces_a_number():
     scores = np.full((1, 1, tables.shape[1]), -5.0, np.float32)
     scores[0, 0, 3] = np.nan
     scores[0, 0, 6] = 99.0
-    tabs, _ = h2o.select_pages(_t(scores, "float32"), tables, seq_lens, 4, 1, 1, 1, backend=REF)
+    tabs, _ = h2o.select_pages(_t(scores, "float32"), tables, seq_lens, page_size=4, topk=1, bos=1, eos=1, backend=REF)
     assert _np(tabs)[0, 0].tolist() == _np(tables)[0, [0, 6, 9]].tolist()
 
 
@@ -232,10 +232,10 @@ def test_select_pages_nan_check_opt_in(monkeypatch):
     _, tables, seq_lens = make_paged(np.random.default_rng(2), [4 * 10], 1, 4, 8)
     scores = np.zeros((1, 1, tables.shape[1]), np.float32)
     scores[0, 0, 3] = np.nan
-    h2o.select_pages(_t(scores, "float32"), tables, seq_lens, 4, 1, 1, 1, backend=REF)  # rule applies
+    h2o.select_pages(_t(scores, "float32"), tables, seq_lens, page_size=4, topk=1, bos=1, eos=1, backend=REF)  # rule applies
     monkeypatch.setenv("PADDLE_FA4_CHECK_NAN", "1")
     with pytest.raises(FloatingPointError, match="h2o.select_pages: scores holds 1 NaN"):
-        h2o.select_pages(_t(scores, "float32"), tables, seq_lens, 4, 1, 1, 1, backend=REF)
+        h2o.select_pages(_t(scores, "float32"), tables, seq_lens, page_size=4, topk=1, bos=1, eos=1, backend=REF)
 
 
 def test_select_pages_contract():
@@ -244,7 +244,7 @@ def test_select_pages_contract():
     key, tables, seq_lens = make_paged(rng, [4 * 40 + 1], 2, 4, 8)
     bt = _np(tables)
     scores = _t(rng.standard_normal((1, 2, bt.shape[1])), "float32")
-    tabs, lens = h2o.select_pages(scores, tables, seq_lens, 4, 6, 2, 3, backend=REF)
+    tabs, lens = h2o.select_pages(scores, tables, seq_lens, page_size=4, topk=6, bos=2, eos=3, backend=REF)
     n_pages = 41
     for g in range(2):
         row = _np(tabs)[0, g].tolist()
@@ -270,8 +270,8 @@ def test_errors_name_op_and_argument():
         h2o.token_accumulate(q, key, state, tables, seq_lens, gqa_reduce="min", backend=REF)
     with pytest.raises(ValueError, match="h2o.token_accumulate: decay must be >= 0"):
         h2o.token_accumulate(q, key, state, tables, seq_lens, decay=-0.1, backend=REF)
-    with pytest.raises(ValueError, match="h2o.token_accumulate: scale must be >= 0"):
-        h2o.token_accumulate(q, key, state, tables, seq_lens, scale=-0.5, backend=REF)
+    with pytest.raises(ValueError, match="h2o.token_accumulate: softmax_scale must be >= 0"):
+        h2o.token_accumulate(q, key, state, tables, seq_lens, softmax_scale=-0.5, backend=REF)
     with pytest.raises(TypeError, match="h2o.token_accumulate: state must be float32 or bfloat16"):
         h2o.token_accumulate(q, key, state.astype("float16"), tables, seq_lens, backend=REF)
     with pytest.raises(ValueError, match="h2o.token_accumulate: state must have shape"):
@@ -279,11 +279,11 @@ def test_errors_name_op_and_argument():
     with pytest.raises(ValueError, match="h2o.token_accumulate: seq_lens must be <= max_pages"):
         h2o.token_accumulate(q, key, state, tables, _t([1000], "int32"), backend=REF)
     with pytest.raises(ValueError, match="h2o.select_pages: topk must be >= 1"):
-        h2o.select_pages(_t(np.zeros((1, 2, tables.shape[1])), "float32"), tables, seq_lens, 4, 0, backend=REF)
+        h2o.select_pages(_t(np.zeros((1, 2, tables.shape[1])), "float32"), tables, seq_lens, page_size=4, topk=0, backend=REF)
     with pytest.raises(TypeError, match="h2o.select_pages: scores must be float32"):
-        h2o.select_pages(_t(np.zeros((1, 2, tables.shape[1])), "float64"), tables, seq_lens, 4, 2, backend=REF)
+        h2o.select_pages(_t(np.zeros((1, 2, tables.shape[1])), "float64"), tables, seq_lens, page_size=4, topk=2, backend=REF)
     with pytest.raises(ValueError, match="h2o.page_scores: summary must be"):
-        h2o.page_scores(q, _t(np.zeros((key.shape[0], 2, 2, 8)), "float32"), tables, seq_lens, 4, backend=REF)
+        h2o.page_scores(q, _t(np.zeros((key.shape[0], 2, 2, 8)), "float32"), tables, seq_lens, page_size=4, backend=REF)
     with pytest.raises(ValueError, match="h2o.update_page_summary: summary must have shape"):
         h2o.update_page_summary(key, _t([0], "int32"), _t(np.zeros((1, 2, 3, 8)), "float32"), backend=REF)
     with pytest.raises(TypeError, match="h2o.reset_scores: slot_mapping must be int32"):
@@ -309,7 +309,7 @@ def test_empty_inputs_return_shaped_outputs():
     tables = _t(np.zeros((0, 3)), "int32")
     seq_lens = _t(np.zeros((0,)), "int32")
     scores = h2o.page_scores(_t(np.zeros((0, 4, 8)), "float32"), _t(np.zeros((5, 2, 3, 8)), "float32"), tables,
-                             seq_lens, 4, backend=REF)
+                             seq_lens, page_size=4, backend=REF)
     assert list(scores.shape) == [0, 2, 3]
-    tabs, lens = h2o.select_pages(_t(np.zeros((0, 2, 3)), "float32"), tables, seq_lens, 4, 2, backend=REF)
+    tabs, lens = h2o.select_pages(_t(np.zeros((0, 2, 3)), "float32"), tables, seq_lens, page_size=4, topk=2, backend=REF)
     assert list(tabs.shape) == [0, 2, 1 + 2 + 1] and list(lens.shape) == [0, 2]

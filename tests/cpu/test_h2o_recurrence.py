@@ -53,8 +53,8 @@ def test_fp32_state_matches_fp64_and_mass_is_64(gqa, page_size):
     assert np.all(got[BOS:N - EOS] > 0) and not got[:BOS].any() and not got[N - EOS:].any()
     # top-32 equals the oracle's; the harness keeps the boundary gap far above fp32 rounding
     scores = h2o.token_page_scores(state, tables, seq_lens, backend=REF)
-    tabs, _ = h2o.select_pages(scores, tables, seq_lens, page_size, TOPK // page_size or 1,
-                               max(BOS // page_size, 1), max(EOS // page_size, 1), backend=REF)
+    tabs, _ = h2o.select_pages(scores, tables, seq_lens, page_size=page_size, topk=TOPK // page_size or 1,
+                               bos=max(BOS // page_size, 1), eos=max(EOS // page_size, 1), backend=REF)
     if page_size == 1:
         mid = np.sort(ref[BOS:N - EOS])[::-1]
         assert mid[TOPK - 1] - mid[TOPK] > 1e-4 * mid[0]

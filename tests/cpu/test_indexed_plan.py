@@ -55,7 +55,7 @@ def assert_plan_matches(plan: IndexedAttentionPlan, idx: np.ndarray, kv_len: int
 
 
 def _plan(idx: np.ndarray, kv_len: int, group: int):
-    return paddle_fa4.indexed_attention_plan(paddle.to_tensor(idx, dtype="int32"), kv_len, group,
+    return paddle_fa4.indexed_attention_plan(paddle.to_tensor(idx, dtype="int32"), kv_len=kv_len, heads_per_kv=group,
                                              backend="reference")
 
 
@@ -148,15 +148,15 @@ def test_shuffle_rows_keeps_sets():
 def test_plan_argument_errors():
     idx = paddle.zeros([1, 4, 3], dtype="int32")
     with pytest.raises(TypeError, match="indexed_attention_plan: indices must be int32"):
-        paddle_fa4.indexed_attention_plan(idx.astype("int64"), 8, 12)
+        paddle_fa4.indexed_attention_plan(idx.astype("int64"), kv_len=8, heads_per_kv=12)
     with pytest.raises(ValueError, match="indexed_attention_plan: indices"):
-        paddle_fa4.indexed_attention_plan(paddle.zeros([4, 3], dtype="int32"), 8, 12)
+        paddle_fa4.indexed_attention_plan(paddle.zeros([4, 3], dtype="int32"), kv_len=8, heads_per_kv=12)
     with pytest.raises(ValueError, match="kv_len"):
-        paddle_fa4.indexed_attention_plan(idx, -1, 12)
+        paddle_fa4.indexed_attention_plan(idx, kv_len=-1, heads_per_kv=12)
     with pytest.raises(ValueError, match="heads_per_kv"):
-        paddle_fa4.indexed_attention_plan(idx, 8, 0)
+        paddle_fa4.indexed_attention_plan(idx, kv_len=8, heads_per_kv=0)
     with pytest.raises(NotImplementedError, match="backend='cute'"):
-        paddle_fa4.indexed_attention_plan(idx, 8, 12, backend="cute")
+        paddle_fa4.indexed_attention_plan(idx, kv_len=8, heads_per_kv=12, backend="cute")
 
 
 def test_plan_is_accepted_by_indexed_attention_reference():
@@ -164,7 +164,7 @@ def test_plan_is_accepted_by_indexed_attention_reference():
     q = paddle.randn([1, 6, 4, 16])
     kv = paddle.randn([1, 9, 2, 16])
     idx = paddle.to_tensor(src.uniform_indices(6, 9, 4, seed=0)[None], dtype="int32")
-    plan = paddle_fa4.indexed_attention_plan(idx, 9, 2, backend="reference")
+    plan = paddle_fa4.indexed_attention_plan(idx, kv_len=9, heads_per_kv=2, backend="reference")
     a = paddle_fa4.indexed_attention(q, kv, kv, idx, backend="reference")
     b = paddle_fa4.indexed_attention(q, kv, kv, idx, backend="reference", plan=plan)
     assert np.array_equal(a.numpy(), b.numpy())

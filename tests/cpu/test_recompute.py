@@ -36,9 +36,9 @@ class FusedPair(paddle.nn.Layer):
                                                           return_block_logit=True, backend="reference")
         h = x + self.o1(out.reshape([b, s, -1]))
         with paddle.no_grad():
-            blocks = paddle_fa4.select_topk_blocks(block_logit, lse, 2, num_kv_heads=self.heads, sink_blocks=1,
+            blocks = paddle_fa4.select_topk_blocks(block_logit, lse, topk=2, num_kv_heads=self.heads, sink_blocks=1,
                                                    backend="reference")
-            indices = paddle_fa4.blocks_to_indices(blocks, self.block_size, s, backend="reference")
+            indices = paddle_fa4.blocks_to_indices(blocks, block_size=self.block_size, seqlen_k=s, backend="reference")
         q2, k2, v2 = self._split(self.qkv2, h)
         sparse = paddle_fa4.indexed_attention(q2, k2, v2, indices, backend="reference")
         return h + self.o2(sparse.reshape([b, s, -1]))

@@ -37,7 +37,7 @@ CASES = [
 def test_select_matches_oracle(b, hq, sq, sk, bs, hs, topk, sink, local, window, ties):
     rng = np.random.default_rng(7)
     bl, lse = oracle.causal_block_logit(rng, b, hq, sq, sk, bs, window=window, ties=ties)
-    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, num_kv_heads=hs, sink_blocks=sink,
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=topk, num_kv_heads=hs, sink_blocks=sink,
                                         local_blocks=local, **REF)
     want = oracle.select_topk_blocks(bl, lse, topk, hs, sink, local)
     assert got.dtype == paddle.int32 and list(got.shape) == [b, hs or 1, sq, topk]
@@ -49,7 +49,7 @@ def test_selection_contract_properties():
     rng = np.random.default_rng(3)
     b, hq, sq, sk, bs, topk = 2, 4, 80, 160, 16, 4
     bl, lse = oracle.causal_block_logit(rng, b, hq, sq, sk, bs)
-    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, sink_blocks=1, local_blocks=1, **REF).numpy()
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=topk, sink_blocks=1, local_blocks=1, **REF).numpy()
     visible = np.isfinite(bl).any(axis=1)  # [B, Sq, nb]
     for bi in range(b):
         for i in range(sq):
@@ -82,7 +82,7 @@ def _nan_case():
 def test_nan_rule_matches_oracle():
     bl, lse = _nan_case()
     for hs, sink, local, topk in ((None, 1, 1, 4), (2, 0, 2, 3), (None, 0, 0, 8), (1, 2, 0, 2)):
-        got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, num_kv_heads=hs, sink_blocks=sink,
+        got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=topk, num_kv_heads=hs, sink_blocks=sink,
                                             local_blocks=local, **REF)
         np.testing.assert_array_equal(got.numpy(), oracle.select_topk_blocks(bl, lse, topk, hs, sink, local))
 
@@ -90,36 +90,36 @@ def test_nan_rule_matches_oracle():
 def test_nan_never_takes_a_finite_blocks_slot():
     """The issue's rows: NaN scores must not push finite blocks out, nor drop sink / local blocks."""
     bl = np.array([[[[np.nan, np.nan, 0.5, 0.4, 0.3, 0.2]]]], np.float32)
-    got = paddle_fa4.select_topk_blocks(_t(bl), _t(np.zeros((1, 1, 1), np.float32)), 4, **REF)
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(np.zeros((1, 1, 1), np.float32)), topk=4, **REF)
     assert got.numpy().tolist() == [[[[2, 3, 4, 5]]]]
     bl = np.array([[[[0.1, 0.9, 0.8, 0.2, 0.3, -np.inf]]]], np.float32)
-    got = paddle_fa4.select_topk_blocks(_t(bl), _t(np.full((1, 1, 1), np.nan, np.float32)), 4, sink_blocks=1,
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(np.full((1, 1, 1), np.nan, np.float32)), topk=4, sink_blocks=1,
                                         local_blocks=1, **REF)
     assert got.numpy().tolist() == [[[[0, 4, -1, -1]]]]  # sink 0 and diagonal 4 kept, nothing ranked
 
 
 def test_nan_check_opt_in(monkeypatch):
     bl, lse = _nan_case()
-    paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 4, **REF)
+    paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=4, **REF)
     monkeypatch.setenv("PADDLE_FA4_CHECK_NAN", "1")
     with pytest.raises(FloatingPointError, match="select_topk_blocks: block_logit holds 5 NaN"):
-        paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 4, **REF)
+        paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=4, **REF)
 
 
 def test_ties_go_to_lower_block():
     """Equal log-weights: the lower block id wins (regression guard for unstable top-k)."""
     bl = np.zeros((1, 1, 1, 6), np.float32)
     bl[..., 4] = -1.0
-    got = paddle_fa4.select_topk_blocks(_t(bl), _t(np.ones((1, 1, 1), np.float32)), 3, **REF)
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(np.ones((1, 1, 1), np.float32)), topk=3, **REF)
     assert got.numpy().tolist() == [[[[0, 1, 2]]]]
 
 
 def test_max_over_heads_not_sum():
     bl = np.array([[[[5.0, 0.0, 0.0]], [[0.0, 4.0, 4.0]]]], np.float32)  # [1, 2, 1, 3]
     lse = np.array([[[6.0], [5.0]]], np.float32)  # log-weights: head0 [-1,-6,-6], head1 [-5,-1,-1]
-    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 2, **REF)
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=2, **REF)
     assert got.numpy().tolist() == [[[[0, 1]]]]  # max: [-1, -1, -1] -> ties -> 0, 1
-    per_head = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 1, num_kv_heads=2, **REF)
+    per_head = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=1, num_kv_heads=2, **REF)
     assert per_head.numpy().tolist() == [[[[0]], [[1]]]]
 
 
@@ -137,7 +137,7 @@ def test_varlen_matches_oracle_per_sequence():
         wants.append(oracle.select_topk_blocks(bl, lse, topk, 2, 1, 1)[0])
     bl = np.concatenate(parts_bl, axis=1)
     lse = np.concatenate(parts_lse, axis=1)
-    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, num_kv_heads=2, sink_blocks=1,
+    got = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=topk, num_kv_heads=2, sink_blocks=1,
                                         local_blocks=1, **REF)
     assert list(got.shape) == [2, bl.shape[1], topk]
     np.testing.assert_array_equal(got.numpy(), np.concatenate(wants, axis=1))
@@ -162,7 +162,7 @@ def test_blocks_to_indices_matches_oracle(causal, hs, sq, sk, bs):
     rng = np.random.default_rng(2)
     nb = -(-sk // bs)
     blk = rng.integers(-1, nb + 2, size=(2, hs, sq, 4)).astype(np.int32)  # ids past nb must pad too
-    got = paddle_fa4.blocks_to_indices(_t(blk), bs, sk, causal=causal, **REF)
+    got = paddle_fa4.blocks_to_indices(_t(blk), block_size=bs, seqlen_k=sk, causal=causal, **REF)
     want = oracle.blocks_to_indices(blk, bs, sk, causal=causal)
     assert got.dtype == paddle.int32 and list(got.shape) == list(want.shape)
     np.testing.assert_array_equal(got.numpy(), want)
@@ -173,8 +173,8 @@ def test_blocks_to_indices_round_trip():
     rng = np.random.default_rng(9)
     b, hq, sq, sk, bs, topk = 1, 4, 48, 120, 16, 3
     bl, lse = oracle.causal_block_logit(rng, b, hq, sq, sk, bs)
-    blk = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk, num_kv_heads=2, local_blocks=1, **REF)
-    idx = paddle_fa4.blocks_to_indices(blk, bs, sk, **REF).numpy()  # [B, 2, Sq, topk * bs]
+    blk = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=topk, num_kv_heads=2, local_blocks=1, **REF)
+    idx = paddle_fa4.blocks_to_indices(blk, block_size=bs, seqlen_k=sk, **REF).numpy()  # [B, 2, Sq, topk * bs]
     blk = blk.numpy()
     for g in range(2):
         for i in range(sq):
@@ -187,9 +187,9 @@ def test_blocks_to_indices_round_trip():
 
 
 def test_zero_size_and_no_blocks():
-    empty = paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 0, 4]), paddle.zeros([1, 2, 0]), 3, **REF)
+    empty = paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 0, 4]), paddle.zeros([1, 2, 0]), topk=3, **REF)
     assert list(empty.shape) == [1, 1, 0, 3]
-    none = paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 3, 0]), paddle.zeros([1, 2, 3]), 2, **REF)
+    none = paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 3, 0]), paddle.zeros([1, 2, 3]), topk=2, **REF)
     assert none.numpy().tolist() == [[[[-1, -1]] * 3]]
 
 
@@ -227,7 +227,7 @@ def test_blocks_to_indices_errors(blk, kwargs, exc, match):
 
 def test_cute_backend_on_cpu_says_why():
     with pytest.raises(NotImplementedError, match="select_topk_blocks: backend='cute'.*CUDA place"):
-        paddle_fa4.select_topk_blocks(paddle.zeros([1, 1, 2, 4]), paddle.zeros([1, 1, 2]), 1, backend="cute")
+        paddle_fa4.select_topk_blocks(paddle.zeros([1, 1, 2, 4]), paddle.zeros([1, 1, 2]), topk=1, backend="cute")
 
 
 @pytest.mark.parametrize("sq,sk,bs", [(40, 100, 16), (70, 40, 16), (33, 33, 32)], ids=["sq<sk", "sq>sk", "square"])
@@ -236,12 +236,12 @@ def test_causal_read_limit(sq, sk, bs):
     block_logit the result is the same as without the limit."""
     rng = np.random.default_rng(4)
     bl, lse = oracle.causal_block_logit(rng, 1, 4, sq, sk, bs)
-    plain = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 4, sink_blocks=1, local_blocks=1, **REF).numpy()
-    limited = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), 4, sink_blocks=1, local_blocks=1,
+    plain = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=4, sink_blocks=1, local_blocks=1, **REF).numpy()
+    limited = paddle_fa4.select_topk_blocks(_t(bl), _t(lse), topk=4, sink_blocks=1, local_blocks=1,
                                             block_size=bs, seqlen_k=sk, **REF).numpy()
     np.testing.assert_array_equal(limited, plain)
     poisoned = np.where(np.isneginf(bl), np.float32(50.0), bl)  # huge weights on invisible blocks
-    got = paddle_fa4.select_topk_blocks(_t(poisoned), _t(lse), 4, sink_blocks=1, local_blocks=1,
+    got = paddle_fa4.select_topk_blocks(_t(poisoned), _t(lse), topk=4, sink_blocks=1, local_blocks=1,
                                         block_size=bs, seqlen_k=sk, **REF).numpy()
     want = oracle.select_topk_blocks(poisoned, lse, 4, None, 1, 1, causal_limit=(bs, sk))
     np.testing.assert_array_equal(got, want)
@@ -255,7 +255,7 @@ def test_causal_read_limit(sq, sk, bs):
 ])
 def test_causal_read_limit_errors(kwargs, match):
     with pytest.raises(ValueError, match=f"select_topk_blocks: {match}"):
-        paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 3, 5]), paddle.zeros([1, 2, 3]), 2, **kwargs)
+        paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 3, 5]), paddle.zeros([1, 2, 3]), topk=2, **kwargs)
 
 
 def test_docstring_examples_run():

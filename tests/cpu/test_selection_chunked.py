@@ -27,8 +27,8 @@ def test_chunked_equals_one_shot(b, sq, sk, hq, hkv, causal, window, hs, chunk_q
     v = paddle.randn([b, sk, hkv, 32])
     o1, l1, bl = paddle_fa4.flash_attn_fwd(q, k, v, causal=causal, window_size=window, block_size=16,
                                            return_block_logit=True, **REF)
-    s1 = paddle_fa4.select_topk_blocks(bl, l1, 3, num_kv_heads=hs, sink_blocks=1, local_blocks=1, **REF)
-    o2, l2, s2 = paddle_fa4.select_topk_blocks_chunked(q, k, v, 3, causal=causal, window_size=window,
+    s1 = paddle_fa4.select_topk_blocks(bl, l1, topk=3, num_kv_heads=hs, sink_blocks=1, local_blocks=1, **REF)
+    o2, l2, s2 = paddle_fa4.select_topk_blocks_chunked(q, k, v, topk=3, causal=causal, window_size=window,
                                                        block_size=16, num_kv_heads=hs, sink_blocks=1,
                                                        local_blocks=1, chunk_q=chunk_q, **REF)
     np.testing.assert_array_equal(s2.numpy(), s1.numpy())
@@ -57,9 +57,9 @@ def test_chunk_plan_refuses_masks_it_cannot_align(causal, window):
 def test_chunked_errors():
     q = paddle.zeros([4, 2, 16])
     with pytest.raises(ValueError, match="select_topk_blocks_chunked: q must be 4-D"):
-        paddle_fa4.select_topk_blocks_chunked(q, q, q, 2)
+        paddle_fa4.select_topk_blocks_chunked(q, q, q, topk=2)
     q = paddle.zeros([1, 4, 2, 16])
     with pytest.raises(ValueError, match="select_topk_blocks_chunked: chunk_q must be >= 1"):
-        paddle_fa4.select_topk_blocks_chunked(q, q, q, 2, chunk_q=0)
+        paddle_fa4.select_topk_blocks_chunked(q, q, q, topk=2, chunk_q=0)
     with pytest.raises(ValueError, match="select_topk_blocks_chunked: block_size must be one of"):
-        paddle_fa4.select_topk_blocks_chunked(q, q, q, 2, block_size=8)
+        paddle_fa4.select_topk_blocks_chunked(q, q, q, topk=2, block_size=8)

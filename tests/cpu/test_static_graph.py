@@ -42,13 +42,13 @@ def _fa_bwd(q, k, v):
 def _selection(q, k, v):
     out, lse, bl = paddle_fa4.flash_attn_fwd(q, k, v, causal=True, block_size=16, return_block_logit=True, **REF)
     w = paddle_fa4.block_log_weight(bl, lse)
-    blk = paddle_fa4.select_topk_blocks(bl, lse, 2, num_kv_heads=2, sink_blocks=1, **REF)
-    idx = paddle_fa4.blocks_to_indices(blk, 16, 48, **REF)
+    blk = paddle_fa4.select_topk_blocks(bl, lse, topk=2, num_kv_heads=2, sink_blocks=1, **REF)
+    idx = paddle_fa4.blocks_to_indices(blk, block_size=16, seqlen_k=48, **REF)
     return w, blk, idx
 
 
 def _chunked(q, k, v):
-    return paddle_fa4.select_topk_blocks_chunked(q, k, v, 2, block_size=16, num_kv_heads=2, chunk_q=16, **REF)
+    return paddle_fa4.select_topk_blocks_chunked(q, k, v, topk=2, block_size=16, num_kv_heads=2, chunk_q=16, **REF)
 
 
 _IDX = paddle.to_tensor(np.random.default_rng(1).integers(-1, 48, size=(1, 48, 8)).astype("int32"))
@@ -56,7 +56,7 @@ _IDX = paddle.to_tensor(np.random.default_rng(1).integers(-1, 48, size=(1, 48, 8
 
 def _indexed(q, k, v):
     idx = _IDX
-    plan = paddle_fa4.indexed_attention_plan(idx, 48, 2, **REF)
+    plan = paddle_fa4.indexed_attention_plan(idx, kv_len=48, heads_per_kv=2, **REF)
     return paddle_fa4.indexed_attention(q, k, v, idx, plan=plan, **REF), paddle_fa4.indexed_attention(q, k, v, idx, **REF)
 
 
@@ -97,10 +97,10 @@ def _h2o_ops(q, key, state, summary, tables, seq_lens):
     slots = paddle.to_tensor([0, 5], dtype="int32")
     h2o.reset_scores(state, slots, **REF)
     h2o.update_page_summary(key, slots, summary, **REF)
-    ps = h2o.page_scores(q, summary, tables, seq_lens, 4, **REF)
+    ps = h2o.page_scores(q, summary, tables, seq_lens, page_size=4, **REF)
     state, tps = h2o.token_accumulate(q, key, state, tables, seq_lens, return_page_scores=True, **REF)
     tps2 = h2o.token_page_scores(state, tables, seq_lens, **REF)
-    sel = h2o.select_pages(ps, tables, seq_lens, 4, 1, **REF)
+    sel = h2o.select_pages(ps, tables, seq_lens, page_size=4, topk=1, **REF)
     return ps, tps, tps2, sel
 
 

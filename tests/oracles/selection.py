@@ -39,11 +39,12 @@ def _select_row(scores, visible, topk, sink_blocks, local_blocks):
     return row
 
 
-def _group_row(bl_heads, lse_heads):
+def _group_row(bl_heads, lse_heads, head_agg="max"):
     """The NaN rule for one (group, row): ``bl_heads [group, nb]``, ``lse_heads [group]`` ->
     ``(scores, visible)``. A head sees block j when its block_logit is a number above -inf; it ranks
     it when also ``block_logit - lse`` (fp32) is a number above -inf. The group's score is the max
-    over ranking heads (NaN when none ranks it); visible = some head sees it."""
+    over ranking heads (``head_agg="sum"``: the log of the sum of their weights exp(d), in fp64;
+    NaN when none ranks it); visible = some head sees it."""
     group, nb = bl_heads.shape
     scores = np.full(nb, np.nan)
     visible = np.zeros(nb, bool)
@@ -57,12 +58,16 @@ def _group_row(bl_heads, lse_heads):
                 d = float(np.float32(x - np.float64(lse_heads[h])))
             if np.isnan(d) or d == NEG_INF:
                 continue
-            scores[j] = d if np.isnan(scores[j]) else max(scores[j], d)
+            if head_agg == "sum":
+                w = np.exp(d)
+                scores[j] = np.log(w if np.isnan(scores[j]) else np.exp(scores[j]) + w)
+            else:
+                scores[j] = d if np.isnan(scores[j]) else max(scores[j], d)
     return scores, visible
 
 
 def select_topk_blocks(block_logit, lse, topk, num_kv_heads=None, sink_blocks=0, local_blocks=0,
-                       causal_limit=None):
+                       causal_limit=None, head_agg="max"):
     """Oracle of ``paddle_fa4.select_topk_blocks`` (dense 4-D or varlen 3-D inputs).
 
     ``causal_limit = (block_size, seqlen_k)``: blocks past row i's (i + Sk - Sq) // block_size are
@@ -84,7 +89,7 @@ def select_topk_blocks(block_logit, lse, topk, num_kv_heads=None, sink_blocks=0,
                 # The op's log-weight is an fp32 number (fp32 inputs, one fp32 subtraction): each
                 # head's exact difference is rounded once so that ties are the ties the op sees.
                 scores, visible = _group_row(bl[bi, g * group:(g + 1) * group, i, :],
-                                             ls[bi, g * group:(g + 1) * group, i])
+                                             ls[bi, g * group:(g + 1) * group, i], head_agg)
                 if causal_limit is not None:
                     block_size, seqlen_k = causal_limit
                     last_key = i + seqlen_k - sq
