@@ -26,6 +26,14 @@ def as_contiguous(t):
     return t if t is None or t.is_contiguous() else t.clone()
 
 
+def empty(shape, dtype, like):
+    """``paddle.empty(shape, dtype, device=like.place)``: the glue's one allocator of kernel buffers
+    (one seam, so tests/gpu can drive the glue with torch tensors)."""
+    import paddle
+
+    return paddle.empty(list(shape), dtype=dtype, device=like.place)
+
+
 def _compact(t, nbytes: int) -> bool:
     """Whether the kernels can take ``t`` as it is: contiguous (row-major) and ``nbytes``-aligned."""
     return t.is_contiguous() and (is_empty(t) or t.data_ptr() % nbytes == 0)
@@ -46,9 +54,7 @@ def stage_output(t, nbytes: int = 16, keep_values: bool = False):
         return t
     if keep_values:
         return t.clone()
-    import paddle
-
-    return paddle.empty(t.shape, dtype=t.dtype, device=t.place)
+    return empty(t.shape, t.dtype, t)
 
 
 def commit_output(t, buf) -> None:

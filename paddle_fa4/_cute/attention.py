@@ -8,6 +8,7 @@ cutlass.
 
 from __future__ import annotations
 
+from .. import _bridge
 from .._bridge import (arch_of, commit_output, kernel_arg, kernel_input, require_aligned, require_contiguous,
                        stage_output)
 
@@ -133,21 +134,19 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
     through contiguous copies; strided dq/dk/dv out-parameters are written through contiguous
     temporaries and copied back (the caller's tensors then hold the result, as for compact ones).
     """
-    import paddle
-
     dout, q, k, v, out = (kernel_input(t) for t in (dout, q, k, v, out))
     lse, dlse, cu_seqlens_q, cu_seqlens_k = (kernel_input(t, 4) for t in (lse, dlse, cu_seqlens_q, cu_seqlens_k))
     results, outputs = {}, {}
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if buf is None:
-            buf = paddle.empty(like.shape, dtype=like.dtype, device=like.place)
+            buf = _bridge.empty(like.shape, like.dtype, like)
         results[name] = buf
         outputs[name] = stage_output(buf)
     launch = _bwd_launch()
     cfg = bwd_config(arch_of(q), spec, deterministic, dlse is not None)
     shapes = launch.workspace_shapes(cfg, batch=spec.batch, seqlen_q=spec.seqlen_q, num_heads=spec.num_heads,
                                      total_q=spec.total_q)
-    workspace = {name: paddle.empty(list(shape), dtype=dtype, device=q.place) for name, (shape, dtype) in shapes.items()}
+    workspace = {name: _bridge.empty(shape, dtype, q) for name, (shape, dtype) in shapes.items()}
     a = kernel_arg
     launch.run_bwd(
         cfg, a(dout), a(q), a(k), a(v), a(out), a(lse), a(dlse), a(outputs["dq"]), a(outputs["dk"]),
