@@ -3,7 +3,8 @@ See ``docs/api.md``.
 
 :func:`flash_attn_fwd` validates its arguments into a frozen :class:`AttnFwdSpec`, resolves the
 backend, allocates the outputs with ``paddle.empty`` on ``q.place`` (a caller's ``block_logit``
-buffer is used as is) and calls an out-parameter implementation: the pure-Paddle reference
+buffer is used as is). :func:`flash_attn_func` / :func:`flash_attn_varlen_func` are FA4-compatible
+faces of the same call (``_attention``) and calls an out-parameter implementation: the pure-Paddle reference
 (``paddle_fa4.reference.attention``) or the CuTe glue (``paddle_fa4._cute.attention``), both with
 the call ``impl.flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k)``.
 
@@ -114,7 +115,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
 
     Args:
         q (Tensor): ``[B, Sq, Hq, D]`` (varlen: ``[total_q, Hq, D]``), bfloat16 or float16
-            (float32 on the reference backend only).
+            (float32 on the reference backend only). Strided views (e.g. slices of a fused qkv
+            projection) are accepted for q, k, v: the CuTe backend reads contiguous copies.
         k (Tensor): ``[B, Sk, Hkv, D]`` (varlen: ``[total_k, Hkv, D]``), q's dtype; ``Hq % Hkv == 0``
             and query head ``h`` uses kv head ``h // (Hq // Hkv)``.
         v (Tensor): ``[B, Sk, Hkv, Dv]`` (varlen: ``[total_k, Hkv, Dv]``), q's dtype.
@@ -129,7 +131,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         max_seqlen_q (int, optional): longest query sequence; required with varlen.
         max_seqlen_k (int, optional): longest key sequence; required with varlen.
         block_logit (Tensor, optional): float32 ``[B, Hq, Sq, ceil(Sk / block_size)]`` (varlen:
-            ``[Hq, total_q, ceil(max_seqlen_k / block_size)]``) to fill; every entry is written.
+            ``[Hq, total_q, ceil(max_seqlen_k / block_size)]``) to fill; every entry is written
+            (a strided view through a contiguous temporary on the CuTe backend, copied back).
         block_size (int): key-block size of ``block_logit``: 16, 32, 64, 128 or 256.
         return_block_logit (bool): allocate and return ``block_logit``.
         pack_gqa (bool, optional): GQA packing hint for the kernels; results do not depend on it.

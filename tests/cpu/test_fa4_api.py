@@ -254,3 +254,21 @@ def test_head_agg_sum_has_no_cute_kernel(monkeypatch):
     assert got.shape == [1, 1, 3, 2]
     with pytest.raises(ValueError, match="head_agg must be one of"):
         paddle_fa4.select_topk_blocks(bl, lse, topk=2, head_agg="mean", **REF)
+
+
+def test_readme_using_it_blocks_run():
+    """README's "Using it" code (the FA4-compatible call and the training step) runs as written."""
+    import pathlib
+    import re
+
+    src = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = src[src.index("## Using it"):src.index("## Checking the kernels")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2 and "flash_attn_func" in blocks[0] and ".backward()" in "".join(blocks)
+    scope = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "using the reference backend" on the CPU
+        for block in blocks:
+            exec(block, scope)
+    assert scope["proj"].weight.grad is not None and float(scope["proj"].weight.grad.abs().sum()) > 0
+    assert scope["out"].shape == [2, 512, 8, 128] and scope["out_v"].shape == [512, 8, 128]
