@@ -8,7 +8,7 @@ registered callables are thin wrappers that look up the public op in :mod:`paddl
 so registering imports nothing heavy. Importing this module registers once; :func:`register_ops`
 is idempotent.
 
-Registered names: ``flash_attn_fwd``, ``flash_attn_bwd``, ``indexed_attention``, ``block_log_weight``,
+Registered names: ``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_fwd``, ``flash_attn_bwd``, ``indexed_attention``, ``block_log_weight``,
 ``select_topk_blocks``, ``blocks_to_indices`` and the H2O ops as ``h2o_<op>``
 (``h2o_update_page_summary``, ``h2o_page_scores``, ``h2o_reset_scores``, ``h2o_token_accumulate``,
 ``h2o_token_page_scores``, ``h2o_select_pages``).
@@ -23,6 +23,8 @@ NAMESPACE = "paddle_fa4"
 
 #: registered name -> (module under paddle_fa4 holding the op, the op's name there)
 OPS: Dict[str, Tuple[str, str]] = {
+    "flash_attn_func": ("", "flash_attn_func"),
+    "flash_attn_varlen_func": ("", "flash_attn_varlen_func"),
     "flash_attn_fwd": ("", "flash_attn_fwd"),
     "flash_attn_bwd": ("", "flash_attn_bwd"),
     "indexed_attention": ("", "indexed_attention"),
