@@ -77,9 +77,11 @@ KEYS_PER_WG = 64
 THREADS_PER_WG = 128
 NUM_THREADS = 3 * THREADS_PER_WG
 STAGES = 2
-# setmaxnreg split within the launch allocation (168 registers x 384 threads = 64,512): 128 * 40 + 256 * 232.
-# (A split over it, e.g. 32 / 240 = 65,536, would leave setmaxnreg.inc waiting for registers that never free.)
-PRODUCER_REGS, CONSUMER_REGS = 40, 232
+# setmaxnreg split within the launch allocation (168 registers x 384 threads = 64,512): 128 * 24 + 256 * 240,
+# the forward's. (A split over it, e.g. 32 / 240 = 65,536, would leave setmaxnreg.inc waiting for registers
+# that never free.) The first H200-verified build (fc3944e) had 40 / 232, which spilled 8-40 bytes in 32 of
+# the 149 sm_90a full-matrix configs (windows, softcap d 64, d 64 GQA / varlen, d 128 varlen MHA).
+PRODUCER_REGS, CONSUMER_REGS = 24, 240
 # Named barriers (0 is __syncthreads).
 DS_FULL_BARRIER = 1  # both consumer WGs: dS^T of the step is in smem
 DQ_FULL_BARRIER = 2  # consumer WGs that stage dQ arrive, warp 1 waits
