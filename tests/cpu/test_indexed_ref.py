@@ -44,8 +44,8 @@ def run(q, k, v, idx, dout, **kw):
 def check_against_oracle(q, k, v, idx, dout, tol=REL_L2, **kw):
     got = run(q, k, v, idx, dout, **kw)
     args = [to_numpy64(t) for t in (q, k, v)] + [idx.numpy()]
-    out, lse = oracle.forward(*args, scale=kw.get("scale"))
-    dq, dk, dv = oracle.backward(*args, to_numpy64(dout), scale=kw.get("scale"))
+    out, lse = oracle.forward(*args, scale=kw.get("softmax_scale"))
+    dq, dk, dv = oracle.backward(*args, to_numpy64(dout), scale=kw.get("softmax_scale"))
     for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), got, (out, lse, dq, dk, dv)):
         assert_rel_l2(name, a, e, tol)
     return got
@@ -68,7 +68,7 @@ def test_forward_backward(case, per_kv_head):
 
 
 def test_custom_scale():
-    check_against_oracle(*make_case(2, 1, 8, 10, 4, 2, 16, 5), scale=0.21)
+    check_against_oracle(*make_case(2, 1, 8, 10, 4, 2, 16, 5), softmax_scale=0.21)
 
 
 def test_duplicates_count_once():
@@ -209,7 +209,7 @@ def test_plan_is_accepted_and_ignored_by_reference():
     """A plan from indexed_attention_plan passes validation; the reference result does not change."""
     plan_mod = pytest.importorskip("paddle_fa4.indexed_plan", reason="indexed_attention_plan not in this tree")
     q, k, v, idx, dout = make_case(15, 1, 6, 9, 4, 2, 8, 4)
-    plan = plan_mod.indexed_attention_plan(idx, 9, 2, backend="reference")
+    plan = plan_mod.indexed_attention_plan(idx, kv_len=9, heads_per_kv=2, backend="reference")
     base = [t.numpy().copy() for t in run(q, k, v, idx, dout)]
     with_plan = [t.numpy() for t in run(q, k, v, idx, dout, plan=plan)]
     for a, b in zip(base, with_plan):
