@@ -316,7 +316,7 @@ CHUNK_BLOCK_LOGIT_BYTES = 1 << 30
 def select_topk_blocks_chunked(q, k, v, *, topk: int, softmax_scale: Optional[float] = None,
                                causal: bool = True, window_size=(None, None), softcap: float = 0.0,
                                block_size: int = 64, num_kv_heads: Optional[int] = None,
-                               sink_blocks: int = 0, local_blocks: int = 0,
+                               sink_blocks: int = 0, local_blocks: int = 0, head_agg: str = "max",
                                chunk_q: Optional[int] = None, backend: Backend = "auto",
                                name: Optional[str] = None):
     r"""
@@ -341,7 +341,7 @@ def select_topk_blocks_chunked(q, k, v, *, topk: int, softmax_scale: Optional[fl
         topk (int): blocks per row, as :func:`select_topk_blocks`.
         softmax_scale, causal, window_size, softcap, block_size: as :func:`flash_attn_fwd`
             (``causal`` defaults to True here).
-        num_kv_heads, sink_blocks, local_blocks: as :func:`select_topk_blocks`.
+        num_kv_heads, sink_blocks, local_blocks, head_agg: as :func:`select_topk_blocks`.
         chunk_q (int|None, optional): query rows per chunk; None picks the largest multiple of 128
             whose block_logit fits in ``CHUNK_BLOCK_LOGIT_BYTES`` (1 GiB). Default: None.
         backend (str, optional): passed to both ops. Default: ``"auto"``.
@@ -371,6 +371,8 @@ def select_topk_blocks_chunked(q, k, v, *, topk: int, softmax_scale: Optional[fl
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
     _require_int(op, "topk", topk, 1)
+    if not isinstance(head_agg, str) or head_agg not in HEAD_AGG:
+        raise ValueError(f"{op}: head_agg must be one of {HEAD_AGG}, got {head_agg!r}")
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"{op}: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     b, sq, hq, _ = q.shape
@@ -397,7 +399,7 @@ def select_topk_blocks_chunked(q, k, v, *, topk: int, softmax_scale: Optional[fl
                                          block_size=block_size, return_block_logit=True, backend=backend)
         limit = {"block_size": block_size, "seqlen_k": keys} if read_limit else {}
         blk = select_topk_blocks(bl, row_lse, topk=topk, num_kv_heads=num_kv_heads, sink_blocks=sink_blocks,
-                                 local_blocks=local_blocks, backend=backend, **limit)
+                                 local_blocks=local_blocks, head_agg=head_agg, backend=backend, **limit)
         del bl
         out[:, c0:c1] = o
         lse[:, :, c0:c1] = row_lse

@@ -63,3 +63,15 @@ def test_chunked_errors():
         paddle_fa4.select_topk_blocks_chunked(q, q, q, topk=2, chunk_q=0)
     with pytest.raises(ValueError, match="select_topk_blocks_chunked: block_size must be one of"):
         paddle_fa4.select_topk_blocks_chunked(q, q, q, topk=2, block_size=8)
+
+
+def test_chunked_head_agg_sum_equals_one_shot():
+    paddle.seed(1)
+    q, k, v = paddle.randn([1, 40, 4, 32]), paddle.randn([1, 40, 2, 32]), paddle.randn([1, 40, 2, 32])
+    o1, l1, bl = paddle_fa4.flash_attn_fwd(q, k, v, causal=True, block_size=16, return_block_logit=True, **REF)
+    s1 = paddle_fa4.select_topk_blocks(bl, l1, topk=2, head_agg="sum", **REF)
+    _, _, s2 = paddle_fa4.select_topk_blocks_chunked(q, k, v, topk=2, block_size=16, head_agg="sum", chunk_q=7,
+                                                     **REF)
+    np.testing.assert_array_equal(s2.numpy(), s1.numpy())
+    with pytest.raises(ValueError, match="select_topk_blocks_chunked: head_agg must be one of"):
+        paddle_fa4.select_topk_blocks_chunked(q, k, v, topk=2, head_agg="avg", **REF)
