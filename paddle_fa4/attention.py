@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from paddle.autograd import PyLayer
@@ -27,6 +26,7 @@ from paddle.autograd import PyLayer
 from . import _validate as V
 from ._bridge import as_contiguous
 from .backend import resolve_backend
+from ._spec import AttnFwdSpec
 from ._static import dynamic_only
 
 OP = "flash_attn_fwd"
@@ -36,68 +36,6 @@ BWD_OP = "flash_attn_bwd"
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 #: Largest head dim the reference backend takes (the kernels take 64, 96, 128, 192, 256).
 MAX_HEAD_DIM = 256
-
-
-@dataclass(frozen=True)
-class AttnFwdSpec:
-    """A validated :func:`flash_attn_fwd` call; everything downstream reads only this.
-
-    Shape letters as in ``docs/api.md``. For varlen calls ``batch`` is the number of sequences,
-    ``seqlen_q``/``seqlen_k`` are ``max_seqlen_q``/``max_seqlen_k`` and ``total_q``/``total_k`` the
-    packed token counts; otherwise ``total_q == batch * seqlen_q`` (likewise for k).
-
-    ``window_left``/``window_right`` are None when unbounded; causal calls have
-    ``window_right == 0``. ``causal`` is also True for a window ``(None, 0)`` (the same mask).
-    ``block_size`` is 0 when no ``block_logit`` is produced; ``num_blocks`` is its last extent.
-    """
-
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    total_q: int
-    total_k: int
-    num_heads: int
-    num_heads_k: int
-    head_dim: int
-    head_dim_v: int
-    dtype: str
-    varlen: bool
-    softmax_scale: float
-    softcap: float
-    causal: bool
-    window_left: Optional[int]
-    window_right: Optional[int]
-    block_size: int
-    num_blocks: int
-    pack_gqa: bool
-
-    @property
-    def qhead_per_kvhead(self) -> int:
-        return self.num_heads // self.num_heads_k
-
-    @property
-    def has_window(self) -> bool:
-        """True when the mask needs a window beyond plain causal."""
-        return self.window_left is not None or (self.window_right is not None and not self.causal)
-
-    @property
-    def has_block_logit(self) -> bool:
-        return self.block_size > 0
-
-    def out_shape(self) -> list:
-        if self.varlen:
-            return [self.total_q, self.num_heads, self.head_dim_v]
-        return [self.batch, self.seqlen_q, self.num_heads, self.head_dim_v]
-
-    def lse_shape(self) -> list:
-        if self.varlen:
-            return [self.num_heads, self.total_q]
-        return [self.batch, self.num_heads, self.seqlen_q]
-
-    def block_logit_shape(self) -> list:
-        if self.varlen:
-            return [self.num_heads, self.total_q, self.num_blocks]
-        return [self.batch, self.num_heads, self.seqlen_q, self.num_blocks]
 
 
 @dynamic_only("flash_attn_fwd")

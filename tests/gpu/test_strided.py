@@ -42,7 +42,7 @@ def glue(monkeypatch):
 
 
 def _spec(b, sq, sk, hq, hkv, d, *, causal, block_size=0, varlen=False, total_q=None, total_k=None):
-    from paddle_fa4.attention import AttnFwdSpec
+    from paddle_fa4._spec import AttnFwdSpec
 
     return AttnFwdSpec(batch=b, seqlen_q=sq, seqlen_k=sk, total_q=total_q or b * sq, total_k=total_k or b * sk,
                        num_heads=hq, num_heads_k=hkv, head_dim=d, head_dim_v=d, dtype="bfloat16", varlen=varlen,
