@@ -23,7 +23,15 @@ def as_contiguous(t):
 
     Never ``t.contiguous()``: in Paddle 3.3 that re-lays-out the caller's tensor *in place*.
     """
-    return t if t is None or t.is_contiguous() else t.clone()
+    return t if t is None or t.is_contiguous() else _compact_copy(t)
+
+
+def _compact_copy(t):
+    """A contiguous copy of ``t``. Paddle's ``clone`` is always contiguous; torch's keeps a permuted
+    layout (tests/gpu drive this glue with torch tensors), so a still-strided clone -- our own
+    tensor, never the caller's -- is made contiguous."""
+    c = t.clone()
+    return c if c.is_contiguous() else c.contiguous()
 
 
 def empty(shape, dtype, like):
@@ -43,7 +51,7 @@ def kernel_input(t, nbytes: int = 16):
     """``t`` when contiguous and ``nbytes``-aligned, else a contiguous copy (a fresh, aligned
     allocation). The caller's tensor is never modified; the kernels stay compiled for compact
     row-major layouts (strides are not part of any compile key)."""
-    return t if t is None or _compact(t, nbytes) else t.clone()
+    return t if t is None or _compact(t, nbytes) else _compact_copy(t)
 
 
 def stage_output(t, nbytes: int = 16, keep_values: bool = False):
@@ -53,7 +61,7 @@ def stage_output(t, nbytes: int = 16, keep_values: bool = False):
     if t is None or _compact(t, nbytes):
         return t
     if keep_values:
-        return t.clone()
+        return _compact_copy(t)
     return empty(t.shape, t.dtype, t)
 
 
