@@ -12,6 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.dtypes import cutlass_dtype
 
 from .bwd_config import ACCUM_ROW_PAD, BwdConfig
@@ -45,12 +46,8 @@ class FlashBwdPost:
         tidx, _, _ = cute.arch.thread_idx()
         m_blk, h, b = cute.arch.block_idx()
         L = self.lanes
-        if const_expr(cfg.varlen):
-            offset_q = mCuSeqlensQ[b]
-            seqlen_q = mCuSeqlensQ[b + 1] - offset_q
-        else:
-            offset_q = Int32(0)
-            seqlen_q = mdQ.shape[1]
+        seq = SeqlenInfo.create(b, mdQ.shape[1], 0, mCuSeqlensQ if const_expr(cfg.varlen) else None, None)
+        offset_q, seqlen_q = seq.offset_q, seq.seqlen_q
         m_start = m_blk * ROWS
         if m_start < seqlen_q:
             row0 = accum_row0(cfg.varlen, mCuSeqlensQ, b) + m_start
