@@ -86,7 +86,14 @@ class Ratio:
         return {"median": self.median, "lo": self.lo, "hi": self.hi, "rounds": list(self.samples)}
 
     def fmt(self, digits: int = 3) -> str:
-        return f"{self.median:.{digits}f} ({self.lo:.{digits}f}-{self.hi:.{digits}f})"
+        return fmt_spread(self.as_dict(), digits)
+
+
+def fmt_spread(x, digits: int = 3) -> str:
+    """``median (lo-hi)`` of a ``{"median", "lo", "hi"}`` dict (a row's JSON form), ``-`` for None."""
+    if x is None:
+        return "-"
+    return f"{x['median']:.{digits}f} ({x['lo']:.{digits}f}-{x['hi']:.{digits}f})"
 
 
 def summarize(window_values, reps=(), mode: str = "eager") -> Stats:

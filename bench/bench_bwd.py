@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _timing import (RunInfo, add_method_args, bench_windows, method_from_args, timer_from_args,  # noqa: E402
+from _timing import (fmt_spread, RunInfo, add_method_args, bench_windows, method_from_args, timer_from_args,  # noqa: E402
                      write_markdown)
 
 VARIANTS = ("ours", "fa4", "ours_det", "fa4_det", "ours_det_spt")
@@ -67,10 +67,10 @@ def markdown(info, rows, variants):
                  "causal" if r["causal"] else "full"]
         for v in variants:
             t = r["tflops"].get(v)
-            cells.append("-" if t is None else f"{t['median']:.0f} ({t['lo']:.0f}-{t['hi']:.0f})")
+            cells.append(fmt_spread(t, 0))
         for k, _ in ratios:
             x = r["ratios"].get(k)
-            cells.append("-" if x is None else f"{x['median']:.3f} ({x['lo']:.3f}-{x['hi']:.3f})")
+            cells.append(fmt_spread(x))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
                                           "hi": flops / (st.lo_ms * 1e9)} for n, st in res.items()}}
                     rows.append(row)
                     parts = [f"{n} {flops / (res[n].median_ms * 1e9):.0f} TF" for n in order]
-                    parts += [f"{k_} {x['median']:.3f} ({x['lo']:.3f}-{x['hi']:.3f})" for k_, x in ratios.items()]
+                    parts += [f"{k_} {fmt_spread(x)}" for k_, x in ratios.items()]
                     print(f"d {d} S {s} B {b} H {hq}/{hkv} {mode}: " + "; ".join(parts), flush=True)
                     del fns, out, lse
                 del q, k, v, do

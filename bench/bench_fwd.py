@@ -31,7 +31,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _timing import (RunInfo, add_method_args, bench_windows, host_us_per_call, method_from_args,  # noqa: E402
+from _timing import (fmt_spread, RunInfo, add_method_args, bench_windows, host_us_per_call, method_from_args,  # noqa: E402
                      timer_from_args, write_markdown)
 
 VARIANTS = ("ours", "ours_bl", "fa4", "unfused", "bl_fill")
@@ -116,10 +116,10 @@ def markdown(info: RunInfo, rows: list, variants: list) -> str:
                  "causal" if r["causal"] else "full"]
         for v in tflops:
             t = r["tflops"].get(v)
-            cells.append("-" if t is None else f"{t['median']:.0f} ({t['lo']:.0f}-{t['hi']:.0f})")
+            cells.append(fmt_spread(t, 0))
         for k, _ in ratios:
             x = r["ratios"].get(k)
-            cells.append("-" if x is None else f"{x['median']:.3f} ({x['lo']:.3f}-{x['hi']:.3f})")
+            cells.append(fmt_spread(x))
         for v in hosts:
             h = r.get("host_us", {}).get(v)
             cells.append("-" if h is None else f"{h:.1f}")
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
                                   for n, st in res.items() if n != "bl_fill"}}
                 rows.append(row)
                 parts = [f"{n} {res[n].median_ms:.3f} ms ({res[n].lo_ms:.3f}-{res[n].hi_ms:.3f})" for n in fns]
-                parts += [f"{k_} {x['median']:.3f} ({x['lo']:.3f}-{x['hi']:.3f})" for k_, x in row["ratios"].items()]
+                parts += [f"{k_} {fmt_spread(x)}" for k_, x in row["ratios"].items()]
                 print(f"d {d} S {s} B {b} {mode}: " + "; ".join(parts), flush=True)
             del q, k, v, out, lse, blk
             torch.cuda.empty_cache()

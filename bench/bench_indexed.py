@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _timing import (CudaTimer, RunInfo, add_method_args, bench_windows, host_us_per_call,  # noqa: E402
+from _timing import (fmt_spread, CudaTimer, RunInfo, add_method_args, bench_windows, host_us_per_call,  # noqa: E402
                      method_from_args, timer_from_args, write_markdown)
 
 PUBLISHED = {"16Kx16K": (31, 116), "64Kx64K": (191, 352), "131Kx131K": (448, 669),
@@ -260,7 +260,7 @@ def markdown(info: RunInfo, rows: list, host: dict) -> str:
             cells.append("-" if st is None else f"{st['median_ms']:.2f} ({st['lo_ms']:.2f}-{st['hi_ms']:.2f})")
         cells.append(str(r.get("published_windowed_ms", "-")))
         x = r.get("ratio_vs_published_windowed")
-        cells.append("-" if x is None else f"{x['median']:.3f} ({x['lo']:.3f}-{x['hi']:.3f})")
+        cells.append(fmt_spread(x))
         cells.append(f"{r['baseline_gather_dense_ms']:.0f}" if "baseline_gather_dense_ms" in r else "-")
         cells.append(f"{r['speedup_vs_baseline']:.1f}" if "speedup_vs_baseline" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
