@@ -14,6 +14,10 @@ A decode step of the token-level flow: write K/V -> :func:`reset_scores` (new sl
 :func:`token_accumulate` (``return_page_scores=True``) -> :func:`select_pages` -> sparse attention.
 The page-level flow: write K/V -> :func:`update_page_summary` -> :func:`page_scores` ->
 :func:`select_pages`.
+
+Page size: every op that takes a paged tensor reads it from that tensor (``key_cache.shape[2]``,
+``state.shape[2]``), so it cannot disagree with the cache; only :func:`select_pages`, whose scores
+have no page axis, takes ``page_size=`` (the same number).
 """
 
 from __future__ import annotations
@@ -52,16 +56,20 @@ def _check_paged(op: str, block_tables, seq_lens, batch: int | None = None) -> i
     return b
 
 
-def _check_seq_values(op: str, seq_lens, block_tables, page_size: int) -> None:
-    """Value checks that need no device sync: only when seq_lens lives on the CPU."""
+def _check_seq_values(op: str, seq_lens, block_tables, page_size: int, source: str) -> None:
+    """Value checks that need no device sync: only when seq_lens lives on the CPU.
+
+    ``source`` says where ``page_size`` came from (named in the message: a wrong page size shows
+    up as too-long ``seq_lens``)."""
     vals = V.host_values(seq_lens)
     if vals is None or vals.size == 0:
         return
-    cap = block_tables.shape[1] * page_size
+    max_pages = block_tables.shape[1]
     if vals.min() < 0:
         raise ValueError(f"{op}: seq_lens must be >= 0, got {int(vals.min())}")
-    if vals.max() > cap:
-        raise ValueError(f"{op}: seq_lens must be <= max_pages * page_size = {cap}, got {int(vals.max())}")
+    if vals.max() > max_pages * page_size:
+        raise ValueError(f"{op}: seq_lens must be <= max_pages * page_size = {max_pages} * {page_size} = "
+                         f"{max_pages * page_size} (page_size from {source}), got {int(vals.max())}")
 
 
 def _check_slots(op: str, slot_mapping) -> None:
@@ -191,7 +199,7 @@ def update_page_summary(key_cache, slot_mapping, summary, *, backend: Literal["a
 
 
 @dynamic_only("h2o.page_scores")
-def page_scores(q, summary, block_tables, seq_lens, *, page_size: int, w_avg: float = 1.0, w_peak: float = 1.0,
+def page_scores(q, key_cache, summary, block_tables, seq_lens, *, w_avg: float = 1.0, w_peak: float = 1.0,
                 gqa_reduce: Literal["mean_q", "max"] = "mean_q",
                 backend: Literal["auto", "cute", "reference"] = "auto"):
     r"""Query-aware score of every page of every request and kv head (no softmax, no state).
@@ -207,12 +215,16 @@ def page_scores(q, summary, block_tables, seq_lens, *, page_size: int, w_avg: fl
 
     (for ``"max"`` the maximum over heads is taken of each term separately, as upstream).
 
+    The page size is the key cache's (``key_cache.shape[2]``), so it cannot disagree with the
+    cache the summaries were taken from; ``key_cache`` is read for its shape only (no bytes).
+
     Args:
         q (Tensor): ``[B, Hq, D]`` decode queries, bfloat16 / float16 / float32.
+        key_cache (Tensor): ``[num_pages, Hkv, page_size, D]``, the cache :func:`update_page_summary`
+            summarised (shape only).
         summary (Tensor): ``[num_pages, Hkv, 3, D]`` from :func:`update_page_summary`.
         block_tables (Tensor): int32 ``[B, max_pages]`` physical page of each logical page.
         seq_lens (Tensor): int32 ``[B]`` tokens per request.
-        page_size (int): tokens per page (the key cache's ``page_size``).
         w_avg, w_peak (float): weights of the mean and the peak (Quest bound) terms.
         gqa_reduce (str): ``"mean_q"`` or ``"max"``.
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
@@ -222,20 +234,18 @@ def page_scores(q, summary, block_tables, seq_lens, *, page_size: int, w_avg: fl
         ``j >= ceil(seq_lens[b] / page_size)`` and for table entries outside ``[0, num_pages)``.
     """
     op = "h2o.page_scores"
+    num_pages, hkv, page_size, d = _check_key_cache(op, key_cache)
     V.check_tensor(op, "summary", summary)
-    V.check_rank(op, "summary", summary, (4,), "[num_pages, Hkv, 3, D]")
     V.check_dtype(op, "summary", summary, _SUMMARY_DTYPES)
-    num_pages, hkv, three, d = summary.shape
-    if three != 3:
-        raise ValueError(f"{op}: summary must be [num_pages, Hkv, 3, D] (mean, max, min), got {list(summary.shape)}")
+    V.check_shape(op, "summary", summary, [num_pages, hkv, 3, d], "[num_pages, Hkv, 3, D] of key_cache")
     batch = _check_paged(op, block_tables, seq_lens)
     group = _check_q(op, q, hkv, d, batch)
-    page_size = V.check_int(op, "page_size", page_size, low=1)
     w_avg = V.check_float(op, "w_avg", w_avg)
     w_peak = V.check_float(op, "w_peak", w_peak)
     V.check_choice(op, "gqa_reduce", gqa_reduce, PAGE_GQA)
-    V.check_same_place(op, {"q": q, "summary": summary, "block_tables": block_tables, "seq_lens": seq_lens})
-    _check_seq_values(op, seq_lens, block_tables, page_size)
+    V.check_same_place(op, {"q": q, "key_cache": key_cache, "summary": summary, "block_tables": block_tables,
+                            "seq_lens": seq_lens})
+    _check_seq_values(op, seq_lens, block_tables, page_size, "key_cache.shape[2]")
     import paddle
 
     if batch == 0 or block_tables.shape[1] == 0:
@@ -315,7 +325,7 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, *, softmax_sca
     V.check_bool(op, "return_page_scores", return_page_scores)
     V.check_same_place(op, {"q": q, "key_cache": key_cache, "state": state, "block_tables": block_tables,
                             "seq_lens": seq_lens})
-    _check_seq_values(op, seq_lens, block_tables, page_size)
+    _check_seq_values(op, seq_lens, block_tables, page_size, "key_cache.shape[2]")
 
     if batch > 0 and block_tables.shape[1] > 0 and num_pages > 0:
         def reason(arch):
@@ -356,7 +366,7 @@ def token_page_scores(state, block_tables, seq_lens, *, backend: Literal["auto",
     V.check_dtype(op, "state", state, _STATE_DTYPES)
     batch = _check_paged(op, block_tables, seq_lens)
     V.check_same_place(op, {"state": state, "block_tables": block_tables, "seq_lens": seq_lens})
-    _check_seq_values(op, seq_lens, block_tables, state.shape[2])
+    _check_seq_values(op, seq_lens, block_tables, state.shape[2], "state.shape[2]")
     return _token_page_scores(op, state, block_tables, seq_lens, batch, backend)
 
 
@@ -403,7 +413,8 @@ def select_pages(scores, block_tables, seq_lens, *, page_size: int, topk: int, b
         scores (Tensor): float32 ``[B, Hkv, max_pages]`` per logical page (:func:`page_scores` or
             :func:`token_page_scores`); larger is kept.
         block_tables (Tensor): int32 ``[B, max_pages]``; seq_lens (Tensor): int32 ``[B]`` tokens.
-        page_size (int): tokens per page. topk (int): ``>= 1`` pages picked from the window.
+        page_size (int): tokens per page: the key cache's ``page_size`` (``scores`` has no page
+            axis, so nothing here can check it). topk (int): ``>= 1`` pages picked from the window.
         bos, eos (int): pages always kept at the start / end (``>= 0``).
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
 
@@ -424,7 +435,7 @@ def select_pages(scores, block_tables, seq_lens, *, page_size: int, topk: int, b
     bos = V.check_int(op, "bos", bos, low=0)
     eos = V.check_int(op, "eos", eos, low=0)
     V.check_same_place(op, {"scores": scores, "block_tables": block_tables, "seq_lens": seq_lens})
-    _check_seq_values(op, seq_lens, block_tables, page_size)
+    _check_seq_values(op, seq_lens, block_tables, page_size, "the page_size argument")
     hkv = scores.shape[1]
     import paddle
 

@@ -164,7 +164,7 @@ POSITIONAL = {
     paddle_fa4.block_log_weight: ["block_logit", "lse"],
     h2o.reset_scores: ["state", "slot_mapping"],
     h2o.update_page_summary: ["key_cache", "slot_mapping", "summary"],
-    h2o.page_scores: ["q", "summary", "block_tables", "seq_lens"],
+    h2o.page_scores: ["q", "key_cache", "summary", "block_tables", "seq_lens"],
     h2o.token_accumulate: ["q", "key_cache", "state", "block_tables", "seq_lens"],
     h2o.token_page_scores: ["state", "block_tables", "seq_lens"],
     h2o.select_pages: ["scores", "block_tables", "seq_lens"],

@@ -99,7 +99,7 @@ def test_page_scores(G, gqa):
     bt[2, 1] = 10 ** 6  # out-of-range entry of a valid page: -inf
     summary = _t(rng.standard_normal((key.shape[0], hkv, 3, d)), "float32")
     q = _t(rng.standard_normal((len(seq), hkv * G, d)), "bfloat16")
-    out = h2o.page_scores(q, summary, _t(bt, "int32"), seq_lens, page_size=page_size, w_avg=0.7, w_peak=1.3, gqa_reduce=gqa,
+    out = h2o.page_scores(q, key, summary, _t(bt, "int32"), seq_lens, w_avg=0.7, w_peak=1.3, gqa_reduce=gqa,
                           backend=REF)
     assert out.dtype == paddle.float32 and list(out.shape) == [len(seq), hkv, bt.shape[1]]
     ref = oracle.page_scores(_np(q), _np(summary), bt, seq, page_size, 0.7, 1.3, gqa)
@@ -118,14 +118,43 @@ def test_page_scores_peak_bounds_every_key():
     slots = [int(bt[0, t // 16]) * 16 + t % 16 for t in range(64)]
     h2o.update_page_summary(key, _t(slots, "int32"), summary, backend=REF)
     q = rng.standard_normal((1, 1, 32))
-    peak = h2o.page_scores(_t(q, "float32"), summary, tables, seq_lens, page_size=16, w_avg=0.0, w_peak=1.0, backend=REF)
-    avg = h2o.page_scores(_t(q, "float32"), summary, tables, seq_lens, page_size=16, w_avg=1.0, w_peak=0.0, backend=REF)
+    peak = h2o.page_scores(_t(q, "float32"), key, summary, tables, seq_lens, w_avg=0.0, w_peak=1.0, backend=REF)
+    avg = h2o.page_scores(_t(q, "float32"), key, summary, tables, seq_lens, w_avg=1.0, w_peak=0.0, backend=REF)
     k = _np(key)
     for j in range(4):
         dots = k[bt[0, j], 0] @ q[0, 0]
         assert _np(peak)[0, 0, j] >= dots.max() - 1e-4
         assert _np(peak)[0, 0, j] >= _np(avg)[0, 0, j] - 1e-4
 
+
+
+def test_page_scores_takes_the_page_size_from_the_key_cache():
+    """Issue 19 item 5: page_size= disagreeing with the summarised cache gave -inf for real pages
+    (or blamed seq_lens). The page size is now key_cache.shape[2]: there is nothing to mismatch."""
+    rng = np.random.default_rng(4)
+    seq = [10, 3]
+    key, tables, seq_lens = make_paged(rng, seq, 2, 4, 8)
+    bt = _np(tables)
+    summary = _t(np.zeros((key.shape[0], 2, 3, 8)), "float32")
+    slots = [int(bt[b, t // 4]) * 4 + t % 4 for b, n in enumerate(seq) for t in range(n)]
+    h2o.update_page_summary(key, _t(slots, "int32"), summary, backend=REF)
+    q = _t(rng.standard_normal((2, 4, 8)), "float32")
+    got = _np(h2o.page_scores(q, key, summary, tables, seq_lens, backend=REF))
+    ref = oracle.page_scores(_np(q), _np(summary), bt, seq, 4, 1.0, 1.0, "mean_q")
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+    assert np.isfinite(got[0, :, :3]).all() and np.isfinite(got[1, :, :1]).all()  # every real page scored
+    np.testing.assert_allclose(got[np.isfinite(ref)], ref[np.isfinite(ref)], rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError):
+        h2o.page_scores(q, key, summary, tables, seq_lens, page_size=8, backend=REF)
+    # A summary of another cache (other page count or kv heads) names both shapes.
+    with pytest.raises(ValueError, match=r"summary must have shape \[\d+, 2, 3, 8\] .*key_cache.*got \[3, 2, 3, 8\]"):
+        h2o.page_scores(q, key, summary[:3], tables, seq_lens, backend=REF)
+    # select_pages cannot check its page_size against anything: a too-small one is named with the numbers.
+    with pytest.raises(ValueError, match=r"h2o.select_pages: seq_lens must be <= max_pages \* page_size = "
+                                         r"\d+ \* 2 = \d+ \(page_size from the page_size argument\), got 10"):
+        h2o.select_pages(_t(got, "float32"), tables, seq_lens, page_size=2, topk=1, backend=REF)
+    with pytest.raises(ValueError, match=r"page_size from key_cache.shape\[2\]"):
+        h2o.page_scores(q, key, summary, tables, _t([100, 3], "int32"), backend=REF)
 
 # -------------------------------------------------------------------------- token accumulate
 @pytest.mark.parametrize("gqa", ["mean_q", "max", "sum", "mean_p"])
@@ -282,8 +311,8 @@ def test_errors_name_op_and_argument():
         h2o.select_pages(_t(np.zeros((1, 2, tables.shape[1])), "float32"), tables, seq_lens, page_size=4, topk=0, backend=REF)
     with pytest.raises(TypeError, match="h2o.select_pages: scores must be float32"):
         h2o.select_pages(_t(np.zeros((1, 2, tables.shape[1])), "float64"), tables, seq_lens, page_size=4, topk=2, backend=REF)
-    with pytest.raises(ValueError, match="h2o.page_scores: summary must be"):
-        h2o.page_scores(q, _t(np.zeros((key.shape[0], 2, 2, 8)), "float32"), tables, seq_lens, page_size=4, backend=REF)
+    with pytest.raises(ValueError, match=r"h2o.page_scores: summary must have shape \[\d+, 2, 3, 8\]"):
+        h2o.page_scores(q, key, _t(np.zeros((key.shape[0], 2, 2, 8)), "float32"), tables, seq_lens, backend=REF)
     with pytest.raises(ValueError, match="h2o.update_page_summary: summary must have shape"):
         h2o.update_page_summary(key, _t([0], "int32"), _t(np.zeros((1, 2, 3, 8)), "float32"), backend=REF)
     with pytest.raises(TypeError, match="h2o.reset_scores: slot_mapping must be int32"):
@@ -308,8 +337,8 @@ def test_auto_backend_falls_back_to_reference_on_cpu():
 def test_empty_inputs_return_shaped_outputs():
     tables = _t(np.zeros((0, 3)), "int32")
     seq_lens = _t(np.zeros((0,)), "int32")
-    scores = h2o.page_scores(_t(np.zeros((0, 4, 8)), "float32"), _t(np.zeros((5, 2, 3, 8)), "float32"), tables,
-                             seq_lens, page_size=4, backend=REF)
+    scores = h2o.page_scores(_t(np.zeros((0, 4, 8)), "float32"), _t(np.zeros((5, 2, 4, 8)), "float32"),
+                             _t(np.zeros((5, 2, 3, 8)), "float32"), tables, seq_lens, backend=REF)
     assert list(scores.shape) == [0, 2, 3]
     tabs, lens = h2o.select_pages(_t(np.zeros((0, 2, 3)), "float32"), tables, seq_lens, page_size=4, topk=2, backend=REF)
     assert list(tabs.shape) == [0, 2, 1 + 2 + 1] and list(lens.shape) == [0, 2]

@@ -97,7 +97,7 @@ def _h2o_ops(q, key, state, summary, tables, seq_lens):
     slots = paddle.to_tensor([0, 5], dtype="int32")
     h2o.reset_scores(state, slots, **REF)
     h2o.update_page_summary(key, slots, summary, **REF)
-    ps = h2o.page_scores(q, summary, tables, seq_lens, page_size=4, **REF)
+    ps = h2o.page_scores(q, key, summary, tables, seq_lens, **REF)
     state, tps = h2o.token_accumulate(q, key, state, tables, seq_lens, return_page_scores=True, **REF)
     tps2 = h2o.token_page_scores(state, tables, seq_lens, **REF)
     sel = h2o.select_pages(ps, tables, seq_lens, page_size=4, topk=1, **REF)
