@@ -82,10 +82,11 @@ STAGES = 2
 # that never free.) The first H200-verified build (fc3944e) had 40 / 232, which spilled 8-40 bytes in 32 of
 # the 149 sm_90a full-matrix configs (windows, softcap d 64, d 64 GQA / varlen, d 128 varlen MHA).
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
-# Named barriers (0 is __syncthreads).
+# Named barriers (0 is __syncthreads). Each staging WG hands its dQ region to warp 1 on barriers of its
+# own (128 + 32 threads), so one WG's staging never waits for the other's.
 DS_FULL_BARRIER = 1  # both consumer WGs: dS^T of the step is in smem
-DQ_FULL_BARRIER = 2  # consumer WGs that stage dQ arrive, warp 1 waits
-DQ_EMPTY_BARRIER = 3  # warp 1 arrives (staging free again), the staging WGs wait
+DQ_FULL_BARRIER = 2  # + wg: WG wg staged its dQ region, warp 1 waits
+DQ_EMPTY_BARRIER = 4  # + wg: warp 1 has read WG wg's region (staging free again), WG wg waits
 
 
 def tile_config(cfg: BwdConfig) -> tuple[int, str]:
@@ -132,6 +133,9 @@ class FlashBwdSm90:
             self.dq_rows, self.dq_cols, self.dq_wgs = self.tile_m, self.hdim // 2, 2
         else:
             self.dq_rows, self.dq_cols, self.dq_wgs = self.tile_m, self.hdim, 1
+        # Issue dQ = dS K before dK += dS^T Q and stage dQ while the dK GEMM runs (tile_m 64; at tile_m
+        # 128 the live dQ accumulator spills). Not in deterministic mode, where it measured no faster.
+        self.dq_before_dk = self.tile_m == 64 and not cfg.deterministic
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -391,14 +395,15 @@ class FlashBwdSm90:
         cfg = self.cfg
         G = cfg.qhead_per_kvhead
         lane = cute.arch.lane_idx()
-        nbar = self.dq_wgs * THREADS_PER_WG + 32
+        nbar = THREADS_PER_WG + 32
         one = cute.make_layout(1)
         if const_expr(cfg.varlen):
             mdQ_seq = cute.domain_offset((row0, 0, 0), mdQacc)
         else:
             mdQ_seq = mdQacc[None, None, None, batch_idx]
         if steps > 0:
-            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=nbar)
+            for r in cutlass.range_constexpr(self.dq_wgs):
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + r, number_of_threads=nbar)
         step = Int32(0)
         for hi in cutlass.range(G, unroll=1):
             head = head_kv * G + hi
@@ -407,7 +412,6 @@ class FlashBwdSm90:
                                                    cute.group_modes(gdQ, 0, 2))
             for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
                 m = qtiles.m_min + mi
-                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER, number_of_threads=nbar)
                 sem_addr = Int64(0)
                 if const_expr(cfg.deterministic):
                     sem_idx = (row0 + m * self.tile_m) // DQ_SEM_ROWS
@@ -427,26 +431,28 @@ class FlashBwdSm90:
                         while cur != lock:
                             cur = _ld_acquire(sem_addr)
                     cute.arch.sync_warp()
-                # The whole warp issues (the TMA copy elects one lane itself; one active lane hangs).
+                # The whole warp issues (the TMA copy elects one lane itself; one active lane hangs). Region
+                # r goes out as soon as WG r staged it and is handed back once the TMA has read it.
                 for r in cutlass.range_constexpr(self.dq_wgs):
+                    cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + r, number_of_threads=nbar)
                     if const_expr(self.dq_split == "m"):
                         cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m * 2 + r, 0])
                     elif const_expr(self.dq_split == "n"):
                         cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, r])
                     else:
                         cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, 0])
-                cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.sync_warp()
+                    if step + 1 < steps:
+                        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + r, number_of_threads=nbar)
                 if const_expr(cfg.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.sync_warp()
                     if lane == 0:
                         cute.arch.fence_acq_rel_gpu()
                         _red_release_add(sem_addr, Int32(1))
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
-                if step + 1 < steps:
-                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=nbar)
+                    cute.arch.sync_warp()
                 step = step + 1
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
@@ -535,7 +541,7 @@ class FlashBwdSm90:
             scale_log2 = softmax_scale * LOG2_E
             softcap_in = Float32(0.0)
             inv_cap_log2 = Float32(0.0)
-        nbar_dq = self.dq_wgs * THREADS_PER_WG + 32
+        nbar_dq = THREADS_PER_WG + 32
 
         if steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -585,9 +591,13 @@ class FlashBwdSm90:
                             for c in cutlass.range_constexpr(ncols):
                                 dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], inv_cap_log2)
                     convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
-                    convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
-                    wgmma_gemm(mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, stage], False)
-                    wgmma_gemm(mma_dkv, acc_dK, tKrdS, tKrQt[None, None, None, stage], False)
+                    if const_expr(self.dq_before_dk):
+                        wgmma_gemm(mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, stage], False)
+                        convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
+                    else:
+                        convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
+                        wgmma_gemm(mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, stage], False)
+                        wgmma_gemm(mma_dkv, acc_dK, tKrdS, tKrQt[None, None, None, stage], False)
                     # dS^T -> smem for dQ (both WGs' halves), then all consumers sync.
                     rdS = cute.make_rmem_tensor(acc_S_shape, dt)
                     convert_to_16bit(acc_dP, rdS)
@@ -597,16 +607,26 @@ class FlashBwdSm90:
                     if does_dq:
                         acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                         wgmma_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_stage], tdQrK, True)
-                        warpgroup.wait_group(0)
-                        pipeline_q.consumer_release(state)
-                        pipeline_do.consumer_release(state)
+                        if const_expr(self.dq_before_dk):
+                            wgmma_gemm(mma_dkv, acc_dK, tKrdS, tKrQt[None, None, None, stage], False)
+                            warpgroup.wait_group(1)  # dV and dQ done, dK may still run
+                            pipeline_do.consumer_release(state)
+                        else:
+                            warpgroup.wait_group(0)
+                            pipeline_q.consumer_release(state)
+                            pipeline_do.consumer_release(state)
                         # Staging free (warp 1 has read the previous tile) -> write, hand to warp 1.
-                        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=nbar_dq)
+                        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=nbar_dq)
                         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                             tdQsdQ[i] = acc_dQ[i]
                         cute.arch.fence_view_async_shared()
-                        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=nbar_dq)
+                        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=nbar_dq)
+                        if const_expr(self.dq_before_dk):
+                            warpgroup.wait_group(0)
+                            pipeline_q.consumer_release(state)
                     else:
+                        if const_expr(self.dq_before_dk):
+                            wgmma_gemm(mma_dkv, acc_dK, tKrdS, tKrQt[None, None, None, stage], False)
                         warpgroup.wait_group(0)
                         pipeline_q.consumer_release(state)
                         pipeline_do.consumer_release(state)
