@@ -1,6 +1,6 @@
 """Compile every kernel config for an arch without a GPU and report its resources.
 
-    python -m cute_kernels.check --arch sm_100a [--kernel NAME] [--full] [--json FILE]
+    python -m cute_kernels.check --arch sm_90a|sm_100a|sm_103a [--kernel NAME] [--full] [--limit N] [--json FILE]
 
 For each config prints: kernel, config, compile seconds, registers per thread, spill store/load
 bytes and the dynamic shared memory the launcher requests (vs the arch limit). Exits non-zero when
@@ -57,10 +57,14 @@ def parse_remarks(text: str) -> list[dict]:
     return out
 
 
-def check(arch_text: str, kernel: str | None = None, full: bool = False) -> list[dict]:
+def check(arch_text: str, kernel: str | None = None, full: bool = False, limit: int | None = None) -> list[dict]:
+    """Compile each kernel's config matrix for ``arch_text`` (``limit``: at most that many configs per
+    kernel, the first of its matrix) and return one result row per config."""
     from cute_kernels import arch as _arch
 
     arch = _arch.parse_arch(arch_text)
+    if arch not in _arch.TARGETS:
+        raise SystemExit(f"--arch {arch_text}: {_arch.arch_reason(arch)}")
     # The DSL reads the target at first use; set it before cutlass is imported (compile-only mode).
     os.environ["CUTE_DSL_ARCH"] = _arch.arch_name(arch)
     os.environ["CUTE_KERNELS_EXTRA_OPTS"] = (os.environ.get("CUTE_KERNELS_EXTRA_OPTS", "") + " remarks{ptx}").strip()
@@ -74,7 +78,7 @@ def check(arch_text: str, kernel: str | None = None, full: bool = False) -> list
     for name, (matrix, compile_fn, smem_fn) in checks.items():
         if kernel is not None and name != kernel:
             continue
-        for cfg in matrix(arch, full):
+        for cfg in matrix(arch, full)[:limit]:
             row = {"kernel": name, "config": repr(cfg), "ok": False}
             start = time.perf_counter()
             try:
@@ -117,17 +121,18 @@ def _print_row(row: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cute_kernels.check", description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", required=True, help="sm_90a or sm_100a")
+    ap.add_argument("--arch", required=True, help="sm_90a, sm_100a or sm_103a (the CC's target, arch.TARGETS)")
     ap.add_argument("--kernel", default=None, help="only this kernel (default: all)")
     ap.add_argument("--full", action="store_true", help="the full config matrix (slow)")
+    ap.add_argument("--limit", type=int, default=None, help="at most N configs per kernel (CI smoke)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
-    results = check(args.arch, args.kernel, args.full)
+    results = check(args.arch, args.kernel, args.full, args.limit)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     failed = [r for r in results if not r["ok"]]
-    print(f"{len(results) - len(failed)} of {len(results)} configs compiled cleanly for {args.arch}")
+    print(f"{len(results) - len(failed)} of {len(results)} configs compiled cleanly for {os.environ['CUTE_DSL_ARCH']}")
     return 1 if failed or not results else 0
 
 

@@ -82,9 +82,8 @@ def require_aligned(op: str, name: str, t, nbytes: int = 16) -> None:
 
 
 def arch_of(t) -> int:
-    from cute_kernels.arch import family
-
+    """Exact compute capability of ``t``'s GPU (e.g. 103): the launchers' compile-key arch."""
     arch = tensor_arch(t)
     if arch is None:
         raise RuntimeError("CuTe launch requested for a tensor that is not on a CUDA place")
-    return family(arch)
+    return arch

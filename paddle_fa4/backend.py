@@ -1,7 +1,8 @@
 """Backend resolution: ``"auto" | "cute" | "reference"``.
 
-``auto`` picks the CuTe kernels when the inputs live on a CUDA place whose arch we ship kernels for
-and the op's kernel supports the case, otherwise the pure-Paddle reference, and says so once per
+``auto`` picks the CuTe kernels when the inputs live on a CUDA place whose compute capability we
+build for (9.0 -> sm_90a, 10.0 -> sm_100a, 10.3 -> sm_103a: ``cute_kernels.arch.TARGETS``) and the
+op's kernel supports the case, otherwise the pure-Paddle reference, and says so once per
 (op, reason). ``cute`` raises ``NotImplementedError`` naming the reason when no kernel applies.
 ``reference`` always runs the reference (CPU or GPU place).
 """
@@ -45,7 +46,8 @@ def resolve_backend(op: str, backend: str, tensor, unsupported_reason: Callable[
     """Return ``"cute"`` or ``"reference"`` for ``op`` given its first input tensor.
 
     ``unsupported_reason(arch)`` returns None when the CuTe kernel handles this call on ``arch``
-    (a kernel family: 90 or 100) or a short reason why not. ``stacklevel`` of the fallback warning
+    (the exact compute capability, 90, 100 or 103: the glue builds its compile key from it) or a
+    short reason why not; it is called only for the CCs in ``cute_kernels.arch.TARGETS``. ``stacklevel`` of the fallback warning
     counts from this function (3: the public op's caller when the op calls this directly).
     """
     if backend not in BACKENDS:
@@ -57,10 +59,8 @@ def resolve_backend(op: str, backend: str, tensor, unsupported_reason: Callable[
     arch = tensor_arch(tensor)
     if arch is None:
         reason = f"inputs are on {tensor.place}, CuTe kernels need a CUDA place"
-    elif _arch.family(arch) not in _arch.SUPPORTED_ARCHS:
-        reason = _arch.arch_reason(arch)
     else:
-        reason = unsupported_reason(_arch.family(arch))
+        reason = _arch.arch_reason(arch) or unsupported_reason(arch)
     if reason is None:
         return "cute"
     if backend == "cute":

@@ -24,14 +24,15 @@ from .bwd_config import (ACCUM_ROW_PAD, DQ_SEM_ROWS, DTYPES, HEAD_DIMS, BwdConfi
 def bwd_config(arch: int, dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
                has_window: bool, has_softcap: bool, varlen: bool, deterministic: bool,
                has_dlse: bool = False) -> BwdConfig:
-    """The compile key for one backward call."""
-    return BwdConfig(arch=_arch.family(int(arch)), dtype=dtype_name(dtype), head_dim=int(head_dim),
+    """The compile key for one backward call (``arch``: the exact compute capability, e.g. 103)."""
+    return BwdConfig(arch=int(arch), dtype=dtype_name(dtype), head_dim=int(head_dim),
                      head_dim_v=int(head_dim_v), qhead_per_kvhead=int(qhead_per_kvhead), causal=bool(causal),
                      has_window=bool(has_window), has_softcap=bool(has_softcap), varlen=bool(varlen),
                      deterministic=bool(deterministic), has_dlse=bool(has_dlse))
 
 
 def _kernel_class(arch: int):
+    arch = _arch.family(arch)
     if arch == 90:
         from .bwd_sm90 import FlashBwdSm90
 
@@ -46,12 +47,13 @@ def _kernel_class(arch: int):
 @functools.lru_cache(maxsize=None)
 def unsupported_reason(cfg: BwdConfig) -> str | None:
     """None when ``cfg`` compiles and runs, else a reason naming the unsupported case."""
-    if cfg.arch not in (90, 100):
-        return f"no attention backward kernel for compute capability {cfg.arch}"
+    arch_reason = _arch.arch_reason(cfg.arch)
+    if arch_reason is not None:
+        return arch_reason
     try:
         cls = _kernel_class(cfg.arch)
     except ImportError as exc:
-        return f"attention backward for sm_{cfg.arch}a is not available ({exc})"
+        return f"attention backward for {_arch.arch_name(cfg.arch)} is not available ({exc})"
     return cls.unsupported_reason(cfg)
 
 
@@ -264,7 +266,7 @@ def _supported(cfgs):
 
 def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
     """Backward configs compiled by ``python -m cute_kernels.check`` (those the arch's kernel supports)."""
-    arch = _arch.family(int(arch))
+    arch = int(arch)
     if full:
         out = [bwd_config(arch, dt, d, dv, r, m == "causal", m == "window", False, vl, det)
                for dt in DTYPES for d, dv in HEAD_DIMS for m in _MASKS for r in (1, 4)
@@ -288,7 +290,7 @@ def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
 
 def prepost_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
     """One config per distinct pre/post compile key (dtype x head dims x varlen x deterministic x dlse)."""
-    arch = _arch.family(int(arch))
+    arch = int(arch)
     dims = HEAD_DIMS if full else ((128, 128), (64, 64), (192, 128))
     dts = DTYPES if full else ("bfloat16",)
     out = [bwd_config(arch, dt, d, dv, 1, False, False, False, vl, det, dl)

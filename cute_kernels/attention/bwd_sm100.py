@@ -53,6 +53,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_kernels import arch as _arch
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.tile_range import (QueryTileRange, TileRange, first_key_tile, last_key_tile,
@@ -261,7 +262,7 @@ class FlashBwdSm100:
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
     def unsupported_reason(cfg: BwdConfig) -> str | None:
-        if cfg.arch != 100:
+        if _arch.family(cfg.arch) != 100:
             return f"arch {cfg.arch} is not SM100"
         if cfg.dtype not in ("bfloat16", "float16"):
             return f"dtype {cfg.dtype} (bfloat16/float16 only)"

@@ -36,7 +36,7 @@ DTYPES = ("bfloat16", "float16")
 
 @dataclass(frozen=True)
 class FwdConfig:
-    arch: int  # kernel family: 90 or 100
+    arch: int  # exact compute capability (90, 100, 103): decides the target; kernels check arch.family
     dtype: str  # "bfloat16" | "float16"
     head_dim: int
     head_dim_v: int

@@ -43,6 +43,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from cute_kernels import arch as _arch
 from cute_kernels.common import block_logit as blk
 from cute_kernels.common.math_sm100 import exp2_poly, max_tree
 from cute_kernels.common.utils import LN_2, LOG2_E
@@ -134,6 +135,7 @@ class FlashFwdSm100:
             raise ValueError(f"FlashFwdSm100: {reason}")
         self.cfg = cfg
         self.sm_count = int(sm_count)
+        self.exp2_emulation = _arch.exp2_emulation(cfg.arch)  # off on 10.3 (faster MUFU.EX2)
         self.q_stage = _q_stage(cfg)
         self.kv_stage = _kv_stage(cfg)
         self.head_dim = cfg.head_dim
@@ -150,7 +152,7 @@ class FlashFwdSm100:
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
     def unsupported_reason(cfg: FwdConfig) -> str | None:
-        if cfg.arch != 100:
+        if _arch.family(cfg.arch) != 100:
             return f"arch {cfg.arch} is not SM100"
         if cfg.dtype not in ("bfloat16", "float16"):
             return f"dtype {cfg.dtype} (bfloat16/float16 only)"
@@ -745,7 +747,7 @@ class FlashFwdSm100:
             for k0 in cutlass.range_constexpr(j * per_chunk, (j + 1) * per_chunk, 2):
                 x0, x1 = cute.arch.fma_packed_f32x2((tSrS[k0], tSrS[k0 + 1]), (scale_log2, scale_log2),
                                                     (bias, bias))
-                if const_expr(EXP2_POLY_EVERY > 0 and k0 % EXP2_POLY_EVERY >= EXP2_POLY_EVERY - EXP2_POLY_OF
+                if const_expr(self.exp2_emulation and EXP2_POLY_EVERY > 0 and k0 % EXP2_POLY_EVERY >= EXP2_POLY_EVERY - EXP2_POLY_OF
                               and 0 < j < chunks - 1):
                     x0 = exp2_poly(x0)
                     x1 = exp2_poly(x1)

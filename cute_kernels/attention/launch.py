@@ -23,14 +23,17 @@ from .config import BLOCK_SIZES, DTYPES, FwdArgs, FwdConfig
 @functools.lru_cache(maxsize=None)
 def fwd_config(arch: int, dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
                has_window: bool, has_softcap: bool, block_size: int, varlen: bool) -> FwdConfig:
-    """The compile key for one forward call (``block_size`` 0 = no block_logit)."""
-    return FwdConfig(arch=_arch.family(int(arch)), dtype=dtype_name(dtype), head_dim=int(head_dim),
+    """The compile key for one forward call (``arch``: the exact compute capability, e.g. 103;
+    ``block_size`` 0 = no block_logit)."""
+    return FwdConfig(arch=int(arch), dtype=dtype_name(dtype), head_dim=int(head_dim),
                      head_dim_v=int(head_dim_v), qhead_per_kvhead=int(qhead_per_kvhead), causal=bool(causal),
                      has_window=bool(has_window), has_softcap=bool(has_softcap), block_size=int(block_size),
                      varlen=bool(varlen))
 
 
 def _kernel_class(arch: int):
+    """The kernel class of compute capability ``arch``'s family (None where there is none)."""
+    arch = _arch.family(arch)
     if arch == 90:
         from .fwd_sm90 import FlashFwdSm90
 
@@ -45,14 +48,15 @@ def _kernel_class(arch: int):
 @functools.lru_cache(maxsize=None)
 def unsupported_reason(cfg: FwdConfig) -> str | None:
     """None when ``cfg`` compiles and runs, else a reason naming the unsupported case."""
-    if cfg.arch not in (90, 100):
-        return f"no attention forward kernel for compute capability {cfg.arch}"
+    arch_reason = _arch.arch_reason(cfg.arch)
+    if arch_reason is not None:
+        return arch_reason
     if cfg.has_block_logit and cfg.block_size not in BLOCK_SIZES:
         return f"block_size {cfg.block_size} (supported: {', '.join(map(str, BLOCK_SIZES))})"
     try:
         cls = _kernel_class(cfg.arch)
     except ImportError as exc:
-        return f"attention forward for sm_{cfg.arch}a is not available ({exc})"
+        return f"attention forward for {_arch.arch_name(cfg.arch)} is not available ({exc})"
     return cls.unsupported_reason(cfg)
 
 
@@ -93,9 +97,22 @@ def fake_fwd_args(cfg: FwdConfig) -> FwdArgs:
                    cutlass.Int32(-1), cutlass.Int32(1))
 
 
+def compile_fwd(cfg: FwdConfig, sm_count: int | None = None):
+    """Compile the arch kernel for ``cfg`` once (fake tensors; TVM-FFI env stream).
+
+    ``sm_count``: SMs of the device the SM100 persistent kernel will launch on (its grid); None = the
+    target's ``SM_COUNT_DEFAULT`` (compile-only builds). The SM90 kernel is not persistent, so for it
+    the count is ignored and no part of the compile key.
+    """
+    if _arch.family(cfg.arch) != 100:
+        sm_count = None
+    elif sm_count is None:
+        sm_count = _arch.SM_COUNT_DEFAULT[cfg.arch]
+    return _compile_fwd(cfg, sm_count)
+
+
 @jit_cache
-def compile_fwd(cfg: FwdConfig):
-    """Compile the arch kernel for ``cfg`` once (fake tensors; TVM-FFI env stream)."""
+def _compile_fwd(cfg: FwdConfig, sm_count: int | None):
     import cutlass.cute as cute
 
     from cute_kernels.fake import arch_options, fake_stream
@@ -103,7 +120,8 @@ def compile_fwd(cfg: FwdConfig):
     reason = unsupported_reason(cfg)
     if reason is not None:
         raise NotImplementedError(f"flash_attn_fwd: {reason}")
-    kernel = _kernel_class(cfg.arch)(cfg)
+    cls = _kernel_class(cfg.arch)
+    kernel = cls(cfg) if sm_count is None else cls(cfg, sm_count=int(sm_count))
     return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(),
                         options=arch_options(cfg.arch))
 
@@ -125,7 +143,7 @@ def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seq
         return
     if max_seqlen_q <= 0:
         return
-    fn = compile_fwd(cfg)
+    fn = compile_fwd(cfg, _arch.tensor_sm_count(q) if _arch.family(cfg.arch) == 100 else None)
     fn(q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q))
 
@@ -136,10 +154,12 @@ _SM100_HEAD_DIMS = (64, 128, 192, 256)
 
 
 def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
-    """Configs compiled by ``python -m cute_kernels.check`` (and the CPU compile tests)."""
-    arch = _arch.family(int(arch))
+    """Configs compiled by ``python -m cute_kernels.check`` (and the CPU compile tests) for compute
+    capability ``arch``; the configs of 10.0 and 10.3 differ only in ``arch``."""
+    arch = int(arch)
+    sm90 = _arch.family(arch) == 90
     if full:
-        hdims = _SM90_HEAD_DIMS if arch == 90 else _SM100_HEAD_DIMS
+        hdims = _SM90_HEAD_DIMS if sm90 else _SM100_HEAD_DIMS
         out = []
         for dt in DTYPES:
             for d in hdims:
@@ -149,7 +169,7 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
                             for bsz in (0,) + BLOCK_SIZES:
                                 out.append(fwd_config(arch, dt, d, d, ratio, mask == "causal", mask == "window",
                                                       False, bsz, varlen))
-        if arch == 90:
+        if sm90:
             out += [fwd_config(arch, "bfloat16", d, d, 1, c, False, True, 64, False)
                     for d in (128, 256) for c in (False, True)]
             out += [fwd_config(arch, dt, 192, 128, ratio, mask == "causal", mask == "window", False, bsz, varlen)
@@ -164,10 +184,10 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
         ("bfloat16", 256, 2, True, False, False, 256, False),
         ("bfloat16", 192, 1, False, False, False, 32, True),
     ]
-    if arch == 90:
+    if sm90:
         rep += [("bfloat16", 96, 1, True, False, True, 64, False)]
     out = [fwd_config(arch, dt, d, d, r, c, w, sc, b, vl) for dt, d, r, c, w, sc, b, vl in rep]
-    if arch == 90:  # (192, 128): Q/K 192 wide, V/O 128 wide
+    if sm90:  # (192, 128): Q/K 192 wide, V/O 128 wide
         out += [fwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, 64, False),
                 fwd_config(arch, "float16", 192, 128, 1, False, False, False, 0, True)]
     return out

@@ -45,7 +45,7 @@ def _bwd_launch():
 
 
 def fwd_config(arch: int, spec):
-    """The launcher's compile key for ``spec`` on kernel family ``arch`` (90 or 100)."""
+    """The launcher's compile key for ``spec`` on compute capability ``arch`` (90, 100 or 103)."""
     return _launch().fwd_config(
         arch=arch, dtype=spec.dtype, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
         qhead_per_kvhead=spec.qhead_per_kvhead, causal=spec.causal, has_window=spec.has_window,
@@ -63,7 +63,7 @@ def _kernel_case_reason(spec) -> str | None:
 
 
 def unsupported_reason(arch: int, spec) -> str | None:
-    """None when the CuTe forward handles ``spec`` on kernel family ``arch``, else why not."""
+    """None when the CuTe forward handles ``spec`` on compute capability ``arch``, else why not."""
     reason = _kernel_case_reason(spec)
     if reason is not None:
         return reason
@@ -108,7 +108,7 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
 
 
 def bwd_config(arch: int, spec, deterministic: bool, has_dlse: bool):
-    """The backward launcher's compile key for ``spec`` on kernel family ``arch`` (90 or 100)."""
+    """The backward launcher's compile key for ``spec`` on compute capability ``arch`` (90, 100 or 103)."""
     return _bwd_launch().bwd_config(
         arch=arch, dtype=spec.dtype, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
         qhead_per_kvhead=spec.qhead_per_kvhead, causal=spec.causal, has_window=spec.has_window,
@@ -117,7 +117,7 @@ def bwd_config(arch: int, spec, deterministic: bool, has_dlse: bool):
 
 
 def bwd_unsupported_reason(arch: int, spec, deterministic: bool, has_dlse: bool) -> str | None:
-    """None when the CuTe backward handles ``spec`` on kernel family ``arch``, else why not."""
+    """None when the CuTe backward handles ``spec`` on compute capability ``arch``, else why not."""
     reason = _kernel_case_reason(spec)
     if reason is not None:
         return reason

@@ -35,7 +35,7 @@ def plan_unsupported_reason(arch: int) -> str | None:
 
 
 def unsupported_reason(arch: int, spec) -> str | None:
-    """None when the CuTe kernels handle ``spec`` on kernel family ``arch`` (90 or 100)."""
+    """None when the CuTe kernels handle ``spec`` on compute capability ``arch`` (90, 100 or 103)."""
     from cute_kernels.indexed.config import unsupported_reason as kernel_reason
 
     reason = kernel_reason(spec.D, spec.Hq // spec.Hkv, spec.dtype)

@@ -277,15 +277,39 @@ def test_as_contiguous_never_relays_out_the_callers_tensor():
     assert as_contiguous(z) is z
 
 
-@pytest.mark.parametrize("cc", [103, 120])
-def test_blackwell_parts_other_than_cc_10_0_fall_back(monkeypatch, fresh_warnings, cc):
-    """An sm_100a binary does not load on CC 10.3 / 12.x: auto takes the reference with the reason,
-    cute refuses before any launch."""
+@pytest.mark.parametrize("cc,target", [(90, "sm_90a"), (100, "sm_100a"), (103, "sm_103a")])
+def test_dispatch_table_builds_for_the_exact_part(monkeypatch, cc, target):
+    """9.0 -> sm_90a, 10.0 -> sm_100a, 10.3 -> sm_103a: the glue's compile key carries the tensor's exact
+    compute capability, which alone names the target the launcher compiles for."""
+    from cute_kernels import arch as arch_mod
+    from cute_kernels.attention import launch
+    from cute_kernels.fake import arch_options
+
+    fake = FakeLaunch()
     monkeypatch.setattr(backend_mod, "tensor_arch", lambda tensor: cc)
+    monkeypatch.setattr(glue, "arch_of", backend_mod.tensor_arch)
+    monkeypatch.setattr(glue, "_launch", lambda: fake)
+    q = t([1, 8, 2, 64], "bfloat16")
+    paddle_fa4.flash_attn_fwd(q, q, q, backend="cute")
+    kw = fake.configs[-1]
+    assert kw["arch"] == cc
+    cfg = launch.fwd_config(**kw)
+    assert launch.unsupported_reason(cfg) is None and arch_mod.arch_name(cfg.arch) == target
+    assert f"--gpu-arch {target}" in arch_options(cfg.arch)
+
+
+@pytest.mark.parametrize("cc", [80, 89, 110, 120, 121])
+def test_parts_without_a_build_fall_back(monkeypatch, fresh_warnings, cc):
+    """No build loads on these parts: auto takes the reference with arch_reason's text, cute refuses
+    before any launch, and the launcher is never asked."""
+    from cute_kernels.arch import arch_reason
+
+    monkeypatch.setattr(backend_mod, "tensor_arch", lambda tensor: cc)
+    monkeypatch.setattr(glue, "_launch", lambda: pytest.fail("launcher consulted on an unsupported part"))
     q = paddle.randn([1, 8, 2, 16])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out, lse = paddle_fa4.flash_attn_fwd(q, q, q)
-    assert any("sm_100a" in str(w.message) for w in caught)
-    with pytest.raises(NotImplementedError, match="sm_100a"):
+        paddle_fa4.flash_attn_fwd(q, q, q)
+    assert any(arch_reason(cc) in str(w.message) for w in caught)
+    with pytest.raises(NotImplementedError, match=f"compute capability {cc // 10}\\.{cc % 10}"):
         paddle_fa4.flash_attn_fwd(q, q, q, backend="cute")

@@ -16,7 +16,8 @@ from tests.conftest import ROOT
 from tests.cpu._check_cli import run_check
 
 
-@pytest.mark.parametrize("text,expected", [("sm_90a", 90), ("sm_100a", 100), ("90", 90), (100, 100), ("sm_100f", 100)])
+@pytest.mark.parametrize("text,expected", [("sm_90a", 90), ("sm_100a", 100), ("90", 90), (100, 100), ("sm_100f", 100),
+                                           ("sm_103a", 103)])
 def test_parse_arch(text, expected):
     assert arch_mod.parse_arch(text) == expected
 
@@ -26,14 +27,14 @@ def test_parse_arch_rejects_garbage():
         arch_mod.parse_arch("hopper")
 
 
-@pytest.mark.parametrize("cc,fam", [(90, 90), (100, 100), (103, 103), (110, 110), (80, 80), (120, 120)])
+@pytest.mark.parametrize("cc,fam", [(90, 90), (100, 100), (103, 100), (110, 110), (80, 80), (120, 120)])
 def test_family(cc, fam):
-    """sm_90a / sm_100a binaries load only on CC 9.0 / 10.0: no other part maps onto their family."""
+    """10.0 and 10.3 run the SM100 kernels (each from its own build); no other part maps onto a family."""
     assert arch_mod.family(cc) == fam
 
 
-@pytest.mark.parametrize("cc,needle", [(90, None), (100, None), (103, "B300 / GB300"), (110, "sm_100a"),
-                                       (120, "consumer Blackwell"), (89, "need 9.0 or 10.0")])
+@pytest.mark.parametrize("cc,needle", [(90, None), (100, None), (103, None), (110, "compute capability 11.0"),
+                                       (120, "consumer Blackwell"), (89, "built for 9.0 (sm_90a)")])
 def test_arch_reason(cc, needle):
     reason = arch_mod.arch_reason(cc)
     assert (reason is None) if needle is None else (needle in reason)

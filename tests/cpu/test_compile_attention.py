@@ -50,7 +50,7 @@ def test_unsupported_reasons_name_the_case():
     assert unsupported_reason(fwd_config(90, "bfloat16", 192, 128, 1, False, False, False, 0, False)) is None
     assert "head_dim_v 64" in unsupported_reason(fwd_config(90, "bfloat16", 128, 64, 1, False, False, False, 0, False))
     assert "block_size 48" in unsupported_reason(fwd_config(90, "bfloat16", 128, 128, 1, False, False, False, 48, False))
-    assert "compute capability 80" in unsupported_reason(fwd_config(80, "bfloat16", 128, 128, 1, False, False, False, 0, False))
+    assert "compute capability 8.0" in unsupported_reason(fwd_config(80, "bfloat16", 128, 128, 1, False, False, False, 0, False))
 
 
 def test_config_matrix_covers_both_archs():

@@ -46,7 +46,7 @@ def test_unsupported_reasons_name_the_case():
     assert r is not None and "head_dim 256" in r
     r = unsupported_reason(bwd_config(90, "bfloat16", 192, 128, 1, False, False, False, False, False))
     assert r is not None and "192" in r
-    assert "compute capability 80" in unsupported_reason(
+    assert "compute capability 8.0" in unsupported_reason(
         bwd_config(80, "bfloat16", 128, 128, 1, False, False, False, False, False))
 
 
