@@ -8,6 +8,7 @@ Public API (see ``docs/api.md`` for exact semantics):
 - :func:`flash_attn_bwd` — its backward as a low-level op, for callers managing their own autograd
 - :func:`block_log_weight`, :func:`select_topk_blocks`, :func:`blocks_to_indices` — block selection
 - :func:`indexed_attention`, :func:`indexed_attention_plan` — sparse attention over token indices
+- :func:`block_sparse_attention`, :func:`block_sparse_plan` — attention over per-query key blocks
 - :mod:`paddle_fa4.h2o` — heavy-hitter (H2O) decode ops on the paged KV layout
 
 Every op takes ``backend="auto" | "cute" | "reference"``. Submodules load on first use so that
@@ -36,6 +37,9 @@ _EXPORTS = {
     "indexed_attention": "indexed",
     "indexed_attention_plan": "indexed_plan",
     "IndexedAttentionPlan": "indexed_plan",
+    "block_sparse_attention": "block_sparse",
+    "block_sparse_plan": "block_sparse_planner",
+    "BlockSparsePlan": "block_sparse_planner",
 }
 _SUBMODULES = ("h2o", "backend", "library")
 

@@ -1,0 +1,319 @@
+"""The block rule and the reusable plan of :func:`paddle_fa4.block_sparse_attention` (``docs/api.md``).
+
+Block rule (the one definition, used by the reference backend and by the plan): query ``t`` of a
+document ``[bos, eos)`` and block id ``j >= 0`` name the keys ``[bos + bs * j, bos + bs * j + bs)``
+(``bs = block_size``); the block is *live* for ``t`` iff its start is ``< limit(t)``, where
+``limit(t) = t + 1`` (causal) or ``eos`` (not causal), and its visible keys are those ``< limit(t)``
+(the diagonal block and the document's tail block are cut there). ``-1`` is padding; a repeated
+id counts once; ids that are not live (past the document, or wholly after the query) select nothing.
+
+Plan (built once per selection, reused by every sparse layer sharing it): queries are grouped into
+tiles of ``WQ = window_queries(G)`` consecutive queries (``WQ * G`` query heads fill the kernels'
+64 MMA rows, as in :mod:`paddle_fa4.indexed_plan`), and for each index set ``s`` (``b`` for ids
+``[B, S, topk]``, ``b * Hkv + h`` for ``[B, Hkv, S, topk]``) the plan stores
+
+- per query tile ``w``: the ascending absolute start rows of the union of its queries' live blocks
+  (``tile_start[s, w, :tile_count[s, w]]``) and, per start, the bitmask of the tile queries that
+  selected it (bit ``i`` = query ``w * WQ + i``): exactly the windowed union of
+  :func:`paddle_fa4.indexed_plan.reference_plan` over the start rows, which builds it;
+- per query ``q_limit[b, t] = limit(t)``, the exclusive key bound of every row;
+- the key-major transpose: the distinct selected key blocks of each set (``key_start``/``key_end``
+  = their rows ``[start, min(start + bs, eos))``, ascending, ``key_count[s]`` of them) and, per key
+  block ``r`` (flat row ``s * KCAP + r``), the query tiles using it in ascending order with the slot
+  of the block in each tile's list: ``key_tile/key_slot[key_ptr[row] : key_ptr[row + 1]]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ._static import dynamic_only
+from .indexed_plan import reference_plan, window_queries
+
+OP = "block_sparse_plan"
+#: Block sizes accepted (the CuTe kernels take 64).
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+def tile_queries(heads_per_kv: int) -> int:
+    """Queries per query tile: indexed attention's ``window_queries(G)`` (``min(64 // G, 32)``), and
+    one query for ``G >= 64`` (MQA with many heads: one query's heads fill the MMA rows)."""
+    return window_queries(min(heads_per_kv, 64))
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSparsePlan:
+    """Plan of one selection; int32 tensors on the ids' place. Shapes (``NS`` sets, ``NQT =
+    ceil(S / WQ)`` query tiles, ``CAP = WQ * topk``, ``KCAP = ceil(S / bs) + num_docs``):
+    ``tile_start``/``tile_mask [NS, NQT, CAP]``, ``tile_count [NS, NQT]``, ``q_limit [B, S]``,
+    ``key_start``/``key_end [NS, KCAP]``, ``key_count [NS]``, ``key_ptr [NS * KCAP + 1]``,
+    ``key_tile``/``key_slot [NS * NQT * CAP]``. Entries past a count / pointer are unspecified."""
+
+    batch: int
+    num_sets: int
+    num_queries: int
+    topk: int
+    block_size: int
+    heads_per_kv: int
+    per_kv_head: bool
+    causal: bool
+    num_docs: int
+    window_queries: int
+    tile_start: Any
+    tile_mask: Any
+    tile_count: Any
+    q_limit: Any
+    key_start: Any
+    key_end: Any
+    key_count: Any
+    key_ptr: Any
+    key_tile: Any
+    key_slot: Any
+
+    @property
+    def num_query_tiles(self) -> int:
+        return -(-self.num_queries // self.window_queries)
+
+    @property
+    def key_capacity(self) -> int:
+        return -(-self.num_queries // self.block_size) + self.num_docs
+
+    def geometry(self) -> tuple:
+        return (self.batch, self.num_sets, self.num_queries, self.topk, self.block_size, self.heads_per_kv,
+                self.per_kv_head, self.causal, self.num_docs)
+
+
+@dynamic_only("block_sparse_plan")
+def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, causal: bool = True,
+                      cu_seqlens=None, name: Optional[str] = None) -> BlockSparsePlan:
+    r"""Build the plan :func:`block_sparse_attention` uses for ``block_ids`` (reusable via ``plan=``).
+
+    Built with Paddle tensor ops on the ids' place (it reads a few sizes back to the host); a
+    pure function of ``(block_ids, cu_seqlens, block_size, causal, heads_per_kv)``, so the N sparse
+    layers sharing one selection can share one plan, and a recompute may rebuild it.
+
+    Args:
+        block_ids (Tensor): int32 ``[B, S, topk]`` (shared by all heads) or ``[B, Hkv, S, topk]``,
+            document-relative block ids, ``-1`` = padding.
+        heads_per_kv (int): ``G = Hq // Hkv >= 1``; sets the query tile, ``tile_queries(G)``.
+        block_size (int): keys per block (16, 32, 64, 128 or 256). Default 64.
+        causal (bool): query ``t`` sees keys ``<= t`` only. Default True.
+        cu_seqlens (Tensor, optional): int32 document boundaries along S, ``[n + 1]`` (the same for
+            every batch row) or ``[B, n + 1]``: starts at 0, non-decreasing, ends at S. None: one
+            document per row.
+        name (str|None, optional): Name for the operation. Default: None.
+
+    Returns:
+        BlockSparsePlan: see the module docstring.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> ids = paddle.to_tensor([[[1, 0]] * 20], dtype="int32")        # S = 20, topk = 2
+            >>> plan = paddle_fa4.block_sparse_plan(ids, heads_per_kv=64, block_size=16)
+            >>> plan.tile_count[0, 14:18].tolist()      # one query per tile; block 1 live from row 16
+            [1, 1, 2, 2]
+            >>> plan.tile_start[0, 17, :2].tolist(), plan.key_start.tolist(), plan.key_end.tolist()
+            ([0, 16], [[0, 16, -1]], [[16, 20, -1]])
+    """
+    from . import _validate as V
+
+    V.check_tensor(OP, "block_ids", block_ids)
+    V.check_dtype(OP, "block_ids", block_ids, ("int32",))
+    V.check_rank(OP, "block_ids", block_ids, (3, 4), "[B, S, topk] or [B, Hkv, S, topk]")
+    heads_per_kv = V.check_int(OP, "heads_per_kv", heads_per_kv, low=1)
+    check_block_size(OP, block_size)
+    V.check_bool(OP, "causal", causal)
+    b, s = block_ids.shape[0], block_ids.shape[-2]
+    check_cu_seqlens(OP, cu_seqlens, b, s, block_ids)
+    check_ids(OP, block_ids, cu_seqlens, block_size)
+    return build_plan(block_ids, heads_per_kv=heads_per_kv, block_size=block_size, causal=causal,
+                      cu_seqlens=cu_seqlens)
+
+
+# ----------------------------------------------------------------------------------------------
+# checks shared with block_sparse_attention
+
+
+def check_block_size(op: str, block_size) -> int:
+    from . import _validate as V
+
+    V.check_int(op, "block_size", block_size)
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"{op}: block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    return block_size
+
+
+def num_docs(cu_seqlens) -> int:
+    return 1 if cu_seqlens is None else int(cu_seqlens.shape[-1]) - 1
+
+
+def check_cu_seqlens(op: str, cu_seqlens, batch: int, seqlen: int, like) -> None:
+    """int32 ``[n + 1]`` or ``[B, n + 1]``, n >= 1; values (0 first, non-decreasing, S last) are
+    checked when they are on the host."""
+    if cu_seqlens is None:
+        return
+    from . import _validate as V
+
+    V.check_tensor(op, "cu_seqlens", cu_seqlens)
+    V.check_dtype(op, "cu_seqlens", cu_seqlens, ("int32",))
+    V.check_rank(op, "cu_seqlens", cu_seqlens, (1, 2), "[n + 1] or [B, n + 1]")
+    if cu_seqlens.shape[-1] < 2 or (cu_seqlens.ndim == 2 and cu_seqlens.shape[0] != batch):
+        raise ValueError(f"{op}: cu_seqlens must be [n + 1] or [B, n + 1] with n >= 1 and B = {batch}, "
+                         f"got shape {list(cu_seqlens.shape)}")
+    V.check_same_place(op, {"block_ids": like, "cu_seqlens": cu_seqlens})
+    values = V.host_values(cu_seqlens)
+    if values is not None:
+        import numpy as np
+
+        rows = values.reshape(-1, values.shape[-1])
+        if (rows[:, 0] != 0).any() or (rows[:, -1] != seqlen).any() or (np.diff(rows, axis=1) < 0).any():
+            raise ValueError(f"{op}: cu_seqlens must start at 0, be non-decreasing and end at S = {seqlen}, "
+                             f"got {values.tolist()}")
+
+
+def check_ids(op: str, block_ids, cu_seqlens, block_size: int) -> None:
+    """Ids must be -1 or name a block of the query's document (checked when on the host)."""
+    from . import _validate as V
+
+    ids = V.host_values(block_ids)
+    if ids is None or ids.size == 0:
+        return
+    import numpy as np
+
+    b, s = ids.shape[0], ids.shape[-2]
+    if cu_seqlens is None:
+        doc_len = np.full((b, s), s, dtype=np.int64)
+    else:
+        cu = V.host_values(cu_seqlens)
+        cu = np.broadcast_to(cu.reshape(-1, cu.shape[-1]), (b, cu.shape[-1]))
+        doc_len = np.stack([np.diff(row)[np.searchsorted(row, np.arange(s), side="right") - 1] for row in cu])
+    nb = -(-doc_len // block_size)  # [B, S]
+    nb = nb[:, None, :, None] if ids.ndim == 4 else nb[:, :, None]
+    bad = (ids < -1) | (ids >= nb)
+    if bad.any():
+        where = tuple(int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(f"{op}: block_ids must be -1 or a block of the query's document (0 <= id < "
+                         f"ceil(doc_len / block_size)); block_ids{list(where)} = {int(ids[where])}, "
+                         f"doc_len {int(doc_len[where[0], where[-2]])}, block_size {block_size}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the block rule
+
+
+def doc_bounds(batch: int, seqlen: int, cu_seqlens, place):
+    """int64 ``(bos [B, S], eos [B, S])``: the document ``[bos, eos)`` of every token."""
+    import paddle
+
+    t = paddle.arange(seqlen, dtype="int64", device=place)
+    if cu_seqlens is None:
+        return (paddle.zeros([batch, seqlen], dtype="int64", device=place),
+                paddle.full([batch, seqlen], seqlen, dtype="int64", device=place))
+    cu = cu_seqlens.astype("int64")
+    cu = cu.unsqueeze(0).expand([batch, cu.shape[-1]]) if cu.ndim == 1 else cu
+    doc = paddle.searchsorted(cu, t.unsqueeze(0).expand([batch, seqlen]).contiguous(), right=True) - 1
+    return paddle.take_along_axis(cu, doc, axis=1), paddle.take_along_axis(cu, doc + 1, axis=1)
+
+
+def query_limits(bos, eos, causal: bool):
+    """int64 ``[B, S]`` exclusive key bound of each query: ``t + 1`` (causal) or its document's end."""
+    import paddle
+
+    if not causal:
+        return eos
+    return paddle.arange(bos.shape[1], dtype="int64", device=bos.place).unsqueeze(0).expand(bos.shape) + 1
+
+
+def block_starts(block_ids, bos, limit, block_size: int):
+    """int64 absolute start row of every id (shape of ``block_ids``), -1 where nothing is live."""
+    import paddle
+
+    ids = block_ids.astype("int64")
+    if ids.ndim == 4:
+        bos, limit = bos.unsqueeze(1), limit.unsqueeze(1)
+    start = bos.unsqueeze(-1) + ids * block_size
+    live = (ids >= 0) & (start < limit.unsqueeze(-1))
+    return paddle.where(live, start, paddle.full_like(start, -1))
+
+
+# ----------------------------------------------------------------------------------------------
+# builder
+
+
+def build_plan(block_ids, *, heads_per_kv: int, block_size: int, causal: bool, cu_seqlens) -> BlockSparsePlan:
+    """The plan of validated arguments (Paddle tensor ops, any place)."""
+    import paddle
+
+    per_kv_head = block_ids.ndim == 4
+    shape = list(block_ids.shape)
+    batch, seqlen, topk = shape[0], shape[-2], shape[-1]
+    sets = batch * (shape[1] if per_kv_head else 1)
+    place = block_ids.place
+    ndoc = num_docs(cu_seqlens)
+    kcap = -(-seqlen // block_size) + ndoc
+    with paddle.no_grad():
+        bos, eos = doc_bounds(batch, seqlen, cu_seqlens, place)
+        limit = query_limits(bos, eos, causal)
+        starts = block_starts(block_ids, bos, limit, block_size).astype("int32").reshape([sets, seqlen, topk])
+        union = reference_plan(starts, num_sets=sets, num_queries=seqlen, width=topk, kv_len=seqlen,
+                               heads_per_kv=min(heads_per_kv, 64), per_kv_head=per_kv_head)
+        keys = _key_transpose(union.win_key, union.win_count, eos, sets, batch, seqlen, kcap, block_size)
+    return BlockSparsePlan(batch=batch, num_sets=sets, num_queries=seqlen, topk=topk, block_size=block_size,
+                           heads_per_kv=heads_per_kv, per_kv_head=per_kv_head, causal=causal, num_docs=ndoc,
+                           window_queries=union.window_queries, tile_start=union.win_key,
+                           tile_mask=union.win_mask, tile_count=union.win_count,
+                           q_limit=limit.astype("int32"), **keys)
+
+
+def _key_transpose(tile_start, tile_count, eos, sets: int, batch: int, seqlen: int, kcap: int,
+                   block_size: int) -> dict:
+    """Distinct selected key blocks per set and, per block, its (query tile, slot) pairs in order."""
+    import paddle
+
+    place = tile_start.place
+    _, nqt, cap = tile_start.shape
+    pairs = max(sets * nqt * cap, 1)
+    out = dict(key_start=paddle.full([sets, kcap], -1, dtype="int32", device=place),
+               key_end=paddle.full([sets, kcap], -1, dtype="int32", device=place),
+               key_count=paddle.zeros([sets], dtype="int32", device=place),
+               key_ptr=paddle.zeros([sets * kcap + 1], dtype="int32", device=place),
+               key_tile=paddle.full([pairs], -1, dtype="int32", device=place),
+               key_slot=paddle.full([pairs], -1, dtype="int32", device=place))
+    if sets * nqt * cap == 0:
+        return out
+    slot = paddle.arange(cap, dtype="int64", device=place).reshape([1, 1, cap])
+    used = slot < tile_count.astype("int64").unsqueeze(-1)  # [NS, NQT, CAP]
+    set_of = paddle.arange(sets, dtype="int64", device=place).reshape([sets, 1, 1]).expand(used.shape)
+    tile_of = paddle.arange(nqt, dtype="int64", device=place).reshape([1, nqt, 1]).expand(used.shape)
+    s_e = paddle.masked_select(set_of, used)
+    if s_e.shape[0] == 0:
+        return out
+    w_e = paddle.masked_select(tile_of, used)
+    j_e = paddle.masked_select(slot.expand(used.shape), used)
+    st_e = paddle.masked_select(tile_start.astype("int64"), used)
+    # 1. distinct (set, start) in ascending order = the key blocks; rank within the set
+    flat, inverse = paddle.unique(s_e * seqlen + st_e, return_inverse=True)
+    inverse = inverse.reshape([-1])
+    k_set = flat // seqlen
+    k_start = flat % seqlen
+    per_set = paddle.bincount(k_set, minlength=sets)
+    rank = paddle.arange(flat.shape[0], dtype="int64", device=place) - paddle.gather(paddle.cumsum(per_set) - per_set, k_set)
+    row = k_set * kcap + rank
+    b_of = k_set // (sets // batch)
+    k_end = paddle.minimum(k_start + block_size, paddle.gather(eos.reshape([-1]), b_of * seqlen + k_start))
+    out["key_start"] = paddle.scatter(out["key_start"].reshape([-1]), row, k_start.astype("int32")).reshape([sets, kcap])
+    out["key_end"] = paddle.scatter(out["key_end"].reshape([-1]), row, k_end.astype("int32")).reshape([sets, kcap])
+    out["key_count"] = per_set.astype("int32")
+    # 2. pairs sorted by (key block row, query tile); each (tile, start) entry is one pair
+    pair_row = paddle.gather(row, inverse)
+    order = paddle.argsort(pair_row * nqt + w_e, stable=True)
+    n = int(order.shape[0])
+    idx = paddle.arange(n, dtype="int64", device=place)
+    out["key_tile"] = paddle.scatter(out["key_tile"], idx, paddle.gather(w_e, order).astype("int32"))
+    out["key_slot"] = paddle.scatter(out["key_slot"], idx, paddle.gather(j_e, order).astype("int32"))
+    counts = paddle.bincount(pair_row, minlength=sets * kcap)
+    out["key_ptr"] = paddle.concat([paddle.zeros([1], dtype="int64", device=place), paddle.cumsum(counts)]).astype("int32")
+    return out

@@ -1,0 +1,282 @@
+"""block_sparse_attention (reference backend) and block_sparse_plan on the CPU.
+
+The fp32 reference vs the fp64 oracle over the expanded token mask (tests/oracles/block_sparse.py):
+documents packed with bos % block_size != 0, -1 padding and repeated ids, rows with fewer visible
+blocks (first rows of a document), S not a multiple of the block size, GQA / MQA / per-kv-head ids,
+the absorbed-MLA latent (v=None), learnable sinks (forward, gradient vs the oracle and by finite
+differences), empty rows; equality with indexed_attention over blocks_to_indices of the same
+selection; the plan vs a numpy plan; validation errors before any work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+paddle = pytest.importorskip("paddle")
+
+import paddle_fa4  # noqa: E402
+from tests.oracles import block_sparse as orc  # noqa: E402
+
+paddle.set_device("cpu")
+
+
+def _t(x, dtype="float32", grad=False):
+    t = paddle.to_tensor(np.asarray(x), dtype=dtype)
+    t.stop_gradient = not grad
+    return t
+
+
+def _case(seed, B, S, Hq, Hkv, Dk, Dv, topk, bs, causal=True, cu=None, per_kv=False, sink=False, latent=False,
+          pad=0.2, dup=0.1):
+    rng = np.random.default_rng(seed)
+    ids = orc.random_ids(rng, B, S, topk, bs, causal, cu, heads=Hkv if per_kv else None, pad=pad, dup=dup)
+    q = rng.standard_normal((B, S, Hq, Dk)).astype(np.float32)
+    k = rng.standard_normal((B, S, Hkv, Dk)).astype(np.float32)
+    v = None if latent else rng.standard_normal((B, S, Hkv, Dv)).astype(np.float32)
+    s = rng.standard_normal(Hq).astype(np.float32) if sink else None
+    dout = rng.standard_normal((B, S, Hq, Dv)).astype(np.float32)
+    return dict(ids=ids, q=q, k=k, v=v, sink=s, dout=dout, bs=bs, causal=causal, cu=cu, Dv=Dv)
+
+
+def _run(c, plan=None, **kw):
+    """(out, lse, dq, dk, dv, dsink) numpy from the Paddle op (reference backend)."""
+    q, k = _t(c["q"], grad=True), _t(c["k"], grad=True)
+    v = None if c["v"] is None else _t(c["v"], grad=True)
+    sink = None if c["sink"] is None else _t(c["sink"], grad=True)
+    cu = None if c["cu"] is None else _t(c["cu"], "int32")
+    out, lse = paddle_fa4.block_sparse_attention(
+        q, k, v, _t(c["ids"], "int32"), c["bs"], causal=c["causal"], cu_seqlens=cu, sink=sink,
+        dv=c["Dv"] if v is None else None, return_lse=True, plan=plan, backend="reference", **kw)
+    (out * _t(c["dout"])).sum().backward()
+    grad = lambda t: None if t is None or t.grad is None else t.grad.numpy()  # noqa: E731
+    return out.numpy(), lse.numpy(), grad(q), grad(k), grad(v), grad(sink)
+
+
+def _oracle(c):
+    mask = orc.token_mask(c["ids"], c["bs"], c["causal"], c["cu"])
+    v = c["k"][..., :c["Dv"]] if c["v"] is None else c["v"]
+    out, lse, _ = orc.attention(c["q"], c["k"], v, mask, sink=c["sink"])
+    dq, dk, dv, dsink = orc.gradients(c["q"], c["k"], c["v"], mask, c["dout"], sink=c["sink"],
+                                      latent_dv=c["Dv"] if c["v"] is None else None)
+    return out, lse, dq, dk, dv, dsink
+
+
+def _close(name, got, want, atol=2e-5, rtol=2e-4):
+    if want is None:
+        assert got is None, name
+        return
+    want = np.asarray(want)
+    fin = np.isfinite(want)
+    assert np.array_equal(fin, np.isfinite(got)), f"{name}: -inf pattern differs"
+    np.testing.assert_allclose(got[fin], want[fin], atol=atol, rtol=rtol, err_msg=name)
+    assert np.array_equal(got[~fin], want[~fin]), f"{name}: non-finite values differ"
+
+
+CASES = [
+    pytest.param(dict(B=1, S=70, Hq=4, Hkv=1, Dk=16, Dv=16, topk=3, bs=16), id="mqa-s70-bs16"),
+    pytest.param(dict(B=2, S=53, Hq=4, Hkv=2, Dk=8, Dv=12, topk=4, bs=16, cu=[0, 7, 30, 30, 53]),
+                 id="gqa-docs-empty-doc-dv!=dk"),
+    pytest.param(dict(B=1, S=150, Hq=2, Hkv=1, Dk=8, Dv=8, topk=2, bs=64, cu=[0, 37, 150]),
+                 id="bs64-bos37-s150"),
+    pytest.param(dict(B=2, S=40, Hq=6, Hkv=3, Dk=8, Dv=8, topk=3, bs=16, per_kv=True,
+                      cu=[[0, 19, 40], [0, 1, 40]]), id="per-kv-head-ids-2d-cu"),
+    pytest.param(dict(B=1, S=48, Hq=4, Hkv=2, Dk=8, Dv=8, topk=2, bs=16, causal=False, cu=[0, 21, 48]),
+                 id="non-causal-doc-tail"),
+    pytest.param(dict(B=1, S=45, Hq=4, Hkv=1, Dk=8, Dv=8, topk=3, bs=16, sink=True, cu=[0, 5, 45]),
+                 id="sink"),
+    pytest.param(dict(B=1, S=40, Hq=8, Hkv=1, Dk=40, Dv=32, topk=3, bs=16, latent=True, sink=True),
+                 id="mla-latent-sink"),
+    pytest.param(dict(B=1, S=33, Hq=2, Hkv=1, Dk=8, Dv=8, topk=2, bs=16, pad=0.6, dup=0.5), id="mostly-padding"),
+]
+
+
+@pytest.mark.parametrize("kw", CASES)
+def test_matches_fp64_oracle(kw):
+    c = _case(0, **kw)
+    got, want = _run(c), _oracle(c)
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsink"), got, want):
+        _close(name, g, w)
+
+
+def test_first_rows_see_fewer_blocks():
+    """Rows at the start of a document have fewer live blocks than topk: ids past the query select nothing."""
+    c = _case(1, B=1, S=64, Hq=2, Hkv=1, Dk=8, Dv=8, topk=4, bs=16, cu=[0, 10, 64], pad=0.0, dup=0.0)
+    c["ids"][0, 10:26, 1:] = np.array([1, 2, 3])[None]  # rows 10..25 (doc rows 0..15): blocks 1..3 not live
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), _run(c), _oracle(c)):
+        _close(name, g, w)
+
+
+def test_empty_rows():
+    """All-padding rows: out 0, lse -inf (the sink logit with a sink), zero gradients, no NaN."""
+    for sink in (False, True):
+        c = _case(2, B=1, S=40, Hq=4, Hkv=2, Dk=8, Dv=8, topk=2, bs=16, sink=sink)
+        c["ids"][0, 5:9] = -1
+        out, lse, dq, dk, dv, dsink = _run(c)
+        assert not np.abs(out[0, 5:9]).any() and not np.abs(dq[0, 5:9]).any()
+        want = np.broadcast_to(c["sink"][:, None], (4, 4)) if sink else np.full((4, 4), -np.inf)
+        assert np.array_equal(lse[0, :, 5:9], want)
+        assert all(np.isfinite(x).all() for x in (out, dq, dk, dv))
+        if sink:
+            assert np.isfinite(dsink).all()
+
+
+def test_sink_gradient_finite_differences():
+    c = _case(3, B=1, S=30, Hq=2, Hkv=1, Dk=8, Dv=8, topk=2, bs=16, sink=True)
+    dsink = _run(c)[5]
+    eps = 1e-2
+    for h in range(2):
+        vals = []
+        for sgn in (1, -1):
+            c2 = dict(c, sink=c["sink"] + sgn * eps * np.eye(2, dtype=np.float32)[h])
+            out = paddle_fa4.block_sparse_attention(_t(c2["q"]), _t(c2["k"]), _t(c2["v"]), _t(c2["ids"], "int32"),
+                                                    16, sink=_t(c2["sink"]), backend="reference")
+            vals.append(float((out.numpy().astype(np.float64) * c2["dout"]).sum()))
+        np.testing.assert_allclose(dsink[h], (vals[0] - vals[1]) / (2 * eps), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_equals_indexed_attention_over_blocks_to_indices(causal):
+    """One document (bos = 0): block ids are global, so blocks_to_indices + indexed_attention see the same keys."""
+    c = _case(4, B=2, S=70, Hq=4, Hkv=2, Dk=16, Dv=16, topk=3, bs=16, causal=causal)
+    out, lse, dq, dk, dv, _ = _run(c)
+    ids = _t(c["ids"], "int32")
+    tokens = paddle_fa4.blocks_to_indices(ids.unsqueeze(1), block_size=16, seqlen_k=70, causal=causal,
+                                          backend="reference")
+    q, k, v = (_t(c[n], grad=True) for n in ("q", "k", "v"))
+    o2, l2 = paddle_fa4.indexed_attention(q, k, v, tokens, return_lse=True, backend="reference")
+    (o2 * _t(c["dout"])).sum().backward()
+    for name, a, b in (("out", out, o2.numpy()), ("lse", lse, l2.numpy()), ("dq", dq, q.grad.numpy()),
+                       ("dk", dk, k.grad.numpy()), ("dv", dv, v.grad.numpy())):
+        _close(name, a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_slot_order_and_determinism():
+    """Shuffling the slots of every row, or running twice, gives bitwise the same results."""
+    c = _case(5, B=1, S=50, Hq=4, Hkv=1, Dk=8, Dv=8, topk=4, bs=16, sink=True, cu=[0, 13, 50])
+    a, b = _run(c), _run(c)
+    perm = np.random.default_rng(0).permuted(c["ids"], axis=-1)
+    s = _run(dict(c, ids=perm))
+    for x, y, z in zip(a, b, s):
+        assert np.array_equal(x, y) and np.array_equal(x, z)
+
+
+def test_stop_gradient_inputs_get_none():
+    c = _case(6, B=1, S=20, Hq=2, Hkv=1, Dk=8, Dv=8, topk=2, bs=16)
+    q, k, v = _t(c["q"], grad=True), _t(c["k"]), _t(c["v"])
+    out = paddle_fa4.block_sparse_attention(q, k, v, _t(c["ids"], "int32"), 16, backend="reference")
+    out.sum().backward()
+    assert q.grad is not None and k.grad is None and v.grad is None
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+PLAN_CASES = [
+    pytest.param(dict(B=1, S=70, G=4, topk=3, bs=16), id="gqa-wq16"),
+    pytest.param(dict(B=2, S=53, G=8, topk=4, bs=16, cu=[0, 7, 30, 30, 53]), id="docs-wq8"),
+    pytest.param(dict(B=2, S=40, G=2, topk=3, bs=16, per_kv=3, cu=[[0, 19, 40], [0, 1, 40]]), id="per-kv-wq32"),
+    pytest.param(dict(B=1, S=150, G=128, topk=2, bs=64, cu=[0, 37, 150], causal=False), id="mqa128-wq1-noncausal"),
+    pytest.param(dict(B=1, S=40, G=1, topk=2, bs=16), id="mha-wq32"),
+]
+
+
+@pytest.mark.parametrize("kw", PLAN_CASES)
+def test_plan_matches_numpy_plan(kw):
+    rng = np.random.default_rng(7)
+    causal, cu = kw.get("causal", True), kw.get("cu")
+    ids = orc.random_ids(rng, kw["B"], kw["S"], kw["topk"], kw["bs"], causal, cu, heads=kw.get("per_kv"))
+    plan = paddle_fa4.block_sparse_plan(_t(ids, "int32"), heads_per_kv=kw["G"], block_size=kw["bs"], causal=causal,
+                                        cu_seqlens=None if cu is None else _t(cu, "int32"))
+    want = orc.plan_arrays(ids, kw["bs"], kw["G"], causal, cu)
+    assert plan.window_queries == orc.tile_queries(kw["G"])
+    for name, w in want.items():
+        got = getattr(plan, name).numpy()
+        assert got.shape == w.shape, name
+        assert np.array_equal(got, w), name
+    # round trip: every (tile, slot) pair appears once in the key-major transpose
+    n = int(plan.key_ptr.numpy()[-1])
+    assert n == int(plan.tile_count.numpy().sum())
+
+
+def test_plan_reuse_and_mismatch():
+    c = _case(8, B=1, S=40, Hq=4, Hkv=1, Dk=8, Dv=8, topk=2, bs=16)
+    ids = _t(c["ids"], "int32")
+    plan = paddle_fa4.block_sparse_plan(ids, heads_per_kv=4, block_size=16)
+    for x, y in zip(_run(c), _run(c, plan=plan)):
+        assert np.array_equal(x, y)
+    other = paddle_fa4.block_sparse_plan(ids, heads_per_kv=2, block_size=16)
+    with pytest.raises(ValueError, match="plan was built for another selection"):
+        _run(c, plan=other)
+    with pytest.raises(TypeError, match="plan must be a BlockSparsePlan"):
+        _run(c, plan=object())
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _args(**over):
+    rng = np.random.default_rng(9)
+    a = dict(q=_t(rng.standard_normal((1, 20, 4, 8))), k=_t(rng.standard_normal((1, 20, 2, 8))),
+             v=_t(rng.standard_normal((1, 20, 2, 8))), block_ids=_t(np.zeros((1, 20, 2)), "int32"), block_size=16)
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over, exc, match", [
+    (dict(block_ids=_t(np.zeros((1, 20, 2)), "int64")), TypeError, "block_ids must be int32"),
+    (dict(block_ids=_t(np.full((1, 20, 2), 2), "int32")), ValueError, "block of the query's document"),
+    (dict(block_ids=_t(np.full((1, 20, 2), -2), "int32")), ValueError, "block of the query's document"),
+    (dict(block_ids=_t(np.zeros((1, 19, 2)), "int32")), ValueError, "block_ids must have shape"),
+    (dict(block_size=48), ValueError, "block_size must be one of"),
+    (dict(k=_t(np.zeros((1, 20, 3, 8)))), ValueError, "multiple of k's head count"),
+    (dict(v=None), ValueError, "dv must be given"),
+    (dict(v=None, dv=9), ValueError, "dv must be <= 8"),
+    (dict(dv=4), ValueError, "disagrees with v's head dim"),
+    (dict(v=_t(np.zeros((1, 20, 2, 8)), "float16")), TypeError, "v must have q's dtype"),
+    (dict(sink=_t(np.zeros(2))), ValueError, "sink must have shape"),
+    (dict(sink=_t(np.zeros(4), "float64")), TypeError, "sink must be float32"),
+    (dict(cu_seqlens=_t([0, 5, 19], "int32")), ValueError, "end at S = 20"),
+    (dict(cu_seqlens=_t([[0, 5, 20]] * 2, "int32")), ValueError, "cu_seqlens must be"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+])
+def test_validation(over, exc, match):
+    with pytest.raises(exc, match=match):
+        paddle_fa4.block_sparse_attention(**_args(**over), backend="reference")
+
+
+def test_cute_backend_on_cpu_raises():
+    with pytest.raises(NotImplementedError, match="backend='cute'"):
+        paddle_fa4.block_sparse_attention(**_args(), backend="cute")
+
+
+def test_ids_of_a_short_document_checked_per_document():
+    """Ids are checked against the query's own document: 15 tokens at block_size 16 have block 0 only."""
+    ids = np.zeros((1, 20, 1), np.int32)
+    ids[0, 15:] = 1  # rows of doc [5, 20): 15 tokens -> blocks 0 only
+    with pytest.raises(ValueError, match="block of the query's document"):
+        paddle_fa4.block_sparse_attention(**_args(block_ids=_t(ids, "int32"), cu_seqlens=_t([0, 5, 20], "int32")),
+                                          backend="reference")
+
+
+def test_zero_size_and_topk_zero():
+    out, lse = paddle_fa4.block_sparse_attention(**_args(block_ids=_t(np.zeros((1, 20, 0)), "int32")),
+                                                 return_lse=True, backend="reference")
+    assert out.shape == [1, 20, 4, 8] and not out.numpy().any() and np.isneginf(lse.numpy()).all()
+    rng = np.random.default_rng(0)
+    out = paddle_fa4.block_sparse_attention(_t(rng.standard_normal((0, 5, 4, 8))), _t(np.zeros((0, 5, 2, 8))),
+                                            _t(np.zeros((0, 5, 2, 8))), _t(np.zeros((0, 5, 2)), "int32"), 16,
+                                            backend="reference")
+    assert out.shape == [0, 5, 4, 8]
+
+
+@pytest.mark.parametrize("module", ["paddle_fa4.block_sparse", "paddle_fa4.block_sparse_planner"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
