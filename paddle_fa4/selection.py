@@ -143,9 +143,9 @@ def select_topk_blocks(block_logit, lse, *, topk: int, num_kv_heads: Optional[in
         head_agg (str, optional): how a group's heads are merged: ``"max"`` (default) ranks a block
             by its largest log-weight over the heads; ``"sum"`` by the sum over the heads of the
             weights ``exp(block_logit - lse)`` (PaddleFleet's ``head_agg="sum"``; computed as a
-            logsumexp of the log-weights, heads that rank nothing add 0). ``"sum"`` runs on the
-            reference backend only: ``backend="cute"`` raises NotImplementedError, ``"auto"``
-            falls back with a warning (the CuTe kernel merges heads with ``fmax``).
+            logsumexp of the log-weights, heads that rank nothing add 0). Both backends take
+            both; the CuTe kernel's fp32 logaddexp may order two blocks whose sums agree to a few
+            ulp differently from the reference (``"max"`` is exact on both).
         backend (str, optional): ``"auto"``, ``"cute"`` or ``"reference"``. Default: ``"auto"``.
         name (str|None, optional): Name for the operation. Default: None.
         block_size (int|None, optional): with ``seqlen_k``, the causal read limit above (dense
@@ -226,7 +226,7 @@ def select_topk_blocks(block_logit, lse, *, topk: int, num_kv_heads: Optional[in
             from ._cute import selection as glue
 
             glue.select_topk_blocks(dense_bl, dense_lse, out, topk, groups, sink_blocks, local_blocks,
-                                    causal_limit)
+                                    causal_limit, head_agg)
         else:
             from .reference import selection as ref
 

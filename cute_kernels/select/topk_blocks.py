@@ -1,6 +1,7 @@
-"""select_topk_blocks: per query row, the top-k key blocks by log-weight maxed over a head group.
+"""select_topk_blocks: per query row, the top-k key blocks by log-weight merged over a head group.
 
     w[b, g, i, j] = max over heads h of group g of (block_logit[b, h, i, j] - lse[b, h, i])
+                    (head_agg="sum": log of the sum over the heads of exp(block_logit - lse))
                     (-inf where block_logit is -inf: no visible key in the block)
     out[b, g, i, :] = the topk blocks j with the largest w, ties to the lower j, after forcing
                     j < sink_blocks and j > diag - local_blocks (diag = last visible block) in;
@@ -17,7 +18,8 @@ load of the warp is one contiguous 128*vec-byte segment); nothing but the int32 
 the [B, Hq, Sq, nb] log-weight tensor never exists. Then:
 
     1. load     w = max over the group's heads of (block_logit - lse), vectorised, branch-free
-                (out-of-range chunks re-read the row's last chunk and are masked to -inf)
+                (out-of-range chunks re-read the row's last chunk and are masked to -inf);
+                head_agg="sum" merges with a running logaddexp instead, see Note [sum of weights]
     2. diag     warp max of the last visible block id
     3. force    sink and local blocks that are visible get w = +inf (they sort first)
     4. select   topk rounds of a warp arg-max over the keys (w, -j) strictly below the previous
@@ -41,6 +43,17 @@ Note [NaN scores]
     visible for the diagonal and for forcing, but the selection and the write only take values
     above it, so an unforced unranked block is never picked nor written. (A genuine log-weight of
     -FLT_MAX or below, i.e. |block_logit - lse| beyond fp32's range, is unranked too.)
+
+Note [sum of weights]
+    head_agg="sum" ranks a block by log(sum_h exp(w_h)) over the heads that rank it. Each register
+    keeps that log and takes the next head with logaddexp(a, b) = hi + log(1 + exp(lo - hi)) (one
+    ex2 and one lg2 on the MUFU pipe per block and head; no second accumulator). An unseen (-inf)
+    or unranked (UNRANKED) side adds weight 0 without a branch or select: lo - hi is then -inf or
+    about -FLT_MAX, exp of it 0, and the result hi; UNRANKED + UNRANKED = -FLT_MAX + ln 2 rounds
+    back to -FLT_MAX and -inf + -inf (lo - hi NaN, clamped to 0) stays -inf. So the three-value
+    order and the NaN rule are max's. (A select on "both ranked" made ptxas spill 8-24 bytes.) The
+    logs are fp32 approximations (a few ulp per head): ids can differ from an exact sum only
+    between blocks whose sums are that close.
 
 With ``causal_rows`` the row reads only blocks up to (i + Sk - Sq) // block_size (the causal read
 limit the caller vouches for) and treats the rest as -inf: half the bytes for causal self-attention.
@@ -66,6 +79,10 @@ TOPK_MAX = 64
 UNRANKED = -3.4028234663852886e38
 #: A block id larger than any real one (sorts after every real id on equal weights).
 _NO_BLOCK = 1 << 30
+#: How a group's heads merge: max of the log-weights, or log of the sum of the weights.
+HEAD_AGG = ("max", "sum")
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,7 @@ class TopkBlocksConfig:
     topk: int
     vec: int = 4  # fp32 per lane per load: 4 when nb % 4 == 0 (16-byte rows), else 1
     causal_rows: bool = False  # read only blocks <= (i + Sk - Sq) // block_size; the rest is -inf
+    head_agg: str = "max"  # "max" or "sum" (Note [sum of weights]); one head: the same, use "max"
 
     @property
     def chunks(self) -> int:
@@ -113,6 +131,8 @@ class TopkBlocks:
             return f"topk must be in [1, {TOPK_MAX}], got {cfg.topk}"
         if cfg.group_size < 1:
             return f"group_size must be >= 1, got {cfg.group_size}"
+        if cfg.head_agg not in HEAD_AGG:
+            return f"head_agg must be one of {HEAD_AGG}, got {cfg.head_agg!r}"
         return None
 
     @cute.jit
@@ -161,7 +181,7 @@ class TopkBlocks:
     @cute.jit
     def load_log_weight(self, mBlockLogit: cute.Tensor, mLSE: cute.Tensor, tWrW: cute.Tensor,
                         batch: Int32, group: Int32, i: Int32, nb: Int32, lane: Int32):
-        """tWrW <- max over the group's heads of the log-weights of blocks < nb (others -inf)."""
+        """tWrW <- the group's heads' log-weights of blocks < nb merged by max or sum (others -inf)."""
         cfg = self.cfg
         # Chunks that hold a block < nb; at least 1 so the clamped loads below stay in the row.
         n_vec = (nb + cfg.vec - 1) // cfg.vec
@@ -182,15 +202,27 @@ class TopkBlocks:
                 chunk = Int32(cutlass.select_(m * 32 + lane < n_vec, m * 32 + lane, n_vec - 1))
                 cute.autovec_copy(cute.local_tile(gRow, (cfg.vec,), (chunk,)),
                                   cute.local_tile(tWrRaw, (cfg.vec,), (m,)))
-            # 2. log-weight and the max over heads under the NaN rule (Note [NaN scores])
+            # 2. log-weight and the merge over heads under the NaN rule (Note [NaN scores])
             for m in cutlass.range_constexpr(cfg.chunks):
                 for v in cutlass.range_constexpr(cfg.vec):
                     e = m * cfg.vec + v
                     x = tWrRaw[e]
                     seen = (x > neg_inf) & (self.block_id(lane, m, v) < nb)  # False for NaN x
                     diff = x - lse  # NaN or -inf when lse is NaN or +inf: seen but unranked
-                    val = Float32(cutlass.select_(diff > unranked, diff, unranked))
-                    tWrW[e] = cute.arch.fmax(tWrW[e], Float32(cutlass.select_(seen, val, neg_inf)))
+                    val = Float32(cutlass.select_(seen, Float32(cutlass.select_(diff > unranked, diff, unranked)),
+                                                  neg_inf))
+                    if cutlass.const_expr(cfg.head_agg == "sum"):
+                        tWrW[e] = self.log_add(tWrW[e], val)
+                    else:
+                        tWrW[e] = cute.arch.fmax(tWrW[e], val)
+
+    @cute.jit
+    def log_add(self, a: Float32, b: Float32) -> Float32:
+        """log(exp(a) + exp(b)); max(a, b) when either is -inf or UNRANKED (Note [sum of weights])."""
+        hi = cute.arch.fmax(a, b)
+        d = cute.arch.fmin(cute.arch.fmin(a, b) - hi, Float32(0.0))  # <= 0; NaN (inf - inf) -> 0
+        t = cute.math.exp2(d * Float32(_LOG2E), fastmath=True)
+        return hi + cute.math.log2(Float32(1.0) + t, fastmath=True) * Float32(_LN2)
 
     @cute.jit
     def force_sink_local(self, tWrW: cute.Tensor, sink_blocks: Int32, local_blocks: Int32, lane: Int32):

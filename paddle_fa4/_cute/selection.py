@@ -8,11 +8,7 @@ from .._bridge import arch_of, as_contiguous, kernel_arg
 def topk_unsupported_reason(arch: int, *, nb: int, topk: int, head_agg: str = "max") -> str | None:
     from cute_kernels.select.launch import topk_unsupported_reason
 
-    if head_agg != "max":
-        # The kernel merges a group's heads with one fmax per register (Note [NaN scores]); a sum
-        # of weights needs an online logsumexp per head that has not been run on a GPU yet.
-        return f'head_agg="{head_agg}" has no CuTe kernel (the selection kernel merges heads by max)'
-    return topk_unsupported_reason(nb, topk)
+    return topk_unsupported_reason(nb, topk, head_agg)
 
 
 def indices_unsupported_reason(arch: int, *, topk: int, block_size: int) -> str | None:
@@ -20,7 +16,7 @@ def indices_unsupported_reason(arch: int, *, topk: int, block_size: int) -> str 
 
 
 def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, local_blocks,
-                       causal_limit=None) -> None:
+                       causal_limit=None, head_agg="max") -> None:
     """Dense 4-D ``block_logit``/``lse`` (varlen callers add a batch axis of 1), ``out [B, Hs, Sq, topk]``.
 
     Strided ``block_logit``/``lse`` are read through contiguous copies (the caller's tensors are
@@ -31,7 +27,7 @@ def select_topk_blocks(block_logit, lse, out, topk, num_groups, sink_blocks, loc
     assert out.shape[1] == num_groups and out.shape[3] == topk
     run_select_topk_blocks(kernel_arg(block_logit), kernel_arg(lse), kernel_arg(out),
                            sink_blocks=sink_blocks, local_blocks=local_blocks, causal_limit=causal_limit,
-                           arch=arch_of(block_logit))
+                           head_agg=head_agg, arch=arch_of(block_logit))
 
 
 def blocks_to_indices(block_idx, out, block_size, seqlen_k, causal) -> None:

@@ -42,10 +42,11 @@ def _group_scores(block_logit, lse, num_groups, head_agg="max"):
     if head_agg == "sum":
         # log(sum_h exp(score_h)) around the max (no overflow/underflow of the weights); the heads
         # that rank nothing hold -inf and add exp(-inf) = 0; all -inf stays -inf.
-        none = best == _NEG_INF
-        shift = paddle.where(none, paddle.zeros_like(best), best)
+        # A +inf max stays +inf (inf - inf would make the sum NaN), as in the kernel and the oracle.
+        keep = (best == _NEG_INF) | (best == float("inf"))
+        shift = paddle.where(keep, paddle.zeros_like(best), best)
         total = paddle.exp(score - shift.unsqueeze(2)).sum(axis=2)
-        best = paddle.where(none, best, shift + paddle.log(total))
+        best = paddle.where(keep, best, shift + paddle.log(total))
     score = best
     visible = seen.reshape([b, num_groups, group, c, nb]).any(axis=2)
     return score, visible

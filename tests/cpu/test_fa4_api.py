@@ -239,19 +239,31 @@ def test_head_agg_sum_nan_rule():
     assert got.numpy().ravel().tolist() == [0, 1]
 
 
-def test_head_agg_sum_has_no_cute_kernel(monkeypatch):
+def test_head_agg_sum_plus_inf_stays_plus_inf():
+    # two heads at +inf: the sum of weights is +inf (inf - inf must not make it NaN and lose the block)
+    inf = float("inf")
+    bl = np.array([[[[inf, 0.0, -1.0]], [[inf, 0.0, -3.0]]]], np.float32)
+    lse = np.zeros((1, 2, 1), np.float32)
+    got = paddle_fa4.select_topk_blocks(paddle.to_tensor(bl), paddle.to_tensor(lse), topk=2, head_agg="sum", **REF)
+    assert got.numpy().ravel().tolist() == [0, 1] == sel_oracle.select_topk_blocks(bl, lse, 2, head_agg="sum").ravel().tolist()
+
+
+def test_head_agg_sum_runs_on_the_cute_backend(monkeypatch):
+    """head_agg reaches the CuTe glue and its compile config (the kernel itself: tests/gpu/test_select.py)."""
+    from cute_kernels.select.launch import topk_config, topk_unsupported_reason
     from paddle_fa4 import backend as backend_mod
+    from paddle_fa4._cute import selection as glue
 
     monkeypatch.setattr(backend_mod, "tensor_arch", lambda tensor: 90)
-    monkeypatch.setattr(backend_mod, "_warned", set())
-    bl, lse = paddle.zeros([1, 2, 3, 4]), paddle.zeros([1, 2, 3])
-    with pytest.raises(NotImplementedError, match='head_agg="sum" has no CuTe kernel'):
-        paddle_fa4.select_topk_blocks(bl, lse, topk=2, head_agg="sum", backend="cute")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = paddle_fa4.select_topk_blocks(bl, lse, topk=2, head_agg="sum")  # auto -> reference
-    assert any('head_agg="sum"' in str(w.message) for w in caught)
-    assert got.shape == [1, 1, 3, 2]
+    calls = []
+    monkeypatch.setattr(glue, "select_topk_blocks", lambda *args: calls.append(args))
+    bl, lse = paddle.zeros([1, 4, 3, 8]), paddle.zeros([1, 4, 3])
+    paddle_fa4.select_topk_blocks(bl, lse, topk=2, num_kv_heads=2, head_agg="sum", backend="cute")
+    assert calls and calls[0][-1] == "sum"
+    assert glue.topk_unsupported_reason(90, nb=8, topk=2, head_agg="sum") is None
+    assert "head_agg = 'mean'" in topk_unsupported_reason(8, 2, "mean")
+    assert topk_config(90, 4, 2, 8, 2, head_agg="sum").head_agg == "sum"
+    assert topk_config(90, 4, 4, 8, 2, head_agg="sum").head_agg == "max"  # one head per group: the same
     with pytest.raises(ValueError, match="head_agg must be one of"):
         paddle_fa4.select_topk_blocks(bl, lse, topk=2, head_agg="mean", **REF)
 
