@@ -28,6 +28,8 @@ def _install_fakes():
     sys.modules["torch"] = torch
     fli = types.ModuleType("flash_attn.cute.interface")
     fli.flash_attn_func = mock.MagicMock(name="fa4")
+    fli._flash_attn_fwd = mock.MagicMock(name="fa4_fwd", return_value=(mock.MagicMock(),) * 5)
+    fli._flash_attn_bwd = mock.MagicMock(name="fa4_bwd")
     sys.modules.update({"flash_attn": types.ModuleType("flash_attn"),
                         "flash_attn.cute": types.ModuleType("flash_attn.cute"),
                         "flash_attn.cute.interface": fli})
@@ -81,6 +83,12 @@ def main(name: str, argv: list) -> int:
         L.compile_fwd = mock.MagicMock()
         L.run_fwd = mock.MagicMock()
         mod.block_max_torch = mock.MagicMock()
+    elif name == "bench_layer":
+        import cute_kernels.attention.bwd_launch as BL
+        import cute_kernels.attention.launch as L
+
+        L.run_fwd = mock.MagicMock()
+        BL.run_bwd = mock.MagicMock()
     elif name == "bench_indexed":
         import cute_kernels.indexed.launch as IL
 

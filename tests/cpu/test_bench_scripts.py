@@ -70,3 +70,19 @@ def test_bench_h2o_dry(tmp_path):
     assert [r["op"] for r in out["rows"]] == ["page_scores", "select_pages"]
     assert out["copy_GBps"] > 0 and len(out["rows"][0]["speedup"]["rounds"]) == 3
     assert ["copy", "0"] in windows and "| page_scores | 1 | 4096 |" in md
+
+
+def test_bench_layer_dry(tmp_path):
+    """The full-layer step bench: one row per (heads, S, mode), per-round ratio, host-cost table."""
+    out, md, windows = dry(tmp_path, "bench_layer", "--hdims", "128", "--seqlens", "4096", "--heads", "16,32/8",
+                           "--host-n", "5")
+    rows = out["rows"]
+    assert [(r["heads"], r["heads_kv"], r["causal"]) for r in rows] == [(16, 16, False), (16, 16, True),
+                                                                      (32, 8, False), (32, 8, True)]
+    assert [n for n, _ in windows[:6]] == ["ours_layer", "ours_plain", "fa4_layer", "fa4_layer", "ours_plain",
+                                           "ours_layer"]
+    r = rows[0]
+    assert set(r["tflops"]) == {"ours_layer", "ours_plain", "fa4_layer"}
+    assert 0 < r["ratio"]["lo"] <= r["ratio"]["median"] <= r["ratio"]["hi"]
+    assert set(out["host_us"]["128/full"]) == {"ours_step", "fa4_step", "ours_bwd", "fa4_bwd"}
+    assert "ours / FA4 (step)" in md and "Host cost per call" in md
