@@ -1,7 +1,10 @@
 """Small SM100 math helpers for the attention softmax warps (device code only).
 
 ``fmax3``      one ``max.f32`` with three inputs (sm_100+ PTX), so a max tree over n values costs
-               about n/2 instructions instead of n.
+               about n/2 instructions instead of n. Compiled for an older target (sm_90a: the H200
+               runs these helpers in tests/gpu/test_sm100_helpers.py) it is two two-input ``max.f32``
+               with the same result, so the tree logic is tested there; the three-input instruction
+               itself runs only on Blackwell (``python -m cute_kernels.selftest``).
 ``max_tree``   trace-time balanced tree of ``fmax3`` over a Python list of Float32 values: the
                depth is log3(n), which keeps the dependent chain short in the softmax critical path.
 ``exp2_poly``  2^x on the FMA pipe (floor/fraction split + degree-3 polynomial), used for a fraction
@@ -18,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import BaseDSL, T, dsl_user_op
 
 # 2^f on f in [0, 1): iteratively reweighted least-squares fit (numpy, fp64, 4097 points) of
 # 1 + c1 f + c2 f^2 + c3 f^3 on the relative error; max relative error 8.6e-5, below half an fp16
@@ -28,9 +31,17 @@ _EXP2_POLY = (0.6951175613407709, 0.2276456107541215, 0.0770650606883423)
 _ROUND_MAGIC = 12582912.0
 
 
+def _has_max3() -> bool:
+    """Whether the target being compiled (the ``--gpu-arch`` of this compile) has three-input max.f32."""
+    return BaseDSL._get_dsl().get_arch_enum().major >= 10
+
+
 @dsl_user_op
 def fmax3(a, b, c, *, loc=None, ip=None) -> Float32:
-    """max(a, b, c) in one instruction (NaN-quiet like ``max.f32``)."""
+    """max(a, b, c) in one instruction on sm_100+ (NaN-quiet like ``max.f32``: a NaN operand is
+    ignored unless all are NaN); two ``max.f32`` on older targets."""
+    if not _has_max3():
+        return cute.arch.fmax(cute.arch.fmax(Float32(a), Float32(b), loc=loc, ip=ip), Float32(c), loc=loc, ip=ip)
     return Float32(
         llvm.inline_asm(
             T.f32(),
@@ -92,8 +103,9 @@ _EXP2_POLY_PTX = (
 
 @dsl_user_op
 def exp2_poly(x, *, loc=None, ip=None) -> Float32:
-    """2^x without MUFU, for x <= 127; exactly 0 for x < -127 (and -inf), like the flush-to-zero
-    MUFU ex2, so a fully masked row keeps a zero row sum.
+    """2^x without MUFU, for x <= 127; exactly 0 for x < -127 (and -inf, and NaN), like the
+    flush-to-zero MUFU ex2, so a fully masked row keeps a zero row sum. Relative error <= 1e-4 for
+    x in [-126, 127], exact at integers; x in [-127, -126) gives a denormal within 2^-126 of 2^x.
 
     x = n + f with n = floor(x), f in [0, 1); 2^f by the polynomial, n added to the exponent field.
     """

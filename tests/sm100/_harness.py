@@ -200,7 +200,9 @@ class Runner:
 
             from cute_kernels.attention.launch import fwd_config, run_fwd
 
-            cfg = fwd_config(100, dtype, d, v.shape[-1], hq // hkv, causal, tuple(window) != (-1, -1),
+            from tests.conftest import torch_cuda_arch
+
+            cfg = fwd_config(torch_cuda_arch(), dtype, d, v.shape[-1], hq // hkv, causal, tuple(window) != (-1, -1),
                              softcap > 0, block_size, varlen)
             out = torch.empty(*tq.shape[:-1], tv.shape[-1], device="cuda", dtype=tq.dtype)
             lse = torch.empty(*lse_shape, device="cuda", dtype=torch.float32)

@@ -14,7 +14,12 @@ import os
 
 import pytest
 
+from cute_kernels.arch import TARGETS, family
 from tests.conftest import torch_cuda_arch
+
+#: The compute capabilities with an SM100 build (10.0 -> sm_100a, 10.3 -> sm_103a): exactly these run
+#: the suite; any other part would load no binary (cute_kernels.arch.arch_reason).
+SM100_BUILDS = tuple(cc for cc in TARGETS if family(cc) == 100)
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,8 +39,8 @@ def paddle_cuda_arch() -> int | None:
 
 
 def _is_sm10x(arch: int | None) -> bool:
-    """CC 10.0 only: the kernels are sm_100a builds, which do not load on 10.3 (B300)."""
-    return arch == 100
+    """A part we build the SM100 kernels for (each CC gets its own arch-specific binary)."""
+    return arch in SM100_BUILDS
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +62,7 @@ def sm100_framework() -> str | None:
 def skip_reason() -> str:
     arches = {"paddle": paddle_cuda_arch(), "torch": torch_cuda_arch()}
     seen = ", ".join(f"{k}: sm_{v}" for k, v in arches.items() if v is not None) or "no CUDA device"
-    return f"needs a compute-capability-10.0 (B200 / GB200) GPU via Paddle or torch ({seen})"
+    return f"needs a compute-capability-10.0 (B200 / GB200) or 10.3 (B300 / GB300) GPU via Paddle or torch ({seen})"
 
 
 def pytest_collection_modifyitems(config, items):

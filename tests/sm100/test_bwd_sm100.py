@@ -1,6 +1,6 @@
 """SM100 (Blackwell) attention backward: dq / dk / dv of FlashBwdSm100 through bwd_launch.run_bwd.
 
-    python -m pytest tests/sm100/test_bwd_sm100.py -q     # skips without a CC 10.0 GPU and torch
+    python -m pytest tests/sm100/test_bwd_sm100.py -q     # skips without a CC 10.0 / 10.3 GPU and torch
 
 out / lse come from a torch fp32 forward of the same math (so a forward bug cannot hide or cause a
 backward failure); the reference gradients are torch autograd of that math in fp32 on the upcast
@@ -19,11 +19,12 @@ import math
 import pytest
 
 from tests.conftest import torch_cuda_arch
+from tests.sm100.conftest import SM100_BUILDS
 
 pytestmark = [pytest.mark.sm100,
-              pytest.mark.skipif(torch_cuda_arch() != 100,
-                                 reason="needs a compute-capability-10.0 (B200) GPU through torch: the kernels "
-                                        "are sm_100a builds, which do not load on other parts")]
+              pytest.mark.skipif(torch_cuda_arch() not in SM100_BUILDS,
+                                 reason="needs a compute-capability-10.0 (B200) or 10.3 (B300) GPU through torch: "
+                                        "the kernels are sm_100a / sm_103a builds, which load only there")]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def run_ours(torch, q, k, v, out, lse, do, *, causal=False, window=(-1, -1), sof
 
     varlen = cu_q is not None
     hq, hkv = q.shape[-2], k.shape[-2]
-    cfg = bwd_config(100, q.dtype, q.shape[-1], v.shape[-1], hq // hkv, causal, tuple(window) != (-1, -1),
+    cfg = bwd_config(torch_cuda_arch(), q.dtype, q.shape[-1], v.shape[-1], hq // hkv, causal, tuple(window) != (-1, -1),
                      softcap > 0, varlen, deterministic, dlse is not None)
     if varlen:
         shapes = workspace_shapes(cfg, batch=cu_q.shape[0] - 1, seqlen_q=0, num_heads=hq, total_q=q.shape[0])
