@@ -1,0 +1,1 @@
+"""Block-sparse attention over per-query selected key blocks (HySparse sparse layers)."""

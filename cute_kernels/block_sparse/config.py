@@ -1,0 +1,65 @@
+"""Block-sparse attention configs (compile-cache keys) and the row-tile geometry.
+
+Shape letters: B batch, S tokens, Hq = Hkv * G query heads, Dk / Dv head dims, NS index sets (B for
+shared ids, B * Hkv per kv head), NQT = ceil(S / WQ) query tiles, CAP = WQ * topk union slots.
+
+Row tile (one CTA): the 64 MMA rows are ``WQ = tile_queries(G)`` consecutive queries x ``GC``
+query heads of one kv head, ``GC = min(G, 64)`` (row ``r`` = query ``w * WQ + r // GC``, head
+``h * G + c * GC + r % GC`` for head chunk ``c < G / GC``): GQA packs ``64 // G`` queries over the
+union of their blocks (one bit per query and block), MQA with ``G >= 64`` takes one query's heads
+(two CTAs for G = 128). Plan tensors: ``paddle_fa4/block_sparse_planner.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: MMA rows per CTA (one consumer warpgroup, wgmma m64).
+TILE_M = 64
+#: The block size the kernels take (one block = one key tile = one TMA box).
+BLOCK_SIZE = 64
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("bfloat16", "float16")
+
+
+def tile_queries(group: int) -> int:
+    """Queries per row tile (the plan's window): ``min(64 // G, 32)``, 1 for ``G >= 64``."""
+    return min(TILE_M // min(group, TILE_M), 32)
+
+
+def head_chunk(group: int) -> int:
+    """Query heads of one kv head in a row tile (``GC``)."""
+    return min(group, TILE_M)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Everything that changes the forward's generated code (all extents are dynamic)."""
+
+    arch: int  # exact compute capability
+    dtype: str
+    head_dim: int  # Dk
+    head_dim_v: int  # Dv
+    group: int  # G = Hq // Hkv
+    per_kv_head: bool  # ids [B, Hkv, S, topk] (set b * Hkv + h) vs [B, S, topk] (set b)
+    has_sink: bool
+
+    @property
+    def window_queries(self) -> int:
+        return tile_queries(self.group)
+
+
+def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str, block_size: int,
+                       latent: bool = False) -> str | None:
+    """Why the CuTe forward cannot run this case, or None."""
+    if latent:
+        return "the absorbed-MLA latent (v=None) is not implemented on the CuTe path"
+    if block_size != BLOCK_SIZE:
+        return f"block_size {block_size} (the CuTe kernels take {BLOCK_SIZE})"
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (supported: {DTYPES})"
+    if head_dim not in HEAD_DIMS or head_dim_v != head_dim:
+        return f"head dims Dk {head_dim} / Dv {head_dim_v} (supported: Dk == Dv in {HEAD_DIMS})"
+    if group > TILE_M and group % TILE_M:
+        return f"{group} query heads per kv head (above 64 it must be a multiple of 64)"
+    return None

@@ -1,0 +1,380 @@
+"""BlockSparseFwdSm90: Hopper forward of block-sparse attention over per-query selected key blocks.
+
+    out[b, t, hq] = sum_c softmax_c(scale * q . k_c [, sink[hq]]) v_c
+    lse[b, hq, t] = log(sum_c exp(scale * q . k_c) [+ exp(sink[hq])])     (natural log; -inf: no key)
+
+over the keys c of the live blocks the plan lists for query t's row tile, ``c < q_limit[b, t]``
+(causal: ``t + 1``; else its document's end) and selected by t's bit (plan and block rule:
+``paddle_fa4/block_sparse_planner.py``; row-tile geometry: ``config.py``).
+
+One CTA per (query tile w, kv head h x head chunk c, batch b), 256 threads:
+
+    WG 0, warp 0   producer: K of block 0, then Q (one TMA box of GC head rows per tile query,
+                   Note [query rows by TMA] in indexed/bwd_dkdv_sm90.py), then K[n] with V[n-1]
+                   per listed block (one 64 x D box each at the block's start row; rows past S
+                   are zero-filled by TMA), then V of the last block; 2 stages
+    WG 1           consumer, 64 rows: S = Q K^T (wgmma, smem x smem), masks (below), online softmax
+                   (common/softmax.py), O += P V (P from registers); the QK^T of block n is in
+                   flight while the PV of block n-1 runs (intra-warpgroup overlap, as the dense
+                   forward attention/fwd_sm90.py); sink folded in before the epilogue; O, lse by
+                   plain stores to each row's (query, head)
+
+    producer ──K,V (mbarrier pipelines), Q (one mbarrier)──▶ consumer ──▶ out, lse
+
+Masks (Note [block masks]): a block is skipped by no row; rows whose query did not select it, and
+keys ``>= q_limit`` of rows that did, are -inf. Both are one ``common/mask.apply_mask`` call with a
+per-row key limit (``q_limit`` or 0), run only when some row needs it: the block is not selected by
+every tile query, or it reaches past the smallest ``q_limit`` of the tile (the diagonal block of
+causal rows, a document's tail block). Every other block is used as loaded.
+
+Idle rows (past S, or the 64 - WQ * GC rows of a G that does not divide 64) are never loaded,
+never selected (no bit) and never stored: whatever their shared memory holds stays in their rows.
+Blocks are visited in ascending start order whatever the order of the ids, so out and lse do not
+depend on it, and nothing is accumulated across CTAs: bitwise reproducible.
+
+Not supported (``config.unsupported_reason``): block_size != 64, Dk != Dv or Dk not in (64, 128,
+256), the absorbed-MLA latent (v=None), G > 64 not a multiple of 64.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cute_kernels.common.mask import apply_mask
+from cute_kernels.common.softmax import OnlineSoftmax
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, select_modes,
+                                       sm90_thread0_cols, transpose_view, wgmma_gemm, wgmma_smem_layout)
+from cute_kernels.dtypes import cutlass_dtype
+from cute_kernels.indexed.bwd_dkdv_sm90 import IndexedBwdDKDVSm90
+
+from .config import BLOCK_SIZE, TILE_M, FwdConfig, head_chunk
+
+THREADS_PER_WG = 128
+KV_STAGES = 2
+# setmaxnreg split; 128 * (24 + 232) = 32K registers per CTA, so two CTAs fit an SM (D <= 128).
+PRODUCER_REGS, CONSUMER_REGS = 24, 232
+
+
+class BlockSparseFwdSm90:
+    def __init__(self, cfg: FwdConfig):
+        if cfg.arch // 10 != 9:
+            raise ValueError(f"BlockSparseFwdSm90 is the SM90 kernel, got arch {cfg.arch}")
+        self.cfg = cfg
+        self.dtype = cutlass_dtype(cfg.dtype)
+        self.dk, self.dv = cfg.head_dim, cfg.head_dim_v
+        self.gc = head_chunk(cfg.group)
+        self.chunks = cfg.group // self.gc
+        self.wq = cfg.window_queries
+        self.tile_n = BLOCK_SIZE
+
+    @staticmethod
+    def smem_bytes(cfg: FwdConfig) -> int:
+        q = TILE_M * cfg.head_dim * 2
+        kv = BLOCK_SIZE * (cfg.head_dim + cfg.head_dim_v) * 2 * KV_STAGES
+        return q + kv + 3 * 1024 + 8 * (1 + 4 * KV_STAGES)
+
+    # ------------------------------------------------------------------ host launch
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
+        fields = {
+            "mbar_q": cute.struct.MemRange[Int64, 1],
+            "mbar_k": cute.struct.MemRange[Int64, 2 * KV_STAGES],
+            "mbar_v": cute.struct.MemRange[Int64, 2 * KV_STAGES],
+            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
+            "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
+            "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileStart: cute.Tensor,
+                 mTileMask: cute.Tensor, mTileCount: cute.Tensor, mQLimit: cute.Tensor, mSink,
+                 mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32, stream):
+        # Q: one (GC, Dk) box per tile query from the (Hq, Dk, S, B) row view; K/V: (S, D, H, B)
+        sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 1))
+        sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk, KV_STAGES))
+        sV_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dv, KV_STAGES))
+        # the indexed dK/dV kernel's row-slot box (it checks its stage layout, hence 2 stages there;
+        # stage 0 is laid out as sQ)
+        rows = IndexedBwdDKDVSm90.row_box(SimpleNamespace(g=self.gc, d=self.dk),
+                                          wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 2)))
+        mKt, mVt = [select_modes(t, (1, 3, 2, 0)) for t in (mK, mV)]
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s, select_modes(mQ, (2, 3, 1, 0)), rows, (self.gc, self.dk))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, mKt, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.dk), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, mVt, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.dv), 1)
+        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
+        grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
+        self.kernel(tma_Q, tma_K, tma_V, mTileStart, mTileMask, mTileCount, mQLimit, mSink, mO, mLSE,
+                    tma_atom_Q, tma_atom_K, tma_atom_V, sQ_layout, sK_layout, sV_layout, rows,
+                    softmax_scale).launch(grid=grid, block=[2 * THREADS_PER_WG, 1, 1],
+                                          smem=self.shared_storage.size_in_bytes(), stream=stream,
+                                          min_blocks_per_mp=2 if self.dk <= 128 else 1,
+                                          preferred_smem_carveout=100)
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileStart: cute.Tensor,
+               mTileMask: cute.Tensor, mTileCount: cute.Tensor, mQLimit: cute.Tensor, mSink,
+               mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+               tma_atom_V: cute.CopyAtom, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, rows: cute.ComposedLayout, softmax_scale: Float32):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        mbar_q = storage.mbar_q.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar_q, 1)
+        cute.arch.mbarrier_init_fence()
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG // 32)
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_bytes_k, defer_sync=True)
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_bytes_v, defer_sync=False)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        w, hc, b = cute.arch.block_idx()
+        h = hc // self.chunks
+        s = b
+        if const_expr(cfg.per_kv_head):
+            s = b * mK.shape[2] + h
+        seqlen = mQ.shape[2]  # (Hq, Dk, S, B) row view
+        tile = SimpleNamespace(
+            s=s, h=h, b=b, q0=w * self.wq, count=mTileCount[s, w],
+            nq=cutlass.min(seqlen - w * self.wq, self.wq),
+            head0=h * cfg.group + (hc - h * self.chunks) * self.gc, seqlen=seqlen)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mTileStart, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, rows,
+                          storage.sQ.data_ptr(), mbar_q, pipeline_k, pipeline_v, tile)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume(mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
+                         pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load_block(self, atom, mX_cur, sX, start: Int32, cols: cutlass.Constexpr, pipe, state):
+        """One block: the (64, cols) box of rows [start, start + 64) into the state's stage."""
+        gX = cute.local_tile(cute.domain_offset((start, 0), mX_cur), (self.tile_n, cols), (0, 0))
+        tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                           cute.group_modes(gX, 0, 2))
+        pipe.producer_acquire(state)
+        cute.copy(atom, tXgX, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def load(self, mQ, mK, mV, mTileStart, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, rows,
+             sQ_base, mbar_q, pipeline_k, pipeline_v, tile):
+        mK_cur = mK[None, None, tile.h, tile.b]  # (S, Dk)
+        mV_cur = mV[None, None, tile.h, tile.b]  # (S, Dv)
+        if tile.count > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+            # 1. K of the first block, then the tile's Q rows (one box per query, GC head rows).
+            self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, tile.q0 // self.wq, 0], self.dk,
+                            pipeline_k, kv_state)
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, tile.nq * self.gc * self.dk * 2)
+            for j in cutlass.range(tile.nq, unroll=1):
+                dst = cute.make_tensor(cute.recast_ptr(sQ_base + j * self.gc * 64, rows.inner), rows.outer)
+                src = cute.local_tile(mQ[None, None, tile.q0 + j, tile.b], (self.gc, self.dk),
+                                      (tile.head0 // self.gc, 0))
+                tS, tG = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                               cute.group_modes(src, 0, 2))
+                cute.copy(tma_atom_Q, tG, tS, tma_bar_ptr=mbar_q)
+            # 2. K[n] with V[n - 1]: the consumer runs QK^T of block n next to PV of block n - 1.
+            w = tile.q0 // self.wq
+            for n in cutlass.range(1, tile.count, unroll=1):
+                prev_state = kv_state.clone()
+                kv_state.advance()
+                self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, n], self.dk, pipeline_k, kv_state)
+                self.load_block(tma_atom_V, mV_cur, sV, mTileStart[tile.s, w, n - 1], self.dv, pipeline_v,
+                                prev_state)
+            # 3. V of the last block.
+            self.load_block(tma_atom_V, mV_cur, sV, mTileStart[tile.s, w, tile.count - 1], self.dv, pipeline_v,
+                            kv_state)
+
+    # ------------------------------------------------------------------ consumer
+    @cute.jit
+    def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+             zero_init: cutlass.Constexpr, wait: cutlass.Constexpr):
+        wgmma_gemm(tiled_mma, acc, tCrA, tCrB, zero_init)
+        if const_expr(wait >= 0):
+            warpgroup.wait_group(wait)
+
+    @cute.jit
+    def consume(self, mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
+                pipeline_v, tile, ctidx: Int32, softmax_scale: Float32):
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dv), a_source=warpgroup.OperandSource.RMEM)
+        thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
+        wg_mma_qk = tiled_mma_qk.get_slice(0)
+        wg_mma_pv = tiled_mma_pv.get_slice(0)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ[None, None, 0]))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))  # (.., .., k, stage)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((TILE_M, self.tile_n)))
+        acc_S_shape = wg_mma_qk.partition_shape_C((TILE_M, self.tile_n))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((TILE_M, self.dv)), Float32)
+        acc_O_mn = acc_mn_view(acc_O)
+        acc_O.fill(0.0)
+
+        # This thread's two rows: their query's bit, key limit and head.
+        tScS_mn = acc_mn_view(thr_mma_qk.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
+        row = [tScS_mn[r, 0][0] for r in range(2)]
+        w = tile.q0 // self.wq
+        rows_valid = tile.nq * self.gc
+        bit = cute.make_rmem_tensor((2,), Int32)
+        limit = cute.make_rmem_tensor((2,), Int32)
+        for r in cutlass.range_constexpr(2):
+            bit[r] = Int32(0)
+            limit[r] = Int32(0)
+            if row[r] < rows_valid:
+                qi = row[r] // self.gc
+                bit[r] = Int32(1) << qi
+                limit[r] = mQLimit[tile.b, tile.q0 + qi]
+        # Note [block masks]: a block needs masks unless every tile query selected it and it ends
+        # at or below the smallest key limit of the tile.
+        min_limit = Int32(0x7FFFFFFF)
+        for j in cutlass.range(tile.nq, unroll=1):
+            min_limit = cutlass.min(min_limit, mQLimit[tile.b, tile.q0 + j])
+        all_bits = Int32(-1)
+        if tile.nq < 32:
+            all_bits = (Int32(1) << tile.nq) - 1
+        scale_log2 = softmax_scale * LOG2_E
+        softmax = OnlineSoftmax(scale_log2, 2, 4)
+        softmax.reset()
+        ctx = SimpleNamespace(bit=bit, limit=limit, min_limit=min_limit, all_bits=all_bits,
+                              thr_col=tScS_mn[0, 0][1], cols=sm90_thread0_cols(self.tile_n), seqlen=tile.seqlen,
+                              softmax=softmax, mTileStart=mTileStart, mTileMask=mTileMask, s=tile.s, w=w)
+
+        if tile.count > 0:
+            self.mainloop(ctx, tile.count, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+                          acc_O_mn, acc_S_shape, pipeline_k, pipeline_v)
+
+        # 4. Sink, O /= l, lse; only the rows of real (query, head) pairs are written.
+        heads = [tile.head0 + row[r] % self.gc for r in range(2)]
+        if const_expr(self.cfg.has_sink):
+            self.fold_sink(softmax, mSink, heads, ctidx % 4 == 0)
+        row_scale, lse = softmax.finalize()
+        softmax.rescale(acc_O_mn, row_scale)
+        self.epilogue(acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid)
+
+    @cute.jit
+    def mainloop(self, ctx, count: Int32, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+                 acc_O_mn, acc_S_shape, pipeline_k, pipeline_v):
+        """The listed blocks in order: QK^T of block n in flight with PV of block n - 1."""
+        cute.arch.mbarrier_wait(mbar_q, 0)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        # 1. First block: QK^T alone.
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+        pipeline_k.consumer_release(kv_state)
+        self.process_scores(ctx, acc_S, 0, True)
+        convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+        # 2. QK^T of block n in flight with PV of block n - 1.
+        for n in cutlass.range(1, count, unroll=1):
+            kv_state = self.overlap_step(ctx, n, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                                         acc_O, acc_O_mn, acc_S_shape, pipeline_k, pipeline_v)
+        # 3. PV of the last block.
+        pipeline_v.consumer_wait(kv_state)
+        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
+        pipeline_v.consumer_release(kv_state)
+
+    @cute.jit
+    def overlap_step(self, ctx, n: Int32, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+                     acc_O_mn, acc_S_shape, pipeline_k, pipeline_v):
+        """QK^T of block n in flight with PV of block n - 1; then softmax of block n and O rescale."""
+        v_state = kv_state.clone()
+        kv_state.advance()
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
+        pipeline_v.consumer_wait(v_state)
+        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+        warpgroup.wait_group(1)
+        pipeline_k.consumer_release(kv_state)
+        row_scale = self.process_scores(ctx, acc_S, n, False)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+        ctx.softmax.rescale(acc_O_mn, row_scale)
+        convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+        return kv_state
+
+    @cute.jit
+    def process_scores(self, ctx, acc_S: cute.Tensor, n: Int32, is_first: cutlass.Constexpr) -> cute.Tensor:
+        """Masks (Note [block masks]) and online softmax of block ``n`` -> P in acc_S; returns the O rescale."""
+        acc_S_mn = acc_mn_view(acc_S)
+        start = ctx.mTileStart[ctx.s, ctx.w, n]
+        bits = ctx.mTileMask[ctx.s, ctx.w, n]
+        if (bits & ctx.all_bits) != ctx.all_bits or start + self.tile_n > ctx.min_limit:
+            # key limit of each row for this block: its query's q_limit if selected, else 0 (all masked);
+            # apply_mask keeps key c of row r iff c <= rows[r] and c < seqlen
+            last = cute.make_rmem_tensor((2,), Int32)
+            for r in cutlass.range_constexpr(2):
+                last[r] = Int32(-1)
+                if (bits & ctx.bit[r]) != 0:
+                    last[r] = ctx.limit[r] - 1
+            apply_mask(acc_S_mn, ctx.cols, [last[0], last[1]], start + ctx.thr_col, ctx.seqlen, Int32(0), Int32(0), Int32(0),
+                       True, True, False)
+        return ctx.softmax.update(acc_S_mn, is_first)
+
+    @cute.jit
+    def fold_sink(self, softmax: OnlineSoftmax, mSink: cute.Tensor, heads: list, leader):
+        """The sink column (logit ``sink[h]``, natural log, not scaled) joins each row's normaliser;
+        added once per row (the quad's first lane). A row without keys gets max = sink and sum 1:
+        out 0, lse = sink."""
+        row_max, row_sum = softmax.row_max, softmax.row_sum
+        lead = Float32(1.0) if leader else Float32(0.0)
+        for r in cutlass.range_constexpr(2):
+            sink_log2 = mSink[heads[r]] * LOG2_E
+            m = row_max[r]
+            empty = m == -Float32.inf
+            extra = lead * cute.math.exp2(sink_log2 - (Float32(0.0) if empty else m) * softmax.scale_log2,
+                                          fastmath=True)
+            row_sum[r] = lead if empty else row_sum[r] + extra
+            row_max[r] = sink_log2 / softmax.scale_log2 if empty else m
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid: Int32):
+        cO = cute.make_identity_tensor((TILE_M, self.dv))
+        tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cO))
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        convert_to_16bit(acc_O, rO)
+        rO_mn = acc_mn_view(rO)
+        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+            row = tOcO_mn[r, 0][0]
+            if row < rows_valid:
+                t = tile.q0 + row // self.gc
+                head = tile.head0 + row % self.gc
+                gO = mO[tile.b, t, head, None]  # (Dv,)
+                for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
+                    gO[tOcO_mn[r, c][1]] = rO_mn[r, c]
+                if tOcO_mn[0, 0][1] == 0:
+                    mLSE[tile.b, head, t] = lse[r]

@@ -1,0 +1,93 @@
+"""Host launchers of the block-sparse attention kernels: compiled once per config, called with any
+DLPack tensors (Paddle in production, torch on the H200 in tests), out-parameters only, on the
+caller's current stream. Arguments were validated one layer up (``paddle_fa4/block_sparse.py``).
+
+Tensors: q [B, S, Hq, Dk], k [B, S, Hkv, Dk], v [B, S, Hkv, Dv] (bf16 / fp16, contiguous); the plan's
+tile_start / tile_mask [NS, NQT, CAP], tile_count [NS, NQT], q_limit [B, S] (int32); sink [Hq]
+fp32 or None; out [B, S, Hq, Dv], lse [B, Hq, S] fp32 (every element written).
+"""
+
+from __future__ import annotations
+
+from cute_kernels import arch as _arch
+from cute_kernels.jit_cache import jit_cache
+
+from .config import DTYPES, HEAD_DIMS, FwdConfig
+
+
+def fwd_config(q, k, v, *, per_kv_head: bool, has_sink: bool, arch: int | None = None) -> FwdConfig:
+    from cute_kernels.dtypes import dtype_name
+
+    hq, hkv = int(q.shape[2]), int(k.shape[2])
+    return FwdConfig(arch=_arch.kernel_arch(arch), dtype=dtype_name(q.dtype), head_dim=int(q.shape[3]),
+                     head_dim_v=int(v.shape[3]), group=hq // hkv, per_kv_head=per_kv_head, has_sink=has_sink)
+
+
+def _fwd_fakes(cfg: FwdConfig):
+    import cutlass
+
+    from cute_kernels.dtypes import cutlass_dtype
+    from cute_kernels.fake import fake_tensor, sym
+
+    dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
+    b, s, hkv, ns, nqt, cap = (sym() for _ in range(6))
+    hq = sym()
+    return (fake_tensor(dt, (b, s, hq, cfg.head_dim)), fake_tensor(dt, (b, s, hkv, cfg.head_dim)),
+            fake_tensor(dt, (b, s, hkv, cfg.head_dim_v)),
+            fake_tensor(i32, (ns, nqt, cap), align_bytes=4), fake_tensor(i32, (ns, nqt, cap), align_bytes=4),
+            fake_tensor(i32, (ns, nqt), align_bytes=4), fake_tensor(i32, (b, s), align_bytes=4),
+            fake_tensor(f32, (hq,), align_bytes=4) if cfg.has_sink else None,
+            fake_tensor(dt, (b, s, hq, cfg.head_dim_v)), fake_tensor(f32, (b, hq, s), align_bytes=4),
+            f32(1.0))
+
+
+@jit_cache
+def compile_fwd(cfg: FwdConfig):
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream
+
+    if _arch.family(cfg.arch) != 90:
+        raise NotImplementedError(f"block_sparse_attention: no CuTe forward for arch {cfg.arch} yet (SM90 only)")
+    from .fwd_sm90 import BlockSparseFwdSm90
+
+    return cute.compile(BlockSparseFwdSm90(cfg), *_fwd_fakes(cfg), fake_stream(), options=arch_options(cfg.arch))
+
+
+def run_fwd(cfg: FwdConfig, q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse,
+            softmax_scale: float) -> None:
+    """out and lse from a built plan (``paddle_fa4.block_sparse_plan`` or ``tests/oracles/block_sparse``)."""
+    assert (sink is None) == (not cfg.has_sink), "sink must match cfg.has_sink"
+    if int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
+        return
+    compile_fwd(cfg)(q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse, float(softmax_scale))
+
+
+# ---- configs compiled by ``python -m cute_kernels.check`` ----
+def fwd_matrix(arch: int, full: bool = False):
+    if _arch.family(arch) != 90:
+        return []
+    if full:
+        return [FwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk, has_sink=sk)
+                for dt in DTYPES for d in HEAD_DIMS for g in (1, 2, 8, 12, 64, 128) for pk in (False, True)
+                for sk in (False, True)]
+    return [FwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=False,
+                      has_sink=False),
+            FwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=True,
+                      has_sink=True),
+            FwdConfig(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, group=1, per_kv_head=False,
+                      has_sink=False),
+            FwdConfig(arch=arch, dtype="float16", head_dim=256, head_dim_v=256, group=12, per_kv_head=False,
+                      has_sink=True),
+            FwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=128, per_kv_head=False,
+                      has_sink=True)]
+
+
+def _fwd_smem(cfg):
+    from .fwd_sm90 import BlockSparseFwdSm90
+    return BlockSparseFwdSm90.smem_bytes(cfg)
+
+
+CHECKS = {
+    "block_sparse_fwd": (fwd_matrix, compile_fwd, _fwd_smem),
+}
