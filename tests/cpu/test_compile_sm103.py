@@ -16,9 +16,10 @@ LIMIT = 2
 
 
 def _kernels() -> list[str]:
+    """Registered kernels with configs for 10.3 (a kernel without an SM100 version has none)."""
     from cute_kernels.registry import all_checks
 
-    return sorted(all_checks())
+    return sorted(name for name, (matrix, _, _) in all_checks().items() if matrix(103, False))
 
 
 @pytest.mark.compile
