@@ -129,7 +129,9 @@ def block_sparse_attention(q, k, v, block_ids, block_size=64, *, softmax_scale=N
     """
     spec = _validate(q, k, v, block_ids, block_size, softmax_scale, causal, cu_seqlens, sink, dv, return_lse,
                      deterministic, plan)
-    needs_grad = any(t is not None and not t.stop_gradient for t in (q, k, v, sink))
+    import paddle
+
+    needs_grad = paddle.is_grad_enabled() and any(t is not None and not t.stop_gradient for t in (q, k, v, sink))
     name = resolve_backend(OP, backend, q, functools.partial(_unsupported_reason, spec=spec, needs_grad=needs_grad))
     out, lse = _BlockSparseFn.apply(q, k, v, block_ids, sink, cu_seqlens, spec, name, plan)
     return (out, lse) if return_lse else out

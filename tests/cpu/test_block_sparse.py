@@ -280,3 +280,19 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_cute_glue_refuses_what_it_does_not_cover():
+    """The reasons auto falls back on (and backend='cute' raises with)."""
+    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4.block_sparse import BlockSparseSpec
+
+    base = dict(B=1, S=128, Hq=32, Hkv=4, Dk=128, Dv=128, topk=16, block_size=64, per_kv_head=False, latent=False,
+                causal=True, has_sink=False, num_docs=1, scale=0.1, dtype="bfloat16", deterministic=True)
+    assert glue.unsupported_reason(90, BlockSparseSpec(**base), needs_grad=False) is None
+    assert "backward is not implemented" in glue.unsupported_reason(90, BlockSparseSpec(**base), needs_grad=True)
+    assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**base), needs_grad=False)
+    for over, fragment in ((dict(latent=True, Dv=64), "absorbed-MLA"), (dict(block_size=16), "block_size 16"),
+                           (dict(Dv=64), "head dims"), (dict(dtype="float32"), "dtype"),
+                           (dict(has_sink=True, scale=0.0), "softmax_scale 0")):
+        assert fragment in glue.unsupported_reason(90, BlockSparseSpec(**dict(base, **over)), needs_grad=False)

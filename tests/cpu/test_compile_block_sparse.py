@@ -1,0 +1,51 @@
+"""The block-sparse forward compiles for sm_90a without a GPU (no spills, shared memory within the
+arch limit), is registered for ``python -m cute_kernels.check``, and its host-side rules agree with
+the Paddle planner's."""
+
+from __future__ import annotations
+
+import pytest
+
+from cute_kernels.block_sparse.config import FwdConfig, head_chunk, tile_queries, unsupported_reason
+from cute_kernels.block_sparse.launch import CHECKS, fwd_matrix
+from tests.cpu._check_cli import run_check
+
+
+@pytest.mark.compile
+def test_check_cli_compiles_block_sparse_fwd(tmp_path):
+    rows = run_check(tmp_path, "sm_90a", "block_sparse_fwd", timeout=3000)
+    assert len(rows) == len(fwd_matrix(90)) and all(0 < r["registers"] <= 255 for r in rows)
+    assert all(r["smem_bytes"] <= 232_448 for r in rows)
+
+
+def test_registered_and_sm90_only():
+    from cute_kernels.registry import LAUNCH_MODULES
+
+    assert "cute_kernels.block_sparse.launch" in LAUNCH_MODULES
+    assert set(CHECKS) == {"block_sparse_fwd"}
+    assert fwd_matrix(100) == [] and len(fwd_matrix(90, full=True)) == 2 * 3 * 6 * 2 * 2
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 12, 16, 64, 128])
+def test_row_tile_matches_planner(group):
+    from paddle_fa4.block_sparse_planner import tile_queries as planner_tile_queries
+
+    assert tile_queries(group) == planner_tile_queries(group)
+    assert tile_queries(group) * head_chunk(group) <= 64 and group % head_chunk(group) == 0
+    assert FwdConfig(arch=90, dtype="bfloat16", head_dim=128, head_dim_v=128, group=group, per_kv_head=False,
+                     has_sink=False).window_queries == tile_queries(group)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(latent=True), "absorbed-MLA latent"),
+    (dict(block_size=32), "block_size 32"),
+    (dict(head_dim=96, head_dim_v=96), "head dims"),
+    (dict(head_dim_v=64), "head dims"),
+    (dict(group=96), "multiple of 64"),
+    (dict(dtype="float32"), "dtype float32"),
+])
+def test_unsupported_reason_names_the_case(kw, fragment):
+    args = dict(head_dim=128, head_dim_v=128, group=8, dtype="bfloat16", block_size=64)
+    args.update(kw)
+    assert fragment in unsupported_reason(**args)
+    assert unsupported_reason(head_dim=128, head_dim_v=128, group=8, dtype="bfloat16", block_size=64) is None
