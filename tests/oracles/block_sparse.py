@@ -119,9 +119,11 @@ def tile_queries(group: int) -> int:
     return min(64 // min(group, 64), 32)
 
 
-def plan_arrays(block_ids, block_size: int, group: int, causal: bool = True, cu_seqlens=None) -> dict:
+def plan_arrays(block_ids, block_size: int, group: int, causal: bool = True, cu_seqlens=None,
+                keys: bool = True) -> dict:
     """int32 numpy plan tensors: tile_start / tile_mask / tile_count / q_limit / key_start / key_end /
-    key_count / key_ptr / key_tile / key_slot (entries past counts: -1 or 0)."""
+    key_count / key_ptr / key_tile / key_slot (entries past counts: -1 or 0). ``keys=False`` leaves
+    the key-major transpose (the backward's) unfilled: the forward needs the first four only."""
     ids = np.asarray(block_ids, np.int64)
     b_, s, topk = ids.shape[0], ids.shape[-2], ids.shape[-1]
     per_kv = ids.ndim == 4
@@ -158,6 +160,8 @@ def plan_arrays(block_ids, block_size: int, group: int, causal: bool = True, cu_
     out["tile_start"][us, uw, pos] = ust
     out["tile_mask"][us, uw, pos] = (masks & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
     np.add.at(out["tile_count"], (us, uw), 1)
+    if not keys:
+        return out
     rows = []
     for si in range(ns):
         sel = us == si

@@ -1,0 +1,173 @@
+"""Benchmark of the block-sparse attention forward (HySparse sparse layer) on one GPU, torch tensors.
+
+    python bench/bench_block_sparse.py [--seqlens 16K,32K] [--selections local,random] [--shapes gqa,mqa64]
+                                       [--window 0.5] [--rounds 3] [--no-flush] [--graph] [--json FILE]
+                                       [--markdown [FILE]]
+
+Shapes: ``gqa`` = Hq 32 / Hkv 4, d 128 (issue 20's GQA shape), ``mqa64`` = Hq 64 / Hkv 1, d 128 (one
+query per row tile); bf16, one document, causal, 16 blocks of 64 per query shared by the heads.
+Selections (torch, on the GPU): ``local`` = the diagonal block plus 15 earlier blocks shared by the
+64 queries of a block (neighbouring rows pick the same blocks, as trained selections do), ``random``
+= the diagonal block plus 15 earlier blocks drawn per query (the union stress case).
+
+Timed with bench/_timing.py (own >= 0.5 s window per variant, L2 flushed between repetitions,
+alternating windows for --rounds rounds; median and min-max of the window medians):
+
+    bs_fwd            block_sparse forward kernel (plan prebuilt)
+    idx_fwd           indexed_attention forward over blocks_to_indices of the same selection (plan prebuilt)
+    idx_b2i_plan_fwd  blocks_to_indices + indexed plan + indexed forward (what the token path costs per layer)
+
+TFLOPs/s count the selected pairs only: 4 * S * Hq * keys * D, keys = the distinct visible keys of
+each row (16 x 64 less the diagonal block's cut). The block-sparse plan is built on the host by the
+numpy planner of tests/oracles/block_sparse.py (not timed; the Paddle planner is what production
+uses). There is no CuTe block-sparse backward yet, so only forwards are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _timing import RunInfo, add_method_args, bench_windows, fmt_spread, method_from_args, timer_from_args, write_markdown  # noqa: E402
+
+BS, TOPK, D = 64, 16, 128
+SHAPES = {"gqa": (32, 4), "mqa64": (64, 1)}
+
+
+def parse_len(text: str) -> int:
+    return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+
+
+def selection(torch, seqlen: int, kind: str, seed: int = 0):
+    """int32 [1, S, 16] ids (diagonal first, then distinct earlier blocks, -1 where fewer exist) and the
+    number of visible keys of each row (float64 [S])."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nb = -(-seqlen // BS)
+    t = torch.arange(seqlen, device="cuda")
+    diag = t // BS
+    rows = nb if kind == "local" else seqlen
+    owner = torch.arange(rows, device="cuda") if kind == "local" else diag  # block of each score row
+    scores = torch.rand(rows, nb, device="cuda", generator=g)
+    scores.masked_fill_(torch.arange(nb, device="cuda")[None, :] >= owner[:, None], -1.0)
+    top = torch.topk(scores, TOPK - 1, dim=1)
+    picks = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, -1))
+    picks = picks[diag] if kind == "local" else picks
+    ids = torch.cat([diag[:, None], picks], 1).int()[None].contiguous()
+    keys = (picks >= 0).sum(1).double() * BS + (t % BS + 1).double()
+    return ids, keys
+
+
+def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
+    from cute_kernels.block_sparse.launch import fwd_config, run_fwd
+    from tests.oracles import block_sparse as orc
+
+    torch.manual_seed(0)
+    q = torch.randn(1, seqlen, hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, seqlen, hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, seqlen, hkv, D, device="cuda", dtype=torch.bfloat16)
+    ids, keys = selection(torch, seqlen, kind)
+    plan = {n: torch.from_numpy(a).cuda()
+            for n, a in orc.plan_arrays(ids.cpu().numpy(), BS, hq // hkv, keys=False).items()}
+    out = torch.empty_like(q)
+    lse = torch.empty(1, hq, seqlen, device="cuda")
+    cfg = fwd_config(q, k, v, per_kv_head=False, has_sink=False)
+    scale = D ** -0.5
+
+    def bs_fwd():
+        run_fwd(cfg, q, k, v, plan["tile_start"], plan["tile_mask"], plan["tile_count"], plan["q_limit"], None,
+                out, lse, scale)
+
+    fns = {"bs_fwd": bs_fwd}
+    stats = {"keys_per_row": float(keys.mean()), "tile_blocks": float(plan["tile_count"].float().mean()),
+             "flops": 4.0 * seqlen * hq * float(keys.mean()) * D}
+    from cute_kernels.indexed.config import GROUP_SIZES, window_queries
+
+    if hq // hkv in GROUP_SIZES:
+        from cute_kernels.indexed.launch import attn_config, plan_shapes, run_fwd as idx_run_fwd, run_plan
+        from cute_kernels.select.launch import run_blocks_to_indices
+
+        tokens = torch.empty(1, 1, seqlen, TOPK * BS, dtype=torch.int32, device="cuda")
+        icfg = attn_config(q, k, per_kv_head=False)
+        wq = window_queries(icfg.group)
+        ip = {n: torch.empty(s, dtype=torch.int32, device="cuda")
+              for n, s in plan_shapes(1, seqlen, TOPK * BS, seqlen, wq)._asdict().items()}
+        out2 = torch.empty_like(q)
+
+        def b2i_plan():
+            run_blocks_to_indices(ids[:, None], tokens, block_size=BS, seqlen_k=seqlen, causal=True)
+            ip["tile_bits"].zero_()
+            run_plan(tokens[:, 0], seqlen, ip["win_key"], ip["win_mask"], ip["win_count"], ip["tile_bits"],
+                     ip["tile_ptr"], ip["tile_win"], ip["tile_start"], window_queries=wq)
+
+        def idx_fwd():
+            idx_run_fwd(icfg, q, k, v, ip["win_key"], ip["win_mask"], ip["win_count"], out2, lse, scale)
+
+        def idx_all():
+            b2i_plan()
+            idx_fwd()
+
+        b2i_plan()
+        fns.update(idx_fwd=idx_fwd, idx_b2i_plan_fwd=idx_all)
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    return fns, stats
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", default="16K,32K")
+    ap.add_argument("--selections", default="local,random")
+    ap.add_argument("--shapes", default="gqa,mqa64")
+    add_method_args(ap)
+    args = ap.parse_args(argv)
+    import torch
+
+    info = RunInfo(gpu=torch.cuda.get_device_name(), method=method_from_args(args))
+    timer = timer_from_args(args)
+    rows = []
+    for shape in args.shapes.split(","):
+        hq, hkv = SHAPES[shape]
+        for seqlen in (parse_len(x) for x in args.seqlens.split(",")):
+            for kind in args.selections.split(","):
+                fns, st = make_fns(torch, seqlen, hq, hkv, kind)
+                res = bench_windows(fns, rounds=args.rounds, timer=timer)
+                row = {"shape": shape, "S": seqlen, "selection": kind, **{k: round(v, 2) for k, v in st.items()}}
+                for name, s in res.items():
+                    row[f"{name}_ms"] = round(s.median_ms, 4)
+                    row[f"{name}_spread_ms"] = [round(s.lo_ms, 4), round(s.hi_ms, 4)]
+                    row[f"{name}_tflops"] = round(st["flops"] / (s.median_ms * 1e-3) / 1e12, 1)
+                for other in ("idx_fwd", "idx_b2i_plan_fwd"):
+                    if other in res:
+                        r = res.ratio(other, "bs_fwd")
+                        row[f"speedup_vs_{other}"] = {"median": round(r.median, 3), "lo": round(r.lo, 3),
+                                                      "hi": round(r.hi, 3)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                del fns
+                torch.cuda.empty_cache()
+    info.finish()
+    head = ["shape", "S", "selection", "keys/row", "blocks/tile", "bs_fwd ms (TF/s)", "idx_fwd ms (TF/s)",
+            "b2i+plan+idx_fwd ms", "speed-up vs idx_fwd", "vs b2i+plan+idx_fwd"]
+    lines = ["# Block-sparse attention forward", "", info.markdown(), "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for r in rows:
+        cell = lambda n: (f"{r[n + '_ms']:.3f} ({r[n + '_tflops']})" if n + "_ms" in r else "-")  # noqa: E731
+        ratio = lambda n: (fmt_spread(r["speedup_vs_" + n]) if "speedup_vs_" + n in r else "-")  # noqa: E731
+        lines.append("| " + " | ".join([r["shape"], str(r["S"]), r["selection"], f"{r['keys_per_row']:.0f}",
+                                        f"{r['tile_blocks']:.1f}", cell("bs_fwd"), cell("idx_fwd"),
+                                        cell("idx_b2i_plan_fwd").split(" ")[0], ratio("idx_fwd"),
+                                        ratio("idx_b2i_plan_fwd")]) + " |")
+    write_markdown(args.markdown, "\n".join(lines) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"run": info.as_dict(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
