@@ -259,10 +259,9 @@ class BlockSparseFwdSm90:
                 bit[r] = Int32(1) << qi
                 limit[r] = mQLimit[tile.b, tile.q0 + qi]
         # Note [block masks]: a block needs masks unless every tile query selected it and it ends
-        # at or below the smallest key limit of the tile.
-        min_limit = Int32(0x7FFFFFFF)
-        for j in cutlass.range(tile.nq, unroll=1):
-            min_limit = cutlass.min(min_limit, mQLimit[tile.b, tile.q0 + j])
+        # at or below the smallest key limit of the tile, the first query's (limits do not decrease
+        # along S: t + 1, or the end of t's document).
+        min_limit = mQLimit[tile.b, tile.q0]
         all_bits = Int32(-1)
         if tile.nq < 32:
             all_bits = (Int32(1) << tile.nq) - 1
@@ -292,11 +291,12 @@ class BlockSparseFwdSm90:
         cute.arch.mbarrier_wait(mbar_q, 0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
         # 1. First block: QK^T alone.
+        meta = self.block_meta(ctx, 0)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipeline_k.consumer_wait(kv_state)
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
         pipeline_k.consumer_release(kv_state)
-        self.process_scores(ctx, acc_S, 0, True)
+        self.process_scores(ctx, acc_S, meta, True)
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
         # 2. QK^T of block n in flight with PV of block n - 1.
         for n in cutlass.range(1, count, unroll=1):
@@ -313,6 +313,7 @@ class BlockSparseFwdSm90:
         """QK^T of block n in flight with PV of block n - 1; then softmax of block n and O rescale."""
         v_state = kv_state.clone()
         kv_state.advance()
+        meta = self.block_meta(ctx, n)  # read before the MMAs: its latency hides behind them
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipeline_k.consumer_wait(kv_state)
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
@@ -320,7 +321,7 @@ class BlockSparseFwdSm90:
         self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
-        row_scale = self.process_scores(ctx, acc_S, n, False)
+        row_scale = self.process_scores(ctx, acc_S, meta, False)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         ctx.softmax.rescale(acc_O_mn, row_scale)
@@ -328,11 +329,19 @@ class BlockSparseFwdSm90:
         return kv_state
 
     @cute.jit
-    def process_scores(self, ctx, acc_S: cute.Tensor, n: Int32, is_first: cutlass.Constexpr) -> cute.Tensor:
-        """Masks (Note [block masks]) and online softmax of block ``n`` -> P in acc_S; returns the O rescale."""
+    def block_meta(self, ctx, n: Int32) -> cute.Tensor:
+        """(start row, query bits) of listed block ``n``, in registers."""
+        meta = cute.make_rmem_tensor((2,), Int32)
+        meta[0] = ctx.mTileStart[ctx.s, ctx.w, n]
+        meta[1] = ctx.mTileMask[ctx.s, ctx.w, n]
+        return meta
+
+    @cute.jit
+    def process_scores(self, ctx, acc_S: cute.Tensor, meta: cute.Tensor, is_first: cutlass.Constexpr) -> cute.Tensor:
+        """Masks (Note [block masks]) and online softmax of a block -> P in acc_S; returns the O rescale."""
         acc_S_mn = acc_mn_view(acc_S)
-        start = ctx.mTileStart[ctx.s, ctx.w, n]
-        bits = ctx.mTileMask[ctx.s, ctx.w, n]
+        start = meta[0]
+        bits = meta[1]
         if (bits & ctx.all_bits) != ctx.all_bits or start + self.tile_n > ctx.min_limit:
             # key limit of each row for this block: its query's q_limit if selected, else 0 (all masked);
             # apply_mask keeps key c of row r iff c <= rows[r] and c < seqlen
