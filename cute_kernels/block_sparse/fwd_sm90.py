@@ -244,10 +244,31 @@ class BlockSparseFwdSm90:
         acc_O_mn = acc_mn_view(acc_O)
         acc_O.fill(0.0)
 
-        # This thread's two rows: their query's bit, key limit and head.
+        scale_log2 = softmax_scale * LOG2_E
+        softmax = OnlineSoftmax(scale_log2, 2, 4)
+        softmax.reset()
+        ctx = self.row_context(thr_mma_qk, mTileStart, mTileMask, mQLimit, tile)
+        ctx.softmax = softmax
+        row = ctx.row
+        rows_valid = ctx.rows_valid
+
+        if tile.count > 0:
+            self.mainloop(ctx, tile.count, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+                          acc_O_mn, acc_S_shape, pipeline_k, pipeline_v)
+
+        # 4. Sink, O /= l, lse; only the rows of real (query, head) pairs are written.
+        heads = [tile.head0 + row[r] % self.gc for r in range(2)]
+        if const_expr(self.cfg.has_sink):
+            self.fold_sink(softmax, mSink, heads, ctidx % 4 == 0)
+        row_scale, lse = softmax.finalize()
+        softmax.rescale(acc_O_mn, row_scale)
+        self.epilogue(acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid)
+
+    @cute.jit
+    def row_context(self, thr_mma_qk, mTileStart, mTileMask, mQLimit, tile):
+        """This thread's two S rows: row index, query bit, key limit; the tile's mask facts."""
         tScS_mn = acc_mn_view(thr_mma_qk.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
         row = [tScS_mn[r, 0][0] for r in range(2)]
-        w = tile.q0 // self.wq
         rows_valid = tile.nq * self.gc
         bit = cute.make_rmem_tensor((2,), Int32)
         limit = cute.make_rmem_tensor((2,), Int32)
@@ -265,24 +286,10 @@ class BlockSparseFwdSm90:
         all_bits = Int32(-1)
         if tile.nq < 32:
             all_bits = (Int32(1) << tile.nq) - 1
-        scale_log2 = softmax_scale * LOG2_E
-        softmax = OnlineSoftmax(scale_log2, 2, 4)
-        softmax.reset()
-        ctx = SimpleNamespace(bit=bit, limit=limit, min_limit=min_limit, all_bits=all_bits,
-                              thr_col=tScS_mn[0, 0][1], cols=sm90_thread0_cols(self.tile_n), seqlen=tile.seqlen,
-                              softmax=softmax, mTileStart=mTileStart, mTileMask=mTileMask, s=tile.s, w=w)
-
-        if tile.count > 0:
-            self.mainloop(ctx, tile.count, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
-                          acc_O_mn, acc_S_shape, pipeline_k, pipeline_v)
-
-        # 4. Sink, O /= l, lse; only the rows of real (query, head) pairs are written.
-        heads = [tile.head0 + row[r] % self.gc for r in range(2)]
-        if const_expr(self.cfg.has_sink):
-            self.fold_sink(softmax, mSink, heads, ctidx % 4 == 0)
-        row_scale, lse = softmax.finalize()
-        softmax.rescale(acc_O_mn, row_scale)
-        self.epilogue(acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid)
+        return SimpleNamespace(row=row, rows_valid=rows_valid, bit=bit, limit=limit, min_limit=min_limit,
+                               all_bits=all_bits, thr_col=tScS_mn[0, 0][1], cols=sm90_thread0_cols(self.tile_n),
+                               seqlen=tile.seqlen, mTileStart=mTileStart, mTileMask=mTileMask, s=tile.s,
+                               w=tile.q0 // self.wq)
 
     @cute.jit
     def mainloop(self, ctx, count: Int32, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
@@ -338,8 +345,15 @@ class BlockSparseFwdSm90:
 
     @cute.jit
     def process_scores(self, ctx, acc_S: cute.Tensor, meta: cute.Tensor, is_first: cutlass.Constexpr) -> cute.Tensor:
-        """Masks (Note [block masks]) and online softmax of a block -> P in acc_S; returns the O rescale."""
+        """Masks and online softmax of a block -> P in acc_S; returns the O rescale."""
         acc_S_mn = acc_mn_view(acc_S)
+        self.mask_block(ctx, acc_S_mn, meta)
+        return ctx.softmax.update(acc_S_mn, is_first)
+
+    @cute.jit
+    def mask_block(self, ctx, acc_S_mn: cute.Tensor, meta: cute.Tensor):
+        """Note [block masks]: -inf where the row's query did not select the block (meta = (start,
+        bits)) or the key is at or past its q_limit; skipped when no row of the tile needs it."""
         start = meta[0]
         bits = meta[1]
         if (bits & ctx.all_bits) != ctx.all_bits or start + self.tile_n > ctx.min_limit:
@@ -350,9 +364,8 @@ class BlockSparseFwdSm90:
                 last[r] = Int32(-1)
                 if (bits & ctx.bit[r]) != 0:
                     last[r] = ctx.limit[r] - 1
-            apply_mask(acc_S_mn, ctx.cols, [last[0], last[1]], start + ctx.thr_col, ctx.seqlen, Int32(0), Int32(0), Int32(0),
-                       True, True, False)
-        return ctx.softmax.update(acc_S_mn, is_first)
+            apply_mask(acc_S_mn, ctx.cols, [last[0], last[1]], start + ctx.thr_col, ctx.seqlen, Int32(0), Int32(0),
+                       Int32(0), True, True, False)
 
     @cute.jit
     def fold_sink(self, softmax: OnlineSoftmax, mSink: cute.Tensor, heads: list, leader):
@@ -372,18 +385,25 @@ class BlockSparseFwdSm90:
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid: Int32):
+        self.store_rows(acc_O, mO, thr_mma_pv, self.dv, tile, rows_valid)
         cO = cute.make_identity_tensor((TILE_M, self.dv))
         tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cO))
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        convert_to_16bit(acc_O, rO)
-        rO_mn = acc_mn_view(rO)
-        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+        for r in cutlass.range_constexpr(2):
             row = tOcO_mn[r, 0][0]
+            if row < rows_valid and tOcO_mn[0, 0][1] == 0:
+                mLSE[tile.b, tile.head0 + row % self.gc, tile.q0 + row // self.gc] = lse[r]
+
+    @cute.jit
+    def store_rows(self, acc, mX, thr_mma, cols: cutlass.Constexpr, tile, rows_valid: Int32):
+        """The fp32 accumulator (64 rows x cols) as 16-bit values into each real row's (query, head)
+        of ``mX [B, S, Hq, cols]``."""
+        tXcX_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cols))))
+        rX = cute.make_rmem_tensor_like(acc, self.dtype)
+        convert_to_16bit(acc, rX)
+        rX_mn = acc_mn_view(rX)
+        for r in cutlass.range_constexpr(cute.size(rX_mn, mode=[0])):
+            row = tXcX_mn[r, 0][0]
             if row < rows_valid:
-                t = tile.q0 + row // self.gc
-                head = tile.head0 + row % self.gc
-                gO = mO[tile.b, t, head, None]  # (Dv,)
-                for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
-                    gO[tOcO_mn[r, c][1]] = rO_mn[r, c]
-                if tOcO_mn[0, 0][1] == 0:
-                    mLSE[tile.b, head, t] = lse[r]
+                gX = mX[tile.b, tile.q0 + row // self.gc, tile.head0 + row % self.gc, None]  # (cols,)
+                for c in cutlass.range_constexpr(cute.size(rX_mn, mode=[1])):
+                    gX[tXcX_mn[r, c][1]] = rX_mn[r, c]
