@@ -1,15 +1,14 @@
 """Attention backward speed on one GPU: ours (pre + main + post) vs FA4 b36's backward, same inputs.
 
-    python bench/bench_bwd.py [--hdims 64,128] [--seqlens 2048,4096,8192,16384] [--tokens 32768]
+    python bench/bench_bwd.py [--hdims 64,128,256] [--seqlens 2048,4096,8192,16384] [--tokens 32768]
                               [--heads 16,32/8] [--modes full,causal] [--variants ours,fa4,ours_det,fa4_det]
                               [--window 0.5] [--rounds 3] [--no-flush] [--graph] [--json FILE] [--markdown [FILE]]
 
 Rows: bf16, B = tokens / S, heads "Hq" (MHA) or "Hq/Hkv" (GQA). TFLOPs/s = 2.5 x the forward's
 4*B*Hq*Sq*Sk*d (halved for causal). Variants:
   ours       ``bwd_launch.run_bwd`` (preprocess, main kernel, postprocess; workspace allocated once)
-  ours_det   the same with deterministic=True
-  ours_det_spt  deterministic with the opt-in descending dQ order (``bwd_launch.compile_bwd_main_spt``;
-             causal rows only, Note [deterministic dQ, descending order])
+  ours_det   the same with deterministic=True (causal: the descending dQ order, bwd_sm90's
+             Note [deterministic dQ, descending order])
   fa4        FA4 b36 ``flash_attn.cute.interface._flash_attn_bwd`` (its own pre/post, tiles, dq/dk/dv allocs)
   fa4_det    the same with deterministic=True
 out / lse come from FA4's forward (both backwards read the same tensors). Kernel time: bench/_timing.py
@@ -32,10 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _timing import (fmt_spread, RunInfo, add_method_args, bench_windows, method_from_args, timer_from_args,  # noqa: E402
                      write_markdown)
 
-VARIANTS = ("ours", "fa4", "ours_det", "fa4_det", "ours_det_spt")
+VARIANTS = ("ours", "fa4", "ours_det", "fa4_det")
 RATIOS = (("ours_over_fa4", "fa4", "ours", "ours / FA4"),
-          ("det_over_fa4_det", "fa4_det", "ours_det", "ours det / FA4 det"),
-          ("spt_over_fa4_det", "fa4_det", "ours_det_spt", "ours det spt / FA4 det"))
+          ("det_over_fa4_det", "fa4_det", "ours_det", "ours det / FA4 det"))
 
 
 def parse_args(argv=None):
@@ -79,8 +77,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from cute_kernels.attention.bwd_launch import (bwd_config, compile_bwd_main, compile_bwd_main_spt, run_bwd_with,
-                                                   unsupported_reason, workspace_shapes)
+    from cute_kernels.attention.bwd_launch import bwd_config, run_bwd, unsupported_reason, workspace_shapes
     from flash_attn.cute.interface import _flash_attn_bwd, flash_attn_func
 
     timer = timer_from_args(args, torch)
@@ -100,10 +97,9 @@ def main(argv=None) -> int:
                     out, lse = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
                     flops = 2.5 * 4 * b * hq * s * s * d / (2 if causal else 1)
                     fns = {}
-                    for det, name in ((False, "ours"), (True, "ours_det"), (True, "ours_det_spt")):
-                        if name not in args.variants or (name == "ours_det_spt" and not causal):
+                    for det, name in ((False, "ours"), (True, "ours_det")):
+                        if name not in args.variants:
                             continue
-                        compile_main = compile_bwd_main_spt if name == "ours_det_spt" else compile_bwd_main
                         cfg = bwd_config(90, dt, d, d, hq // hkv, causal, False, False, False, det)
                         if unsupported_reason(cfg) is not None:
                             continue
@@ -111,10 +107,10 @@ def main(argv=None) -> int:
                               for n, (sh, t_) in workspace_shapes(cfg, batch=b, seqlen_q=s, num_heads=hq).items()}
                         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-                        def ours(cfg=cfg, ws=ws, dq=dq, dk=dk, dv=dv, cm=compile_main):
-                            run_bwd_with(cm, cfg, do, q, k, v, out, lse, None, dq, dk, dv, None, None, ws,
-                                         softmax_scale=scale, softcap=0.0, window_left=-1, window_right=-1,
-                                         max_seqlen_q=s, max_seqlen_k=s)
+                        def ours(cfg=cfg, ws=ws, dq=dq, dk=dk, dv=dv):
+                            run_bwd(cfg, do, q, k, v, out, lse, None, dq, dk, dv, None, None, ws,
+                                    softmax_scale=scale, softcap=0.0, window_left=-1, window_right=-1,
+                                    max_seqlen_q=s, max_seqlen_k=s)
                         fns[name] = ours
                     for det in (False, True):
                         name = "fa4_det" if det else "fa4"

@@ -134,21 +134,6 @@ def compile_bwd_main(cfg: BwdConfig):
 
 
 @jit_cache
-def compile_bwd_main_spt(cfg: BwdConfig):
-    """SM90 main kernel with the opt-in descending deterministic dQ order (``FlashBwdSm90(cfg, spt=True)``,
-    Note [deterministic dQ, descending order]); for tests and benches, not used by ``run_bwd``."""
-    import cutlass.cute as cute
-
-    from cute_kernels.fake import arch_options, fake_stream
-
-    from .bwd_sm90 import FlashBwdSm90
-
-    assert cfg.arch == 90 and unsupported_reason(cfg) is None
-    return cute.compile(FlashBwdSm90(cfg, spt=True), *fake_bwd_args(cfg), fake_stream(),
-                        options=arch_options(cfg.arch))
-
-
-@jit_cache
 def _compile_pre(key: BwdConfig):
     import cutlass
     import cutlass.cute as cute
@@ -222,7 +207,7 @@ def run_bwd(cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlen
 def run_bwd_with(compile_main, cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
                  cu_seqlens_k, workspace: dict, *, softmax_scale: float, softcap: float, window_left: int,
                  window_right: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """``run_bwd`` with the main kernel from ``compile_main(cfg)`` (e.g. ``compile_bwd_main_spt``)."""
+    """``run_bwd`` with the main kernel from ``compile_main(cfg)`` (a seam for experiments with another build)."""
     assert (cu_seqlens_q is None) == (not cfg.varlen), "cu_seqlens must match cfg.varlen"
     assert (dlse is None) == (not cfg.has_dlse), "dlse must match cfg.has_dlse"
     if cfg.varlen:
@@ -282,6 +267,7 @@ def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
         ("bfloat16", 96, 2, True, False, True, False, False),
         ("bfloat16", 256, 1, True, False, False, False, True),
         ("bfloat16", 192, 1, False, False, False, True, False),
+        ("float16", 256, 4, False, True, True, True, False),
     ]
     out = [bwd_config(arch, dt, d, d, r, c, w, sc, vl, det) for dt, d, r, c, w, sc, vl, det in rep]
     out.append(bwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, False, False))
@@ -308,6 +294,5 @@ CHECKS = {"attention_bwd": (config_matrix, compile_bwd_main, smem_bytes),
           "attention_bwd_post": (prepost_matrix, compile_bwd_post, _no_smem)}
 
 __all__ = ["bwd_config", "unsupported_reason", "workspace_shapes", "run_bwd", "run_bwd_with", "compile_bwd",
-           "compile_bwd_main_spt",
            "compile_bwd_main", "compile_bwd_pre", "compile_bwd_post", "config_matrix", "prepost_matrix",
            "fake_bwd_args", "smem_bytes", "CHECKS", "DQ_SEM_ROWS"]

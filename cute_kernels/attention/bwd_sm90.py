@@ -4,16 +4,18 @@ Math, tensors and workspace: ``bwd_config`` (module docstring); argument order `
 preprocess (``bwd_pre``) has written lse_log2, dpsum and zeroed dq_accum (and dq_sem); the
 postprocess (``bwd_post``) turns dq_accum into dQ.
 
-One CTA per (key tile of TILE_N = 128 keys, kv head, batch), 384 threads:
+One CTA per (key tile, kv head, batch), 384 threads; two consumer schedules (``tile_config``):
+head_dim <= 128 the 128-key schedule (TILE_N = 128), head_dim 192 / 256 / (192, 128) the wide one
+(WIDE_TILE_N = 64, Note [wide schedule]). The 128-key schedule:
 
     warp 0        TMA producer: K and V of the tile once, then for every query head of the kv head's
                   group and every query tile m in ``QueryTileRange`` (ascending): Q[m] + lse_log2[m] on
-                  pipeline_q, dO[m] + dpsum[m] on pipeline_do (2 stages each)
-    warp 1        dQ writer: per step waits until the consumer warpgroups staged their dQ tile in
-                  shared memory, then one TMA reduce-add (``cp.reduce.async.bulk.tensor ... add.f32``)
-                  per staged region into dq_accum; deterministic: first waits for its turn on the
-                  query tile's dq_sem counter (key tiles in ascending order), and bumps it after
-                  the reduce has completed (Note [deterministic dQ])
+                  pipeline_q, dO[m] + dpsum[m] on pipeline_do (``Tiles.q_stages`` / ``do_stages``)
+    warp 1        dQ writer: per step waits until a consumer warpgroup staged its dQ region in shared
+                  memory, then one TMA reduce-add (``cp.reduce.async.bulk.tensor ... add.f32``) per
+                  staged region into dq_accum; deterministic: first waits for its turn on the query
+                  tile's dq_sem counter, and bumps it after the reduces have completed (Notes
+                  [deterministic dQ], [deterministic dQ, descending order])
     WG 1, WG 2    consumers; WG w owns keys [64 w, 64 w + 64) of the tile: per step
                       S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma, both operands in smem)
                       mask, softcap, P^T = exp2(S^T scale log2e - lse_log2)
@@ -28,28 +30,40 @@ One CTA per (key tile of TILE_N = 128 keys, kv head, batch), 384 threads:
 
 dQ tile split between the consumers (``dq_split``): "n" (d 128, tile_m 64): WG w computes columns
 [w D/2, (w + 1) D/2); "m" (d 64, tile_m 128): WG w computes rows [64 w, 64 w + 64); "single" (d 96):
-WG 1 computes the whole tile. Each WG stages its region (fp32, swizzled) and warp 1 reduces each
-region with one TMA box.
+WG 1 computes the whole tile; "wide": Note [wide schedule]. Each WG stages its region (fp32,
+swizzled) and warp 1 reduces each region with one TMA box.
+
+Note [wide schedule] (d 192, 256, (192, 128)): 64 keys x d of dK plus dV per WG would need d
+registers per thread for the accumulators alone, so the CTA takes 64 keys (tile_m 64) and splits
+the other way: WG w computes S^T / dP^T (64 keys x 32 query rows, SS wgmma) for rows [32 w, 32 w + 32)
+of the step and writes P^T and dS^T to shared memory (stmatrix); after a barrier it owns columns
+[w d/2, (w + 1) d/2) of dK and dV (SS wgmma over the whole 64 x 64 P^T / dS^T: 64 x d/2 fp32 each,
+d/2 registers per thread for both at d 256) and of the dQ tile. Q, K and dO use swizzle atoms no
+wider than d/2 columns so each column half is a wgmma operand of its own (d 192: SW64). Shared
+memory (``smem_bytes``; limit 232,448): d 256 keeps one dO stage and one P^T / dS^T stage and stages
+dQ in two rounds of 64 columns per WG (``dq_rounds``; 32 KB instead of 64 KB), d 192 one P^T / dS^T
+stage, (192, 128) two. With one P^T / dS^T stage both WGs meet on PDS_EMPTY_BARRIER before
+overwriting it (each has waited for its GEMMs of the previous step).
 
 Note [deterministic dQ]: query tile m of (batch, head) is reduced into by the key tiles
-n in [first_key_tile(m), ...) that see it (``QueryTileRange`` and ``first_key_tile`` in
-common/tile_range.py are exact inverses), in ascending n: the writer of key tile n waits until
-dq_sem == n - first_key_tile(m), reduce-adds, waits for the writes to complete and adds 1 (release).
-A key tile that does not see m never touches its counter, and no counter waits on one. CTAs are
-launched in ascending n within a (head, batch), so the tile a writer waits on is already resident.
+n in [first_key_tile(m), last_key_tile(m)] that see it (``QueryTileRange``, ``first_key_tile`` and
+``last_key_tile`` in common/tile_range.py are exact inverses), one at a time in a fixed order: the
+writer of key tile n waits until dq_sem == its turn, reduce-adds, waits for the writes to complete
+and adds 1 (release). A key tile that does not see m never touches its counter, and no counter waits
+on one. Without causal / window the turn is n - first_key_tile(m) (ascending n; CTAs are launched in
+ascending n within a (head, batch), so the tile a writer waits on is already resident).
 
-Note [deterministic dQ, descending order] (``FlashBwdSm90(cfg, spt=True)``, causal / window only;
-opt-in, NOT yet run on a GPU). Measured on the H200 the ascending order costs causal rows half their
-speed (det / FA4 det 0.49-0.67): key tile n's first query tile (its diagonal) waits for every lower
-key tile to reach that tile, which they do last. With spt the writers of query tile m go in
-descending n (lock = last_key_tile(m) - n) and blockIdx.x maps to the highest key tile first, so a
-key tile is the first writer of its diagonal tiles and waits only on tiles launched before it (FA4's
-"SPT" order). Every counter still sees each of its writers exactly once.
-
-Not supported (``unsupported_reason``): head_dim > 128 (192, 256, (192, 128)) -- not implemented yet.
+Note [deterministic dQ, descending order] (causal / window, the default there): in ascending order
+key tile n's first query tile (its diagonal) would wait for every lower key tile to reach that tile,
+which they do last (H200: det / FA4 det 0.49-0.67 for causal rows; 0.74-0.88 in this order). So the
+writers of query tile m go in descending n (turn = last_key_tile(m) - n) and blockIdx.x maps to the
+highest key tile first: a key tile is the first writer of its diagonal tiles and waits only on tiles
+launched before it (FA4's "SPT" order). Every counter still sees each of its writers exactly once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -61,6 +75,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_kernels import arch as _arch
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.tile_range import QueryTileRange, first_key_tile, last_key_tile, normalize_window
@@ -69,10 +84,11 @@ from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, co
                                        wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 
-from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
+from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, HEAD_DIMS, BwdConfig
 
 SMEM_BYTES_MAX = 232_448
-TILE_N = 128
+TILE_N = 128  # keys per CTA, head_dim <= 128
+WIDE_TILE_N = 64  # keys per CTA, head_dim 192 / 256 (the wide schedule)
 KEYS_PER_WG = 64
 THREADS_PER_WG = 128
 NUM_THREADS = 3 * THREADS_PER_WG
@@ -87,15 +103,48 @@ PRODUCER_REGS, CONSUMER_REGS = 24, 240
 DS_FULL_BARRIER = 1  # both consumer WGs: dS^T of the step is in smem
 DQ_FULL_BARRIER = 2  # + wg: WG wg staged its dQ region, warp 1 waits
 DQ_EMPTY_BARRIER = 4  # + wg: warp 1 has read WG wg's region (staging free again), WG wg waits
+PDS_EMPTY_BARRIER = 6  # wide schedule, one P^T / dS^T stage: both WGs' GEMMs of the last step have read it
 
 
-def tile_config(cfg: BwdConfig) -> tuple[int, str]:
-    """(tile_m, dq_split) for ``cfg`` (see the module docstring)."""
+@dataclass(frozen=True)
+class Tiles:
+    """Tiling of one config (module docstring): query rows per step, keys per CTA, the dQ split, the
+    stages of the Q / dO pipelines and of the P^T / dS^T smem tiles, dQ staging rounds per step."""
+
+    tile_m: int
+    tile_n: int
+    dq_split: str  # "m" | "n" | "single" (the 128-key schedule) | "wide" (the 64-key schedule)
+    q_stages: int = STAGES
+    do_stages: int = STAGES
+    pds_stages: int = STAGES
+    dq_rounds: int = 1
+
+    @property
+    def wide(self) -> bool:
+        return self.dq_split == "wide"
+
+
+def tile_config(cfg: BwdConfig) -> Tiles:
+    """The ``Tiles`` of ``cfg`` (see the module docstring; smem per config in ``smem_bytes``)."""
     if cfg.head_dim <= 64:
-        return 128, "m"
+        return Tiles(128, TILE_N, "m")
     if cfg.head_dim <= 96:
-        return 64, "single"
-    return 64, "n"
+        return Tiles(64, TILE_N, "single")
+    if cfg.head_dim <= 128:
+        return Tiles(64, TILE_N, "n")
+    if cfg.head_dim_v > 192:  # d 256: one dO stage, dQ staged in two rounds of 64 columns per WG
+        return Tiles(64, WIDE_TILE_N, "wide", do_stages=1, pds_stages=1, dq_rounds=2)
+    if cfg.head_dim_v > 128:  # d 192
+        return Tiles(64, WIDE_TILE_N, "wide", pds_stages=1)
+    return Tiles(64, WIDE_TILE_N, "wide")  # (192, 128)
+
+
+def _smem_layout(dtype, shape: tuple, major_cols: int):
+    """``wgmma_smem_layout`` with the swizzle atom chosen for ``major_cols`` contiguous columns instead of
+    shape[1] (the atom then never straddles a block of major_cols columns)."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_cols), dtype)
+    return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
 
 
 @dsl_user_op
@@ -114,68 +163,73 @@ def _red_release_add(addr: Int64, val: Int32, *, loc=None, ip=None) -> None:
 
 
 class FlashBwdSm90:
-    def __init__(self, cfg: BwdConfig, spt: bool = False):
+    def __init__(self, cfg: BwdConfig):
         reason = FlashBwdSm90.unsupported_reason(cfg)
         if reason is not None:
             raise ValueError(f"FlashBwdSm90: {reason}")
         self.cfg = cfg
-        # Note [deterministic dQ, descending order]: opt-in, NOT yet run on a GPU.
-        self.spt = bool(spt) and cfg.deterministic and (cfg.causal or cfg.has_window)
+        # Note [deterministic dQ, descending order]
+        self.spt = cfg.deterministic and (cfg.causal or cfg.has_window)
         self.dtype = cutlass_dtype(cfg.dtype)
         self.hdim = cfg.head_dim
         self.hdimv = cfg.head_dim_v
-        self.tile_m, self.dq_split = tile_config(cfg)
-        self.tile_n = TILE_N
-        # dQ region of one staging WG: (rows, cols) and how many WGs stage one.
+        t = tile_config(cfg)
+        self.tiles = t
+        self.wide = t.wide
+        self.tile_m, self.tile_n, self.dq_split = t.tile_m, t.tile_n, t.dq_split
+        self.q_stages, self.do_stages, self.pds_stages, self.dq_rounds = (t.q_stages, t.do_stages, t.pds_stages,
+                                                                          t.dq_rounds)
+        # dQ region of one staging WG per round: (rows, cols) and how many WGs stage one.
         if self.dq_split == "m":
             self.dq_rows, self.dq_cols, self.dq_wgs = self.tile_m // 2, self.hdim, 2
         elif self.dq_split == "n":
             self.dq_rows, self.dq_cols, self.dq_wgs = self.tile_m, self.hdim // 2, 2
+        elif self.dq_split == "wide":
+            self.dq_rows, self.dq_cols, self.dq_wgs = self.tile_m, self.hdim // 2 // self.dq_rounds, 2
         else:
             self.dq_rows, self.dq_cols, self.dq_wgs = self.tile_m, self.hdim, 1
         # Issue dQ = dS K before dK += dS^T Q and stage dQ while the dK GEMM runs (tile_m 64; at tile_m
         # 128 the live dQ accumulator spills). Not in deterministic mode, where it measured no faster.
-        self.dq_before_dk = self.tile_m == 64 and not cfg.deterministic
+        self.dq_before_dk = self.tile_m == 64 and not cfg.deterministic and not self.wide
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
     def unsupported_reason(cfg: BwdConfig) -> str | None:
-        if cfg.arch != 90:
+        if _arch.family(cfg.arch) != 90:
             return f"FlashBwdSm90 is the SM90 kernel, got arch {cfg.arch}"
         if cfg.dtype not in ("bfloat16", "float16"):
             return f"dtype {cfg.dtype} (only bfloat16/float16)"
-        if cfg.head_dim_v != cfg.head_dim:
-            return (f"attention backward with head_dim {cfg.head_dim} != head_dim_v {cfg.head_dim_v} "
-                    f"on SM90 is not implemented yet")
-        if cfg.head_dim not in (64, 96, 128):
-            return (f"attention backward with head_dim {cfg.head_dim} on SM90 is not implemented yet "
-                    f"(implemented: 64, 96, 128)")
+        dims = (cfg.head_dim, cfg.head_dim_v)
+        if dims not in HEAD_DIMS:
+            return (f"attention backward with head_dim {cfg.head_dim} / head_dim_v {cfg.head_dim_v} on SM90 is not "
+                    f"implemented (implemented: {', '.join(f'{d}/{dv}' for d, dv in HEAD_DIMS)})")
         if cfg.qhead_per_kvhead < 1:
             return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
         return None
 
     @staticmethod
     def smem_bytes(cfg: BwdConfig) -> int:
-        tile_m, split = tile_config(cfg)
+        t = tile_config(cfg)
         d, dv = cfg.head_dim, cfg.head_dim_v
-        q = STAGES * tile_m * d * 2
-        do = STAGES * tile_m * dv * 2
-        k = TILE_N * d * 2
-        v = TILE_N * dv * 2
-        ds = STAGES * TILE_N * tile_m * 2
-        dq = tile_m * d * 4
-        stats = 2 * STAGES * tile_m * 4
-        barriers = 8 * (2 * 2 * STAGES + 2)
-        return sum(-(-x // 1024) * 1024 for x in (q, do, k, v, ds, dq)) + stats + barriers + 1024
+        q = t.q_stages * t.tile_m * d * 2
+        do = t.do_stages * t.tile_m * dv * 2
+        k = t.tile_n * d * 2
+        v = t.tile_n * dv * 2
+        ds = t.pds_stages * t.tile_n * t.tile_m * 2  # dS^T (and P^T in the wide schedule)
+        dq = (t.tile_m * d // t.dq_rounds) * 4  # dQ staging of one round (all staging WGs)
+        stats = (t.q_stages + t.do_stages) * t.tile_m * 4
+        barriers = 8 * (2 * (t.q_stages + t.do_stages) + 2)
+        tiles = (q, do, k, v, ds, ds, dq) if t.wide else (q, do, k, v, ds, dq)
+        return sum(-(-x // 1024) * 1024 for x in tiles) + stats + barriers + 1024
 
     # ------------------------------------------------------------------ host launch
     def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
         fields = {
-            "mbar_q": cute.struct.MemRange[Int64, 2 * STAGES],
-            "mbar_do": cute.struct.MemRange[Int64, 2 * STAGES],
+            "mbar_q": cute.struct.MemRange[Int64, 2 * self.q_stages],
+            "mbar_do": cute.struct.MemRange[Int64, 2 * self.do_stages],
             "mbar_kv": cute.struct.MemRange[Int64, 2],
-            "sLSE": cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * STAGES], 128],
-            "sdPsum": cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * STAGES], 128],
+            "sLSE": cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 128],
+            "sdPsum": cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.do_stages], 128],
             "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
             "sdO": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024],
             "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
@@ -183,6 +237,8 @@ class FlashBwdSm90:
             "sdS": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024],
             "sdQ": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024],
         }
+        if self.wide:  # P^T (keys, rows), the same layout as dS^T
+            fields["sP"] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -202,11 +258,18 @@ class FlashBwdSm90:
         # dq_accum (B, H, R, D) -> (R, D, H, B); varlen (H, R, D) -> (R, D, H)
         mdQacct = select_modes(mdQaccum, (1, 2, 0) if const_expr(varlen) else (2, 3, 1, 0))
 
-        sQ_layout = wgmma_smem_layout(self.dtype, (self.tile_m, self.hdim, STAGES))
-        sdO_layout = wgmma_smem_layout(self.dtype, (self.tile_m, self.hdimv, STAGES))
-        sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.hdim))
+        if const_expr(self.wide):
+            # Column halves of Q, K (dK, dQ) and dO (dV) are separate wgmma operands: swizzle atoms that
+            # do not straddle a half (d 192: 96 = 3 x 32 columns, SW64).
+            sQ_layout = _smem_layout(self.dtype, (self.tile_m, self.hdim, self.q_stages), self.hdim // 2)
+            sdO_layout = _smem_layout(self.dtype, (self.tile_m, self.hdimv, self.do_stages), self.hdimv // 2)
+            sK_layout = _smem_layout(self.dtype, (self.tile_n, self.hdim), self.hdim // 2)
+        else:
+            sQ_layout = wgmma_smem_layout(self.dtype, (self.tile_m, self.hdim, STAGES))
+            sdO_layout = wgmma_smem_layout(self.dtype, (self.tile_m, self.hdimv, STAGES))
+            sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.hdim))
         sV_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.hdimv))
-        sdS_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.tile_m, STAGES))  # (keys, rows)
+        sdS_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.tile_m, self.pds_stages))  # (keys, rows)
         sdQ_layout = sm90_utils.make_smem_layout_epi(Float32, LayoutEnum.ROW_MAJOR, (self.dq_rows, self.dq_cols),
                                                      self.dq_wgs)
 
@@ -227,6 +290,8 @@ class FlashBwdSm90:
         self.tx_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
         self.shared_storage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                                                    sdQ_layout)
+        assert self.shared_storage.size_in_bytes() <= min(SMEM_BYTES_MAX, FlashBwdSm90.smem_bytes(cfg)), \
+            (self.shared_storage.size_in_bytes(), FlashBwdSm90.smem_bytes(cfg))
 
         if const_expr(varlen):
             batch = mCuSeqlensK.shape[0] - 1
@@ -268,10 +333,10 @@ class FlashBwdSm90:
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * THREADS_PER_WG // 32)
         pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=STAGES, producer_group=producer,
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, producer_group=producer,
             consumer_group=consumers, tx_count=self.tx_q, defer_sync=True)
         pipeline_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=STAGES, producer_group=producer,
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.do_stages, producer_group=producer,
             consumer_group=consumers, tx_count=self.tx_do, defer_sync=True)
         pipeline_kv = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
@@ -283,8 +348,8 @@ class FlashBwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, STAGES)))
-        sdPsum = storage.sdPsum.get_tensor(cute.make_layout((self.tile_m, STAGES)))
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
+        sdPsum = storage.sdPsum.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
 
         n_tile, head_kv, batch_idx = cute.arch.block_idx()
         seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static, mCuSeqlensQ, mCuSeqlensK)
@@ -320,9 +385,15 @@ class FlashBwdSm90:
                                   right, n_tile, head_kv, batch_idx)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                self.consume(mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
-                             pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, batch_idx,
-                             tidx - THREADS_PER_WG, softmax_scale, softcap)
+                if const_expr(self.wide):
+                    sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+                    self.consume_wide(mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q,
+                                      pipeline_do, pipeline_kv, seqlen, qtiles, steps, left, right, n_tile,
+                                      head_kv, batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap)
+                else:
+                    self.consume(mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
+                                 pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, batch_idx,
+                                 tidx - THREADS_PER_WG, softmax_scale, softcap)
 
     # ------------------------------------------------------------------ producer
     def _seq_view(self, t: cute.Tensor, offset, batch_idx):
@@ -362,7 +433,11 @@ class FlashBwdSm90:
             pipeline_kv.producer_acquire(kv_state)
             cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
             cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+            # dO on a state of its own only where its stage count differs (wide schedule, d 256)
+            state_do = None
+            if const_expr(self.do_stages != self.q_stages):
+                state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
             for hi in cutlass.range(G, unroll=1):
                 head = head_kv * G + hi
                 gQ = cute.local_tile(mQ_seq[None, None, head], (self.tile_m, self.hdim), (None, 0))
@@ -381,10 +456,17 @@ class FlashBwdSm90:
                     bar_q = pipeline_q.producer_get_barrier(state)
                     cute.copy(tma_atom_Q, tQgQ[None, m], tQsQ[None, state.index], tma_bar_ptr=bar_q)
                     cute.copy(tma_atom_LSE, tLgL[None, m], tLsL[None, state.index], tma_bar_ptr=bar_q)
-                    pipeline_do.producer_acquire(state)
-                    bar_do = pipeline_do.producer_get_barrier(state)
-                    cute.copy(tma_atom_dO, tdOgdO[None, m], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
-                    cute.copy(tma_atom_dPsum, tPgP[None, m], tPsP[None, state.index], tma_bar_ptr=bar_do)
+                    if const_expr(state_do is None):
+                        pipeline_do.producer_acquire(state)
+                        bar_do = pipeline_do.producer_get_barrier(state)
+                        cute.copy(tma_atom_dO, tdOgdO[None, m], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+                        cute.copy(tma_atom_dPsum, tPgP[None, m], tPsP[None, state.index], tma_bar_ptr=bar_do)
+                    else:
+                        pipeline_do.producer_acquire(state_do)
+                        bar_do = pipeline_do.producer_get_barrier(state_do)
+                        cute.copy(tma_atom_dO, tdOgdO[None, m], tdOsdO[None, state_do.index], tma_bar_ptr=bar_do)
+                        cute.copy(tma_atom_dPsum, tPgP[None, m], tPsP[None, state_do.index], tma_bar_ptr=bar_do)
+                        state_do.advance()
                     state.advance()
 
     # ------------------------------------------------------------------ dQ writer (warp 1)
@@ -433,19 +515,27 @@ class FlashBwdSm90:
                     cute.arch.sync_warp()
                 # The whole warp issues (the TMA copy elects one lane itself; one active lane hangs). Region
                 # r goes out as soon as WG r staged it and is handed back once the TMA has read it.
-                for r in cutlass.range_constexpr(self.dq_wgs):
-                    cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + r, number_of_threads=nbar)
-                    if const_expr(self.dq_split == "m"):
-                        cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m * 2 + r, 0])
-                    elif const_expr(self.dq_split == "n"):
-                        cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, r])
-                    else:
-                        cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, 0])
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.sync_warp()
-                    if step + 1 < steps:
-                        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + r, number_of_threads=nbar)
+                # The wide schedule stages dQ in dq_rounds rounds: round j of WG r is column block
+                # r * dq_rounds + j.
+                for j in cutlass.range_constexpr(self.dq_rounds):
+                    for r in cutlass.range_constexpr(self.dq_wgs):
+                        cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + r, number_of_threads=nbar)
+                        if const_expr(self.dq_split == "m"):
+                            cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m * 2 + r, 0])
+                        elif const_expr(self.dq_split == "n"):
+                            cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, r])
+                        elif const_expr(self.dq_split == "wide"):
+                            cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, r * self.dq_rounds + j])
+                        else:
+                            cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, 0])
+                        cute.arch.cp_async_bulk_commit_group()
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.sync_warp()
+                        if const_expr(j + 1 < self.dq_rounds):
+                            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + r, number_of_threads=nbar)
+                        else:
+                            if step + 1 < steps:
+                                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + r, number_of_threads=nbar)
                 if const_expr(cfg.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.sync_warp()
@@ -637,6 +727,163 @@ class FlashBwdSm90:
         self.store_kv(acc_dK, softmax_scale, mdK, thr_dkv, seqlen, key_base, head_kv, batch_idx, self.hdim)
         self.store_kv(acc_dV, None, mdV, thr_dkv, seqlen, key_base, head_kv, batch_idx, self.hdimv)
 
+    # ------------------------------------------------------------------ consumers, wide schedule (d > 128)
+    @cute.jit
+    def consume_wide(self, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
+                     pipeline_kv, seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32,
+                     right: Int32, n_tile: Int32, head_kv: Int32, batch_idx: Int32, ctidx: Int32,
+                     softmax_scale: Float32, softcap: Float32):
+        """Both WGs see all 64 keys of the tile: WG w computes S^T / dP^T for query rows [32 w, 32 w + 32)
+        of the step, writes P^T / dS^T to smem, then owns columns [w d / 2, (w + 1) d / 2) of dK, dV
+        (SS wgmma over the whole P^T / dS^T) and of the dQ tile (Note [wide schedule])."""
+        cfg = self.cfg
+        dt = self.dtype
+        wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
+        tid = ctidx % THREADS_PER_WG
+        K = warpgroup.OperandMajorMode.K
+        MN = warpgroup.OperandMajorMode.MN
+        rows_w = self.tile_m // 2
+        dh, dvh = self.hdim // 2, self.hdimv // 2
+        mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, atom_layout_mnk=(1, 1, 1),
+                                                    tiler_mn=(self.tile_n, rows_w))
+        mma_dk = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, atom_layout_mnk=(1, 1, 1),
+                                                   tiler_mn=(self.tile_n, dh))
+        mma_dv = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, atom_layout_mnk=(1, 1, 1),
+                                                   tiler_mn=(self.tile_n, dvh))
+        mma_dq = sm90_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, atom_layout_mnk=(1, 1, 1),
+                                                   tiler_mn=(self.tile_m, self.dq_cols))
+        thr_sdp = mma_sdp.get_slice(tid)
+        thr_dk = mma_dk.get_slice(tid)
+        thr_dv = mma_dv.get_slice(tid)
+        thr_dq = mma_dq.get_slice(tid)
+
+        # S^T = K Q_w^T, dP^T = V dO_w^T (this WG's query rows).
+        sQ_w = cute.local_tile(sQ, (rows_w, self.hdim, self.q_stages), (wg, 0, 0))
+        sdO_w = cute.local_tile(sdO, (rows_w, self.hdimv, self.do_stages), (wg, 0, 0))
+        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
+        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ_w))  # (.., .., k, stage)
+        tPrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
+        tPrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO_w))
+        # dV_w += P^T dO[:, half w], dK_w += dS^T Q[:, half w] (all query rows of the step).
+        sdOt_w = cute.local_tile(transpose_view(sdO), (dvh, self.tile_m, self.do_stages), (wg, 0, 0))
+        sQt_w = cute.local_tile(transpose_view(sQ), (dh, self.tile_m, self.q_stages), (wg, 0, 0))
+        tVrP = thr_dv.make_fragment_A(thr_dv.partition_A(sP))  # (.., .., k, pds stage)
+        tVrdOt = thr_dv.make_fragment_B(thr_dv.partition_B(sdOt_w))
+        tKrdS = thr_dk.make_fragment_A(thr_dk.partition_A(sdS))
+        tKrQt = thr_dk.make_fragment_B(thr_dk.partition_B(sQt_w))
+        acc_S_shape = thr_sdp.partition_shape_C((self.tile_n, rows_w))
+        acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((self.tile_n, dvh)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((self.tile_n, dh)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        # dQ[:, block] = dS K[:, block] for this WG's column blocks wg * dq_rounds + j.
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(transpose_view(sdS)))  # (.., .., k, pds stage)
+        sKt = transpose_view(sK)  # (D, keys)
+        tdQrK = [thr_dq.make_fragment_B(thr_dq.partition_B(
+            cute.local_tile(sKt, (self.dq_cols, self.tile_n), (wg * self.dq_rounds + j, 0))))
+            for j in range(self.dq_rounds)]
+        acc_dQ_shape = thr_dq.partition_shape_C((self.tile_m, self.dq_cols))
+        tdQsdQ = thr_dq.partition_C(sdQ[None, None, wg])
+
+        # P^T, dS^T of this WG's rows -> smem (stmatrix).
+        st_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dt, Float32)
+        st_copy = cute.make_tiled_copy_C(st_atom, mma_sdp)
+        thr_st = st_copy.get_slice(tid)
+        tSsP = thr_st.partition_D(cute.local_tile(sP, (self.tile_n, rows_w, self.pds_stages), (0, wg, 0)))
+        tSsdS = thr_st.partition_D(cute.local_tile(sdS, (self.tile_n, rows_w, self.pds_stages), (0, wg, 0)))
+
+        cS = cute.make_identity_tensor((self.tile_n, rows_w))
+        tScS_mn = acc_mn_view(thr_sdp.partition_C(cS))
+        key_base = n_tile * self.tile_n
+        keys = [key_base + tScS_mn[r, 0][0] for r in range(cute.size(tScS_mn, mode=[0]))]
+        thr_col = tScS_mn[0, 0][1] + wg * rows_w  # query row of register column 0 within the step
+        cols = sm90_thread0_cols(rows_w)
+        ncols = cute.size(tScS_mn, mode=[1])
+        shift = seqlen.seqlen_k - seqlen.seqlen_q
+        mask_right = const_expr(cfg.causal or cfg.has_window)
+
+        if const_expr(cfg.has_softcap):
+            scale_log2 = Float32(LOG2_E)
+            softcap_in = softmax_scale / softcap
+            inv_cap_log2 = 1.0 / (softcap * LOG2_E)
+        else:
+            scale_log2 = softmax_scale * LOG2_E
+            softcap_in = Float32(0.0)
+            inv_cap_log2 = Float32(0.0)
+        nbar_dq = THREADS_PER_WG + 32
+
+        if steps > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_kv.consumer_wait(kv_state)
+            state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+            state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+            step = Int32(0)
+            for hi in cutlass.range(cfg.qhead_per_kvhead, unroll=1):
+                for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
+                    m = qtiles.m_min + mi
+                    sq = state_q.index
+                    sd = state_do.index
+                    ps = step % self.pds_stages
+                    acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+                    acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+                    pipeline_q.consumer_wait(state_q)
+                    wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, sq], True)
+                    pipeline_do.consumer_wait(state_do)
+                    wgmma_gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, sd], True)
+                    warpgroup.wait_group(1)
+                    S = acc_mn_view(acc_S)
+                    if const_expr(cfg.has_softcap):
+                        for i in cutlass.range_constexpr(cute.size(acc_S)):
+                            acc_S[i] = cute.math.tanh(acc_S[i] * softcap_in, fastmath=False) * softcap
+                    apply_mask_kv_major(S, cols, keys, m * self.tile_m + thr_col, seqlen.seqlen_k, shift,
+                                        left, right, mask_right, cfg.has_window)
+                    dP = acc_mn_view(acc_dP)
+                    lse = [sLSE[thr_col + cols[c], sq] for c in range(ncols)]
+                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                        for c in cutlass.range_constexpr(ncols):
+                            S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
+                    warpgroup.wait_group(0)
+                    dps = [sdPsum[thr_col + cols[c], sd] for c in range(ncols)]
+                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                        for c in cutlass.range_constexpr(ncols):
+                            dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], inv_cap_log2)
+                    rP = cute.make_rmem_tensor(acc_S_shape, dt)
+                    rdS = cute.make_rmem_tensor(acc_S_shape, dt)
+                    convert_to_16bit(acc_S, rP)
+                    convert_to_16bit(acc_dP, rdS)
+                    if const_expr(self.pds_stages == 1):
+                        cute.arch.barrier(barrier_id=PDS_EMPTY_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+                    cute.copy(st_copy, thr_st.retile(rP), tSsP[None, None, None, ps])
+                    cute.copy(st_copy, thr_st.retile(rdS), tSsdS[None, None, None, ps])
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=DS_FULL_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+                    wgmma_gemm(mma_dv, acc_dV, tVrP[None, None, None, ps], tVrdOt[None, None, None, sd], False)
+                    wgmma_gemm(mma_dk, acc_dK, tKrdS[None, None, None, ps], tKrQt[None, None, None, sq], False)
+                    acc_dQ = []
+                    for j in cutlass.range_constexpr(self.dq_rounds):
+                        acc = cute.make_rmem_tensor(acc_dQ_shape, Float32)
+                        wgmma_gemm(mma_dq, acc, tdQrdS[None, None, None, ps], tdQrK[j], True)
+                        acc_dQ.append(acc)
+                    warpgroup.wait_group(self.dq_rounds)  # dV and dK done: the Q and dO stages are free
+                    pipeline_q.consumer_release(state_q)
+                    pipeline_do.consumer_release(state_do)
+                    for j in cutlass.range_constexpr(self.dq_rounds):
+                        warpgroup.wait_group(self.dq_rounds - 1 - j)
+                        # Staging free (warp 1 has read the previous round) -> write, hand to warp 1.
+                        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=nbar_dq)
+                        for i in cutlass.range_constexpr(cute.size(acc_dQ[j])):
+                            tdQsdQ[i] = acc_dQ[j][i]
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=nbar_dq)
+                    state_q.advance()
+                    state_do.advance()
+                    step = step + 1
+
+        # Epilogue: dK * scale, dV (this WG's column halves); keys past seqlen_k are not written.
+        self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, seqlen, key_base, head_kv, batch_idx, dh, wg * dh)
+        self.store_kv(acc_dV, None, mdV, thr_dv, seqlen, key_base, head_kv, batch_idx, dvh, wg * dvh)
+
     @cute.jit
     def grad_score(self, p: Float32, dp: Float32, dpsum: Float32, lse2, inv_cap_log2: Float32) -> Float32:
         """dS = P (dP - D), times 1 - tanh^2 with softcap (tanh recovered from P: s' = c t =
@@ -649,12 +896,13 @@ class FlashBwdSm90:
 
     @cute.jit
     def store_kv(self, acc, scale, mX, thr_dkv, seqlen: SeqlenInfo, key_base: Int32, head_kv: Int32,
-                 batch_idx: Int32, dim: cutlass.Constexpr):
+                 batch_idx: Int32, dim: cutlass.Constexpr, col0=0):
+        """Rows key_base + [0, 64), columns col0 + [0, dim) of dK / dV (keys past seqlen_k not written)."""
         if const_expr(self.cfg.varlen):
             mX_cur = cute.domain_offset((seqlen.offset_k, 0, 0), mX)[None, head_kv, None]
         else:
             mX_cur = mX[batch_idx, None, head_kv, None]
-        gX = cute.local_tile(cute.domain_offset((key_base, 0), mX_cur), (KEYS_PER_WG, dim), (0, 0))
+        gX = cute.local_tile(cute.domain_offset((key_base, col0), mX_cur), (KEYS_PER_WG, dim), (0, 0))
         tXgX = acc_mn_view(thr_dkv.partition_C(gX))
         tXcX = acc_mn_view(thr_dkv.partition_C(cute.make_identity_tensor((KEYS_PER_WG, dim))))
         if const_expr(scale is not None):

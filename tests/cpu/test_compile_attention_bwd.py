@@ -42,12 +42,35 @@ def test_unsupported_reasons_name_the_case():
     from cute_kernels.attention.bwd_launch import bwd_config, unsupported_reason
 
     assert unsupported_reason(bwd_config(90, "bfloat16", 128, 128, 4, True, False, False, True, True)) is None
-    r = unsupported_reason(bwd_config(90, "bfloat16", 256, 256, 1, False, False, False, False, False))
-    assert r is not None and "head_dim 256" in r
-    r = unsupported_reason(bwd_config(90, "bfloat16", 192, 128, 1, False, False, False, False, False))
-    assert r is not None and "192" in r
+    for d, dv in ((192, 192), (256, 256), (192, 128)):
+        assert unsupported_reason(bwd_config(90, "float16", d, dv, 4, True, True, True, True, True)) is None
+    r = unsupported_reason(bwd_config(90, "bfloat16", 80, 80, 1, False, False, False, False, False))
+    assert r is not None and "head_dim 80" in r
+    r = unsupported_reason(bwd_config(90, "bfloat16", 256, 128, 1, False, False, False, False, False))
+    assert r is not None and "head_dim_v 128" in r
     assert "compute capability 8.0" in unsupported_reason(
         bwd_config(80, "bfloat16", 128, 128, 1, False, False, False, False, False))
+
+
+def test_sm90_tiles_fit():
+    """Every SM90 head-dim pair: the wide schedule (d > 128) takes 64-key tiles, both consumer WGs split
+    d in halves that are whole swizzle atoms, the dQ staging rounds cover d, and the shared memory the
+    kernel asks for stays under the limit (the compiled struct is asserted against this estimate)."""
+    from cute_kernels.attention.bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, HEAD_DIMS
+    from cute_kernels.attention.bwd_launch import bwd_config
+    from cute_kernels.attention.bwd_sm90 import SMEM_BYTES_MAX, FlashBwdSm90, tile_config
+
+    for d, dv in HEAD_DIMS:
+        for det in (False, True):
+            cfg = bwd_config(90, "bfloat16", d, dv, 4, True, False, False, True, det)
+            t = tile_config(cfg)
+            assert FlashBwdSm90.smem_bytes(cfg) <= SMEM_BYTES_MAX, (d, dv)
+            assert ACCUM_ROW_PAD % t.tile_m == 0 and t.tile_m % DQ_SEM_ROWS == 0
+            assert t.wide == (d > 128)
+            k = FlashBwdSm90(cfg)
+            if t.wide:
+                assert t.tile_n == 64 and k.dq_wgs * k.dq_cols * k.dq_rounds == d
+                assert (d // 2) % 32 == 0 and (dv // 2) % 32 == 0  # halves of whole SW64 / SW128 atoms
 
 
 def test_workspace_shapes():

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs a CUDA GPU; torch is used to drive the launchers")
 
 from tests.conftest import sm90_gpu_marks  # noqa: E402
 from tests.gpu._fwd_launch import make_qkv, run_ours  # noqa: E402
@@ -30,6 +30,28 @@ def _no_tf32():
 
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: (head_dim, head_dim_v) of the 128-key schedule and of the wide one (d 192 / 256 / (192, 128)).
+NARROW = [(64, 64), (96, 96), (128, 128)]
+WIDE = [(192, 192), (256, 256), (192, 128)]
+
+
+def dims_id(dims):
+    d, dv = dims
+    return f"d{d}" if d == dv else f"d{d}-{dv}"
+
+
+def dims_params(dims):
+    return pytest.mark.parametrize("dims", dims, ids=[dims_id(x) for x in dims])
+
+
+def make_qkv_dv(b, sq, sk, hq, hkv, dims, dtype=torch.bfloat16, seed=0):
+    """make_qkv with V of head_dim_v columns (its own generator when head_dim_v != head_dim)."""
+    d, dv = dims
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, seed=seed)
+    if dv != d:
+        g = torch.Generator(device="cuda").manual_seed(seed + 100)
+        v = torch.randn(b, sk, hkv, dv, device="cuda", generator=g).to(dtype)
+    return q, k, v
 
 
 def ref_attention(q, k, v, *, causal, window, softcap, scale):
@@ -72,9 +94,8 @@ def poison_like(x):
 
 
 def run_bwd_ours(q, k, v, out, lse, do, *, causal=False, window=(-1, -1), softcap=0.0, scale=None,
-                 deterministic=False, dlse=None, cu_q=None, cu_k=None, max_sq=None, max_sk=None, spt=False):
-    from cute_kernels.attention.bwd_launch import (bwd_config, compile_bwd_main, compile_bwd_main_spt, run_bwd_with,
-                                                   workspace_shapes)
+                 deterministic=False, dlse=None, cu_q=None, cu_k=None, max_sq=None, max_sk=None):
+    from cute_kernels.attention.bwd_launch import bwd_config, run_bwd, workspace_shapes
 
     varlen = cu_q is not None
     d, dv = q.shape[-1], v.shape[-1]
@@ -94,9 +115,8 @@ def run_bwd_ours(q, k, v, out, lse, do, *, causal=False, window=(-1, -1), softca
         t = torch.empty(shape, device=q.device, dtype=getattr(torch, dtn))
         ws[name] = poison_like(t)
     dq, dk, dv_ = poison_like(q), poison_like(k), poison_like(v)
-    run_bwd_with(compile_bwd_main_spt if spt else compile_bwd_main, cfg, do, q, k, v, out, lse, dlse, dq, dk,
-                 dv_, cu_q, cu_k, ws, softmax_scale=scale, softcap=softcap, window_left=window[0],
-                 window_right=window[1], max_seqlen_q=max_sq, max_seqlen_k=max_sk)
+    run_bwd(cfg, do, q, k, v, out, lse, dlse, dq, dk, dv_, cu_q, cu_k, ws, softmax_scale=scale, softcap=softcap,
+            window_left=window[0], window_right=window[1], max_seqlen_q=max_sq, max_seqlen_k=max_sk)
     return dq, dk, dv_
 
 
@@ -134,81 +154,93 @@ def check_grads(name, ours, ref, lowp, fa4=None, factor=2.0):
 
 
 def dense_case(b, sq, sk, hq, hkv, d, dtype="bf16", causal=False, window=(-1, -1), softcap=0.0,
-               deterministic=False, with_dlse=False, seed=0, fa4=True, spt=False):
-    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=DT[dtype], seed=seed)
+               deterministic=False, with_dlse=False, seed=0, fa4=True):
+    """``d``: head_dim or (head_dim, head_dim_v)."""
+    dims = tuple(d) if isinstance(d, (tuple, list)) else (d, d)
+    d, dv = dims
+    q, k, v = make_qkv_dv(b, sq, sk, hq, hkv, dims, dtype=DT[dtype], seed=seed)
     scale = 1.0 / math.sqrt(d)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
-    do = torch.randn(b, sq, hq, d, device="cuda", generator=g).to(q.dtype)
+    do = torch.randn(b, sq, hq, dv, device="cuda", generator=g).to(q.dtype)
     out, lse, _ = run_ours(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale)
     dlse = torch.randn(lse.shape, device="cuda", generator=g) if with_dlse else None
     if dlse is not None:
         dlse = dlse.masked_fill(torch.isinf(lse), 0.0)
     ours = run_bwd_ours(q, k, v, out, lse, do, causal=causal, window=window, softcap=softcap, scale=scale,
-                        deterministic=deterministic, dlse=dlse, spt=spt)
+                        deterministic=deterministic, dlse=dlse)
     kw = dict(causal=causal, window=window, softcap=softcap, scale=scale)
     ref = ref_grads(q, k, v, do, dlse, upcast=True, **kw)
     lowp = ref_grads(q, k, v, do, dlse, upcast=False, **kw)
     fa = fa4_grads(q, k, v, do, deterministic=deterministic, **kw) if fa4 and dlse is None else None
-    name = (f"b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d} {dtype} causal={causal} win={window} cap={softcap} "
-            f"det={deterministic} dlse={with_dlse}" + (" spt" if spt else ""))
+    name = (f"b{b} sq{sq} sk{sk} h{hq}/{hkv} {dims_id(dims)} {dtype} causal={causal} win={window} cap={softcap} "
+            f"det={deterministic} dlse={with_dlse}")
     check_grads(name, ours, ref, lowp, fa)
     return ours
 
 
-@pytest.mark.parametrize("d", [64, 96, 128])
+@dims_params(NARROW + WIDE)
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 @pytest.mark.parametrize("gqa", [False, True])
-def test_dense(d, mask, gqa):
+def test_dense(dims, mask, gqa):
     hq, hkv = (8, 2) if gqa else (4, 4)
     window = (100, 30) if mask == "window" else (-1, -1)
-    dense_case(2, 517, 300, hq, hkv, d, causal=mask == "causal", window=window)
-    dense_case(1, 256, 1024, hq, hkv, d, causal=mask == "causal", window=window, seed=3)
+    dense_case(2, 517, 300, hq, hkv, dims, causal=mask == "causal", window=window)
+    # FA4 once per config (its compile dominates the wide cases)
+    dense_case(1, 256, 1024, hq, hkv, dims, causal=mask == "causal", window=window, seed=3, fa4=dims in NARROW)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_fp16_softcap_dlse(d):
-    dense_case(2, 333, 333, 4, 2, d, dtype="fp16", causal=True)
-    dense_case(1, 400, 700, 4, 4, d, softcap=15.0, seed=5)
-    dense_case(1, 400, 400, 4, 4, d, causal=True, softcap=10.0, seed=6)
-    dense_case(2, 300, 260, 4, 2, d, with_dlse=True, seed=7)
+@dims_params([(64, 64), (128, 128)] + WIDE)
+def test_fp16_softcap_dlse(dims):
+    dense_case(2, 333, 333, 4, 2, dims, dtype="fp16", causal=True)
+    dense_case(1, 400, 700, 4, 4, dims, softcap=15.0, seed=5)
+    dense_case(1, 400, 400, 4, 4, dims, causal=True, softcap=10.0, seed=6)
+    dense_case(2, 300, 260, 4, 2, dims, with_dlse=True, seed=7)
 
 
-def test_rows_without_keys():
+@dims_params([(128, 128), (256, 256), (192, 128)])
+def test_rows_without_keys(dims):
     # Sq > Sk, causal bottom-right: rows i < Sq - Sk see no key (lse = -inf) -> zero dQ, no NaN.
-    dq, dk, dv = dense_case(1, 700, 200, 4, 4, 128, causal=True, fa4=False)
+    dq, dk, dv = dense_case(1, 700, 200, 4, 4, dims, causal=True, fa4=False)
     assert torch.count_nonzero(dq[:, :500]) == 0
     # window that leaves key columns unseen: dK / dV of those keys are exactly 0
-    dq, dk, dv = dense_case(1, 256, 1024, 2, 2, 64, window=(10, 0), fa4=False)
+    small = (64, 64) if dims == (128, 128) else dims
+    dq, dk, dv = dense_case(1, 256, 1024, 2, 2, small, window=(10, 0), fa4=False)
     assert torch.count_nonzero(dk[:, :700]) == 0 and torch.count_nonzero(dv[:, :700]) == 0
 
 
-@pytest.mark.parametrize("d", [64, 96, 128])
-def test_deterministic(d):
+@dims_params(NARROW + WIDE)
+def test_deterministic(dims):
+    """Deterministic dQ (causal / window: the descending order, Note [deterministic dQ, descending order])."""
     for mask in ("none", "causal", "window"):
         window = (300, 50) if mask == "window" else (-1, -1)
-        dense_case(2, 700, 900, 8, 2, d, causal=mask == "causal", window=window, deterministic=True)
+        dense_case(2, 700, 900, 8, 2, dims, causal=mask == "causal", window=window, deterministic=True,
+                   fa4=dims in NARROW)
 
 
-def _det_runs(deterministic, n=3, d=128, causal=False, spt=False):
-    q, k, v = make_qkv(1, 512, 4096, 4, 2, d, seed=11)
-    do = torch.randn_like(q)
-    out, lse, _ = run_ours(q, k, v, causal=causal)
-    return [run_bwd_ours(q, k, v, out, lse, do, causal=causal, deterministic=deterministic, spt=spt)
+def _det_runs(deterministic, n=3, dims=(128, 128), mask="none"):
+    q, k, v = make_qkv_dv(1, 512, 4096, 4, 2, dims, seed=11)
+    do = torch.randn(*q.shape[:-1], dims[1], device="cuda", dtype=q.dtype)
+    causal = mask == "causal"
+    window = (700, 100) if mask == "window" else (-1, -1)
+    out, lse, _ = run_ours(q, k, v, causal=causal, window=window)
+    return [run_bwd_ours(q, k, v, out, lse, do, causal=causal, window=window, deterministic=deterministic)
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_bitwise(causal):
-    runs = _det_runs(True, 3, causal=causal)
+@dims_params([(64, 64), (128, 128), (256, 256), (192, 128)])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_deterministic_bitwise(dims, mask):
+    runs = _det_runs(True, 3, dims=dims, mask=mask)
     for r in runs[1:]:
         for a, b_ in zip(runs[0], r):
             assert torch.equal(a, b_), "deterministic backward differs between runs"
 
 
-def test_nondeterministic_differs():
+@dims_params([(128, 128), (256, 256)])
+def test_nondeterministic_differs(dims):
     """The case of test_deterministic_bitwise has the power to fail: the default (atomic-order) dQ
-    path changes bits between runs there (32 key tiles reduce into every query tile)."""
-    runs = _det_runs(False, 8)
+    path changes bits between runs there (32 / 64 key tiles reduce into every query tile)."""
+    runs = _det_runs(False, 8, dims=dims)
     same = all(torch.equal(runs[0][0], r[0]) for r in runs[1:])
     assert not same, "non-deterministic dQ was bitwise stable over 8 runs (test has no power)"
     for r in runs[1:]:  # dK / dV are deterministic by construction in both modes
@@ -216,13 +248,15 @@ def test_nondeterministic_differs():
 
 
 def _varlen_case(lens_q, lens_k, hq, hkv, d, causal=False, window=(-1, -1), deterministic=False, seed=0):
+    dims = tuple(d) if isinstance(d, (tuple, list)) else (d, d)
+    d, dv = dims
     dt = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(seed)
     tq, tk = sum(lens_q), sum(lens_k)
     q = torch.randn(tq, hq, d, device="cuda", generator=g).to(dt)
     k = torch.randn(tk, hkv, d, device="cuda", generator=g).to(dt)
-    v = torch.randn(tk, hkv, d, device="cuda", generator=g).to(dt)
-    do = torch.randn(tq, hq, d, device="cuda", generator=g).to(dt)
+    v = torch.randn(tk, hkv, dv, device="cuda", generator=g).to(dt)
+    do = torch.randn(tq, hq, dv, device="cuda", generator=g).to(dt)
     cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), device="cuda", dtype=torch.int32)
     cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), device="cuda", dtype=torch.int32)
     scale = 1.0 / math.sqrt(d)
@@ -244,57 +278,32 @@ def _varlen_case(lens_q, lens_k, hq, hkv, d, causal=False, window=(-1, -1), dete
         args = [x[None] for x in (q[sl_q], k[sl_k], v[sl_k], do[sl_q])]
         ref = ref_grads(*args, None, upcast=True, **kw)
         lowp = ref_grads(*args, None, upcast=False, **kw)
-        check_grads(f"varlen doc {i} ({lq}, {lk}) causal={causal} win={window} det={deterministic}",
+        check_grads(f"varlen {dims_id(dims)} doc {i} ({lq}, {lk}) causal={causal} win={window} det={deterministic}",
                     (dq[sl_q][None], dk[sl_k][None], dv[sl_k][None]), ref, lowp)
     assert not torch.isnan(dq).any() and not torch.isnan(dk).any() and not torch.isnan(dv).any()
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@dims_params([(64, 64), (128, 128), (192, 192), (192, 128)])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_varlen(d, mask, deterministic):
+def test_varlen(dims, mask, deterministic):
     lens_q = [130, 0, 257, 64, 1, 300]
     lens_k = [200, 50, 100, 0, 129, 300]
     window = (60, 20) if mask == "window" else (-1, -1)
-    _varlen_case(lens_q, lens_k, 4, 2, d, causal=mask == "causal", window=window, deterministic=deterministic)
+    _varlen_case(lens_q, lens_k, 4, 2, dims, causal=mask == "causal", window=window, deterministic=deterministic)
 
 
-def test_varlen_d96_mha():
-    _varlen_case([77, 190, 0], [300, 190, 33], 2, 2, 96, causal=True)
+@dims_params([(96, 96), (256, 256)])
+def test_varlen_mha(dims):
+    _varlen_case([77, 190, 0], [300, 190, 33], 2, 2, dims, causal=True)
 
 
-def test_zero_queries():
+@dims_params([(128, 128), (256, 256), (192, 128)])
+def test_zero_queries(dims):
     # No query at all: dK = dV = 0, written by the zero kernel (the main kernel does not run).
-    q, k, v = make_qkv(2, 0, 100, 4, 2, 128)
-    do = torch.empty_like(q)
-    out = torch.empty_like(q)
+    q, k, v = make_qkv_dv(2, 0, 100, 4, 2, dims)
+    do = torch.empty(*q.shape[:-1], dims[1], device="cuda", dtype=q.dtype)
+    out = torch.empty_like(do)
     lse = torch.empty(2, 4, 0, device="cuda")
     dq, dk, dv = run_bwd_ours(q, k, v, out, lse, do)
     assert torch.count_nonzero(dk) == 0 and torch.count_nonzero(dv) == 0 and not torch.isnan(dk).any()
-
-
-# ---------------------------------------------------------------- opt-in descending deterministic order
-@pytest.mark.parametrize("d", [64, 96, 128])
-def test_deterministic_spt(d):
-    """FlashBwdSm90(cfg, spt=True) (Note [deterministic dQ, descending order]): correct and bitwise stable."""
-    for mask in ("causal", "window"):
-        window = (300, 50) if mask == "window" else (-1, -1)
-        dense_case(2, 700, 900, 8, 2, d, causal=mask == "causal", window=window, deterministic=True, spt=True)
-    runs = _det_runs(True, 3, d=d, causal=True, spt=True)
-    for r in runs[1:]:
-        for a, b_ in zip(runs[0], r):
-            assert torch.equal(a, b_), "spt deterministic backward differs between runs"
-
-
-@pytest.mark.parametrize("mask", ["causal", "window"])
-def test_varlen_spt(mask):
-    from cute_kernels.attention import bwd_launch as L
-
-    window = (60, 20) if mask == "window" else (-1, -1)
-    orig = L.compile_bwd_main
-    try:  # _varlen_case goes through run_bwd_ours(spt=False): route it to the spt build
-        L.compile_bwd_main = L.compile_bwd_main_spt
-        _varlen_case([130, 0, 257, 64, 1, 300], [200, 50, 100, 0, 129, 300], 4, 2, 128,
-                     causal=mask == "causal", window=window, deterministic=True)
-    finally:
-        L.compile_bwd_main = orig
