@@ -63,3 +63,20 @@ def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str
     if group > TILE_M and group % TILE_M:
         return f"{group} query heads per kv head (above 64 it must be a multiple of 64)"
     return None
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Everything that changes the backward kernels' generated code (the sink needs nothing there:
+    lse includes it, and its gradient is a reduction the caller does)."""
+
+    arch: int
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    group: int
+    per_kv_head: bool
+
+    @property
+    def window_queries(self) -> int:
+        return tile_queries(self.group)

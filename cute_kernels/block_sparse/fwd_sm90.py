@@ -153,16 +153,7 @@ class BlockSparseFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        w, hc, b = cute.arch.block_idx()
-        h = hc // self.chunks
-        s = b
-        if const_expr(cfg.per_kv_head):
-            s = b * mK.shape[2] + h
-        seqlen = mQ.shape[2]  # (Hq, Dk, S, B) row view
-        tile = SimpleNamespace(
-            s=s, h=h, b=b, q0=w * self.wq, count=mTileCount[s, w],
-            nq=cutlass.min(seqlen - w * self.wq, self.wq),
-            head0=h * cfg.group + (hc - h * self.chunks) * self.gc, seqlen=seqlen)
+        tile = self.tile_of(mQ, mK, mTileCount)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
@@ -172,6 +163,20 @@ class BlockSparseFwdSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
                          pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
+
+    @cute.jit
+    def tile_of(self, mQ: cute.Tensor, mK: cute.Tensor, mTileCount: cute.Tensor):
+        """This CTA's row tile: index set, kv head, batch, first query, block count, real queries,
+        first query head; from the (Hq, D, S, B) Q row view and the (S, D, H, B) K view."""
+        w, hc, b = cute.arch.block_idx()
+        h = hc // self.chunks
+        s = b
+        if const_expr(self.cfg.per_kv_head):
+            s = b * mK.shape[2] + h
+        seqlen = mQ.shape[2]
+        return SimpleNamespace(s=s, h=h, b=b, q0=w * self.wq, count=mTileCount[s, w],
+                               nq=cutlass.min(seqlen - w * self.wq, self.wq),
+                               head0=h * self.cfg.group + (hc - h * self.chunks) * self.gc, seqlen=seqlen)
 
     # ------------------------------------------------------------------ producer
     @cute.jit

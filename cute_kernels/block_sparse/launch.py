@@ -12,7 +12,7 @@ from __future__ import annotations
 from cute_kernels import arch as _arch
 from cute_kernels.jit_cache import jit_cache
 
-from .config import DTYPES, HEAD_DIMS, FwdConfig
+from .config import DTYPES, HEAD_DIMS, BwdConfig, FwdConfig
 
 
 def fwd_config(q, k, v, *, per_kv_head: bool, has_sink: bool, arch: int | None = None) -> FwdConfig:
@@ -63,6 +63,45 @@ def run_fwd(cfg: FwdConfig, q, k, v, tile_start, tile_mask, tile_count, q_limit,
     compile_fwd(cfg)(q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse, float(softmax_scale))
 
 
+def bwd_config(q, k, v, *, per_kv_head: bool, arch: int | None = None) -> BwdConfig:
+    f = fwd_config(q, k, v, per_kv_head=per_kv_head, has_sink=False, arch=arch)
+    return BwdConfig(arch=f.arch, dtype=f.dtype, head_dim=f.head_dim, head_dim_v=f.head_dim_v, group=f.group,
+                     per_kv_head=per_kv_head)
+
+
+@jit_cache
+def compile_bwd_dq(cfg: BwdConfig):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.dtypes import cutlass_dtype
+    from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym
+
+    if _arch.family(cfg.arch) != 90:
+        raise NotImplementedError(f"block_sparse_attention: no CuTe backward for arch {cfg.arch} yet (SM90 only)")
+    from .bwd_dq_sm90 import BlockSparseBwdDQSm90
+
+    dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
+    b, s, hq, hkv, ns, nqt, cap = (sym() for _ in range(7))
+    q = fake_tensor(dt, (b, s, hq, cfg.head_dim))
+    kv = lambda d: fake_tensor(dt, (b, s, hkv, d))  # noqa: E731
+    rows = lambda: fake_tensor(f32, (b, hq, s), align_bytes=4)  # noqa: E731
+    ints = lambda *shape: fake_tensor(i32, shape, align_bytes=4)  # noqa: E731
+    return cute.compile(BlockSparseBwdDQSm90(cfg), q, kv(cfg.head_dim), kv(cfg.head_dim_v),
+                        fake_tensor(dt, (b, s, hq, cfg.head_dim_v)), rows(), rows(), ints(ns, nqt, cap),
+                        ints(ns, nqt, cap), ints(ns, nqt), ints(b, s), fake_tensor(dt, (b, s, hq, cfg.head_dim)),
+                        f32(1.0), fake_stream(), options=arch_options(cfg.arch))
+
+
+def run_bwd_dq(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
+               softmax_scale: float) -> None:
+    """dq (every element written) from the forward's lse and ``delta = rowsum(dout * out)`` [B, Hq, S] fp32."""
+    if int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
+        return
+    compile_bwd_dq(cfg)(q, k, v, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
+                        float(softmax_scale))
+
+
 # ---- configs compiled by ``python -m cute_kernels.check`` ----
 def fwd_matrix(arch: int, full: bool = False):
     if _arch.family(arch) != 90:
@@ -83,6 +122,21 @@ def fwd_matrix(arch: int, full: bool = False):
                       has_sink=True)]
 
 
+def bwd_matrix(arch: int, full: bool = False):
+    if _arch.family(arch) != 90:
+        return []
+    groups = (1, 2, 8, 12, 64, 128) if full else (8, 128)
+    dims = (64, 128) if full else (128,)
+    return [BwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk)
+            for dt in (DTYPES if full else ("bfloat16",)) for d in dims for g in groups for pk in (False, True)
+            if full or pk == (g == 8)]
+
+
+def _dq_smem(cfg):
+    from .bwd_dq_sm90 import BlockSparseBwdDQSm90
+    return BlockSparseBwdDQSm90.smem_bytes(cfg)
+
+
 def _fwd_smem(cfg):
     from .fwd_sm90 import BlockSparseFwdSm90
     return BlockSparseFwdSm90.smem_bytes(cfg)
@@ -90,4 +144,5 @@ def _fwd_smem(cfg):
 
 CHECKS = {
     "block_sparse_fwd": (fwd_matrix, compile_fwd, _fwd_smem),
+    "block_sparse_bwd_dq": (bwd_matrix, compile_bwd_dq, _dq_smem),
 }

@@ -1,0 +1,232 @@
+"""BlockSparseBwdDQSm90: Hopper dQ of block-sparse attention, query-major (no atomics).
+
+    P   = exp(scale * q . k_c - lse)       over the keys the forward saw (same plan, same masks)
+    dS  = P * (dO . v_c - delta),   delta = rowsum(dO * O)  (fp32, computed by the caller)
+    dq  = scale * sum_c dS k_c
+
+One CTA per row tile, as the forward (``fwd_sm90.py``, whose producer / row / mask methods this class
+inherits), 256 threads:
+
+    WG 0, warp 0   producer: K and V of block 0, then Q and dO (one TMA box of GC head rows per tile
+                   query each), then K[n], V[n] per listed block (2 stages)
+    WG 1           per block: S = Q K^T and dP = dO V^T (wgmma, smem x smem), masks, P from lse,
+                   dS, dQ += dS K (A = dS from registers, B = K read MN-major); dQ * scale stored
+                   once to each row's (query, head)
+
+The blocks are visited in the plan's ascending order, so dq is bitwise reproducible. Rows with lse
+-inf (no key, no sink) and idle rows take lse = +inf: P = 0, dS = 0, dq = 0. ``lse`` includes the
+sink, so the sink needs nothing here (its gradient is ``-sum exp(sink - lse) delta``, a reduction
+the caller does).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, select_modes,
+                                       transpose_view, wgmma_smem_layout)
+from cute_kernels.indexed.bwd_dkdv_sm90 import IndexedBwdDKDVSm90
+
+from .config import TILE_M
+from .fwd_sm90 import CONSUMER_REGS, KV_STAGES, PRODUCER_REGS, THREADS_PER_WG, BlockSparseFwdSm90
+
+
+class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
+    @staticmethod
+    def smem_bytes(cfg) -> int:
+        rows = TILE_M * (cfg.head_dim + cfg.head_dim_v) * 2
+        kv = 64 * (cfg.head_dim + cfg.head_dim_v) * 2 * KV_STAGES
+        return rows + kv + 4 * 1024 + 8 * (1 + 4 * KV_STAGES)
+
+    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout):
+        fields = {
+            "mbar_q": cute.struct.MemRange[Int64, 1],
+            "mbar_k": cute.struct.MemRange[Int64, 2 * KV_STAGES],
+            "mbar_v": cute.struct.MemRange[Int64, 2 * KV_STAGES],
+            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
+            "sdO": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024],
+            "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
+            "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor,
+                 mQLimit: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream):
+        sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 1))
+        sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, 1))
+        sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk, KV_STAGES))
+        sV_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dv, KV_STAGES))
+        rows_q = IndexedBwdDKDVSm90.row_box(SimpleNamespace(g=self.gc, d=self.dk),
+                                            wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 2)))
+        rows_do = IndexedBwdDKDVSm90.row_box(SimpleNamespace(g=self.gc, d=self.dv),
+                                             wgmma_smem_layout(self.dtype, (TILE_M, self.dv, 2)))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, (2, 3, 1, 0)), rows_q,
+                                                        (self.gc, self.dk))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, select_modes(mdO, (2, 3, 1, 0)), rows_do,
+                                                          (self.gc, self.dv))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, select_modes(mK, (1, 3, 2, 0)), cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.dk), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, select_modes(mV, (1, 3, 2, 0)), cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.dv), 1)
+        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+        self.shared_storage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout)
+        grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
+        atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V)
+        self.kernel(tma_Q, tma_dO, tma_K, tma_V, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, mdQ,
+                    atoms, sQ_layout, sdO_layout, sK_layout, sV_layout, rows_q, rows_do, softmax_scale).launch(
+            grid=grid, block=[2 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=2 if self.dk <= 64 else 1, preferred_smem_carveout=100)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mLSE: cute.Tensor,
+               mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor,
+               mQLimit: cute.Tensor, mdQ: cute.Tensor, atoms: tuple, sQ_layout: cute.ComposedLayout,
+               sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout, softmax_scale: Float32):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        mbar_q = storage.mbar_q.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar_q, 1)
+        cute.arch.mbarrier_init_fence()
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG // 32)
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_bytes_k, defer_sync=True)
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_bytes_v, defer_sync=False)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        tile = self.tile_of(mQ, mK, mTileCount)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self.load_bwd(mQ, mdO, mK, mV, mTileStart, sK, sV, atoms, rows_q, rows_do, storage.sQ.data_ptr(),
+                              storage.sdO.data_ptr(), mbar_q, pipeline_k, pipeline_v, tile)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume_dq(mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
+                            pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load_bwd(self, mQ, mdO, mK, mV, mTileStart, sK, sV, atoms, rows_q, rows_do, sQ_base, sdO_base, mbar_q,
+                 pipeline_k, pipeline_v, tile):
+        tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V = atoms
+        mK_cur = mK[None, None, tile.h, tile.b]  # (S, Dk)
+        mV_cur = mV[None, None, tile.h, tile.b]  # (S, Dv)
+        w = tile.q0 // self.wq
+        if tile.count > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+            # 1. K and V of the first block, then the tile's Q and dO rows.
+            self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, 0], self.dk, pipeline_k, kv_state)
+            self.load_block(tma_atom_V, mV_cur, sV, mTileStart[tile.s, w, 0], self.dv, pipeline_v, kv_state)
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, tile.nq * self.gc * (self.dk + self.dv) * 2)
+            for j in cutlass.range(tile.nq, unroll=1):
+                for atom, mX, base, box, d in ((tma_atom_Q, mQ, sQ_base, rows_q, self.dk),
+                                               (tma_atom_dO, mdO, sdO_base, rows_do, self.dv)):
+                    dst = cute.make_tensor(cute.recast_ptr(base + j * self.gc * 64, box.inner), box.outer)
+                    src = cute.local_tile(mX[None, None, tile.q0 + j, tile.b], (self.gc, d),
+                                          (tile.head0 // self.gc, 0))
+                    tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                                   cute.group_modes(src, 0, 2))
+                    cute.copy(atom, tG, tS, tma_bar_ptr=mbar_q)
+            # 2. K[n] and V[n] of the other blocks.
+            for n in cutlass.range(1, tile.count, unroll=1):
+                kv_state.advance()
+                start = mTileStart[tile.s, w, n]
+                self.load_block(tma_atom_K, mK_cur, sK, start, self.dk, pipeline_k, kv_state)
+                self.load_block(tma_atom_V, mV_cur, sV, start, self.dv, pipeline_v, kv_state)
+
+    # ------------------------------------------------------------------ consumer
+    @cute.jit
+    def consume_dq(self, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
+                   pipeline_v, tile, ctidx: Int32, softmax_scale: Float32):
+        tiled_mma_s = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n))
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dk), a_source=warpgroup.OperandSource.RMEM)
+        thr_mma_s = tiled_mma_s.get_slice(ctidx)
+        thr_mma_dq = tiled_mma_dq.get_slice(ctidx)
+        wg_s = tiled_mma_s.get_slice(0)
+        wg_dq = tiled_mma_dq.get_slice(0)
+        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ[None, None, 0]))
+        tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO[None, None, 0]))
+        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))  # (.., .., k, stage)
+        tSrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_shape_A((TILE_M, self.tile_n)))
+        acc_S_shape = wg_s.partition_shape_C((TILE_M, self.tile_n))
+        acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((TILE_M, self.dk)), Float32)
+        acc_dQ.fill(0.0)
+        ctx = self.row_context(thr_mma_s, mTileStart, mTileMask, mQLimit, tile)
+        # per row: lse (log2 units; +inf where P must be 0) and delta
+        lse_log2 = cute.make_rmem_tensor((2,), Float32)
+        delta = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            lse_log2[r] = Float32.inf
+            delta[r] = Float32(0.0)
+            if ctx.row[r] < ctx.rows_valid:
+                t = tile.q0 + ctx.row[r] // self.gc
+                head = tile.head0 + ctx.row[r] % self.gc
+                v = mLSE[tile.b, head, t]
+                lse_log2[r] = Float32.inf if v == -Float32.inf else v * LOG2_E
+                delta[r] = mDelta[tile.b, head, t]
+        ctx.lse_log2 = lse_log2
+        ctx.delta = delta
+        ctx.scale_log2 = softmax_scale * LOG2_E
+        if tile.count > 0:
+            cute.arch.mbarrier_wait(mbar_q, 0)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+            for n in cutlass.range(tile.count, unroll=1):
+                self.dq_step(ctx, n, kv_state, tiled_mma_s, tiled_mma_dq, tSrQ, tSrdO, tSrK, tSrV, tQrKt, tQrdS,
+                             acc_dQ, acc_S_shape, pipeline_k, pipeline_v)
+                kv_state.advance()
+        acc_dQ_mn = acc_mn_view(acc_dQ)
+        for r in cutlass.range_constexpr(2):
+            acc_dQ_mn[r, None].store(acc_dQ_mn[r, None].load() * softmax_scale)
+        self.store_rows(acc_dQ, mdQ, thr_mma_dq, self.dk, tile, ctx.rows_valid)
+
+    @cute.jit
+    def dq_step(self, ctx, n: Int32, kv_state, tiled_mma_s, tiled_mma_dq, tSrQ, tSrdO, tSrK, tSrV, tQrKt, tQrdS,
+                acc_dQ, acc_S_shape, pipeline_k, pipeline_v):
+        """Block n: S and dP in flight together, then P, dS and dQ += dS K."""
+        meta = self.block_meta(ctx, n)
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.gemm(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
+        pipeline_v.consumer_wait(kv_state)
+        self.gemm(tiled_mma_s, acc_dP, tSrdO, tSrV[None, None, None, kv_state.index], True, 0)
+        pipeline_v.consumer_release(kv_state)
+        acc_S_mn = acc_mn_view(acc_S)
+        acc_dP_mn = acc_mn_view(acc_dP)
+        self.mask_block(ctx, acc_S_mn, meta)
+        for r in cutlass.range_constexpr(2):
+            p = cute.math.exp2(acc_S_mn[r, None].load() * ctx.scale_log2 - ctx.lse_log2[r], fastmath=True)
+            acc_S_mn[r, None].store(p * (acc_dP_mn[r, None].load() - ctx.delta[r]))  # dS
+        convert_to_16bit(acc_as_operand_a(acc_S), tQrdS)
+        self.gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt[None, None, None, kv_state.index], False, 0)
+        pipeline_k.consumer_release(kv_state)
