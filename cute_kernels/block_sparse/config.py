@@ -19,6 +19,8 @@ TILE_M = 64
 #: The block size the kernels take (one block = one key tile = one TMA box).
 BLOCK_SIZE = 64
 HEAD_DIMS = (64, 128, 256)
+#: The backward kernels keep dK and dV (64 keys x D fp32) in one warpgroup's registers each: D <= 128.
+BWD_HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 
 
@@ -50,8 +52,9 @@ class FwdConfig:
 
 
 def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str, block_size: int,
-                       latent: bool = False) -> str | None:
-    """Why the CuTe forward cannot run this case, or None."""
+                       latent: bool = False, backward: bool = False) -> str | None:
+    """Why the CuTe kernels (the forward, and with ``backward`` also the dQ and dK/dV kernels) cannot
+    run this case, or None."""
     if latent:
         return "the absorbed-MLA latent (v=None) is not implemented on the CuTe path"
     if block_size != BLOCK_SIZE:
@@ -62,6 +65,8 @@ def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str
         return f"head dims Dk {head_dim} / Dv {head_dim_v} (supported: Dk == Dv in {HEAD_DIMS})"
     if group > TILE_M and group % TILE_M:
         return f"{group} query heads per kv head (above 64 it must be a multiple of 64)"
+    if backward and head_dim not in BWD_HEAD_DIMS:
+        return f"the backward at head dim {head_dim} (the CuTe backward takes {BWD_HEAD_DIMS})"
     return None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from cute_kernels import arch as _arch
 from cute_kernels.jit_cache import jit_cache
 
-from .config import DTYPES, HEAD_DIMS, BwdConfig, FwdConfig
+from .config import BWD_HEAD_DIMS, DTYPES, HEAD_DIMS, BwdConfig, FwdConfig
 
 
 def fwd_config(q, k, v, *, per_kv_head: bool, has_sink: bool, arch: int | None = None) -> FwdConfig:
@@ -93,6 +93,40 @@ def compile_bwd_dq(cfg: BwdConfig):
                         f32(1.0), fake_stream(), options=arch_options(cfg.arch))
 
 
+@jit_cache
+def compile_bwd_dkdv(cfg: BwdConfig):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.dtypes import cutlass_dtype
+    from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym
+
+    if _arch.family(cfg.arch) != 90:
+        raise NotImplementedError(f"block_sparse_attention: no CuTe backward for arch {cfg.arch} yet (SM90 only)")
+    from .bwd_dkdv_sm90 import BlockSparseBwdDKDVSm90
+
+    dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
+    b, s, hq, hkv, ns, nqt, cap, kcap, kp, np_ = (sym() for _ in range(10))
+    kv = lambda d: fake_tensor(dt, (b, s, hkv, d))  # noqa: E731
+    rows = lambda: fake_tensor(f32, (b, hq, s), align_bytes=4)  # noqa: E731
+    ints = lambda *shape: fake_tensor(i32, shape, align_bytes=4)  # noqa: E731
+    return cute.compile(BlockSparseBwdDKDVSm90(cfg), fake_tensor(dt, (b, s, hq, cfg.head_dim)), kv(cfg.head_dim),
+                        kv(cfg.head_dim_v), fake_tensor(dt, (b, s, hq, cfg.head_dim_v)), rows(), rows(),
+                        ints(ns, nqt, cap), ints(b, s), ints(ns, kcap), ints(ns, kcap), ints(ns), ints(kp),
+                        ints(np_), ints(np_), kv(cfg.head_dim), kv(cfg.head_dim_v), f32(1.0), fake_stream(),
+                        options=arch_options(cfg.arch))
+
+
+def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, key_start, key_end, key_count,
+                 key_ptr, key_tile, key_slot, dk, dv, softmax_scale: float) -> None:
+    """dk, dv of the selected key blocks' rows; the caller passes them zero-filled (keys no query
+    selects are not written)."""
+    if int(q.shape[0]) == 0 or int(q.shape[1]) == 0 or int(key_start.shape[1]) == 0:
+        return
+    compile_bwd_dkdv(cfg)(q, k, v, dout, lse, delta, tile_mask, q_limit, key_start, key_end, key_count, key_ptr,
+                          key_tile, key_slot, dk, dv, float(softmax_scale))
+
+
 def run_bwd_dq(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
                softmax_scale: float) -> None:
     """dq (every element written) from the forward's lse and ``delta = rowsum(dout * out)`` [B, Hq, S] fp32."""
@@ -125,16 +159,23 @@ def fwd_matrix(arch: int, full: bool = False):
 def bwd_matrix(arch: int, full: bool = False):
     if _arch.family(arch) != 90:
         return []
-    groups = (1, 2, 8, 12, 64, 128) if full else (8, 128)
-    dims = (64, 128) if full else (128,)
-    return [BwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk)
-            for dt in (DTYPES if full else ("bfloat16",)) for d in dims for g in groups for pk in (False, True)
-            if full or pk == (g == 8)]
+    if full:
+        return [BwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk)
+                for dt in DTYPES for d in BWD_HEAD_DIMS for g in (1, 2, 8, 12, 64, 128) for pk in (False, True)]
+    return [BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=True),
+            BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=128, per_kv_head=False),
+            BwdConfig(arch=arch, dtype="float16", head_dim=128, head_dim_v=128, group=12, per_kv_head=False),
+            BwdConfig(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, group=1, per_kv_head=False)]
 
 
 def _dq_smem(cfg):
     from .bwd_dq_sm90 import BlockSparseBwdDQSm90
     return BlockSparseBwdDQSm90.smem_bytes(cfg)
+
+
+def _dkdv_smem(cfg):
+    from .bwd_dkdv_sm90 import BlockSparseBwdDKDVSm90
+    return BlockSparseBwdDKDVSm90.smem_bytes(cfg)
 
 
 def _fwd_smem(cfg):
@@ -145,4 +186,5 @@ def _fwd_smem(cfg):
 CHECKS = {
     "block_sparse_fwd": (fwd_matrix, compile_fwd, _fwd_smem),
     "block_sparse_bwd_dq": (bwd_matrix, compile_bwd_dq, _dq_smem),
+    "block_sparse_bwd_dkdv": (bwd_matrix, compile_bwd_dkdv, _dkdv_smem),
 }

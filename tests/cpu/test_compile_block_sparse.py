@@ -1,4 +1,4 @@
-"""The block-sparse forward compiles for sm_90a without a GPU (no spills, shared memory within the
+"""The block-sparse forward, dQ and dK/dV kernels compile for sm_90a without a GPU (no spills, shared memory within the
 arch limit), is registered for ``python -m cute_kernels.check``, and its host-side rules agree with
 the Paddle planner's."""
 
@@ -7,14 +7,16 @@ from __future__ import annotations
 import pytest
 
 from cute_kernels.block_sparse.config import FwdConfig, head_chunk, tile_queries, unsupported_reason
-from cute_kernels.block_sparse.launch import CHECKS, fwd_matrix
+from cute_kernels.block_sparse.launch import CHECKS, bwd_matrix, fwd_matrix
 from tests.cpu._check_cli import run_check
 
 
 @pytest.mark.compile
-def test_check_cli_compiles_block_sparse_fwd(tmp_path):
-    rows = run_check(tmp_path, "sm_90a", "block_sparse_fwd", timeout=3000)
-    assert len(rows) == len(fwd_matrix(90)) and all(0 < r["registers"] <= 255 for r in rows)
+@pytest.mark.parametrize("kernel", ["block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv"])
+def test_check_cli_compiles_block_sparse_kernels(kernel, tmp_path):
+    rows = run_check(tmp_path, "sm_90a", kernel, timeout=3000)
+    matrix = fwd_matrix(90) if kernel == "block_sparse_fwd" else bwd_matrix(90)
+    assert len(rows) == len(matrix) and all(0 < r["registers"] <= 255 for r in rows)
     assert all(r["smem_bytes"] <= 232_448 for r in rows)
 
 
@@ -22,8 +24,9 @@ def test_registered_and_sm90_only():
     from cute_kernels.registry import LAUNCH_MODULES
 
     assert "cute_kernels.block_sparse.launch" in LAUNCH_MODULES
-    assert set(CHECKS) == {"block_sparse_fwd"}
-    assert fwd_matrix(100) == [] and len(fwd_matrix(90, full=True)) == 2 * 3 * 6 * 2 * 2
+    assert set(CHECKS) == {"block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv"}
+    assert fwd_matrix(100) == [] and bwd_matrix(100) == []
+    assert len(fwd_matrix(90, full=True)) == 2 * 3 * 6 * 2 * 2 and len(bwd_matrix(90, full=True)) == 2 * 2 * 6 * 2
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 12, 16, 64, 128])
@@ -43,6 +46,7 @@ def test_row_tile_matches_planner(group):
     (dict(head_dim_v=64), "head dims"),
     (dict(group=96), "multiple of 64"),
     (dict(dtype="float32"), "dtype float32"),
+    (dict(head_dim=256, head_dim_v=256, backward=True), "backward at head dim 256"),
 ])
 def test_unsupported_reason_names_the_case(kw, fragment):
     args = dict(head_dim=128, head_dim_v=128, group=8, dtype="bfloat16", block_size=64)
