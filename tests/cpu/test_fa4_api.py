@@ -162,6 +162,10 @@ POSITIONAL = {
     paddle_fa4.blocks_to_indices: ["block_idx"],
     paddle_fa4.select_topk_blocks_chunked: ["q", "k", "v"],
     paddle_fa4.block_log_weight: ["block_logit", "lse"],
+    # issue 20 specifies block_sparse_attention(q, k, v, block_ids, block_size=64, *, ...): the one
+    # option that may be passed by position (docs/api.md, calling convention)
+    paddle_fa4.block_sparse_attention: ["q", "k", "v", "block_ids", "block_size"],
+    paddle_fa4.block_sparse_plan: ["block_ids"],
     h2o.reset_scores: ["state", "slot_mapping"],
     h2o.update_page_summary: ["key_cache", "slot_mapping", "summary"],
     h2o.page_scores: ["q", "key_cache", "summary", "block_tables", "seq_lens"],
@@ -262,6 +266,11 @@ def test_head_agg_sum_runs_on_the_cute_backend(monkeypatch):
     assert calls and calls[0][-1] == "sum"
     assert glue.topk_unsupported_reason(90, nb=8, topk=2, head_agg="sum") is None
     assert "head_agg = 'mean'" in topk_unsupported_reason(8, 2, "mean")
+    # scalar-load rows (nb % 4 != 0) above 1024 blocks: no sum config (it would spill); cute says so
+    assert topk_unsupported_reason(2048, 2, "sum") is None and topk_unsupported_reason(1023, 2, "sum") is None
+    with pytest.raises(NotImplementedError, match=r'head_agg="sum" with nb = 1025 > 1024 needs nb % 4 == 0'):
+        paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 1, 1025]), paddle.zeros([1, 2, 1]), topk=2,
+                                      head_agg="sum", backend="cute")
     assert topk_config(90, 4, 2, 8, 2, head_agg="sum").head_agg == "sum"
     assert topk_config(90, 4, 4, 8, 2, head_agg="sum").head_agg == "max"  # one head per group: the same
     with pytest.raises(ValueError, match="head_agg must be one of"):
