@@ -1,4 +1,4 @@
-"""Benchmark of the block-sparse attention forward (HySparse sparse layer) on one GPU, torch tensors.
+"""Benchmark of block-sparse attention forward and backward (HySparse sparse layer) on one GPU, torch tensors.
 
     python bench/bench_block_sparse.py [--seqlens 16K,32K] [--selections local,random] [--shapes gqa,mqa64]
                                        [--window 0.5] [--rounds 3] [--no-flush] [--graph] [--json FILE]
@@ -14,13 +14,15 @@ Timed with bench/_timing.py (own >= 0.5 s window per variant, L2 flushed between
 alternating windows for --rounds rounds; median and min-max of the window medians):
 
     bs_fwd            block_sparse forward kernel (plan prebuilt)
+    bs_fwd_bwd        forward + delta (torch) + dQ kernel + dK/dV kernel (dk/dv zero-filled)
     idx_fwd           indexed_attention forward over blocks_to_indices of the same selection (plan prebuilt)
     idx_b2i_plan_fwd  blocks_to_indices + indexed plan + indexed forward (what the token path costs per layer)
+    idx_fwd_bwd       blocks_to_indices + indexed plan + forward + dQ + dK/dV (issue 20's baseline)
 
-TFLOPs/s count the selected pairs only: 4 * S * Hq * keys * D, keys = the distinct visible keys of
-each row (16 x 64 less the diagonal block's cut). The block-sparse plan is built on the host by the
-numpy planner of tests/oracles/block_sparse.py (not timed; the Paddle planner is what production
-uses). There is no CuTe block-sparse backward yet, so only forwards are compared.
+TFLOPs/s count the selected pairs only: 4 * S * Hq * keys * D forward, x 3.5 for forward + backward,
+keys = the distinct visible keys of each row (16 x 64 less the diagonal block's cut). The
+block-sparse plan is built on the host by the numpy planner of tests/oracles/block_sparse.py (not
+timed; production builds it with Paddle ops once per selection and reuses it across layers).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def selection(torch, seqlen: int, kind: str, seed: int = 0):
 
 
 def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
-    from cute_kernels.block_sparse.launch import fwd_config, run_fwd
+    from cute_kernels.block_sparse.launch import bwd_config, fwd_config, run_bwd_dkdv, run_bwd_dq, run_fwd
     from tests.oracles import block_sparse as orc
 
     torch.manual_seed(0)
@@ -72,8 +74,11 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
     v = torch.randn(1, seqlen, hkv, D, device="cuda", dtype=torch.bfloat16)
     ids, keys = selection(torch, seqlen, kind)
     plan = {n: torch.from_numpy(a).cuda()
-            for n, a in orc.plan_arrays(ids.cpu().numpy(), BS, hq // hkv, keys=False).items()}
+            for n, a in orc.plan_arrays(ids.cpu().numpy(), BS, hq // hkv).items()}
     out = torch.empty_like(q)
+    dout = torch.randn_like(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bcfg = bwd_config(q, k, v, per_kv_head=False)
     lse = torch.empty(1, hq, seqlen, device="cuda")
     cfg = fwd_config(q, k, v, per_kv_head=False, has_sink=False)
     scale = D ** -0.5
@@ -82,13 +87,25 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
         run_fwd(cfg, q, k, v, plan["tile_start"], plan["tile_mask"], plan["tile_count"], plan["q_limit"], None,
                 out, lse, scale)
 
-    fns = {"bs_fwd": bs_fwd}
+    def bs_fwd_bwd():
+        bs_fwd()
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+        run_bwd_dq(bcfg, q, k, v, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
+                   plan["q_limit"], dq, scale)
+        dk.zero_()
+        dv.zero_()
+        run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
+                     plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
+                     scale)
+
+    fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd}
     stats = {"keys_per_row": float(keys.mean()), "tile_blocks": float(plan["tile_count"].float().mean()),
              "flops": 4.0 * seqlen * hq * float(keys.mean()) * D}
     from cute_kernels.indexed.config import GROUP_SIZES, window_queries
 
     if hq // hkv in GROUP_SIZES:
-        from cute_kernels.indexed.launch import attn_config, plan_shapes, run_fwd as idx_run_fwd, run_plan
+        from cute_kernels.indexed.launch import attn_config, plan_shapes, run_bwd as idx_run_bwd, run_plan
+        from cute_kernels.indexed.launch import run_fwd as idx_run_fwd
         from cute_kernels.select.launch import run_blocks_to_indices
 
         tokens = torch.empty(1, 1, seqlen, TOPK * BS, dtype=torch.int32, device="cuda")
@@ -111,8 +128,17 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
             b2i_plan()
             idx_fwd()
 
+        lse2 = torch.empty_like(lse)
+        dq2, dk2, dv2, delta2 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
+
+        def idx_fwd_bwd():
+            b2i_plan()
+            idx_run_fwd(icfg, q, k, v, ip["win_key"], ip["win_mask"], ip["win_count"], out2, lse2, scale)
+            idx_run_bwd(icfg, q, k, v, out2, dout, lse2, ip["win_key"], ip["win_mask"], ip["win_count"],
+                        ip["tile_ptr"], ip["tile_win"], ip["tile_start"], dq2, dk2, dv2, delta2, scale)
+
         b2i_plan()
-        fns.update(idx_fwd=idx_fwd, idx_b2i_plan_fwd=idx_all)
+        fns.update(idx_fwd=idx_fwd, idx_b2i_plan_fwd=idx_all, idx_fwd_bwd=idx_fwd_bwd)
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
@@ -139,12 +165,13 @@ def main(argv=None):
                 res = bench_windows(fns, rounds=args.rounds, timer=timer)
                 row = {"shape": shape, "S": seqlen, "selection": kind, **{k: round(v, 2) for k, v in st.items()}}
                 for name, s in res.items():
+                    flops = st["flops"] * (3.5 if name.endswith("bwd") else 1.0)
                     row[f"{name}_ms"] = round(s.median_ms, 4)
                     row[f"{name}_spread_ms"] = [round(s.lo_ms, 4), round(s.hi_ms, 4)]
-                    row[f"{name}_tflops"] = round(st["flops"] / (s.median_ms * 1e-3) / 1e12, 1)
-                for other in ("idx_fwd", "idx_b2i_plan_fwd"):
+                    row[f"{name}_tflops"] = round(flops / (s.median_ms * 1e-3) / 1e12, 1)
+                for other, ours in (("idx_fwd", "bs_fwd"), ("idx_b2i_plan_fwd", "bs_fwd"), ("idx_fwd_bwd", "bs_fwd_bwd")):
                     if other in res:
-                        r = res.ratio(other, "bs_fwd")
+                        r = res.ratio(other, ours)
                         row[f"speedup_vs_{other}"] = {"median": round(r.median, 3), "lo": round(r.lo, 3),
                                                       "hi": round(r.hi, 3)}
                 print(json.dumps(row), flush=True)
@@ -153,8 +180,9 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     info.finish()
     head = ["shape", "S", "selection", "keys/row", "blocks/tile", "bs_fwd ms (TF/s)", "idx_fwd ms (TF/s)",
-            "b2i+plan+idx_fwd ms", "speed-up vs idx_fwd", "vs b2i+plan+idx_fwd"]
-    lines = ["# Block-sparse attention forward", "", info.markdown(), "", "| " + " | ".join(head) + " |",
+            "b2i+plan+idx_fwd ms", "speed-up vs idx_fwd", "vs b2i+plan+idx_fwd", "bs_fwd_bwd ms (TF/s)",
+            "idx_fwd_bwd ms (TF/s)", "fwd+bwd speed-up"]
+    lines = ["# Block-sparse attention", "", info.markdown(), "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for r in rows:
         cell = lambda n: (f"{r[n + '_ms']:.3f} ({r[n + '_tflops']})" if n + "_ms" in r else "-")  # noqa: E731
@@ -162,7 +190,8 @@ def main(argv=None):
         lines.append("| " + " | ".join([r["shape"], str(r["S"]), r["selection"], f"{r['keys_per_row']:.0f}",
                                         f"{r['tile_blocks']:.1f}", cell("bs_fwd"), cell("idx_fwd"),
                                         cell("idx_b2i_plan_fwd").split(" ")[0], ratio("idx_fwd"),
-                                        ratio("idx_b2i_plan_fwd")]) + " |")
+                                        ratio("idx_b2i_plan_fwd"), cell("bs_fwd_bwd"), cell("idx_fwd_bwd"),
+                                        ratio("idx_fwd_bwd")]) + " |")
     write_markdown(args.markdown, "\n".join(lines) + "\n")
     if args.json:
         with open(args.json, "w") as f:

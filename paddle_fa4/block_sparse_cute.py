@@ -1,11 +1,14 @@
-"""CuTe backend of :func:`paddle_fa4.block_sparse_attention` (SM90 forward; see ``docs/hysparse.md``).
+"""CuTe backend of :func:`paddle_fa4.block_sparse_attention` (SM90; see ``docs/hysparse.md``).
 
 Contract used by the PyLayer in ``paddle_fa4/block_sparse.py``:
 
     unsupported_reason(arch, spec, needs_grad) -> str | None
     forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan) -> (out, lse, plan)
-    backward(...)  -> raises NotImplementedError (no CuTe backward yet; unsupported_reason refuses
-                      calls that need gradients, so ``auto`` runs them on the reference)
+    backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan) -> (dq, dk, dv, dsink)
+
+The backward: ``delta = rowsum(dout * out)`` and the sink gradient ``-sum exp(sink - lse) delta``
+with Paddle ops, dQ (query-major) and dK / dV (key-major, into zero-filled buffers) by the kernels;
+no float atomics anywhere, so gradients are bitwise reproducible.
 
 The plan is built with Paddle ops (``block_sparse_planner.build_plan``) when none is given; the
 launchers in ``cute_kernels.block_sparse.launch`` are imported lazily.
@@ -26,14 +29,12 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
         return f"the CuTe block-sparse kernels cannot be imported ({err})"
     from cute_kernels.arch import family
 
-    if needs_grad:
-        return "the CuTe block-sparse backward is not implemented yet (SM90 forward only)"
     if family(arch) != 90:
-        return f"no CuTe block-sparse kernel for compute capability {arch} yet (SM90 forward only)"
+        return f"no CuTe block-sparse kernel for compute capability {arch} yet (SM90 only)"
     if spec.has_sink and spec.scale == 0.0:
         return "softmax_scale 0 with a sink (the kernel folds the sink in units of the scale)"
     return kernel_reason(head_dim=spec.Dk, head_dim_v=spec.Dv, group=spec.group, dtype=spec.dtype,
-                         block_size=spec.block_size, latent=spec.latent)
+                         block_size=spec.block_size, latent=spec.latent, backward=needs_grad)
 
 
 def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
@@ -57,5 +58,25 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
     return out, lse, plan
 
 
-def backward(*args, **kwargs):
-    raise NotImplementedError(f"{OP}: the CuTe backward is not implemented yet (SM90 forward only)")
+def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
+    import paddle
+
+    from cute_kernels.block_sparse.launch import bwd_config, run_bwd_dkdv, run_bwd_dq
+
+    q, k, v, out, dout = (kernel_input(t) for t in (q, k, v, out, dout))
+    delta = (dout.astype("float32") * out.astype("float32")).sum(-1).transpose([0, 2, 1]).contiguous()  # [B, Hq, S]
+    dq = paddle.empty(q.shape, dtype=q.dtype, device=q.place)
+    dk = paddle.zeros(k.shape, dtype=k.dtype, device=k.place)  # keys no query selects stay 0
+    dv = paddle.zeros(v.shape, dtype=v.dtype, device=v.place)
+    cfg = bwd_config(q, k, v, per_kv_head=spec.per_kv_head, arch=arch_of(q))
+    a = kernel_arg
+    run_bwd_dq(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_start), a(plan.tile_mask),
+               a(plan.tile_count), a(plan.q_limit), a(dq), spec.scale)
+    run_bwd_dkdv(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_mask), a(plan.q_limit),
+                 a(plan.key_start), a(plan.key_end), a(plan.key_count), a(plan.key_ptr), a(plan.key_tile),
+                 a(plan.key_slot), a(dk), a(dv), spec.scale)
+    dsink = None
+    if sink is not None:  # lse includes the sink, so it is finite on every row
+        p_sink = paddle.exp(sink.astype("float32").reshape([1, -1, 1]) - lse)
+        dsink = -(p_sink * delta).sum(axis=[0, 2])
+    return dq, dk, dv, dsink

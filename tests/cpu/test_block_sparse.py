@@ -290,7 +290,10 @@ def test_cute_glue_refuses_what_it_does_not_cover():
     base = dict(B=1, S=128, Hq=32, Hkv=4, Dk=128, Dv=128, topk=16, block_size=64, per_kv_head=False, latent=False,
                 causal=True, has_sink=False, num_docs=1, scale=0.1, dtype="bfloat16", deterministic=True)
     assert glue.unsupported_reason(90, BlockSparseSpec(**base), needs_grad=False) is None
-    assert "backward is not implemented" in glue.unsupported_reason(90, BlockSparseSpec(**base), needs_grad=True)
+    assert glue.unsupported_reason(90, BlockSparseSpec(**base), needs_grad=True) is None
+    assert "backward at head dim 256" in glue.unsupported_reason(
+        90, BlockSparseSpec(**dict(base, Dk=256, Dv=256)), needs_grad=True)
+    assert glue.unsupported_reason(90, BlockSparseSpec(**dict(base, Dk=256, Dv=256)), needs_grad=False) is None
     assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**base), needs_grad=False)
     for over, fragment in ((dict(latent=True, Dv=64), "absorbed-MLA"), (dict(block_size=16), "block_size 16"),
                            (dict(Dv=64), "head dims"), (dict(dtype="float32"), "dtype"),
