@@ -7,15 +7,17 @@
 over the keys t visible to row i (bottom-right causal / sliding window / seqlen; see
 ``common/tile_range.py``). Tensors and argument order: ``attention/config.py`` (``FwdArgs``).
 
-Warp roles (384 threads, one CTA per (query tile of 128 rows, head, batch)):
+Warp roles (128 * (num_wg + 1) threads, one CTA per (query tile of tile_m = 64 * num_wg rows, head, batch);
+num_wg = 3 consumer warpgroups at head_dim <= 64 (tile 192 x 128, as FA4 b36 does there), else 2):
 
     warp 0        TMA producer: Q once, then K[n], V[n+1] per key tile (descending n), 2 stages
     warps 1-3     block_logit: -inf into the blocks of key tiles this query tile never visits
-    WG 1, WG 2    consumers, 64 query rows each: S = Q K^T (wgmma, smem x smem), mask, softcap,
+    WG 1..num_wg  consumers, 64 query rows each: S = Q K^T (wgmma, smem x smem), mask, softcap,
                   block_logit (its quad exchange and stores one key tile late, Note [deferred
                   block_logit stores]), online softmax, O += P V (P from registers); the QK^T of tile n is in
                   flight while the PV of tile n+1 runs and softmax of tile n follows
-                  (intra-warpgroup overlap); the two WGs alternate issuing wgmma (named barriers)
+                  (intra-warpgroup overlap); the WGs take turns issuing wgmma (named barriers, round
+                  robin: WG w waits on its barrier, issues, arrives on WG (w + 1) % num_wg's)
 
     load ──K,V (mbarrier pipelines)──▶ WG1/WG2 ──▶ O, lse, block_logit (plain stores)
 
@@ -71,16 +73,21 @@ from cute_kernels.dtypes import cutlass_dtype
 from .config import FwdConfig
 
 SMEM_BYTES_MAX = 232_448
-NUM_CONSUMER_WG = 2
 THREADS_PER_WG = 128
-# Register split between the producer warpgroup and the two consumer warpgroups (setmaxnreg).
-PRODUCER_REGS, CONSUMER_REGS = 24, 240
+# setmaxnreg split (producer WG, each consumer WG) by consumer-WG count: 128 * (p + num_wg * c) stays within
+# the 65,536 registers of the SM (one CTA per SM).
+REGS = {2: (24, 240), 3: (32, 160)}
 # Named barrier ids (0 is __syncthreads): consumer WG w waits on WG_SCHEDULER_BARRIER + w.
 WG_SCHEDULER_BARRIER = 1
 
 
 def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
-    """(tile_m, tile_n, kv_stages). Independent of block_size so out/lse do not depend on it."""
+    """(tile_m, tile_n, kv_stages). Independent of block_size so out/lse do not depend on it. tile_m 192
+    (3 consumer WGs) at head_dim <= 64: measured 1.08-1.10x the 128-row tile on the H200
+    (docs/benchmarks.md); the 160-register budget of 3 WGs holds a 64 x 128 tile's acc_O / acc_S / P at d 64
+    only."""
+    if cfg.head_dim <= 64:
+        return 192, 128, 2
     if cfg.head_dim <= 128:
         return 128, 128, 2
     return 128, 64, 2
@@ -100,16 +107,23 @@ class FlashFwdSm90:
         if reason is not None:
             raise ValueError(f"FlashFwdSm90: {reason}")
         self.cfg = cfg
-        # Note [deferred block_logit stores]: with several blocks per key tile.
-        self.bl_deferred = cfg.has_block_logit and max(1, tile_shape(cfg)[1] // cfg.block_size) > 1
         self.dtype = cutlass_dtype(cfg.dtype)
         self.tile_m, self.tile_n, self.kv_stages = tile_shape(cfg)
+        # Note [deferred block_logit stores]: with several blocks per key tile.
+        self.bl_deferred = cfg.has_block_logit and max(1, self.tile_n // cfg.block_size) > 1
         self.hdim = cfg.head_dim
         self.hdimv = cfg.head_dim_v
-        self.num_threads = THREADS_PER_WG * (NUM_CONSUMER_WG + 1)
+        self.num_wg = self.tile_m // 64  # consumer warpgroups, 64 query rows each
+        self.num_threads = THREADS_PER_WG * (self.num_wg + 1)
+        self.producer_regs, self.consumer_regs = REGS[self.num_wg]
+        assert self.producer_regs + self.num_wg * self.consumer_regs <= 512, "setmaxnreg over the register file"
         self.use_scheduler_barrier = cfg.head_dim <= 128
         self.bl_shape = (bl.BlockLogitShape(self.tile_n, cfg.block_size, rows_per_thread=2, threads_per_row=4)
                          if cfg.has_block_logit else None)
+        # 3 WGs (160 registers) with 8 blocks per key tile (block_size 16): keeping the 16 partial maxima live
+        # across the next QK^T issue spills; reduce-scatter them in the softmax step instead (only the stores
+        # stay deferred) and finish the PV before it. Same values either way.
+        self.bl_early_reduce = self.bl_deferred and self.num_wg == 3 and self.bl_shape.blocks_per_tile >= 8
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -219,7 +233,7 @@ class FlashFwdSm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WG * THREADS_PER_WG // 32)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * THREADS_PER_WG // 32)
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
             consumer_group=consumers, tx_count=self.tx_bytes_q, defer_sync=True)
@@ -248,7 +262,7 @@ class FlashFwdSm90:
             tiles = TileRange.create(m_start, seqlen.seqlen_q, seqlen.seqlen_k, left, right,
                                      self.tile_m, self.tile_n, mask_right, cfg.has_window)
             if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                               pipeline_q, pipeline_k, pipeline_v, seqlen, tiles, m_tile, head_idx, batch_idx)
@@ -257,7 +271,7 @@ class FlashFwdSm90:
                         self.fill_block_logit(mBlockLogit, seqlen, tiles, m_start, head_idx, batch_idx,
                                               tidx - 32)
             else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                              seqlen, tiles, left, right, m_tile, head_idx, batch_idx, tidx - THREADS_PER_WG,
                              softmax_scale, softcap)
@@ -344,8 +358,10 @@ class FlashFwdSm90:
             cute.arch.barrier(barrier_id=WG_SCHEDULER_BARRIER + wg, number_of_threads=2 * THREADS_PER_WG)
 
     def scheduler_arrive(self, wg: Int32):
+        """Hand the wgmma turn to the next WG (round robin over num_wg)."""
         if const_expr(self.use_scheduler_barrier):
-            cute.arch.barrier_arrive(barrier_id=WG_SCHEDULER_BARRIER + 1 - wg,
+            next_wg = 1 - wg if const_expr(self.num_wg == 2) else (wg + 1) % self.num_wg
+            cute.arch.barrier_arrive(barrier_id=WG_SCHEDULER_BARRIER + next_wg,
                                      number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit
@@ -356,7 +372,7 @@ class FlashFwdSm90:
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         lane = ctidx % 32
         if const_expr(self.use_scheduler_barrier):
-            # WG 1 issues first: pre-arrive on its own scheduler barrier (the other half comes from WG 2).
+            # WG 1 issues first: pre-arrive on its own scheduler barrier (the other half comes from the last WG).
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=WG_SCHEDULER_BARRIER, number_of_threads=2 * THREADS_PER_WG)
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -427,7 +443,9 @@ class FlashFwdSm90:
                               seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr, bl_layout=bl_layout,
                               bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry, bl_scale=bl_scale,
                               softcap=softcap, softcap_in=softcap_in, softmax=softmax)
-        if const_expr(self.bl_deferred):
+        if const_expr(self.bl_early_reduce):
+            ctx.bl_pending = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
+        elif const_expr(self.bl_deferred):
             ctx.bl_pending = cute.make_rmem_tensor((2, self.bl_shape.blocks_per_tile), Float32)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -491,7 +509,7 @@ class FlashFwdSm90:
         self.scheduler_arrive(wg)
         if const_expr(self.bl_deferred):
             self.block_logit_flush(ctx, n_tile + 1)
-        warpgroup.wait_group(1)
+        warpgroup.wait_group(0 if const_expr(self.bl_early_reduce) else 1)
         pipeline_k.consumer_release(kv_state)
         row_scale = self.process_scores(ctx, acc_S, n_tile, False, False, masked)
         warpgroup.wait_group(0)
@@ -520,7 +538,10 @@ class FlashFwdSm90:
                 # next tile's QK^T runs (or after the loop for the last tile).
                 blk = bl.partial_block_max(self.bl_shape, acc_S_mn, ctx.cols)
                 local_max = [bl.row_max_from_blocks(self.bl_shape, blk, r) for r in range(2)]
-                ctx.bl_pending.store(blk.load())
+                if const_expr(self.bl_early_reduce):
+                    ctx.bl_pending.store(bl.reduce_row_threads(self.bl_shape, blk, ctx.lane).load())
+                else:
+                    ctx.bl_pending.store(blk.load())
             else:
                 local_max = self.block_logit_step(acc_S_mn, ctx.cols, n_tile, ctx.tiles.n_min,
                                                   bl.row_at(ctx.bl_addr, ctx.bl_layout), ctx.bl_limit,
@@ -555,7 +576,10 @@ class FlashFwdSm90:
         """Note [deferred block_logit stores]: reduce-scatter and store the block maxima kept from key
         tile ``n_tile`` (the tile processed last); called while the next QK^T (or the last PV) runs."""
         shape = self.bl_shape  # blocks_per_tile >= 2: no block spans tiles
-        owned = bl.reduce_row_threads(shape, ctx.bl_pending, ctx.lane)
+        if const_expr(self.bl_early_reduce):
+            owned = ctx.bl_pending
+        else:
+            owned = bl.reduce_row_threads(shape, ctx.bl_pending, ctx.lane)
         bl.store_owned(bl.row_at(ctx.bl_addr, ctx.bl_layout), owned, n_tile * shape.blocks_per_tile,
                        ctx.bl_limit, ctx.bl_scale)
 
