@@ -60,7 +60,7 @@ class BlockSparseSpec:
 
 
 @dynamic_only("block_sparse_attention")
-def block_sparse_attention(q, k, v, block_ids, block_size=64, *, softmax_scale=None, causal=True,
+def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=None, causal=True,
                            cu_seqlens=None, sink=None, dv=None, return_lse=False, deterministic=True,
                            plan=None, backend="auto"):
     r"""Attention of each query token over the key blocks selected for it, with autograd.
@@ -122,7 +122,7 @@ def block_sparse_attention(q, k, v, block_ids, block_size=64, *, softmax_scale=N
             >>> kv = paddle.randn([1, 80, 1, 32])
             >>> ids = paddle.full([1, 80, 2], -1, dtype="int32")
             >>> ids[:, :, 0] = paddle.arange(80, dtype="int32") // 16     # the diagonal block
-            >>> out, lse = paddle_fa4.block_sparse_attention(q, kv, kv, ids, 16, return_lse=True,
+            >>> out, lse = paddle_fa4.block_sparse_attention(q, kv, kv, ids, block_size=16, return_lse=True,
             ...                                              backend="reference")
             >>> out.shape, lse.shape
             (paddle.Size([1, 80, 4, 32]), paddle.Size([1, 4, 80]))

@@ -263,9 +263,16 @@ class BlockSparseFwdSm90:
 
         # 4. Sink, O /= l, lse; only the rows of real (query, head) pairs are written.
         heads = [tile.head0 + row[r] % self.gc for r in range(2)]
+        keyless = None
         if const_expr(self.cfg.has_sink):
-            self.fold_sink(softmax, mSink, heads, ctidx % 4 == 0)
+            keyless = self.fold_sink(softmax, mSink, heads, ctidx % 4 == 0)
         row_scale, lse = softmax.finalize()
+        if const_expr(self.cfg.has_sink):
+            # a row without keys: lse is exactly sink[h] (finalize's (m * scale_log2 + log2 1) * ln 2
+            # with m = sink * log2(e) / scale_log2 rounds three times)
+            for r in cutlass.range_constexpr(2):
+                if keyless[r] != 0:
+                    lse[r] = mSink[heads[r]]
         softmax.rescale(acc_O_mn, row_scale)
         self.epilogue(acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid)
 
@@ -375,18 +382,21 @@ class BlockSparseFwdSm90:
     @cute.jit
     def fold_sink(self, softmax: OnlineSoftmax, mSink: cute.Tensor, heads: list, leader):
         """The sink column (logit ``sink[h]``, natural log, not scaled) joins each row's normaliser;
-        added once per row (the quad's first lane). A row without keys gets max = sink and sum 1:
-        out 0, lse = sink."""
+        added once per row (the quad's first lane). A row without keys gets max = sink and sum 1
+        (out 0); returns the per-row flags (1: no key) the caller sets lse = sink by."""
         row_max, row_sum = softmax.row_max, softmax.row_sum
         lead = Float32(1.0) if leader else Float32(0.0)
+        keyless = cute.make_rmem_tensor((2,), Int32)
         for r in cutlass.range_constexpr(2):
             sink_log2 = mSink[heads[r]] * LOG2_E
             m = row_max[r]
             empty = m == -Float32.inf
+            keyless[r] = Int32(1) if empty else Int32(0)
             extra = lead * cute.math.exp2(sink_log2 - (Float32(0.0) if empty else m) * softmax.scale_log2,
                                           fastmath=True)
             row_sum[r] = lead if empty else row_sum[r] + extra
             row_max[r] = sink_log2 / softmax.scale_log2 if empty else m
+        return keyless
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid: Int32):

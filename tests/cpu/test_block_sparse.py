@@ -46,7 +46,7 @@ def _run(c, plan=None, **kw):
     sink = None if c["sink"] is None else _t(c["sink"], grad=True)
     cu = None if c["cu"] is None else _t(c["cu"], "int32")
     out, lse = paddle_fa4.block_sparse_attention(
-        q, k, v, _t(c["ids"], "int32"), c["bs"], causal=c["causal"], cu_seqlens=cu, sink=sink,
+        q, k, v, _t(c["ids"], "int32"), block_size=c["bs"], causal=c["causal"], cu_seqlens=cu, sink=sink,
         dv=c["Dv"] if v is None else None, return_lse=True, plan=plan, backend="reference", **kw)
     (out * _t(c["dout"])).sum().backward()
     grad = lambda t: None if t is None or t.grad is None else t.grad.numpy()  # noqa: E731
@@ -130,7 +130,7 @@ def test_sink_gradient_finite_differences():
         for sgn in (1, -1):
             c2 = dict(c, sink=c["sink"] + sgn * eps * np.eye(2, dtype=np.float32)[h])
             out = paddle_fa4.block_sparse_attention(_t(c2["q"]), _t(c2["k"]), _t(c2["v"]), _t(c2["ids"], "int32"),
-                                                    16, sink=_t(c2["sink"]), backend="reference")
+                                                    block_size=16, sink=_t(c2["sink"]), backend="reference")
             vals.append(float((out.numpy().astype(np.float64) * c2["dout"]).sum()))
         np.testing.assert_allclose(dsink[h], (vals[0] - vals[1]) / (2 * eps), rtol=1e-2, atol=1e-3)
 
@@ -164,7 +164,8 @@ def test_slot_order_and_determinism():
 def test_stop_gradient_inputs_get_none():
     c = _case(6, B=1, S=20, Hq=2, Hkv=1, Dk=8, Dv=8, topk=2, bs=16)
     q, k, v = _t(c["q"], grad=True), _t(c["k"]), _t(c["v"])
-    out = paddle_fa4.block_sparse_attention(q, k, v, _t(c["ids"], "int32"), 16, backend="reference")
+    out = paddle_fa4.block_sparse_attention(q, k, v, _t(c["ids"], "int32"), block_size=16,
+                                            backend="reference")
     out.sum().backward()
     assert q.grad is not None and k.grad is None and v.grad is None
 
@@ -268,7 +269,7 @@ def test_zero_size_and_topk_zero():
     assert out.shape == [1, 20, 4, 8] and not out.numpy().any() and np.isneginf(lse.numpy()).all()
     rng = np.random.default_rng(0)
     out = paddle_fa4.block_sparse_attention(_t(rng.standard_normal((0, 5, 4, 8))), _t(np.zeros((0, 5, 2, 8))),
-                                            _t(np.zeros((0, 5, 2, 8))), _t(np.zeros((0, 5, 2)), "int32"), 16,
+                                            _t(np.zeros((0, 5, 2, 8))), _t(np.zeros((0, 5, 2)), "int32"), block_size=16,
                                             backend="reference")
     assert out.shape == [0, 5, 4, 8]
 

@@ -162,9 +162,7 @@ POSITIONAL = {
     paddle_fa4.blocks_to_indices: ["block_idx"],
     paddle_fa4.select_topk_blocks_chunked: ["q", "k", "v"],
     paddle_fa4.block_log_weight: ["block_logit", "lse"],
-    # issue 20 specifies block_sparse_attention(q, k, v, block_ids, block_size=64, *, ...): the one
-    # option that may be passed by position (docs/api.md, calling convention)
-    paddle_fa4.block_sparse_attention: ["q", "k", "v", "block_ids", "block_size"],
+    paddle_fa4.block_sparse_attention: ["q", "k", "v", "block_ids"],
     paddle_fa4.block_sparse_plan: ["block_ids"],
     h2o.reset_scores: ["state", "slot_mapping"],
     h2o.update_page_summary: ["key_cache", "slot_mapping", "summary"],

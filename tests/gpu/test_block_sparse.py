@@ -111,31 +111,38 @@ def test_empty_rows(sink):
     c = make_case(1, B=1, S=100, Hq=8, Hkv=1, D=64, topk=2, sink=sink)
     c["ids"][0, 10:13] = -1
     c["ids"][0, 40:56] = -1  # G 8: tiles of 8 queries; 40..55 are two whole tiles
+    assert orc.tile_queries(8) == 8 and not orc.plan_arrays(c["ids"], BS, 8, keys=False)["tile_count"][0, 5:7].any()
     out, lse = check(c)
     rows = list(range(10, 13)) + list(range(40, 56))
     assert not out[0, rows].any()
+    # exactly the sink (fp32, as passed), not m + log(1) rounded
     want = c["sink"][:, None].expand(8, len(rows)) if sink else torch.full((8, len(rows)), -float("inf"), device="cuda")
-    assert torch.equal(lse[0][:, rows], want)
+    assert torch.equal(lse[0][:, rows], want), (lse[0][:, rows] - want).abs().max()
 
 
 def test_deterministic_and_slot_order_invariant():
     c = make_case(2, B=1, S=300, Hq=32, Hkv=4, D=128, topk=4, sink=True, cu=[0, 37, 300])
     runs = [run(c) for _ in range(3)]
-    shuffled = run(dict(c, ids=np.random.default_rng(0).permuted(c["ids"], axis=-1)))
+    ids = np.random.default_rng(0).permuted(c["ids"], axis=-1)
+    assert not np.array_equal(ids, c["ids"])
+    shuffled = run(dict(c, ids=ids))
     for out, lse in runs[1:] + [shuffled]:
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
 
 
 def test_keys_outside_listed_blocks_never_read():
     c = make_case(3, B=1, S=320, Hq=16, Hkv=2, D=128, topk=2, cu=[0, 37, 320], pad=0.3)
+    doc2 = c["ids"][0, 37:]
+    doc2[doc2 == 2] = -1  # no query lists block 2 of document 2 (keys 165..228); the diagonals list the rest
     plan = plan_tensors(c)
     clean = run(c, plan)
-    covered = torch.zeros(320, dtype=torch.bool, device="cuda")
-    p = orc.plan_arrays(c["ids"], BS, c["G"], True, c["cu"])
+    covered = np.zeros(320, bool)  # rows of every box the forward loads (64 from each listed start)
+    p = orc.plan_arrays(c["ids"], BS, c["G"], True, c["cu"], keys=False)
     for s, w in zip(*np.nonzero(p["tile_count"])):
         for st in p["tile_start"][s, w, :p["tile_count"][s, w]]:
             covered[st:st + BS] = True
-    assert not covered.all(), "the case must leave some keys unlisted"
+    assert np.array_equal(np.nonzero(~covered)[0], np.arange(165, 229)), "the case must leave keys 165..228 unlisted"
+    covered = torch.from_numpy(covered).cuda()
     k, v = c["k"].clone(), c["v"].clone()
     k[:, ~covered] = float("nan")
     v[:, ~covered] = float("nan")
@@ -150,12 +157,16 @@ def test_keys_outside_listed_blocks_never_read():
 def run_bwd(c, dout):
     from cute_kernels.block_sparse.launch import bwd_config, run_bwd_dkdv, run_bwd_dq
 
-    p = {n: torch.from_numpy(a).cuda() for n, a in orc.plan_arrays(c["ids"], BS, c["G"], c["causal"], c["cu"]).items()}
+    pn = orc.plan_arrays(c["ids"], BS, c["G"], c["causal"], c["cu"])
+    p = {n: torch.from_numpy(a).cuda() for n, a in pn.items()}
     out, lse = run(c, p)
     q, k, v = c["q"], c["k"], c["v"]
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     dq = torch.full_like(q, float("nan"))
+    # the caller's zero fill, except the rows the dK/dV kernel must write (NaN: every one written)
+    written = torch.from_numpy(listed_key_rows(pn, *k.shape[:3])).cuda()
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dk[written], dv[written] = float("nan"), float("nan")
     cfg = bwd_config(q, k, v, per_kv_head=c["ids"].ndim == 4)
     scale = q.shape[-1] ** -0.5
     run_bwd_dq(cfg, q, k, v, dout, lse, delta, p["tile_start"], p["tile_mask"], p["tile_count"], p["q_limit"], dq,
@@ -165,6 +176,17 @@ def run_bwd(c, dout):
     dsink = None if c["sink"] is None else -(torch.exp(c["sink"][None, :, None] - lse) * delta).sum((0, 2))
     torch.cuda.synchronize()
     return dq, dk, dv, dsink
+
+
+def listed_key_rows(p, B, S, Hkv) -> np.ndarray:
+    """bool [B, S, Hkv]: rows [key_start, key_end) of the plan's key blocks (what the dK/dV kernel writes)."""
+    hs = p["key_count"].shape[0] // B
+    rows = np.zeros((B, S, Hkv), bool)
+    for si in range(B * hs):
+        b, h = divmod(si, hs)
+        for a, e in zip(p["key_start"][si, :p["key_count"][si]], p["key_end"][si, :p["key_count"][si]]):
+            rows[b, a:e, slice(None) if hs == 1 else h] = True
+    return rows
 
 
 def _rel(got, want):
@@ -201,12 +223,16 @@ def test_backward_matches_oracle(kw):
 
 def test_backward_deterministic_and_unseen_keys_zero():
     c = make_case(6, B=1, S=320, Hq=16, Hkv=2, D=128, topk=2, cu=[0, 37, 320], pad=0.3, sink=True)
+    c["ids"][0, 30:37] = -1  # keys 30..36 (tail of [0, 37), a listed block) and 300..319 (of listed block 293..319):
+    c["ids"][0, 300:] = -1   # seen by no query, yet rows the dK/dV kernel writes
     dout = torch.randn(c["q"].shape, device="cuda").to(c["q"].dtype)
     runs = [run_bwd(c, dout) for _ in range(3)]
     for r in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r, runs[0]))
     mask = orc.token_mask(c["ids"], BS, True, c["cu"])  # [B, 1, S, S]
-    unseen = torch.from_numpy(~mask.any(axis=(1, 2))[0]).cuda()
-    assert unseen.any(), "the case must leave some keys unseen"
+    unseen = ~mask.any(axis=(1, 2))[0]
+    written = listed_key_rows(orc.plan_arrays(c["ids"], BS, c["G"], True, c["cu"]), 1, 320, 2)[0, :, 0]
+    assert (unseen & written)[np.r_[30:37, 300:320]].all(), "keys 30..36, 300..319 must be unseen, in listed blocks"
+    unseen = torch.from_numpy(unseen).cuda()
     dk, dv = runs[0][1], runs[0][2]
     assert not dk[0, unseen].any() and not dv[0, unseen].any()
