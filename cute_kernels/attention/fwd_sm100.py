@@ -6,10 +6,12 @@
     logit[i, t]       = softmax_scale * q_i.k_t, or softcap * tanh(softmax_scale * q_i.k_t / softcap)
 
 Tensors, shapes and the mask convention (bottom-right causal / window) are those of
-``cute_kernels/attention/config.py``. block_logit columns are relative to each sequence.
+``cute_kernels/attention/config.py``; the rules (window bounds, key-tile ranges, masks, sequence
+offsets, the online-softmax row rules, softcap) are the ones in ``cute_kernels/common/`` that the SM90
+kernel uses too. block_logit columns are relative to each sequence.
 
 One CTA = 512 threads, warp-specialised, persistent over work tiles of ``q_stage * 128`` query rows
-of one (batch, head):
+of one (batch, head), which every role takes from one ``TileScheduler`` as ``WorkTile`` objects:
 
     warps 0-3    softmax WG 0: thread t owns query row t of Q stage 0 (TMEM lane t) for all key tiles
     warps 4-7    softmax WG 1: the same for Q stage 1 (idle when q_stage == 1)
@@ -20,21 +22,31 @@ of one (batch, head):
     warps 14-15  idle (registers given back)
 
     TMEM columns: S_i at 128*i (P_i written over its upper half as 16-bit), O_i at 128*q_stage + dv*i.
-    q_stage = 2 for head_dim <= 128 (two 128-row Q tiles ping-pong through S_0 / S_1: while the
+    q_stage = 2 for head_dim_v <= 128 (two 128-row Q tiles ping-pong through S_0 / S_1: while the
     softmax WG of one stage works, the tensor core runs the other stage's GEMMs), 1 above.
 
-Pipeline edges per key tile (see Note [SM100 handshakes] for why each is sufficient):
+Cross-role edges, each a ``cutlass.pipeline`` object (slot i = Q stage i; Note [SM100 handshakes]):
 
-    load --Q, K, V (TMA mbarriers)--> MMA --S_i full (tcgen05.commit)--> softmax_i
-    softmax_i --acc_scale_i (smem + mbarrier)--> correction
-    softmax_i + correction --P_i written, O_i rescaled (mbarrier, 256 arrivals)--> MMA
-    MMA --O_i final (tcgen05.commit)--> correction;  softmax_i --row sum/max (smem)--> correction
+    q, kv    load --TMA--> MMA                  (PipelineTmaUmma; K and V tiles share the kv ring)
+    s        MMA --S_i full--> softmax_i;  softmax_i + correction --P_i written, O_i ready--> MMA
+                                                (PipelineUmmaAsync)
+    scale    softmax_i --row rescale factor (smem)--> correction          (PipelineAsync)
+    o        MMA --O_i final--> correction;  correction --O_i read--> MMA  (PipelineUmmaAsync)
+    stats    softmax_i --row sum / max (smem)--> correction                (PipelineAsync)
 
-Not supported (``unsupported_reason``): head_dim != head_dim_v, head dims other than 64/128/192/256,
-pack_gqa (query heads are never folded into M), 2-CTA MMA, split-KV, paged KV.
+and one named barrier (``FwdBarrier``); arrival counts are checked at trace time against the roles
+(``check_arrivals``, common/barriers.py).
+
+Head dims: (64, 64), (128, 128), (192, 192), (256, 256) and (192, 128) (MLA-style prefill: Q / K 192
+wide, V / O 128; two Q stages fit TMEM, and K / V tiles share ring buffers sized for K).
+Not supported (``unsupported_reason``): other head dims, pack_gqa (query heads are never folded into
+M), 2-CTA MMA, split-KV, paged KV.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
 
 import cutlass
 import cutlass.cute as cute
@@ -45,39 +57,58 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from cute_kernels import arch as _arch
 from cute_kernels.common import block_logit as blk
+from cute_kernels.common.barriers import check_arrivals, pipeline_counts
+from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.math_sm100 import exp2_poly, max_tree
-from cute_kernels.common.utils import LN_2, LOG2_E
+from cute_kernels.common.seqlen import SeqlenInfo
+from cute_kernels.common.softmax import OnlineSoftmax, conditional_max, exp2_reference, softcap_logit
+from cute_kernels.common.tile_range import TileRange, normalize_window
+from cute_kernels.common.utils import LOG2_E
 
 from .config import FwdConfig
 
 # Note [SM100 handshakes]
-# Every role walks the same sequence of work tiles and computes the same key-tile range, so the
-# number of arrivals on each barrier matches the number of waits. Per Q stage i and key step j:
-# * S_i(j) overwrites TMEM that softmax_i read at step j-1 and that PV_i(j-1) reads as P_i(j-1).
-#   The MMA warp issues S_i(j) only after waiting "P_i(j-1) written" (softmax finished reading S)
-#   and after issuing PV_i(j-1); tcgen05 MMAs from one thread execute in issue order.
-# * correction rescales O_i for step j after softmax_i signalled acc_scale(j). softmax_i signals
-#   after waiting S_i(j) full, and S_i(j) was issued after PV_i(j-1), and tcgen05.commit tracks
-#   all earlier MMAs, so O_i is stable while correction rewrites it. PV_i(j) waits for
-#   correction's arrival on "P_i ready", so it accumulates into the rescaled O_i.
-# * At step 0 of a tile PV_i zero-initialises O_i: correction arrives for step 0 only after its
-#   epilogue of the previous tile has read O_i (tcgen05.wait::ld before the arrive).
-# * sScale_i(j) is rewritten at step j+1 only after S_i(j+1) full, which needed correction's
-#   arrival for step j (after it read sScale_i(j)). Row stats use their own full/empty pair,
-#   because S_i(0) of the next tile is issued without waiting for the correction WG.
+# Every role walks the same work tiles (TileScheduler) and the same key tiles of each (WorkTile.keys),
+# so each pipeline slot sees as many arrivals as waits. Per Q stage i and key step j of a work tile
+# with k key tiles (descending key order):
+# * s, slot i: the MMA commits S_i(j) (full); softmax_i waits it, loads S, writes P_i(j) and
+#   releases; the correction WG releases once per step too ("O_i ready for PV_i(j)": nothing to do at
+#   j = 0, O_i rescaled by step j's factor after). So the empty side counts 256 arrivals, and the MMA
+#   acquires it before PV_i(j), which reads P_i(j) and accumulates into O_i. Each acquire is the one
+#   of the slot's next commit (S_i(j+1), or S_i(0) of the next work tile): S_i(j+1) overwrites S_i / P_i
+#   after PV_i(j) in issue order (tcgen05 MMAs of one thread run in order). The MMA's acquire state
+#   therefore runs one round ahead of its commit state; the first round of each slot is free.
+# * scale, slot i: softmax_i sends one factor per step (1 at j = 0) after S_i(j) full. S_i(j) was
+#   committed after PV_i(j-1) was issued and tcgen05.commit tracks all earlier MMAs, so O_i is stable
+#   while the correction WG rescales it for step j. The correction WG releases the slot as soon as it
+#   has read the factor; softmax_i acquires it before writing the next one.
+# * o, slot i: the MMA acquires it (O_i free: the correction WG read O_i of the previous work tile)
+#   before PV_i(0) zero-initialises O_i, and commits after PV_i(k-1); the correction WG waits it for
+#   the epilogue and releases after its TMEM loads completed (tcgen05.wait::ld). The acquire never
+#   waits in practice: s's step-0 arrival of the correction WG comes after that epilogue.
+# * stats, slot i: softmax_i writes the row sum / max after its last step, the epilogue reads them.
+#   A slot of its own: S_i(0) of the next tile is issued without waiting for the correction WG.
+# * Tails: the load warp's producer_tail on q and kv waits for the MMA's last releases, which are
+#   tcgen05.commit arrivals landing asynchronously; without it the CTA could exit with an arrival in
+#   flight into shared memory the next CTA on the SM already uses. Every other arrival is waited for
+#   before the CTA ends (S and O commits by their consumers, thread arrivals are synchronous), so no
+#   other tail is needed. The MMA's last acquire on s is the one before its final PV.
+# * TMEM is freed after the correction warps (the last TMEM readers: their final wait was on the last
+#   PV, which follows every softmax access) meet at FwdBarrier.TmemFree.
+# * A role that owns one slot (softmax_i) advances its state by q_stage: same slot, next phase.
 
 # Note [block_logit of unvisited blocks]
-# Key tiles outside [n_begin, n_end) of a work tile are never loaded: every key in them is masked
-# for every row of the tile (causal future, left of the window, past this sequence's keys), so
-# their blocks are -inf by definition. The softmax WG writes those entries itself after its key
-# loop (fill_unvisited_by_row, coalesced: the flat fill_unvisited spills at head_dim 256 here), and
-# writes all nb entries of rows that see no key at all.
-# Visited tiles store every block they cover (fully masked blocks come out -inf from the mask),
-# so each entry of [0, nb) of a valid row is written exactly once and no pre-fill is needed.
+# Key tiles outside WorkTile.keys are never loaded: every key in them is masked for every row of the
+# tile (causal future, left of the window, past this sequence's keys), so their blocks are -inf by
+# definition. The softmax WG writes those entries itself after its key loop (fill_unvisited_by_row,
+# coalesced: the flat fill_unvisited spills at head_dim 256 here), and writes all nb entries of rows
+# that see no key at all. Visited tiles store every block they cover (fully masked blocks come out
+# -inf from the mask), so each entry of [0, nb) of a valid row is written exactly once and no
+# pre-fill is needed.
 
-# Conditional rescaling (FA4): the running row max only moves when the new tile max exceeds it
-# by more than RESCALE_THRESHOLD_LOG2 (log2 units), so most tiles need no O rescale and P stays
-# <= 2^8, far inside bf16/fp16 range. The final lse uses the max actually used, so it is exact.
+# Conditional rescaling (common/softmax.conditional_max): the running row max only moves when the new
+# tile max exceeds it by more than RESCALE_THRESHOLD_LOG2 (log2 units), so most tiles need no O rescale
+# and P stays <= 2^8, far inside bf16/fp16 range.
 RESCALE_THRESHOLD_LOG2 = 8.0
 # exp2 on the FMA pipe (math_sm100.exp2_poly) for EXP2_POLY_OF of every EXP2_POLY_EVERY
 # columns of the two middle 32-column chunks of a row (12.5 % of all exp2), MUFU for the rest, so
@@ -96,12 +127,32 @@ NUM_THREADS = 512
 # fit the smaller budget, which made ptxas spill).
 REGS = {2: (192, 192, 72, 56), 1: (232, 40, 176, 64)}
 O_CHUNK = 16  # O columns the correction WG moves per TMEM load/store (16 fp32 registers)
+HEAD_DIMS = ((64, 64), (128, 128), (192, 192), (256, 256), (192, 128))
 
 _WARPS_SOFTMAX = ((0, 1, 2, 3), (4, 5, 6, 7))
 _WARPS_CORRECTION = (8, 9, 10, 11)
 _WARP_MMA, _WARP_LOAD = 12, 13
-_BAR_CORRECTION = 1  # named barrier id (0 is __syncthreads)
-_UNBOUNDED = 1 << 30  # "no window limit", keeps row +/- bound inside int32
+
+
+class FwdBarrier(IntEnum):
+    """Named barrier ids (0 is __syncthreads)."""
+
+    TmemFree = 1  # the correction threads: every TMEM read done before warp 8 frees the columns
+
+
+# Roles (common/barriers.py): the threads one signal of each role arrives with. A softmax role is the
+# warpgroup of one Q stage; the MMA and load warps signal through one elected thread.
+ROLE_THREADS = {"softmax": 32 * len(_WARPS_SOFTMAX[0]), "correction": 32 * len(_WARPS_CORRECTION),
+                "mma": 1, "load": 1}
+# pipeline -> (roles arriving on its full barrier, roles arriving on its empty barrier)
+PIPES = {"q": ("load", "mma"), "kv": ("load", "mma"), "s": ("mma", ("softmax", "correction")),
+         "scale": ("softmax", "correction"), "o": ("mma", "correction"), "stats": ("softmax", "correction")}
+BARRIERS = {FwdBarrier.TmemFree: ("correction",)}
+# The counts the kernel initialises its barriers with, (full, empty) per pipeline slot, and the
+# threads of each named barrier; check_arrivals compares them with ROLE_THREADS / PIPES at trace time.
+ARRIVALS = {"q": (1, 1), "kv": (1, 1), "s": (1, 2 * TILE_M), "scale": (TILE_M, TILE_M),
+            "o": (1, TILE_M), "stats": (TILE_M, TILE_M)}
+NAMED_THREADS = {FwdBarrier.TmemFree: 4 * 32}
 
 
 def _q_stage(cfg: FwdConfig) -> int:
@@ -111,8 +162,9 @@ def _q_stage(cfg: FwdConfig) -> int:
 
 def _smem_bytes(head_dim: int, q_stage: int, kv_stage: int) -> int:
     """Upper bound of the SharedStorage size: barriers and row stats, then sQ and the K/V ring
-    (each 1024-B aligned), plus 1024 B in case the dynamic smem base needs aligning."""
-    small = 8 * (2 * q_stage + 2 * kv_stage + 6 * q_stage) + 4 + 3 * q_stage * TILE_M * 4
+    (each 1024-B aligned; a ring buffer holds a K tile, V tiles are no wider), plus 1024 B in case
+    the dynamic smem base needs aligning."""
+    small = 8 * (2 * q_stage + 2 * kv_stage + 8 * q_stage) + 4 + 3 * q_stage * TILE_M * 4
     q_bytes = q_stage * TILE_M * head_dim * 2
     kv_bytes = kv_stage * TILE_N * head_dim * 2
     return 1024 + ((small + 1023) // 1024) * 1024 + q_bytes + kv_bytes
@@ -124,6 +176,85 @@ def _kv_stage(cfg: FwdConfig) -> int:
     while stages > 2 and _smem_bytes(cfg.head_dim, _q_stage(cfg), stages) > SMEM_BYTES_MAX_SM100:
         stages -= 1
     return stages
+
+
+def _slot_state(q_stage: int, slot, producer: bool) -> pipeline.PipelineState:
+    """State of a role that owns one slot of a q_stage-slot pipeline (softmax_i: slot i). Advance it
+    by q_stage: the same slot, the next phase. Producers start at phase 1 (the first acquire is free)."""
+    return pipeline.PipelineState(q_stage, Int32(0), Int32(slot), Int32(1 if producer else 0))
+
+
+# ---------------------------------------------------------------------------------- work tiles
+@dataclass(frozen=True)
+class WorkTile:
+    """One work tile, ``q_stage * 128`` query rows of one (batch, head): the facts every role reads."""
+
+    m_tile: Int32
+    head: Int32
+    batch: Int32
+    seqlen: SeqlenInfo
+    left: Int32  # window reach from normalize_window (the unbounded side covers the sequence)
+    right: Int32
+    keys: TileRange  # key tiles [n_min, n_max) that some row of the tile sees, and the mask limits
+    has_rows: Boolean  # the tile starts inside its sequence
+    has_keys: Boolean  # ... and sees a key: only these tiles load and compute (others: empty rows)
+
+
+class TileScheduler:
+    """Static persistent schedule: CTA b runs work indices b, b + grid, ... below ``total``. Index ->
+    (m_tile fastest, head, batch); with a causal mask the longest query tiles of a (batch, head) run
+    first. Built once in the kernel; every role calls ``work_tile`` on the same indices."""
+
+    _FIELDS = ("mCuSeqlensQ", "mCuSeqlensK", "seqlen_q_static", "seqlen_k_static", "window_left",
+               "window_right", "num_m_tiles", "num_heads", "total")
+
+    def __init__(self, cfg: FwdConfig, tile_m: int, *values):
+        self.cfg = cfg
+        self.tile_m = tile_m
+        self.values = values  # the runtime fields, in _FIELDS order
+        for name, v in zip(self._FIELDS, values, strict=True):
+            setattr(self, name, v)
+        self.mask_right = cfg.causal or cfg.has_window
+        self.mask_left = cfg.has_window
+
+    # The roles' persistent loops carry the scheduler: the DSL rebuilds it from its runtime values.
+    def __extract_mlir_values__(self):
+        return cutlass.extract_mlir_values(self.values)
+
+    def __new_from_mlir_values__(self, values):
+        return TileScheduler(self.cfg, self.tile_m, *cutlass.new_from_mlir_values(self.values, values))
+
+    def first(self) -> Int32:
+        return Int32(cute.arch.block_idx()[0])
+
+    def next(self, work_idx: Int32) -> Int32:
+        return work_idx + Int32(cute.arch.grid_dim()[0])
+
+    @cute.jit
+    def work_tile(self, work_idx: Int32) -> WorkTile:
+        m_tile = work_idx % self.num_m_tiles
+        bh = work_idx // self.num_m_tiles
+        head = bh % self.num_heads
+        batch = bh // self.num_heads
+        if const_expr(self.cfg.causal):
+            m_tile = self.num_m_tiles - 1 - m_tile
+        seqlen = SeqlenInfo.create(batch, self.seqlen_q_static, self.seqlen_k_static, self.mCuSeqlensQ,
+                                   self.mCuSeqlensK)
+        left, right = normalize_window(self.window_left, self.window_right, seqlen.seqlen_q, seqlen.seqlen_k,
+                                       self.cfg.causal, self.cfg.has_window)
+        m_start = m_tile * self.tile_m
+        keys = TileRange.create(m_start, seqlen.seqlen_q, seqlen.seqlen_k, left, right, self.tile_m, TILE_N,
+                                self.mask_right, self.mask_left)
+        has_rows = m_start < seqlen.seqlen_q
+        return WorkTile(m_tile, head, batch, seqlen, left, right, keys, has_rows,
+                        has_rows & (keys.n_min < keys.n_max))
+
+    @cute.jit
+    def stage_keys(self, tile: WorkTile, stage: Int32) -> TileRange:
+        """The key-tile range and mask limits of Q stage ``stage`` (its 128 rows) of ``tile``."""
+        return TileRange.create(tile.m_tile * self.tile_m + stage * TILE_M, tile.seqlen.seqlen_q,
+                                tile.seqlen.seqlen_k, tile.left, tile.right, TILE_M, TILE_N,
+                                self.mask_right, self.mask_left)
 
 
 class FlashFwdSm100:
@@ -156,10 +287,11 @@ class FlashFwdSm100:
             return f"arch {cfg.arch} is not SM100"
         if cfg.dtype not in ("bfloat16", "float16"):
             return f"dtype {cfg.dtype} (bfloat16/float16 only)"
-        if cfg.head_dim not in (64, 128, 192, 256):
-            return f"head_dim {cfg.head_dim} (SM100 kernel supports 64, 128, 192, 256)"
-        if cfg.head_dim_v != cfg.head_dim:
-            return f"head_dim_v {cfg.head_dim_v} != head_dim {cfg.head_dim}"
+        if (cfg.head_dim, cfg.head_dim_v) not in HEAD_DIMS:
+            if cfg.head_dim == cfg.head_dim_v or cfg.head_dim not in (64, 128, 192, 256):
+                return f"head_dim {cfg.head_dim} (SM100 kernel supports 64, 128, 192, 256)"
+            return (f"head_dim_v {cfg.head_dim_v} with head_dim {cfg.head_dim} (SM100 kernel: equal head "
+                    f"dims, or 192 with head_dim_v 128)")
         if cfg.block_size not in (0, 16, 32, 64, 128, 256):
             return f"block_size {cfg.block_size} (0, 16, 32, 64, 128 or 256)"
         if cfg.qhead_per_kvhead < 1:
@@ -206,6 +338,13 @@ class FlashFwdSm100:
         sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, self.q_stage)
         sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, self.kv_stage)
         sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, self.kv_stage)
+        if const_expr(self.head_dim_v != self.head_dim):
+            # K and V tiles take turns in the same ring buffers: V's buffers use K's (larger) stride.
+            outer = sV_layout.outer
+            k_stride = sK_layout.outer.stride[-1]
+            sV_layout = cute.make_composed_layout(
+                sV_layout.inner, 0, cute.make_layout((*outer.shape[:-1], self.kv_stage),
+                                                     stride=(*outer.stride[:-1], k_stride)))
         tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
 
         tma_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
@@ -217,20 +356,19 @@ class FlashFwdSm100:
         tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
             tma_op, mV, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv, cluster_vmnk)
         self.q_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
-        self.kv_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+        self.k_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+        self.v_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
 
         q_stage, kv_stage = self.q_stage, self.kv_stage
 
         @cute.struct
         class SharedStorage:
-            q_full_empty: cute.struct.MemRange[Int64, 2 * q_stage]
-            kv_full_empty: cute.struct.MemRange[Int64, 2 * kv_stage]
-            s_full: cute.struct.MemRange[Int64, q_stage]
-            p_ready: cute.struct.MemRange[Int64, q_stage]
-            o_full: cute.struct.MemRange[Int64, q_stage]
-            scale_ready: cute.struct.MemRange[Int64, q_stage]
-            stats_full: cute.struct.MemRange[Int64, q_stage]
-            stats_empty: cute.struct.MemRange[Int64, q_stage]
+            bar_q: cute.struct.MemRange[Int64, 2 * q_stage]
+            bar_kv: cute.struct.MemRange[Int64, 2 * kv_stage]
+            bar_s: cute.struct.MemRange[Int64, 2 * q_stage]
+            bar_scale: cute.struct.MemRange[Int64, 2 * q_stage]
+            bar_o: cute.struct.MemRange[Int64, 2 * q_stage]
+            bar_stats: cute.struct.MemRange[Int64, 2 * q_stage]
             tmem_holding: Int32
             sScale: cute.struct.MemRange[Float32, q_stage * TILE_M]
             sRowSum: cute.struct.MemRange[Float32, q_stage * TILE_M]
@@ -281,7 +419,6 @@ class FlashFwdSm100:
                window_left: Int32, window_right: Int32,
                num_m_tiles: Int32, num_heads: Int32, total_tiles: Int32):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
 
         if warp_idx == _WARP_LOAD:
             cpasync.prefetch_descriptor(tma_atom_Q)
@@ -291,31 +428,26 @@ class FlashFwdSm100:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        # ---- barriers
-        def thread_group(n):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+        # ---- pipelines (Note [SM100 handshakes]); slot i of s / scale / o / stats is Q stage i
+        def make(cls, name, bars, stages, **kw):
+            full, empty = ARRIVALS[name]
+            return cls.create(num_stages=stages, barrier_storage=bars.data_ptr(), defer_sync=True,
+                              producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, full),
+                              consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, empty), **kw)
 
-        pipe_q = pipeline.PipelineTmaUmma.create(
-            num_stages=self.q_stage, producer_group=thread_group(1), consumer_group=thread_group(1),
-            tx_count=self.q_tile_bytes, barrier_storage=storage.q_full_empty.data_ptr(), defer_sync=True)
-        pipe_kv = pipeline.PipelineTmaUmma.create(
-            num_stages=self.kv_stage, producer_group=thread_group(1), consumer_group=thread_group(1),
-            tx_count=self.kv_tile_bytes, barrier_storage=storage.kv_full_empty.data_ptr(), defer_sync=True)
-        bar_s_full = storage.s_full.data_ptr()
-        bar_p_ready = storage.p_ready.data_ptr()
-        bar_o_full = storage.o_full.data_ptr()
-        bar_scale = storage.scale_ready.data_ptr()
-        bar_stats_full = storage.stats_full.data_ptr()
-        bar_stats_empty = storage.stats_empty.data_ptr()
-        if warp_idx == 0:
-            with cute.arch.elect_one():
-                for i in cutlass.range_constexpr(self.q_stage):
-                    cute.arch.mbarrier_init(bar_s_full + i, 1)
-                    cute.arch.mbarrier_init(bar_p_ready + i, 2 * TILE_M)
-                    cute.arch.mbarrier_init(bar_o_full + i, 1)
-                    cute.arch.mbarrier_init(bar_scale + i, TILE_M)
-                    cute.arch.mbarrier_init(bar_stats_full + i, TILE_M)
-                    cute.arch.mbarrier_init(bar_stats_empty + i, TILE_M)
+        pipes = {
+            "q": make(pipeline.PipelineTmaUmma, "q", storage.bar_q, self.q_stage, tx_count=self.q_tile_bytes),
+            "kv": make(pipeline.PipelineTmaUmma, "kv", storage.bar_kv, self.kv_stage, tx_count=self.k_tile_bytes),
+            "s": make(pipeline.PipelineUmmaAsync, "s", storage.bar_s, self.q_stage),
+            "scale": make(pipeline.PipelineAsync, "scale", storage.bar_scale, self.q_stage),
+            "o": make(pipeline.PipelineUmmaAsync, "o", storage.bar_o, self.q_stage),
+            "stats": make(pipeline.PipelineAsync, "stats", storage.bar_stats, self.q_stage),
+        }
+        tmem_free = pipeline.NamedBarrier(barrier_id=int(FwdBarrier.TmemFree),
+                                          num_threads=NAMED_THREADS[FwdBarrier.TmemFree])
+        check_arrivals({name: pipeline_counts(name, p) for name, p in pipes.items()},
+                       {FwdBarrier.TmemFree: tmem_free.num_threads},
+                       pipes=PIPES, barriers=BARRIERS, role_threads=ROLE_THREADS)
         if warp_idx == _WARPS_CORRECTION[0]:
             cute.arch.alloc_tmem(self.tmem_cols, storage.tmem_holding.ptr)
             cute.arch.relinquish_tmem_alloc_permit()
@@ -339,8 +471,8 @@ class FlashFwdSm100:
         tStS = [cute.make_tensor(tmem_ptr + self.tmem_s_offset[i], tStS_layout) for i in range(self.q_stage)]
         tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o_offset[i], tOtO_layout) for i in range(self.q_stage)]
 
-        tile_args = (mCuSeqlensQ, mCuSeqlensK, mQ.shape[0], mK.shape[0], window_left, window_right,
-                     num_m_tiles, num_heads)
+        sched = TileScheduler(self.cfg, self.tile_m_total, mCuSeqlensQ, mCuSeqlensK, mQ.shape[0], mK.shape[0],
+                              window_left, window_right, num_m_tiles, num_heads, total_tiles)
 
         # One if/elif chain: the roles are sibling branches, so values only one role needs are not
         # live (and holding registers) inside another role's smaller setmaxnreg budget.
@@ -350,8 +482,8 @@ class FlashFwdSm100:
             cute.arch.setmaxregister_increase(regs_softmax)
             stage = Int32(0) if const_expr(self.q_stage == 1) else warp_idx // 4
             self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, mBlockLogit,
-                         bar_s_full, bar_p_ready, bar_scale, bar_stats_full, bar_stats_empty,
-                         scale_log2, softcap_in, softcap, logit_scale, tile_args, total_tiles)
+                         pipes["s"], pipes["scale"], pipes["stats"],
+                         scale_log2, softcap_in, softcap, logit_scale, sched)
         elif warp_idx < _WARPS_CORRECTION[0]:
             # ------------------------------------------------------------ IDLE softmax WG 1 (q_stage 1)
             if const_expr(regs_softmax1 < 128):
@@ -363,100 +495,44 @@ class FlashFwdSm100:
             else:
                 cute.arch.setmaxregister_increase(regs_correction)
             self.correction(thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, mO, mLSE,
-                            bar_p_ready, bar_o_full, bar_scale, bar_stats_full, bar_stats_empty,
-                            scale_log2, tile_args, total_tiles)
-            # All TMEM traffic is over once the correction WG leaves its loop (its last wait was on
-            # the final PV MMAs, which follow every softmax access): free the columns.
-            pipeline.NamedBarrier(barrier_id=_BAR_CORRECTION, num_threads=4 * 32).arrive_and_wait()
+                            pipes["s"], pipes["scale"], pipes["o"], pipes["stats"], scale_log2, sched)
+            tmem_free.arrive_and_wait()
             if warp_idx == _WARPS_CORRECTION[0]:
                 cute.arch.dealloc_tmem(tmem_ptr, self.tmem_cols)
         elif warp_idx == _WARP_MMA:
             # ------------------------------------------------------------ MMA
             cute.arch.setmaxregister_decrease(regs_other)
             self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
-                     tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, bar_s_full, bar_p_ready, bar_o_full,
-                     tile_args, total_tiles)
+                     tmem_ptr, tStS, tOtO, pipes["q"], pipes["kv"], pipes["s"], pipes["o"], sched)
         elif warp_idx == _WARP_LOAD:
             # ------------------------------------------------------------ LOAD
             cute.arch.setmaxregister_decrease(regs_other)
             self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-                      sQ, sK, sV, pipe_q, pipe_kv, tile_args, total_tiles)
+                      sQ, sK, sV, pipes["q"], pipes["kv"], sched)
         else:
             # ------------------------------------------------------------ IDLE warps 14-15
             cute.arch.setmaxregister_decrease(regs_other)
 
-    # ------------------------------------------------------------------ work tiles
-    @cute.jit
-    def tile_info(self, work_idx: Int32, tile_args):
-        """(m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end) of a work tile.
-
-        Key tiles [n_begin, n_end) are the ones any row of the tile can see; n_end <= n_begin means
-        no key is visible (outputs are written as empty rows). Rows are ordered so that, for causal
-        masks, the longest tiles of a (batch, head) run first.
-        """
-        cu_q, cu_k, total_q, total_k, window_left, window_right, num_m_tiles, num_heads = tile_args
-        m_idx = work_idx % num_m_tiles
-        bh = work_idx // num_m_tiles
-        head = bh % num_heads
-        batch = bh // num_heads
-        m_tile = m_idx
-        if const_expr(self.cfg.causal):
-            m_tile = num_m_tiles - 1 - m_idx
-        offset_q = Int32(0)
-        offset_k = Int32(0)
-        seqlen_q = total_q
-        seqlen_k = total_k
-        if const_expr(cu_q is not None):
-            offset_q = cu_q[batch]
-            seqlen_q = cu_q[batch + 1] - offset_q
-            offset_k = cu_k[batch]
-            seqlen_k = cu_k[batch + 1] - offset_k
-        left, right = self.window_bounds(window_left, window_right)
-        m0 = m_tile * self.tile_m_total
-        row_last = cutlass.min(m0 + self.tile_m_total, seqlen_q) - 1
-        n_end = (seqlen_k + TILE_N - 1) // TILE_N
-        if const_expr(self.cfg.causal or self.cfg.has_window):
-            key_end = cutlass.min(seqlen_k, row_last + seqlen_k - seqlen_q + right + 1)
-            n_end = (cutlass.max(key_end, 0) + TILE_N - 1) // TILE_N
-        n_begin = Int32(0)
-        if const_expr(self.cfg.has_window):
-            n_begin = cutlass.max(m0 + seqlen_k - seqlen_q - left, 0) // TILE_N
-        return m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end
-
-    @cute.jit
-    def window_bounds(self, window_left: Int32, window_right: Int32):
-        """(left, right) key distances from the diagonal; _UNBOUNDED when absent (-1 or no window)."""
-        left = Int32(_UNBOUNDED)
-        right = Int32(_UNBOUNDED)
-        if const_expr(self.cfg.has_window):
-            if window_left >= 0:
-                left = window_left
-            if window_right >= 0:
-                right = window_right
-        if const_expr(self.cfg.causal):
-            right = cutlass.min(right, Int32(0))
-        return left, right
-
     # ------------------------------------------------------------------ load warp
     @cute.jit
     def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-             sQ, sK, sV, pipe_q, pipe_kv, tile_args, total_tiles: Int32):
+             sQ, sK, sV, pipe_q, pipe_kv, sched: TileScheduler):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
-        work_idx = cute.arch.block_idx()[0]
-        while work_idx < total_tiles:
-            m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end = self.tile_info(
-                work_idx, tile_args)
-            if (m_tile * self.tile_m_total < seqlen_q) & (n_begin < n_end):
-                head_kv = head // self.cfg.qhead_per_kvhead
+        v_bytes = None if const_expr(self.head_dim_v == self.head_dim) else self.v_tile_bytes
+        work_idx = sched.first()
+        while work_idx < sched.total:
+            tile = sched.work_tile(work_idx)
+            if tile.has_keys:
+                head_kv = tile.head // self.cfg.qhead_per_kvhead
                 if const_expr(self.cfg.varlen):
-                    mQ_cur = cute.domain_offset((offset_q, 0), mQ[None, None, head])
-                    mK_cur = cute.domain_offset((offset_k, 0), mK[None, None, head_kv])
-                    mV_cur = cute.domain_offset((0, offset_k), mV[None, None, head_kv])
+                    mQ_cur = cute.domain_offset((tile.seqlen.offset_q, 0), mQ[None, None, tile.head])
+                    mK_cur = cute.domain_offset((tile.seqlen.offset_k, 0), mK[None, None, head_kv])
+                    mV_cur = cute.domain_offset((0, tile.seqlen.offset_k), mV[None, None, head_kv])
                 else:
-                    mQ_cur = mQ[None, None, head, batch]
-                    mK_cur = mK[None, None, head_kv, batch]
-                    mV_cur = mV[None, None, head_kv, batch]
+                    mQ_cur = mQ[None, None, tile.head, tile.batch]
+                    mK_cur = mK[None, None, head_kv, tile.batch]
+                    mV_cur = mV[None, None, head_kv, tile.batch]
                 gQ = cute.local_tile(mQ_cur, (TILE_M, self.head_dim), (None, 0))  # (128, d, m)
                 gK = cute.local_tile(mK_cur, (TILE_N, self.head_dim), (None, 0))  # (128, d, n)
                 gV = cute.local_tile(mV_cur, (self.head_dim_v, TILE_N), (0, None))  # (dv, 128, n)
@@ -471,34 +547,39 @@ class FlashFwdSm100:
                     cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
                 # Order: Q0, K(last), Q1, V(last), then K, V of each earlier key tile (descending).
                 # It is the order the MMA warp consumes the K/V ring in.
+                n_last = tile.keys.n_max - 1
                 for i in cutlass.range_constexpr(self.q_stage):
                     pipe_q.producer_acquire(q_state)
-                    cute.copy(tma_atom_Q, tQgQ[None, m_tile * self.q_stage + i], tQsQ[None, q_state.index],
+                    cute.copy(tma_atom_Q, tQgQ[None, tile.m_tile * self.q_stage + i], tQsQ[None, q_state.index],
                               tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                     q_state.advance()
                     if const_expr(i == 0):
-                        self.load_kv_tile(tma_atom_K, tKgK, tKsK, n_end - 1, pipe_kv, kv_state)
+                        self.load_kv_tile(tma_atom_K, tKgK, tKsK, n_last, pipe_kv, kv_state, None)
                         kv_state.advance()
-                self.load_kv_tile(tma_atom_V, tVgV, tVsV, n_end - 1, pipe_kv, kv_state)
+                self.load_kv_tile(tma_atom_V, tVgV, tVsV, n_last, pipe_kv, kv_state, v_bytes)
                 kv_state.advance()
-                for n_tile in cutlass.range(n_end - 2, n_begin - 1, -1, unroll=1):
-                    self.load_kv_tile(tma_atom_K, tKgK, tKsK, n_tile, pipe_kv, kv_state)
+                for n_tile in cutlass.range(n_last - 1, tile.keys.n_min - 1, -1, unroll=1):
+                    self.load_kv_tile(tma_atom_K, tKgK, tKsK, n_tile, pipe_kv, kv_state, None)
                     kv_state.advance()
-                    self.load_kv_tile(tma_atom_V, tVgV, tVsV, n_tile, pipe_kv, kv_state)
+                    self.load_kv_tile(tma_atom_V, tVgV, tVsV, n_tile, pipe_kv, kv_state, v_bytes)
                     kv_state.advance()
-            work_idx += cute.arch.grid_dim()[0]
+            work_idx = sched.next(work_idx)
+        # Note [SM100 handshakes]: the MMA's releases are tcgen05.commit arrivals; wait for all of them.
+        pipe_q.producer_tail(q_state)
+        pipe_kv.producer_tail(kv_state)
 
     @cute.jit
-    def load_kv_tile(self, tma_atom, tXgX, tXsX, n_tile: Int32, pipe_kv, kv_state):
-        pipe_kv.producer_acquire(kv_state)
+    def load_kv_tile(self, tma_atom, tXgX, tXsX, n_tile: Int32, pipe_kv, kv_state, tx_bytes):
+        """TMA of one K or V tile into the ring; ``tx_bytes`` for a V tile narrower than K (None: the
+        pipeline's K tile size)."""
+        pipe_kv.producer_acquire(kv_state, expected_tx=tx_bytes)
         cute.copy(tma_atom, tXgX[None, n_tile], tXsX[None, kv_state.index],
                   tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
-            tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, bar_s_full, bar_p_ready, bar_o_full,
-            tile_args, total_tiles: Int32):
+            tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, pipe_s, pipe_o, sched: TileScheduler):
         tSrQ = thr_mma_qk.make_fragment_A(sQ)
         tSrK = thr_mma_qk.make_fragment_B(sK)
         tOrV = thr_mma_pv.make_fragment_B(sV)
@@ -511,13 +592,20 @@ class FlashFwdSm100:
         ]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
-        p_phase = Int32(0)
-        work_idx = cute.arch.block_idx()[0]
-        while work_idx < total_tiles:
-            m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end = self.tile_info(
-                work_idx, tile_args)
-            if (m_tile * self.tile_m_total < seqlen_q) & (n_begin < n_end):
-                # prologue: S_i = Q_i K(n_end-1)^T for every stage
+        # s: each acquire is that of the slot's next commit, made before the PV that needs P (one
+        # round ahead of the commits); o: acquired at a tile's start, committed at its end.
+        s_acquire = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
+        s_commit = s_acquire.clone()
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
+        for i in cutlass.range_constexpr(self.q_stage):
+            pipe_s.producer_acquire(s_acquire)  # first round: free
+            s_acquire.advance()
+        work_idx = sched.first()
+        while work_idx < sched.total:
+            tile = sched.work_tile(work_idx)
+            if tile.has_keys:
+                n_steps = tile.keys.n_max - tile.keys.n_min
+                # 1. S_i = Q_i K(last)^T for every stage
                 q_release = q_state.clone()
                 for i in cutlass.range_constexpr(self.q_stage):
                     pipe_q.consumer_wait(q_state)
@@ -526,24 +614,31 @@ class FlashFwdSm100:
                         pipe_kv.consumer_wait(kv_state)
                     self.gemm(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i],
                               tSrK[None, None, None, kv_state.index], False)
-                    self.commit(bar_s_full + i)
+                    pipe_s.producer_commit(s_commit)
+                    s_commit.advance()
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
-                # steady state: PV_i(previous key tile) then S_i(next key tile), per stage
-                for step in cutlass.range(n_end - 1 - n_begin, unroll=1):
+                # 2. O_i free: the correction WG has read it for the previous work tile
+                o_commit = o_state.clone()
+                for i in cutlass.range_constexpr(self.q_stage):
+                    pipe_o.producer_acquire(o_state)
+                    o_state.advance()
+                # 3. steady state: PV_i(previous key tile) then S_i(next key tile), per stage
+                for step in cutlass.range(n_steps - 1, unroll=1):
                     pipe_kv.consumer_wait(kv_state)  # V of the previous key tile
                     v_state = kv_state.clone()
                     kv_state.advance()
                     for i in cutlass.range_constexpr(self.q_stage):
-                        cute.arch.mbarrier_wait(bar_p_ready + i, p_phase)
+                        pipe_s.producer_acquire(s_acquire)  # P_i written, O_i ready
+                        s_acquire.advance()
                         self.gemm(tiled_mma_pv, tOtO[i], tOrP[i], tOrV[None, None, None, v_state.index],
                                   step > 0)
                         if const_expr(i == 0):
                             pipe_kv.consumer_wait(kv_state)  # K of this key tile
                         self.gemm(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i],
                                   tSrK[None, None, None, kv_state.index], False)
-                        self.commit(bar_s_full + i)
-                    p_phase ^= 1
+                        pipe_s.producer_commit(s_commit)
+                        s_commit.advance()
                     pipe_kv.consumer_release(v_state)
                     pipe_kv.consumer_release(kv_state)
                     kv_state.advance()
@@ -551,17 +646,18 @@ class FlashFwdSm100:
                 for i in cutlass.range_constexpr(self.q_stage):
                     pipe_q.consumer_release(q_release)
                     q_release.advance()
-                # epilogue: PV_i(last key tile), then O_i is final
+                # 4. PV_i(last key tile), then O_i is final
                 pipe_kv.consumer_wait(kv_state)
                 for i in cutlass.range_constexpr(self.q_stage):
-                    cute.arch.mbarrier_wait(bar_p_ready + i, p_phase)
+                    pipe_s.producer_acquire(s_acquire)
+                    s_acquire.advance()
                     self.gemm(tiled_mma_pv, tOtO[i], tOrP[i], tOrV[None, None, None, kv_state.index],
-                              n_end - 1 > n_begin)
-                    self.commit(bar_o_full + i)
-                p_phase ^= 1
+                              n_steps > 1)
+                    pipe_o.producer_commit(o_commit)
+                    o_commit.advance()
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
-            work_idx += cute.arch.grid_dim()[0]
+            work_idx = sched.next(work_idx)
 
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
@@ -577,18 +673,11 @@ class FlashFwdSm100:
             mma.set(tcgen05.Field.ACCUMULATE, accumulate | (k != 0))
             cute.gemm(mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
-    @cute.jit
-    def commit(self, mbar):
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar)
-
     # ------------------------------------------------------------------ softmax warpgroups
     @cute.jit
     def softmax(self, stage: Int32, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, mBlockLogit,
-                bar_s_full, bar_p_ready, bar_scale, bar_stats_full, bar_stats_empty,
-                scale_log2: Float32, softcap_in: Float32, softcap: Float32, logit_scale: Float32,
-                tile_args, total_tiles: Int32):
-        cfg = self.cfg
+                pipe_s, pipe_scale, pipe_stats, scale_log2: Float32, softcap_in: Float32, softcap: Float32,
+                logit_scale: Float32, sched: TileScheduler):
         tidx = cute.arch.thread_idx()[0] % TILE_M  # = TMEM lane = query row in the Q stage tile
         tSAcc = tStS[0][(None, None), 0, 0]  # (128, 128) fp32 in TMEM, stage 0 (offset added below)
         t2r_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
@@ -608,95 +697,75 @@ class FlashFwdSm100:
         stage_cols = stage * TILE_N  # TMEM column offset of S_stage
         tStS_t2r = cute.make_tensor(tStS_t2r.iterator + stage_cols, tStS_t2r.layout)
         tStP_r2t = cute.make_tensor(tStP_r2t.iterator + stage_cols, tStP_r2t.layout)
+        tmem = (thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP)
 
-        s_phase = Int32(0)
-        stats_phase = Int32(1)  # producer side of stats_empty: the first wait passes
+        s_state = _slot_state(self.q_stage, stage, producer=False)
+        scale_state = _slot_state(self.q_stage, stage, producer=True)
+        stats_state = _slot_state(self.q_stage, stage, producer=True)
         carry = cute.make_rmem_tensor((1,), Float32)  # B = 2 * TILE_N: max of the odd key tile so far
         carry.fill(-Float32.inf)
-        work_idx = cute.arch.block_idx()[0]
-        while work_idx < total_tiles:
-            m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end = self.tile_info(
-                work_idx, tile_args)
-            row = m_tile * self.tile_m_total + stage * TILE_M + tidx  # row within the sequence
-            left, right = self.window_bounds(tile_args[4], tile_args[5])
-            # keys visible to this row: [row + sk - sq - left, row + sk - sq + right] and < sk
-            diag = row + seqlen_k - seqlen_q
-            key_hi = seqlen_k
-            if const_expr(cfg.causal or cfg.has_window):
-                key_hi = cutlass.min(seqlen_k, diag + right + 1)
-            key_lo = Int32(-_UNBOUNDED)
-            if const_expr(cfg.has_window):
-                key_lo = diag - left
-            # the same bounds for the first / last row of this stage (warp-uniform mask decision)
-            stage_row0 = m_tile * self.tile_m_total + stage * TILE_M
-            stage_hi_min = seqlen_k
-            if const_expr(cfg.causal or cfg.has_window):
-                stage_hi_min = cutlass.min(seqlen_k, stage_row0 + seqlen_k - seqlen_q + right + 1)
-            stage_lo_max = Int32(-_UNBOUNDED)
-            if const_expr(cfg.has_window):
-                stage_lo_max = stage_row0 + TILE_M - 1 + seqlen_k - seqlen_q - left
+        work_idx = sched.first()
+        while work_idx < sched.total:
+            tile = sched.work_tile(work_idx)
+            stage_row0 = tile.m_tile * self.tile_m_total + stage * TILE_M
+            row = stage_row0 + tidx  # row within the sequence
+            rows = sched.stage_keys(tile, stage)  # mask limits of this stage's 128 rows
             gBL = None  # (TILE_M, nb): block_logit rows of this Q stage
             if const_expr(mBlockLogit is not None):
-                gBL = self.block_logit_rows(mBlockLogit, offset_q + stage_row0, head, batch)
-            has_rows = m_tile * self.tile_m_total < seqlen_q
+                gBL = self.block_logit_rows(mBlockLogit, tile.seqlen.offset_q + stage_row0, tile.head, tile.batch)
             row_max = Float32(-Float32.inf)
             row_sum = Float32(0.0)
-            if has_rows & (n_begin < n_end):
-                for step in cutlass.range(n_end - n_begin, unroll=1):
-                    n_tile = n_end - 1 - step
-                    col0 = n_tile * TILE_N
-                    need_mask = (col0 + TILE_N > stage_hi_min) | (col0 < stage_lo_max)
+            if tile.has_keys:
+                for step in cutlass.range(tile.keys.n_max - tile.keys.n_min, unroll=1):
+                    n_tile = tile.keys.n_max - 1 - step
+                    # a tile crossing a row limit of this stage, or the sequence's key tail
+                    need_mask = ((n_tile >= rows.n_right_mask) | (n_tile < rows.n_left_mask)
+                                 | ((n_tile + 1) * TILE_N > tile.seqlen.seqlen_k))
                     row_max, row_sum = self.softmax_step(
-                        step, need_mask, n_tile, n_begin, col0, key_lo, key_hi,
-                        row_max, row_sum, carry, row < seqlen_q, gBL, stage,
-                        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP, sScale,
-                        bar_s_full, bar_p_ready, bar_scale, s_phase,
-                        scale_log2, softcap_in, softcap, logit_scale, tidx)
-                    s_phase ^= 1
+                        step, need_mask, n_tile, tile, row, row_max, row_sum, carry, gBL, stage, tmem, sScale,
+                        pipe_s, s_state, pipe_scale, scale_state, scale_log2, softcap_in, softcap, logit_scale,
+                        tidx)
+                    s_state.advance(self.q_stage)
+                    scale_state.advance(self.q_stage)
                 # final row stats for the correction WG's epilogue
-                cute.arch.mbarrier_wait(bar_stats_empty + stage, stats_phase)
-                stats_phase ^= 1
+                pipe_stats.producer_acquire(stats_state)
                 sRowSum[tidx, stage] = row_sum
                 sRowMax[tidx, stage] = row_max
-                cute.arch.mbarrier_arrive(bar_stats_full + stage)
+                pipe_stats.producer_commit(stats_state)
+                stats_state.advance(self.q_stage)
             if const_expr(mBlockLogit is not None):
                 # see Note [block_logit of unvisited blocks]
-                if has_rows:
-                    block_lo, block_hi = blk.visited_block_range(self.bl_shape, n_begin, n_end)
-                    stage_rows = cutlass.max(cutlass.min(seqlen_q - stage_row0, TILE_M), 0)
+                if tile.has_rows:
+                    block_lo, block_hi = blk.visited_block_range(self.bl_shape, tile.keys.n_min, tile.keys.n_max)
+                    stage_rows = cutlass.max(cutlass.min(tile.seqlen.seqlen_q - stage_row0, TILE_M), 0)
                     blk.fill_unvisited_by_row(gBL, stage_rows, gBL.shape[1], block_lo, block_hi, tidx, TILE_M)
-            work_idx += cute.arch.grid_dim()[0]
+            work_idx = sched.next(work_idx)
 
     @cute.jit
-    def softmax_step(self, step: Int32, need_mask, n_tile: Int32, n_begin: Int32, col0: Int32,
-                     key_lo: Int32, key_hi: Int32, row_max: Float32, row_sum: Float32, carry: cute.Tensor,
-                     row_valid, gBL, stage: Int32, thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r,
-                     tPcP, sScale, bar_s_full, bar_p_ready, bar_scale, s_phase: Int32,
-                     scale_log2: Float32, softcap_in: Float32, softcap: Float32,
-                     logit_scale: Float32, tidx: Int32):
+    def softmax_step(self, step: Int32, need_mask, n_tile: Int32, tile: WorkTile, row: Int32,
+                     row_max: Float32, row_sum: Float32, carry: cute.Tensor, gBL, stage: Int32, tmem,
+                     sScale, pipe_s, s_state, pipe_scale, scale_state, scale_log2: Float32,
+                     softcap_in: Float32, softcap: Float32, logit_scale: Float32, tidx: Int32):
         """One key tile of one query row: S -> (softcap, mask) -> block maxima, row max -> P, sum."""
         cfg = self.cfg
+        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP = tmem
         # 1. wait for S_stage = Q K^T of this key tile and load the whole row (128 fp32)
-        cute.arch.mbarrier_wait(bar_s_full + stage, s_phase)
+        pipe_s.consumer_wait(s_state)
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_t2r, tStS_t2r, tSrS)
         n = cute.size(tSrS)
         # 2. softcap turns raw q.k into the scaled logit softcap * tanh(scale * q.k / softcap)
         if const_expr(cfg.has_softcap):
             for k in cutlass.range_constexpr(n):
-                tSrS[k] = cute.math.tanh(tSrS[k] * softcap_in, fastmath=True) * softcap
-        # 3. mask (only key tiles crossing a row's limits): column c is visible iff lo <= c < hi
+                tSrS[k] = softcap_logit(tSrS[k], softcap_in, softcap)
+        # 3. mask (only key tiles crossing a limit). The 32x32b TMEM load gives each thread its row
+        #    in order: register k is key column k of the tile, the column list common/mask.py takes.
+        col0 = n_tile * TILE_N
         if need_mask:
-            hi_c = key_hi - col0
-            lo_c = key_lo - col0
-            for k in cutlass.range_constexpr(n):
-                c = tScS_t2r[k][1]
-                keep = c < hi_c
-                if const_expr(cfg.has_window):
-                    keep = keep & (c >= lo_c)
-                tSrS[k] = Float32(cutlass.select_(keep, tSrS[k], Float32(-Float32.inf)))
-        # 4. block maxima and the tile max from the same fmax3 tree (register column k is key
-        #    column k of the tile: the 32x32b TMEM load gives each thread its row in order)
+            apply_mask(cute.make_tensor(tSrS.iterator, cute.make_layout((1, n))), list(range(n)), [row], col0,
+                       tile.seqlen.seqlen_k, tile.seqlen.seqlen_k - tile.seqlen.seqlen_q, tile.left, tile.right,
+                       True, cfg.causal or cfg.has_window, cfg.has_window)
+        # 4. block maxima and the tile max from the same fmax3 tree
         blocks = None
         if const_expr(cfg.has_block_logit):
             bpt = self.bl_shape.blocks_per_tile
@@ -707,34 +776,26 @@ class FlashFwdSm100:
             tile_max = max_tree([blocks[b] for b in range(bpt)])
         else:
             tile_max = max_tree([tSrS[k] for k in range(n)])
-        # 5. running max with conditional rescale; acc_scale goes to the correction WG
-        row_max_new = cute.arch.fmax(row_max, tile_max)
-        row_max_use = row_max_new
+        # 5. running max with conditional rescale; the factor goes to the correction WG (1 at step 0)
+        row_max_use = cute.arch.fmax(row_max, tile_max)
         acc_scale = Float32(1.0)
         if step > 0:
-            safe_new = row_max_new
-            if row_max_new == -Float32.inf:
-                safe_new = Float32(0.0)
-            delta = (row_max - safe_new) * scale_log2
-            if delta >= -RESCALE_THRESHOLD_LOG2:
-                row_max_use = row_max
-            else:
-                acc_scale = cute.math.exp2(delta, fastmath=True)
-            sScale[tidx, stage] = acc_scale
-            cute.arch.mbarrier_arrive(bar_scale + stage)
-        max_safe = row_max_use
-        if row_max_use == -Float32.inf:
-            max_safe = Float32(0.0)
+            row_max_use, acc_scale = conditional_max(row_max, row_max_use, scale_log2, RESCALE_THRESHOLD_LOG2)
+        pipe_scale.producer_acquire(scale_state)
+        sScale[tidx, stage] = acc_scale
+        pipe_scale.producer_commit(scale_state)
+        max_safe = exp2_reference(row_max_use)
         # 6. block_logit: this tile's block maxima, scaled once, plain stores (one writer per entry)
         if const_expr(cfg.has_block_logit):
             scale = None if const_expr(cfg.has_softcap) else logit_scale
             gRow = gBL[tidx, None]
             nb = gBL.shape[1]
+            row_valid = row < tile.seqlen.seqlen_q
             if const_expr(self.bl_shape.tiles_per_block == 1):
                 blk.store_blocks(gRow, blocks, n_tile * self.bl_shape.blocks_per_tile, nb, row_valid, scale)
             else:
                 tpb = self.bl_shape.tiles_per_block
-                if blk.carry_across_tiles(blocks, carry, n_tile, n_begin, tpb):
+                if blk.carry_across_tiles(blocks, carry, n_tile, tile.keys.n_min, tpb):
                     blk.store_blocks(gRow, blocks, n_tile // tpb, nb, row_valid, scale)
         # 7. P = exp2(S * scale_log2 - max * scale_log2), 32 columns at a time, into TMEM
         bias = -max_safe * scale_log2
@@ -763,13 +824,8 @@ class FlashFwdSm100:
             cute.copy(thr_r2t, rP[None, None, j], tStP_r2t[None, None, j])
         # 8. P visible to the tensor core, then hand the stage to the MMA warp
         cute.arch.fence_view_async_tmem_store()
-        cute.arch.mbarrier_arrive(bar_p_ready + stage)
-        tile_sum = sums[0] + sums[1]
-        if step == 0:
-            row_sum = tile_sum
-        else:
-            row_sum = row_sum * acc_scale + tile_sum
-        return row_max_use, row_sum
+        pipe_s.consumer_release(s_state)
+        return row_max_use, row_sum * acc_scale + (sums[0] + sums[1])
 
     # ------------------------------------------------------------------ block_logit
     @cute.jit
@@ -782,8 +838,7 @@ class FlashFwdSm100:
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
     def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, mO, mLSE,
-                   bar_p_ready, bar_o_full, bar_scale, bar_stats_full, bar_stats_empty,
-                   scale_log2: Float32, tile_args, total_tiles: Int32):
+                   pipe_s, pipe_scale, pipe_o, pipe_stats, scale_log2: Float32, sched: TileScheduler):
         tidx = cute.arch.thread_idx()[0] % TILE_M
         dv = self.head_dim_v
         chunk = O_CHUNK
@@ -807,43 +862,44 @@ class FlashFwdSm100:
             tOt_r2t.append((thr_r2t, cute.make_tensor(tOt_r2t0.iterator + delta, tOt_r2t0.layout)))
         num_chunks = dv // chunk
 
-        scale_phase = Int32(0)
-        o_phase = Int32(0)
-        stats_phase = Int32(0)
-        work_idx = cute.arch.block_idx()[0]
-        while work_idx < total_tiles:
-            m_tile, head, batch, offset_q, offset_k, seqlen_q, seqlen_k, n_begin, n_end = self.tile_info(
-                work_idx, tile_args)
-            if m_tile * self.tile_m_total < seqlen_q:
-                has_work = n_begin < n_end
-                if has_work:
-                    # step 0: O_i is free (previous epilogue done): let PV_i(0) zero-initialise it
-                    for i in cutlass.range_constexpr(self.q_stage):
-                        cute.arch.mbarrier_arrive(bar_p_ready + i)
-                    for step in cutlass.range(n_end - n_begin - 1, unroll=1):
+        # The correction WG visits the slots (Q stages) in order, one state per pipeline.
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        scale_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        work_idx = sched.first()
+        while work_idx < sched.total:
+            tile = sched.work_tile(work_idx)
+            if tile.has_rows:
+                if tile.has_keys:
+                    # per key step and stage: the factor, O_i rescaled if any row's max moved, then
+                    # "O_i ready" (at step 0 the factor is 1: O_i was read by the previous epilogue)
+                    for step in cutlass.range(tile.keys.n_max - tile.keys.n_min, unroll=1):
                         for i in cutlass.range_constexpr(self.q_stage):
-                            cute.arch.mbarrier_wait(bar_scale + i, scale_phase)
+                            pipe_scale.consumer_wait(scale_state)
                             acc_scale = sScale[tidx, i]
+                            pipe_scale.consumer_release(scale_state)
+                            scale_state.advance()
                             if cute.arch.vote_any_sync(acc_scale != 1.0):
                                 self.rescale_o(tOt_t2r[i], tOt_r2t[i], acc_scale, num_chunks)
-                            cute.arch.mbarrier_arrive(bar_p_ready + i)
-                        scale_phase ^= 1
+                            pipe_s.consumer_release(s_state)
+                            s_state.advance()
                 for i in cutlass.range_constexpr(self.q_stage):
-                    row = m_tile * self.tile_m_total + i * TILE_M + tidx
+                    row = tile.m_tile * self.tile_m_total + i * TILE_M + tidx
                     row_sum = Float32(0.0)
                     row_max = Float32(-Float32.inf)
-                    if has_work:
-                        cute.arch.mbarrier_wait(bar_o_full + i, o_phase)
-                        cute.arch.mbarrier_wait(bar_stats_full + i, stats_phase)
+                    if tile.has_keys:
+                        pipe_o.consumer_wait(o_state)
+                        pipe_stats.consumer_wait(stats_state)
                         row_sum = sRowSum[tidx, i]
                         row_max = sRowMax[tidx, i]
-                        cute.arch.mbarrier_arrive(bar_stats_empty + i)
-                    self.epilogue_row(tOt_t2r[i], mO, mLSE, row_sum, row_max, has_work, row,
-                                      seqlen_q, offset_q, head, batch, scale_log2, num_chunks)
-                if has_work:
-                    o_phase ^= 1
-                    stats_phase ^= 1
-            work_idx += cute.arch.grid_dim()[0]
+                        pipe_stats.consumer_release(stats_state)
+                        stats_state.advance()
+                    self.epilogue_row(tOt_t2r[i], mO, mLSE, row_sum, row_max, tile, row, scale_log2, num_chunks)
+                    if tile.has_keys:
+                        pipe_o.consumer_release(o_state)  # after the TMEM loads completed
+                        o_state.advance()
+            work_idx = sched.next(work_idx)
 
     @cute.jit
     def rescale_o(self, t2r, r2t, acc_scale: Float32, num_chunks: cutlass.Constexpr):
@@ -858,39 +914,36 @@ class FlashFwdSm100:
         cute.arch.fence_view_async_tmem_store()
 
     @cute.jit
-    def epilogue_row(self, t2r, mO, mLSE, row_sum: Float32, row_max: Float32, has_work, row: Int32,
-                     seqlen_q: Int32, offset_q: Int32, head: Int32, batch: Int32, scale_log2: Float32,
-                     num_chunks: cutlass.Constexpr):
-        """O row = O_acc / row_sum (0 for a row with no visible key), lse = ln(row_sum) + max.
-
-        The TMEM loads run in every thread of the warp (tcgen05.ld is warp-collective); only the
-        global stores are predicated on the row being inside the sequence.
-        """
+    def epilogue_row(self, t2r, mO, mLSE, row_sum: Float32, row_max: Float32, tile: WorkTile, row: Int32,
+                     scale_log2: Float32, num_chunks: cutlass.Constexpr):
+        """O row = O_acc / row_sum, lse (OnlineSoftmax.finalize of the one row; 0 / -inf for a row with
+        no visible key). The TMEM loads run in every thread of the warp (tcgen05.ld is warp-collective);
+        only the global stores are predicated on the row being inside the sequence. Ends with
+        tcgen05.wait::ld, so O may be overwritten after it returns."""
         thr_t2r, tOt_src, rO_shape = t2r
-        empty = (row_sum == 0.0) | (row_sum != row_sum)
-        inv_sum = Float32(0.0)
-        lse = Float32(-Float32.inf)
-        if not empty:
-            inv_sum = cute.arch.rcp_approx(row_sum)
-            lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(LN_2)
-        row_ok = row < seqlen_q
+        final = OnlineSoftmax(scale_log2, 1, 1)
+        final.row_sum[0] = row_sum
+        final.row_max[0] = row_max
+        row_scale, row_lse = final.finalize()
+        inv_sum = row_scale[0]
+        row_ok = row < tile.seqlen.seqlen_q
         row_g = row
         if const_expr(self.cfg.varlen):
-            row_g = offset_q + row
+            row_g = tile.seqlen.offset_q + row
         if row_ok:
             if const_expr(self.cfg.varlen):
-                mLSE[row_g, head] = lse
+                mLSE[row_g, tile.head] = row_lse[0]
             else:
-                mLSE[row_g, head, batch] = lse
+                mLSE[row_g, tile.head, tile.batch] = row_lse[0]
         gO_row = None
         if const_expr(self.cfg.varlen):
-            gO_row = mO[row_g, None, head]
+            gO_row = mO[row_g, None, tile.head]
         else:
-            gO_row = mO[row_g, None, head, batch]
+            gO_row = mO[row_g, None, tile.head, tile.batch]
         for c in cutlass.range_constexpr(num_chunks):
             tOt_c = cute.make_tensor(tOt_src.iterator + c * O_CHUNK, tOt_src.layout)
             rO = cute.make_rmem_tensor(rO_shape, Float32)
-            if has_work:
+            if tile.has_keys:
                 cute.copy(thr_t2r, tOt_c, rO)
                 for k in cutlass.range_constexpr(0, cute.size(rO), 2):
                     rO[k], rO[k + 1] = cute.arch.mul_packed_f32x2((rO[k], rO[k + 1]), (inv_sum, inv_sum))

@@ -63,7 +63,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cute_kernels.common import block_logit as bl
 from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.seqlen import SeqlenInfo
-from cute_kernels.common.softmax import OnlineSoftmax
+from cute_kernels.common.softmax import OnlineSoftmax, softcap_logit
 from cute_kernels.common.tile_range import TileRange, normalize_window
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
                                        select_modes, sm90_thread0_cols, transpose_view, wgmma_gemm,
@@ -526,7 +526,7 @@ class FlashFwdSm90:
         acc_S_mn = acc_mn_view(acc_S)
         if const_expr(cfg.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
-                acc_S[i] = cute.math.tanh(acc_S[i] * ctx.softcap_in, fastmath=False) * ctx.softcap
+                acc_S[i] = softcap_logit(acc_S[i], ctx.softcap_in, ctx.softcap)
         if const_expr(masked):
             apply_mask(acc_S_mn, ctx.cols, ctx.rows, ctx.thr_col + n_tile * self.tile_n, ctx.seqlen.seqlen_k,
                        ctx.shift, ctx.left, ctx.right, mask_seqlen, cfg.causal or cfg.has_window,

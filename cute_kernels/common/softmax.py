@@ -9,10 +9,27 @@ gives O = 0 and lse = -inf for it.
 The row max is taken per thread first (optionally supplied by the caller, e.g. from block_logit's
 block maxima, which is bitwise the same value) and then across the ``threads_per_row`` lanes sharing
 a row (butterfly shuffles). Row sums stay per thread until ``finalize``.
+
+The row rules every arch uses (the SM100 forward keeps its state in its own registers and smem, but
+takes these functions, so the H200 runs exercise them): ``softcap_logit`` (the logit with softcap),
+``exp2_reference`` (the max exp2 subtracts, 0 for a row with no visible key), ``rescale_factor`` (the
+O / row-sum rescale when the max moves), ``conditional_max`` (SM100: move the max only when it grew
+by more than a threshold) and ``OnlineSoftmax.finalize`` (1 / row sum and lse; the empty-row rule).
+
+Softcap tanh policy, one function for every arch, forward and backward (``softcap_logit``):
+tanh(x) = 1 - 2 / (2^(2 x log2(e)) + 1) with ``ex2.approx`` and ``rcp.approx``: absolute error below
+5e-7 for every x (tests/cpu/test_softcap_tanh.py), no branches, 2 MUFU + 3 FMA-pipe instructions and
+one temporary per element. What matters is the absolute error, since softcap multiplies it into
+the logit and P = exp(logit - lse) turns it into a relative error of P. Rejected: ``tanh.approx.f32``
+(FA4's; one MUFU op, but an absolute error near 2^-11, i.e. up to 0.025 in the logit at softcap 50,
+2.5 % in P, and in block_logit, which selects blocks); libdevice ``tanhf`` (exact, but ~14
+instructions with both branch sides, which made the SM100 softmax warps spill). The backward
+recomputes P from the forward's lse, so both directions must use this same function.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import cutlass
@@ -20,6 +37,45 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from .utils import LN_2, row_allreduce, tree_max, tree_sum
+
+
+_TWO_LOG2_E = 2.0 * math.log2(math.e)
+
+
+def softcap_logit(s: Float32, softcap_in: Float32, softcap: Float32) -> Float32:
+    """``softcap * tanh(s * softcap_in)``: with ``softcap_in = softmax_scale / softcap`` and raw
+    ``s = q.k`` this is the scaled, capped logit (tanh per the policy above; +-1 at +-inf, NaN kept)."""
+    e = cute.math.exp2(s * (softcap_in * _TWO_LOG2_E), fastmath=True)
+    return (1.0 - 2.0 * cute.arch.rcp_approx(e + 1.0)) * softcap
+
+
+@cute.jit
+def exp2_reference(row_max: Float32) -> Float32:
+    """The max that P = exp2((s - max) * scale_log2) subtracts: ``row_max``, or 0 while the row has
+    seen no visible key (-inf), so P = exp2(-inf) = 0 instead of NaN."""
+    return 0.0 if row_max == -Float32.inf else row_max
+
+
+def rescale_factor(m_old: Float32, m_ref: Float32, scale_log2: Float32) -> Float32:
+    """Factor for O and the row sum when the reference max moves from ``m_old`` to ``m_ref``
+    (``exp2_reference`` of the new max): exp2((m_old - m_ref) * scale_log2); 0 from an empty row."""
+    return cute.math.exp2((m_old - m_ref) * scale_log2, fastmath=True)
+
+
+@cute.jit
+def conditional_max(m_old: Float32, m_new: Float32, scale_log2: Float32, threshold_log2: cutlass.Constexpr):
+    """(max to use, rescale factor) for a running max ``m_old`` and ``m_new = max(m_old, tile max)``:
+    keep ``m_old`` (factor 1) unless the max grew by more than ``threshold_log2`` in log2 units of the
+    scaled logit, so P stays <= 2^threshold and most tiles need no O rescale (FA4's conditional
+    rescale). lse is formed from the max actually used, so the result is exact either way."""
+    m_ref = exp2_reference(m_new)
+    m_use = m_new
+    scale = Float32(1.0)
+    if (m_old - m_ref) * scale_log2 >= -threshold_log2:
+        m_use = m_old
+    else:
+        scale = rescale_factor(m_old, m_ref, scale_log2)
+    return m_use, scale
 
 
 class OnlineSoftmax:
@@ -57,7 +113,7 @@ class OnlineSoftmax:
             m_new = self._row_reduce_max(m_thr)
             m_old = self.row_max[r]
             self.row_max[r] = m_new
-            m_ref = 0.0 if m_new == -Float32.inf else m_new
+            m_ref = exp2_reference(m_new)
             m_ref_scaled = m_ref * self.scale_log2
             row = acc_mn[r, None].load()
             p = cute.math.exp2(row * self.scale_log2 - m_ref_scaled, fastmath=True)
@@ -67,14 +123,15 @@ class OnlineSoftmax:
                 row_scale[r] = 1.0
                 self.row_sum[r] = psum
             else:
-                scale = cute.math.exp2((m_old - m_ref) * self.scale_log2, fastmath=True)
+                scale = rescale_factor(m_old, m_ref, self.scale_log2)
                 row_scale[r] = scale
                 self.row_sum[r] = self.row_sum[r] * scale + psum
         return row_scale
 
     @cute.jit
     def finalize(self):
-        """(O scale = 1/l per row, natural-log lse per row); empty rows give (1, -inf)."""
+        """(O scale = 1/l per row, natural-log lse per row); empty rows (sum 0 or NaN) give (1, -inf),
+        and their O, a sum of P = 0 terms, stays 0. The SM100 forward runs it on its one row too."""
         row_scale = cute.make_rmem_tensor((self.num_rows,), Float32)
         lse = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):

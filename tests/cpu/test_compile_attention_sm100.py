@@ -93,8 +93,10 @@ def test_unsupported_reasons_name_the_case():
         return fwd_config(100, "bfloat16", d, dv or d, 1, True, False, False, bs, False)
 
     assert unsupported_reason(cfg()) is None
+    assert unsupported_reason(cfg(192, 128)) is None  # MLA-style prefill: Q / K 192, V / O 128
     assert "head_dim 96" in unsupported_reason(cfg(96))
-    assert "head_dim_v 128" in unsupported_reason(cfg(192, 128))
+    assert "head_dim_v 64 with head_dim 128" in unsupported_reason(cfg(128, 64))
+    assert "head_dim_v 128 with head_dim 256" in unsupported_reason(cfg(256, 128))
     assert "block_size 48" in unsupported_reason(cfg(bs=48))
 
 
@@ -112,9 +114,12 @@ def test_constructor_is_host_only_and_rejects_bad_configs():
 def test_smem_and_tmem_plan_fits_every_config():
     """Every config of the full matrix fits 232,448 B of smem and 512 TMEM columns, with >= 2 K/V buffers."""
     from cute_kernels.attention import fwd_sm100 as m
-    from cute_kernels.attention.launch import config_matrix
+    from cute_kernels.attention.launch import config_matrix, fwd_config
 
-    for cfg in config_matrix(100, True):
+    mla = [fwd_config(100, dt, 192, 128, r, c, w, False, bs, vl) for dt in ("bfloat16", "float16")
+           for r in (1, 4) for c, w in ((False, False), (True, False), (False, True)) for vl in (False, True)
+           for bs in (0, 16, 256)]
+    for cfg in config_matrix(100, True) + mla:
         k = m.FlashFwdSm100(cfg)
         assert m.FlashFwdSm100.smem_bytes(cfg) <= SMEM_LIMIT, cfg
         assert k.kv_stage >= 2, cfg
@@ -122,6 +127,57 @@ def test_smem_and_tmem_plan_fits_every_config():
         assert k.tmem_o_offset[-1] + cfg.head_dim_v <= k.tmem_cols, cfg
         regs = m.REGS[k.q_stage]
         assert sum(regs) <= 4 * 128 and all(r % 8 == 0 and 24 <= r <= 256 for r in regs)
+
+
+def test_arrival_table_matches_the_roles():
+    """The counts FlashFwdSm100 initialises its barriers with (ARRIVALS, NAMED_THREADS) pass the shared
+    check (common/barriers.py) against the role sizes, and the roles are the warps the kernel dispatches."""
+    from cute_kernels.attention import fwd_sm100 as m
+    from cute_kernels.common.barriers import ArrivalCountError, check_arrivals
+
+    kw = dict(pipes=m.PIPES, barriers=m.BARRIERS, role_threads=m.ROLE_THREADS)
+    check_arrivals(m.ARRIVALS, m.NAMED_THREADS, **kw)
+    with pytest.raises(ArrivalCountError, match="pipeline s: .*256 softmax\\+correction"):
+        check_arrivals(dict(m.ARRIVALS, s=(1, m.TILE_M)), m.NAMED_THREADS, **kw)
+    with pytest.raises(ArrivalCountError, match="named barrier TmemFree"):
+        check_arrivals(m.ARRIVALS, {m.FwdBarrier.TmemFree: 256}, **kw)
+    assert m.ROLE_THREADS["softmax"] == 32 * len(m._WARPS_SOFTMAX[0]) == m.TILE_M
+    assert m.ROLE_THREADS["correction"] == 32 * len(m._WARPS_CORRECTION) == 128
+    assert set(m.ARRIVALS) == set(m.PIPES) and len(m._WARPS_SOFTMAX) * 4 + 4 + 4 == m.NUM_THREADS // 32
+
+
+_WRONG_COUNT_SCRIPT = r"""
+import os, sys
+os.environ["CUTE_DSL_ARCH"] = "sm_100a"
+from cute_kernels.attention import fwd_sm100 as m
+from cute_kernels.attention.launch import compile_fwd, fwd_config
+from cute_kernels.common.barriers import ArrivalCountError
+which = sys.argv[1]
+if which == "s":
+    m.ARRIVALS = dict(m.ARRIVALS, s=(1, m.TILE_M))  # P ready / O rescaled without the correction WG
+elif which == "stats":
+    m.ARRIVALS = dict(m.ARRIVALS, stats=(2 * m.TILE_M, m.TILE_M))
+else:
+    m.NAMED_THREADS = {m.FwdBarrier.TmemFree: 2 * 128}
+try:
+    compile_fwd(fwd_config(100, "bfloat16", 128, 128, 1, True, False, False, 64, False))
+except ArrivalCountError as exc:
+    print("ArrivalCountError:", exc)
+else:
+    print("compiled")
+"""
+
+
+@pytest.mark.parametrize("which", ["s", "stats", "named"])
+def test_wrong_arrival_count_fails_the_compile(which):
+    """A deliberately wrong barrier count in the kernel stops the compile at trace time (before ptxas),
+    naming the barrier, instead of hanging or racing on the GPU."""
+    proc = subprocess.run([sys.executable, "-c", _WRONG_COUNT_SCRIPT, which], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    want = {"s": "pipeline s: arrival counts (1, 128)", "stats": "pipeline stats: arrival counts (256, 128)",
+            "named": "named barrier TmemFree: 256 threads != 128"}[which]
+    assert "ArrivalCountError: " + want in proc.stdout, proc.stdout[-2000:]
 
 
 def test_exp2_polynomial_constants():
