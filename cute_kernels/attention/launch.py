@@ -169,12 +169,11 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
                             for bsz in (0,) + BLOCK_SIZES:
                                 out.append(fwd_config(arch, dt, d, d, ratio, mask == "causal", mask == "window",
                                                       False, bsz, varlen))
-        if sm90:
-            out += [fwd_config(arch, "bfloat16", d, d, 1, c, False, True, 64, False)
-                    for d in (128, 256) for c in (False, True)]
-            out += [fwd_config(arch, dt, 192, 128, ratio, mask == "causal", mask == "window", False, bsz, varlen)
-                    for dt in DTYPES for mask in ("none", "causal", "window") for ratio in (1, 4)
-                    for varlen in (False, True) for bsz in (0,) + BLOCK_SIZES]
+        out += [fwd_config(arch, "bfloat16", d, d, 1, c, False, True, 64, False)
+                for d in (128, 256) for c in (False, True)]
+        out += [fwd_config(arch, dt, 192, 128, ratio, mask == "causal", mask == "window", False, bsz, varlen)
+                for dt in DTYPES for mask in ("none", "causal", "window") for ratio in (1, 4)
+                for varlen in (False, True) for bsz in (0,) + BLOCK_SIZES]
         return out
     rep = [
         ("bfloat16", 128, 1, True, False, False, 0, False),
@@ -187,9 +186,9 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
     if sm90:
         rep += [("bfloat16", 96, 1, True, False, True, 64, False)]
     out = [fwd_config(arch, dt, d, d, r, c, w, sc, b, vl) for dt, d, r, c, w, sc, b, vl in rep]
-    if sm90:  # (192, 128): Q/K 192 wide, V/O 128 wide
-        out += [fwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, 64, False),
-                fwd_config(arch, "float16", 192, 128, 1, False, False, False, 0, True)]
+    # (192, 128): Q/K 192 wide, V/O 128 wide
+    out += [fwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, 64, False),
+            fwd_config(arch, "float16", 192, 128, 1, False, False, False, 0, True)]
     return out
 
 
