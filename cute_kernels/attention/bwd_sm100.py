@@ -54,8 +54,11 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels import arch as _arch
+from cute_kernels.common.barriers import check_arrivals as _check_arrivals
+from cute_kernels.common.barriers import pipeline_counts
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
+from cute_kernels.common.softmax import softcap_logit
 from cute_kernels.common.tile_range import (QueryTileRange, TileRange, first_key_tile, last_key_tile,
                                              normalize_window)
 from cute_kernels.common.utils import LN_2, LOG2_E
@@ -124,17 +127,10 @@ BARRIERS = {BwdBarrier.Compute: ("compute",), BwdBarrier.Reduce: ("reduce",),
 
 
 def check_arrivals(groups: dict, barriers: dict) -> None:
-    """Trace-time check: every pipeline's producer / consumer arrival count and every named
-    barrier's thread count equal the threads of the roles that arrive (ValueError otherwise)."""
-    for name, (prod, cons) in PIPES.items():
-        p, c = groups[name]
-        if p != ROLE_THREADS[prod] or c != ROLE_THREADS[cons]:
-            raise ValueError(f"pipeline {name}: arrival counts ({p}, {c}) != role threads "
-                             f"({ROLE_THREADS[prod]} {prod}, {ROLE_THREADS[cons]} {cons})")
-    for bid, roles in BARRIERS.items():
-        want = sum(ROLE_THREADS[r] for r in roles)
-        if barriers[bid] != want:
-            raise ValueError(f"named barrier {bid.name}: {barriers[bid]} threads != {want} ({'+'.join(roles)})")
+    """Trace-time check (common/barriers.py, the rule the SM100 forward follows too): every pipeline's
+    producer / consumer arrival count and every named barrier's thread count equal the threads of
+    the roles that arrive (ArrivalCountError, a ValueError, otherwise)."""
+    _check_arrivals(groups, barriers, pipes=PIPES, barriers=BARRIERS, role_threads=ROLE_THREADS)
 
 
 def tmem_plan(cfg: BwdConfig) -> dict:
@@ -439,7 +435,6 @@ class FlashBwdSm100:
 
         rt = ROLE_THREADS
         counts = {name: (rt[p], rt[c]) for name, (p, c) in PIPES.items()}
-        check_arrivals(counts, {b: sum(rt[r] for r in roles) for b, roles in BARRIERS.items()})
         g = {name: (group(p), group(c)) for name, (p, c) in counts.items()}
 
         pipe_kv = pipeline.PipelineTmaUmma.create(
@@ -467,6 +462,8 @@ class FlashBwdSm100:
             num_stages=1, producer_group=g["dKV"][0], consumer_group=g["dKV"][1],
             barrier_storage=storage.bar_dKV.data_ptr(), defer_sync=True)
         pipes = (pipe_kv, pipe_q, pipe_do, pipe_S, pipe_dP, pipe_dS, pipe_dQ, pipe_dKV)
+        check_arrivals({name: pipeline_counts(name, p) for name, p in zip(PIPES, pipes)},
+                       {b: sum(rt[r] for r in roles) for b, roles in BARRIERS.items()})
 
         if warp_idx == _WARPS_REDUCE[0]:
             cute.arch.alloc_tmem(TMEM_COLS, storage.tmem_holding.ptr)
@@ -806,7 +803,7 @@ class FlashBwdSm100:
                 # 2. softcap (keep tanh for the chain rule), mask, P = exp2(s * scale_log2 - lse_log2)
                 if const_expr(cfg.has_softcap):
                     for k in cutlass.range_constexpr(half):
-                        rS[k] = cute.math.tanh(rS[k] * softcap_in, fastmath=True) * softcap
+                        rS[k] = softcap_logit(rS[k], softcap_in, softcap)
                 # mask only where the tile crosses a limit (TileRange's rule; rows >= seqlen_q get P = 0
                 # from their +inf lse fill, see load_row_stats)
                 need_mask = n_tile * TILE_N + TILE_N > seqlen_k
