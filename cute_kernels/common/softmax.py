@@ -18,8 +18,9 @@ by more than a threshold) and ``OnlineSoftmax.finalize`` (1 / row sum and lse; t
 
 Softcap tanh policy, one function for every arch, forward and backward (``softcap_logit``):
 tanh(x) = 1 - 2 / (2^(2 x log2(e)) + 1) with ``ex2.approx`` and ``rcp.approx``: absolute error below
-5e-7 for every x (tests/cpu/test_softcap_tanh.py), no branches, 2 MUFU + 3 FMA-pipe instructions and
-one temporary per element. What matters is the absolute error, since softcap multiplies it into
+5e-7 for every x (tests/cpu/test_softcap_tanh.py from the instructions' error bounds; on a GPU,
+tests/gpu/test_softcap_tanh.py), no branches, 2 MUFU + 4 FMA-pipe instructions and one temporary
+per element. What matters is the absolute error, since softcap multiplies it into
 the logit and P = exp(logit - lse) turns it into a relative error of P. Rejected: ``tanh.approx.f32``
 (FA4's; one MUFU op, but an absolute error near 2^-11, i.e. up to 0.025 in the logit at softcap 50,
 2.5 % in P, and in block_logit, which selects blocks); libdevice ``tanhf`` (exact, but ~14
