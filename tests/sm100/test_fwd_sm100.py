@@ -156,6 +156,14 @@ def test_dtypes_and_head_dims(runner, dtype, d):
     full_check(runner, q, k, v, 64, dtype=dtype, causal=True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dims_192_128(runner, causal):
+    """MLA-style prefill, Q / K 192 wide and V / O 128: two Q stages, K and V tiles share ring buffers
+    sized for K (V loads expect V's bytes); GQA 2, Sk = 700 (neither a tile nor a block multiple)."""
+    q, k, v = H.make_qkv(1, 384, 700, 4, 2, 192, seed=7)
+    full_check(runner, q, k, np.ascontiguousarray(v[..., :128]), 64, causal=causal)
+
+
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_documents_bit_identical(runner, causal, d):
