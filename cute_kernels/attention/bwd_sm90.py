@@ -389,11 +389,12 @@ class FlashBwdSm90:
                     sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
                     self.consume_wide(mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q,
                                       pipeline_do, pipeline_kv, seqlen, qtiles, steps, left, right, n_tile,
-                                      head_kv, batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap)
+                                      head_kv, batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap,
+                                      mCuSeqlensK)
                 else:
                     self.consume(mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                                  pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, batch_idx,
-                                 tidx - THREADS_PER_WG, softmax_scale, softcap)
+                                 tidx - THREADS_PER_WG, softmax_scale, softcap, mCuSeqlensK)
 
     # ------------------------------------------------------------------ producer
     def _seq_view(self, t: cute.Tensor, offset, batch_idx):
@@ -551,7 +552,7 @@ class FlashBwdSm90:
     def consume(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do, pipeline_kv,
                 seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32, right: Int32,
                 n_tile: Int32, head_kv: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32,
-                softcap: Float32):
+                softcap: Float32, mCuSeqlensK):
         cfg = self.cfg
         dt = self.dtype
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
@@ -724,15 +725,16 @@ class FlashBwdSm90:
                     step = step + 1
 
         # Epilogue: dK * scale, dV; keys past seqlen_k are not written.
-        self.store_kv(acc_dK, softmax_scale, mdK, thr_dkv, seqlen, key_base, head_kv, batch_idx, self.hdim)
-        self.store_kv(acc_dV, None, mdV, thr_dkv, seqlen, key_base, head_kv, batch_idx, self.hdimv)
+        self.store_kv(acc_dK, softmax_scale, mdK, thr_dkv, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx,
+                      self.hdim)
+        self.store_kv(acc_dV, None, mdV, thr_dkv, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, self.hdimv)
 
     # ------------------------------------------------------------------ consumers, wide schedule (d > 128)
     @cute.jit
     def consume_wide(self, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                      pipeline_kv, seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32,
                      right: Int32, n_tile: Int32, head_kv: Int32, batch_idx: Int32, ctidx: Int32,
-                     softmax_scale: Float32, softcap: Float32):
+                     softmax_scale: Float32, softcap: Float32, mCuSeqlensK):
         """Both WGs see all 64 keys of the tile: WG w computes S^T / dP^T for query rows [32 w, 32 w + 32)
         of the step, writes P^T / dS^T to smem, then owns columns [w d / 2, (w + 1) d / 2) of dK, dV
         (SS wgmma over the whole P^T / dS^T) and of the dQ tile (Note [wide schedule])."""
@@ -881,8 +883,9 @@ class FlashBwdSm90:
                     step = step + 1
 
         # Epilogue: dK * scale, dV (this WG's column halves); keys past seqlen_k are not written.
-        self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, seqlen, key_base, head_kv, batch_idx, dh, wg * dh)
-        self.store_kv(acc_dV, None, mdV, thr_dv, seqlen, key_base, head_kv, batch_idx, dvh, wg * dvh)
+        self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, dh,
+                      wg * dh)
+        self.store_kv(acc_dV, None, mdV, thr_dv, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, dvh, wg * dvh)
 
     @cute.jit
     def grad_score(self, p: Float32, dp: Float32, dpsum: Float32, lse2, inv_cap_log2: Float32) -> Float32:
@@ -895,11 +898,15 @@ class FlashBwdSm90:
         return ds
 
     @cute.jit
-    def store_kv(self, acc, scale, mX, thr_dkv, seqlen: SeqlenInfo, key_base: Int32, head_kv: Int32,
+    def store_kv(self, acc, scale, mX, thr_dkv, seqlen: SeqlenInfo, mCuSeqlensK, key_base: Int32, head_kv: Int32,
                  batch_idx: Int32, dim: cutlass.Constexpr, col0=0):
-        """Rows key_base + [0, 64), columns col0 + [0, dim) of dK / dV (keys past seqlen_k not written)."""
+        """Rows key_base + [0, 64), columns col0 + [0, dim) of dK / dV (keys past seqlen_k not written).
+        Varlen: the sequence's first key row and length are read again from cu_seqlens_k here rather than
+        kept live across the main loop (they made 12 d 64 / d 128 varlen configs spill 8-32 bytes)."""
+        seqlen_k = seqlen.seqlen_k
         if const_expr(self.cfg.varlen):
-            mX_cur = cute.domain_offset((seqlen.offset_k, 0, 0), mX)[None, head_kv, None]
+            seqlen_k = mCuSeqlensK[batch_idx + 1] - mCuSeqlensK[batch_idx]
+            mX_cur = cute.domain_offset((mCuSeqlensK[batch_idx], 0, 0), mX)[None, head_kv, None]
         else:
             mX_cur = mX[batch_idx, None, head_kv, None]
         gX = cute.local_tile(cute.domain_offset((key_base, col0), mX_cur), (KEYS_PER_WG, dim), (0, 0))
@@ -912,6 +919,6 @@ class FlashBwdSm90:
         convert_to_16bit(acc, r16)
         r_mn = acc_mn_view(r16)
         for r in cutlass.range_constexpr(cute.size(r_mn, mode=[0])):
-            if key_base + tXcX[r, 0][0] < seqlen.seqlen_k:
+            if key_base + tXcX[r, 0][0] < seqlen_k:
                 for c in cutlass.range_constexpr(cute.size(r_mn, mode=[1])):
                     tXgX[r, c] = r_mn[r, c]

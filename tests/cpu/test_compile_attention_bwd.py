@@ -110,7 +110,7 @@ def test_query_tile_range_is_exact(sq, sk, window):
     left = big if window[0] is None else window[0]
     right = big if window[1] is None else window[1]
     mask_right, mask_left = window[1] is not None, window[0] is not None
-    for tile_m, tile_n in ((64, 128), (128, 128)):
+    for tile_m, tile_n in ((64, 128), (128, 128), (64, 64)):  # 128-key and wide schedules
         shift = sk - sq
         for n in range(-(-sk // tile_n)):
             n0 = n * tile_n
