@@ -415,6 +415,24 @@ def add_method_args(ap, window_s: float = 0.5, rounds: int = 3) -> None:
     ap.add_argument("--json", default=None, metavar="FILE")
 
 
+def add_shape_args(ap, hdims: str, seqlens: str) -> None:
+    """The attention shape options of bench_bwd / bench_layer: head dims, sequence lengths, tokens per
+    batch, heads ("Hq" or "Hq/Hkv"), modes; ``parse_shape_args`` turns them into lists."""
+    ap.add_argument("--hdims", default=hdims)
+    ap.add_argument("--seqlens", default=seqlens)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--heads", default="16,32/8")
+    ap.add_argument("--modes", default="full,causal")
+
+
+def parse_shape_args(args):
+    args.hdims = [int(x) for x in args.hdims.split(",")]
+    args.seqlens = [int(x) for x in args.seqlens.split(",")]
+    args.heads = [tuple(int(y) for y in (x.split("/") * 2)[:2]) for x in args.heads.split(",")]
+    args.modes = args.modes.split(",")
+    return args
+
+
 def timer_from_args(args, torch_mod=None) -> CudaTimer:
     return CudaTimer(window_s=args.window, warmup_s=args.warmup, flush=not args.no_flush, graph=args.graph,
                      torch_mod=torch_mod)

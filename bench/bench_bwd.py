@@ -28,8 +28,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _timing import (fmt_spread, RunInfo, add_method_args, bench_windows, method_from_args, timer_from_args,  # noqa: E402
-                     write_markdown)
+from _timing import (add_method_args, add_shape_args, bench_windows, fmt_spread, method_from_args,  # noqa: E402
+                     parse_shape_args, RunInfo, timer_from_args, write_markdown)
 
 VARIANTS = ("ours", "fa4", "ours_det", "fa4_det")
 RATIOS = (("ours_over_fa4", "fa4", "ours", "ours / FA4"),
@@ -38,18 +38,11 @@ RATIOS = (("ours_over_fa4", "fa4", "ours", "ours / FA4"),
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hdims", default="64,128")
-    ap.add_argument("--seqlens", default="2048,4096,8192,16384")
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--heads", default="16,32/8")
-    ap.add_argument("--modes", default="full,causal")
+    add_shape_args(ap, hdims="64,128", seqlens="2048,4096,8192,16384")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     add_method_args(ap)
     args = ap.parse_args(argv)
-    args.hdims = [int(x) for x in args.hdims.split(",")]
-    args.seqlens = [int(x) for x in args.seqlens.split(",")]
-    args.heads = [tuple(int(y) for y in (x.split("/") * 2)[:2]) for x in args.heads.split(",")]
-    args.modes = args.modes.split(",")
+    parse_shape_args(args)
     args.variants = args.variants.split(",")
     return args
 

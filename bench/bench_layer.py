@@ -28,8 +28,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _timing import (RunInfo, add_method_args, bench_windows, fmt_spread, host_us_per_call,  # noqa: E402
-                     method_from_args, timer_from_args, write_markdown)
+from _timing import (add_method_args, add_shape_args, bench_windows, fmt_spread, host_us_per_call,  # noqa: E402
+                     method_from_args, parse_shape_args, RunInfo, timer_from_args, write_markdown)
 
 VARIANTS = ("ours_layer", "ours_plain", "fa4_layer")
 HOST = ("ours_step", "fa4_step", "ours_bwd", "fa4_bwd")
@@ -37,19 +37,12 @@ HOST = ("ours_step", "fa4_step", "ours_bwd", "fa4_bwd")
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hdims", default="128")
-    ap.add_argument("--seqlens", default="8192,16384")
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--heads", default="16,32/8")
-    ap.add_argument("--modes", default="full,causal")
+    add_shape_args(ap, hdims="128", seqlens="8192,16384")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--host-n", type=int, default=100, help="calls per host-cost measurement (0: skip)")
     add_method_args(ap)
     args = ap.parse_args(argv)
-    args.hdims = [int(x) for x in args.hdims.split(",")]
-    args.seqlens = [int(x) for x in args.seqlens.split(",")]
-    args.heads = [tuple(int(y) for y in (x.split("/") * 2)[:2]) for x in args.heads.split(",")]
-    args.modes = args.modes.split(",")
+    parse_shape_args(args)
     return args
 
 
