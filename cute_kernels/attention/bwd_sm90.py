@@ -78,6 +78,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_kernels import arch as _arch
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
+from cute_kernels.common.softmax import softcap_logit
 from cute_kernels.common.tile_range import QueryTileRange, first_key_tile, last_key_tile, normalize_window
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
                                        select_modes, sm90_thread0_cols, transpose_view, wgmma_gemm,
@@ -654,7 +655,7 @@ class FlashBwdSm90:
                     S = acc_mn_view(acc_S)
                     if const_expr(cfg.has_softcap):
                         for i in cutlass.range_constexpr(cute.size(acc_S)):
-                            acc_S[i] = cute.math.tanh(acc_S[i] * softcap_in, fastmath=False) * softcap
+                            acc_S[i] = softcap_logit(acc_S[i], softcap_in, softcap)
                     apply_mask_kv_major(S, cols, keys, m * self.tile_m + thr_col, seqlen.seqlen_k, shift,
                                         left, right, mask_right, cfg.has_window)
                     dP = acc_mn_view(acc_dP)
@@ -837,7 +838,7 @@ class FlashBwdSm90:
                     S = acc_mn_view(acc_S)
                     if const_expr(cfg.has_softcap):
                         for i in cutlass.range_constexpr(cute.size(acc_S)):
-                            acc_S[i] = cute.math.tanh(acc_S[i] * softcap_in, fastmath=False) * softcap
+                            acc_S[i] = softcap_logit(acc_S[i], softcap_in, softcap)
                     apply_mask_kv_major(S, cols, keys, m * self.tile_m + thr_col, seqlen.seqlen_k, shift,
                                         left, right, mask_right, cfg.has_window)
                     dP = acc_mn_view(acc_dP)
