@@ -31,50 +31,26 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, select_modes,
-                                       sm90_thread0_cols, transpose_view, wgmma_gemm, wgmma_smem_layout)
-from cute_kernels.dtypes import cutlass_dtype
-from cute_kernels.indexed.bwd_dkdv_sm90 import IndexedBwdDKDVSm90
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, sm90_thread0_cols,
+                                       transpose_view, wgmma_gemm, wgmma_smem_layout)
 
-from .config import BLOCK_SIZE, TILE_M, BwdConfig, head_chunk
+from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage
+from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
-THREADS_PER_WG = 128
 STAGES = 2
 # setmaxnreg split over 384 threads: 128 * (24 + 2 * 240) <= 64K.
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 
 
-class BlockSparseBwdDKDVSm90:
-    def __init__(self, cfg: BwdConfig):
-        if cfg.arch // 10 != 9:
-            raise ValueError(f"BlockSparseBwdDKDVSm90 is the SM90 kernel, got arch {cfg.arch}")
-        self.cfg = cfg
-        self.dtype = cutlass_dtype(cfg.dtype)
-        self.dk, self.dv = cfg.head_dim, cfg.head_dim_v
-        self.gc = head_chunk(cfg.group)
-        self.chunks = cfg.group // self.gc
-        self.wq = cfg.window_queries
-        self.keys = BLOCK_SIZE
-
+class BlockSparseBwdDKDVSm90(BlockSparseSm90):
     @staticmethod
     def smem_bytes(cfg: BwdConfig) -> int:
         rows = STAGES * TILE_M * (cfg.head_dim + cfg.head_dim_v) * 2
         kv = BLOCK_SIZE * (cfg.head_dim + cfg.head_dim_v) * 2
         return rows + kv + 5 * 1024 + 8 * (2 + 2 * STAGES)
-
-    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout):
-        fields = {
-            "mbar_kv": cute.struct.MemRange[Int64, 1],
-            "mbar_rows": cute.struct.MemRange[Int64, 2 * STAGES],
-            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
-            "sdO": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024],
-            "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
-            "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024],
-        }
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -83,22 +59,16 @@ class BlockSparseBwdDKDVSm90:
                  mKeySlot: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, stream):
         sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, STAGES))
         sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, STAGES))
-        sK_layout = wgmma_smem_layout(self.dtype, (self.keys, self.dk))
-        sV_layout = wgmma_smem_layout(self.dtype, (self.keys, self.dv))
-        rows_q = IndexedBwdDKDVSm90.row_box(SimpleNamespace(g=self.gc, d=self.dk), sQ_layout)
-        rows_do = IndexedBwdDKDVSm90.row_box(SimpleNamespace(g=self.gc, d=self.dv), sdO_layout)
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, (2, 3, 1, 0)), rows_q,
-                                                        (self.gc, self.dk))
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, select_modes(mdO, (2, 3, 1, 0)), rows_do,
-                                                          (self.gc, self.dv))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, (1, 3, 2, 0)), sK_layout,
-                                                        (self.keys, self.dk))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, (1, 3, 2, 0)), sV_layout,
-                                                        (self.keys, self.dv))
-        self.tx_bytes_kv = self.keys * (self.dk + self.dv) * 2
+        sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk))
+        sV_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dv))
+        tma_atom_Q, tma_Q, rows_q = self.rows_tma(mQ, self.dk, sQ_layout)
+        tma_atom_dO, tma_dO, rows_do = self.rows_tma(mdO, self.dv, sdO_layout)
+        tma_atom_K, tma_K = self.kv_tma(mK, sK_layout, self.dk)
+        tma_atom_V, tma_V = self.kv_tma(mV, sV_layout, self.dv)
+        self.tx_bytes_kv = self.tile_n * (self.dk + self.dv) * 2
         self.tx_bytes_rows = self.wq * self.gc * (self.dk + self.dv) * 2
-        self.shared_storage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout)
+        self.shared_storage = shared_storage(self.dtype, {"mbar_kv": 1, "mbar_rows": 2 * STAGES}, sQ=sQ_layout,
+                                             sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
         grid = (mKeyStart.shape[1], mK.shape[2], mQ.shape[0])
         atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V)
         plan = (mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot)
@@ -114,12 +84,7 @@ class BlockSparseBwdDKDVSm90:
                sV_layout: cute.ComposedLayout, rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout,
                softmax_scale: Float32):
         mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
-            for atom in atoms:
-                cpasync.prefetch_descriptor(atom)
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        warp_idx, tidx, storage = self.allocate(atoms)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -172,7 +137,7 @@ class BlockSparseBwdDKDVSm90:
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.tx_bytes_kv)
         for atom, mX, sX, d in ((tma_atom_K, mK, sK, self.dk), (tma_atom_V, mV, sV, self.dv)):
-            gX = cute.local_tile(cute.domain_offset((blk.start, 0), mX[None, None, blk.h, blk.b]), (self.keys, d),
+            gX = cute.local_tile(cute.domain_offset((blk.start, 0), mX[None, None, blk.h, blk.b]), (self.tile_n, d),
                                  (0, 0))
             tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                                cute.group_modes(gX, 0, 2))
@@ -209,8 +174,8 @@ class BlockSparseBwdDKDVSm90:
         tSrV = wg_s.make_fragment_A(wg_s.partition_A(sV))
         tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ))  # (.., .., k, stage)
         tSrdO = wg_s.make_fragment_B(wg_s.partition_B(sdO))
-        acc_shape = wg_s.partition_shape_C((self.keys, TILE_M))
-        tScS_mn = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((self.keys, TILE_M))))
+        acc_shape = wg_s.partition_shape_C((self.tile_n, TILE_M))
+        tScS_mn = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_n, TILE_M))))
         ctx = SimpleNamespace(key=[blk.start + tScS_mn[i, 0][0] for i in range(2)], thr_col=tScS_mn[0, 0][1],
                               cols=sm90_thread0_cols(TILE_M), scale_log2=softmax_scale * LOG2_E,
                               mLSE=mLSE, mDelta=mDelta, mTileMask=mTileMask, mQLimit=mQLimit, mKeyTile=mKeyTile,
@@ -233,8 +198,8 @@ class BlockSparseBwdDKDVSm90:
         mma_dv = self._mma_rs(self.dv)
         wg_dv = mma_dv.get_slice(0)
         tVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))  # (.., .., k, stage)
-        tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((self.keys, TILE_M)))
-        acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((self.keys, self.dv)), Float32)
+        tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((self.tile_n, TILE_M)))
+        acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((self.tile_n, self.dv)), Float32)
         acc_dV.fill(0.0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for i in cutlass.range(n, unroll=1):
@@ -255,8 +220,8 @@ class BlockSparseBwdDKDVSm90:
         mma_dk = self._mma_rs(self.dk)
         wg_dk = mma_dk.get_slice(0)
         tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))  # (.., .., k, stage)
-        tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((self.keys, TILE_M)))
-        acc_dK = cute.make_rmem_tensor(wg_dk.partition_shape_C((self.keys, self.dk)), Float32)
+        tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((self.tile_n, TILE_M)))
+        acc_dK = cute.make_rmem_tensor(wg_dk.partition_shape_C((self.tile_n, self.dk)), Float32)
         acc_dK.fill(0.0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for i in cutlass.range(n, unroll=1):
@@ -329,7 +294,7 @@ class BlockSparseBwdDKDVSm90:
         rX = cute.make_rmem_tensor_like(acc, self.dtype)
         convert_to_16bit(acc, rX)
         rX_mn = acc_mn_view(rX)
-        tXcX_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.keys, cols))))
+        tXcX_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, cols))))
         for k in cutlass.range_constexpr(2):
             key = blk.start + tXcX_mn[k, 0][0]
             if key < blk.end:

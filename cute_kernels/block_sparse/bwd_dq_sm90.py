@@ -21,19 +21,16 @@ the caller does).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 
-from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, select_modes,
-                                       transpose_view, wgmma_smem_layout)
-from cute_kernels.indexed.bwd_dkdv_sm90 import IndexedBwdDKDVSm90
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, transpose_view,
+                                       wgmma_smem_layout)
 
+from .common import shared_storage
 from .config import TILE_M
 from .fwd_sm90 import CONSUMER_REGS, KV_STAGES, PRODUCER_REGS, THREADS_PER_WG, BlockSparseFwdSm90
 
@@ -45,18 +42,6 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         kv = 64 * (cfg.head_dim + cfg.head_dim_v) * 2 * KV_STAGES
         return rows + kv + 4 * 1024 + 8 * (1 + 4 * KV_STAGES)
 
-    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout):
-        fields = {
-            "mbar_q": cute.struct.MemRange[Int64, 1],
-            "mbar_k": cute.struct.MemRange[Int64, 2 * KV_STAGES],
-            "mbar_v": cute.struct.MemRange[Int64, 2 * KV_STAGES],
-            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
-            "sdO": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024],
-            "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
-            "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024],
-        }
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor,
@@ -65,22 +50,11 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, 1))
         sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk, KV_STAGES))
         sV_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dv, KV_STAGES))
-        rows_q = IndexedBwdDKDVSm90.row_box(SimpleNamespace(g=self.gc, d=self.dk),
-                                            wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 2)))
-        rows_do = IndexedBwdDKDVSm90.row_box(SimpleNamespace(g=self.gc, d=self.dv),
-                                             wgmma_smem_layout(self.dtype, (TILE_M, self.dv, 2)))
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, (2, 3, 1, 0)), rows_q,
-                                                        (self.gc, self.dk))
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, select_modes(mdO, (2, 3, 1, 0)), rows_do,
-                                                          (self.gc, self.dv))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            g2s, select_modes(mK, (1, 3, 2, 0)), cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.dk), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s, select_modes(mV, (1, 3, 2, 0)), cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.dv), 1)
-        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
-        self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
-        self.shared_storage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout)
+        tma_atom_Q, tma_Q, rows_q = self.rows_tma(mQ, self.dk)
+        tma_atom_dO, tma_dO, rows_do = self.rows_tma(mdO, self.dv)
+        (tma_atom_K, tma_K), (tma_atom_V, tma_V) = self.kv_tmas(mK, mV, sK_layout, sV_layout)
+        self.shared_storage = shared_storage(self.dtype, self.MBARS, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout,
+                                             sV=sV_layout)
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
         atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V)
         self.kernel(tma_Q, tma_dO, tma_K, tma_V, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, mdQ,
@@ -94,24 +68,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
                mQLimit: cute.Tensor, mdQ: cute.Tensor, atoms: tuple, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout, softmax_scale: Float32):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
-            for atom in atoms:
-                cpasync.prefetch_descriptor(atom)
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        mbar_q = storage.mbar_q.data_ptr()
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar_q, 1)
-        cute.arch.mbarrier_init_fence()
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG // 32)
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tx_bytes_k, defer_sync=True)
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tx_bytes_v, defer_sync=False)
+        warp_idx, tidx, storage, mbar_q, pipeline_k, pipeline_v = self.prologue(atoms)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -162,12 +119,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
     @cute.jit
     def consume_dq(self, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
                    pipeline_v, tile, ctidx: Int32, softmax_scale: Float32):
-        tiled_mma_s = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n))
-        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dk), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_s, tiled_mma_dq = self.row_mmas(self.dk)
         thr_mma_s = tiled_mma_s.get_slice(ctidx)
         thr_mma_dq = tiled_mma_dq.get_slice(ctidx)
         wg_s = tiled_mma_s.get_slice(0)

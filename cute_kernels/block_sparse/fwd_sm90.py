@@ -44,36 +44,23 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.softmax import OnlineSoftmax
-from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, select_modes,
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
                                        sm90_thread0_cols, transpose_view, wgmma_gemm, wgmma_smem_layout)
-from cute_kernels.dtypes import cutlass_dtype
-from cute_kernels.indexed.bwd_dkdv_sm90 import IndexedBwdDKDVSm90
 
-from .config import BLOCK_SIZE, TILE_M, FwdConfig, head_chunk
+from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage
+from .config import BLOCK_SIZE, TILE_M, FwdConfig
 
-THREADS_PER_WG = 128
 KV_STAGES = 2
 # setmaxnreg split; 128 * (24 + 232) = 32K registers per CTA, so two CTAs fit an SM (D <= 128).
 PRODUCER_REGS, CONSUMER_REGS = 24, 232
 
 
-class BlockSparseFwdSm90:
-    def __init__(self, cfg: FwdConfig):
-        if cfg.arch // 10 != 9:
-            raise ValueError(f"BlockSparseFwdSm90 is the SM90 kernel, got arch {cfg.arch}")
-        self.cfg = cfg
-        self.dtype = cutlass_dtype(cfg.dtype)
-        self.dk, self.dv = cfg.head_dim, cfg.head_dim_v
-        self.gc = head_chunk(cfg.group)
-        self.chunks = cfg.group // self.gc
-        self.wq = cfg.window_queries
-        self.tile_n = BLOCK_SIZE
-
+class BlockSparseFwdSm90(BlockSparseSm90):
     @staticmethod
     def smem_bytes(cfg: FwdConfig) -> int:
         q = TILE_M * cfg.head_dim * 2
@@ -81,16 +68,7 @@ class BlockSparseFwdSm90:
         return q + kv + 3 * 1024 + 8 * (1 + 4 * KV_STAGES)
 
     # ------------------------------------------------------------------ host launch
-    def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
-        fields = {
-            "mbar_q": cute.struct.MemRange[Int64, 1],
-            "mbar_k": cute.struct.MemRange[Int64, 2 * KV_STAGES],
-            "mbar_v": cute.struct.MemRange[Int64, 2 * KV_STAGES],
-            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
-            "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
-            "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024],
-        }
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    MBARS = {"mbar_q": 1, "mbar_k": 2 * KV_STAGES, "mbar_v": 2 * KV_STAGES}
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileStart: cute.Tensor,
@@ -100,21 +78,9 @@ class BlockSparseFwdSm90:
         sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 1))
         sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk, KV_STAGES))
         sV_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dv, KV_STAGES))
-        # the indexed dK/dV kernel's row-slot box (it checks its stage layout, hence 2 stages there;
-        # stage 0 is laid out as sQ)
-        rows = IndexedBwdDKDVSm90.row_box(SimpleNamespace(g=self.gc, d=self.dk),
-                                          wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 2)))
-        mKt, mVt = [select_modes(t, (1, 3, 2, 0)) for t in (mK, mV)]
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            g2s, select_modes(mQ, (2, 3, 1, 0)), rows, (self.gc, self.dk))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            g2s, mKt, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.dk), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s, mVt, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.dv), 1)
-        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
-        self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
-        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
+        tma_atom_Q, tma_Q, rows = self.rows_tma(mQ, self.dk)  # stage 0 of its layout is laid out as sQ
+        (tma_atom_K, tma_K), (tma_atom_V, tma_V) = self.kv_tmas(mK, mV, sK_layout, sV_layout)
+        self.shared_storage = shared_storage(self.dtype, self.MBARS, sQ=sQ_layout, sK=sK_layout, sV=sV_layout)
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
         self.kernel(tma_Q, tma_K, tma_V, mTileStart, mTileMask, mTileCount, mQLimit, mSink, mO, mLSE,
                     tma_atom_Q, tma_atom_K, tma_atom_V, sQ_layout, sK_layout, sV_layout, rows,
@@ -130,25 +96,7 @@ class BlockSparseFwdSm90:
                mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
                tma_atom_V: cute.CopyAtom, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, rows: cute.ComposedLayout, softmax_scale: Float32):
-        cfg = self.cfg
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
-                cpasync.prefetch_descriptor(atom)
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        mbar_q = storage.mbar_q.data_ptr()
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar_q, 1)
-        cute.arch.mbarrier_init_fence()
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG // 32)
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tx_bytes_k, defer_sync=True)
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tx_bytes_v, defer_sync=False)
+        warp_idx, tidx, storage, mbar_q, pipeline_k, pipeline_v = self.prologue((tma_atom_Q, tma_atom_K, tma_atom_V))
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -163,6 +111,32 @@ class BlockSparseFwdSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
                          pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
+
+    def kv_tmas(self, mK, mV, sK_layout, sV_layout):
+        """K / V block atoms (one stage of the staged layouts) and their stage byte counts."""
+        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+        return (self.kv_tma(mK, cute.select(sK_layout, mode=[0, 1]), self.dk),
+                self.kv_tma(mV, cute.select(sV_layout, mode=[0, 1]), self.dv))
+
+    @cute.jit
+    def prologue(self, atoms: tuple):
+        """Warp 0 prefetches the TMA descriptors; the shared storage, the Q barrier (one arrival) and the
+        K / V pipelines (one producer thread, the consumer warpgroup's warps)."""
+        warp_idx, tidx, storage = self.allocate(atoms)
+        mbar_q = storage.mbar_q.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar_q, 1)
+        cute.arch.mbarrier_init_fence()
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG // 32)
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_bytes_k, defer_sync=True)
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=KV_STAGES, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_bytes_v, defer_sync=False)
+        return warp_idx, tidx, storage, mbar_q, pipeline_k, pipeline_v
 
     @cute.jit
     def tile_of(self, mQ: cute.Tensor, mK: cute.Tensor, mTileCount: cute.Tensor):
@@ -227,15 +201,20 @@ class BlockSparseFwdSm90:
         if const_expr(wait >= 0):
             warpgroup.wait_group(wait)
 
+    def row_mmas(self, d: int):
+        """The consumer's two wgmmas: S = Q K^T (64 x 64, both from smem, K-major) and the second
+        GEMM's (64 x d, A from registers, B read MN-major)."""
+        return (sm90_utils.make_trivial_tiled_mma(
+                    self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+                    atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n)),
+                sm90_utils.make_trivial_tiled_mma(
+                    self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+                    atom_layout_mnk=(1, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM))
+
     @cute.jit
     def consume(self, mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
                 pipeline_v, tile, ctidx: Int32, softmax_scale: Float32):
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n))
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dv), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_qk, tiled_mma_pv = self.row_mmas(self.dv)
         thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
         thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
         wg_mma_qk = tiled_mma_qk.get_slice(0)
