@@ -22,6 +22,7 @@ from ._static import dynamic_only
 from .backend import resolve_backend
 from .block_sparse_planner import (BlockSparsePlan, build_plan, check_block_size, check_cu_seqlens, check_ids,
                                 num_docs)
+from .indexed import import_optional
 
 OP = "block_sparse_attention"
 _GLUE_MODULE = "paddle_fa4.block_sparse_cute"
@@ -139,14 +140,7 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
 
 def _glue():
     """The CuTe glue module, or None when it is not part of this install."""
-    import importlib
-
-    try:
-        return importlib.import_module(_GLUE_MODULE)
-    except ModuleNotFoundError as err:
-        if err.name == _GLUE_MODULE:
-            return None
-        raise
+    return import_optional(_GLUE_MODULE)
 
 
 def _unsupported_reason(arch: int, spec: BlockSparseSpec, needs_grad: bool) -> Optional[str]:

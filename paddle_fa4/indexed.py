@@ -100,16 +100,21 @@ def _no_work(spec: IndexedSpec) -> bool:
     return spec.B * spec.Lq * spec.Hq == 0 or spec.Lkv == 0 or spec.W == 0
 
 
-def _glue():
-    """The CuTe glue module, or None when it is not part of this install yet."""
+def import_optional(name: str):
+    """Module ``name``, or None when it is not part of this install (errors inside it still raise)."""
     import importlib
 
     try:
-        return importlib.import_module(_GLUE_MODULE)
+        return importlib.import_module(name)
     except ModuleNotFoundError as err:
-        if err.name == _GLUE_MODULE:
+        if err.name == name:
             return None
         raise
+
+
+def _glue():
+    """The CuTe glue module, or None when it is not part of this install yet."""
+    return import_optional(_GLUE_MODULE)
 
 
 def _unsupported_reason(arch: int, spec: IndexedSpec) -> Optional[str]:
