@@ -64,6 +64,7 @@ launched before it (FA4's "SPT" order). Every counter still sees each of its wri
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
@@ -614,25 +615,9 @@ class FlashBwdSm90:
         sdS_w = cute.local_tile(sdS, (KEYS_PER_WG, self.tile_m, STAGES), (wg, 0, 0))
         tSsdS = thr_st.partition_D(sdS_w)  # (.., .., .., stage)
 
-        # Coordinates of this thread's S^T elements: keys (rows) and query rows (columns).
-        cS = cute.make_identity_tensor((KEYS_PER_WG, self.tile_m))
-        tScS_mn = acc_mn_view(thr_sdp.partition_C(cS))
         key_base = n_tile * self.tile_n + wg * KEYS_PER_WG
-        keys = [key_base + tScS_mn[r, 0][0] for r in range(cute.size(tScS_mn, mode=[0]))]
-        thr_col = tScS_mn[0, 0][1]
-        cols = sm90_thread0_cols(self.tile_m)
-        ncols = cute.size(tScS_mn, mode=[1])
-        shift = seqlen.seqlen_k - seqlen.seqlen_q
-        mask_right = const_expr(cfg.causal or cfg.has_window)
-
-        if const_expr(cfg.has_softcap):
-            scale_log2 = Float32(LOG2_E)
-            softcap_in = softmax_scale / softcap
-            inv_cap_log2 = 1.0 / (softcap * LOG2_E)
-        else:
-            scale_log2 = softmax_scale * LOG2_E
-            softcap_in = Float32(0.0)
-            inv_cap_log2 = Float32(0.0)
+        sc = self.score_context(thr_sdp, (KEYS_PER_WG, self.tile_m), key_base, None, seqlen, left, right,
+                                softmax_scale, softcap)
         nbar_dq = THREADS_PER_WG + 32
 
         if steps > 0:
@@ -652,36 +637,7 @@ class FlashBwdSm90:
                     pipeline_do.consumer_wait(state)
                     wgmma_gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
                     warpgroup.wait_group(1)
-                    S = acc_mn_view(acc_S)
-                    if const_expr(cfg.has_softcap):
-                        for i in cutlass.range_constexpr(cute.size(acc_S)):
-                            acc_S[i] = softcap_logit(acc_S[i], softcap_in, softcap)
-                    apply_mask_kv_major(S, cols, keys, m * self.tile_m + thr_col, seqlen.seqlen_k, shift,
-                                        left, right, mask_right, cfg.has_window)
-                    dP = acc_mn_view(acc_dP)
-                    if const_expr(self.tile_m == 128):
-                        # Column (query row) outer: each lse / dpsum value is live for its column only
-                        # (holding all 32 of each spilled at tile_m 128).
-                        for c in cutlass.range_constexpr(ncols):
-                            lse_c = sLSE[thr_col + cols[c], stage]
-                            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_c, fastmath=True)
-                        warpgroup.wait_group(0)
-                        for c in cutlass.range_constexpr(ncols):
-                            dps_c = sdPsum[thr_col + cols[c], stage]
-                            lse_c = sLSE[thr_col + cols[c], stage] if const_expr(cfg.has_softcap) else None
-                            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                                dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps_c, lse_c, inv_cap_log2)
-                    else:
-                        lse = [sLSE[thr_col + cols[c], stage] for c in range(ncols)]
-                        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                            for c in cutlass.range_constexpr(ncols):
-                                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
-                        warpgroup.wait_group(0)
-                        dps = [sdPsum[thr_col + cols[c], stage] for c in range(ncols)]
-                        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                            for c in cutlass.range_constexpr(ncols):
-                                dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], inv_cap_log2)
+                    self.probs_and_grads(acc_S, acc_dP, sc, m, sLSE, sdPsum, stage, stage, self.tile_m == 128)
                     convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
                     if const_expr(self.dq_before_dk):
                         wgmma_gemm(mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, stage], False)
@@ -796,24 +752,9 @@ class FlashBwdSm90:
         tSsP = thr_st.partition_D(cute.local_tile(sP, (self.tile_n, rows_w, self.pds_stages), (0, wg, 0)))
         tSsdS = thr_st.partition_D(cute.local_tile(sdS, (self.tile_n, rows_w, self.pds_stages), (0, wg, 0)))
 
-        cS = cute.make_identity_tensor((self.tile_n, rows_w))
-        tScS_mn = acc_mn_view(thr_sdp.partition_C(cS))
         key_base = n_tile * self.tile_n
-        keys = [key_base + tScS_mn[r, 0][0] for r in range(cute.size(tScS_mn, mode=[0]))]
-        thr_col = tScS_mn[0, 0][1] + wg * rows_w  # query row of register column 0 within the step
-        cols = sm90_thread0_cols(rows_w)
-        ncols = cute.size(tScS_mn, mode=[1])
-        shift = seqlen.seqlen_k - seqlen.seqlen_q
-        mask_right = const_expr(cfg.causal or cfg.has_window)
-
-        if const_expr(cfg.has_softcap):
-            scale_log2 = Float32(LOG2_E)
-            softcap_in = softmax_scale / softcap
-            inv_cap_log2 = 1.0 / (softcap * LOG2_E)
-        else:
-            scale_log2 = softmax_scale * LOG2_E
-            softcap_in = Float32(0.0)
-            inv_cap_log2 = Float32(0.0)
+        sc = self.score_context(thr_sdp, (self.tile_n, rows_w), key_base, wg * rows_w, seqlen, left, right,
+                                softmax_scale, softcap)
         nbar_dq = THREADS_PER_WG + 32
 
         if steps > 0:
@@ -835,22 +776,7 @@ class FlashBwdSm90:
                     pipeline_do.consumer_wait(state_do)
                     wgmma_gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, sd], True)
                     warpgroup.wait_group(1)
-                    S = acc_mn_view(acc_S)
-                    if const_expr(cfg.has_softcap):
-                        for i in cutlass.range_constexpr(cute.size(acc_S)):
-                            acc_S[i] = softcap_logit(acc_S[i], softcap_in, softcap)
-                    apply_mask_kv_major(S, cols, keys, m * self.tile_m + thr_col, seqlen.seqlen_k, shift,
-                                        left, right, mask_right, cfg.has_window)
-                    dP = acc_mn_view(acc_dP)
-                    lse = [sLSE[thr_col + cols[c], sq] for c in range(ncols)]
-                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        for c in cutlass.range_constexpr(ncols):
-                            S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
-                    warpgroup.wait_group(0)
-                    dps = [sdPsum[thr_col + cols[c], sd] for c in range(ncols)]
-                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        for c in cutlass.range_constexpr(ncols):
-                            dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], inv_cap_log2)
+                    self.probs_and_grads(acc_S, acc_dP, sc, m, sLSE, sdPsum, sq, sd, False)
                     rP = cute.make_rmem_tensor(acc_S_shape, dt)
                     rdS = cute.make_rmem_tensor(acc_S_shape, dt)
                     convert_to_16bit(acc_S, rP)
@@ -887,6 +813,69 @@ class FlashBwdSm90:
         self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, dh,
                       wg * dh)
         self.store_kv(acc_dV, None, mdV, thr_dv, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, dvh, wg * dvh)
+
+    @cute.jit
+    def score_context(self, thr_sdp, shape, key_base: Int32, col0, seqlen: SeqlenInfo, left: Int32, right: Int32,
+                      softmax_scale: Float32, softcap: Float32):
+        """Coordinates of this thread's S^T elements of ``shape`` (keys as rows from ``key_base``, query
+        rows as columns from ``col0``), the mask's bounds and the score scales (log2 units)."""
+        cfg = self.cfg
+        tScS_mn = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor(shape)))
+        keys = [key_base + tScS_mn[r, 0][0] for r in range(cute.size(tScS_mn, mode=[0]))]
+        thr_col = tScS_mn[0, 0][1]  # query row of register column 0 within the step
+        if const_expr(col0 is not None):
+            thr_col = thr_col + col0
+        sc = SimpleNamespace(keys=keys, thr_col=thr_col, cols=sm90_thread0_cols(shape[1]),
+                             ncols=cute.size(tScS_mn, mode=[1]), seqlen=seqlen,
+                             shift=seqlen.seqlen_k - seqlen.seqlen_q, left=left, right=right,
+                             mask_right=const_expr(cfg.causal or cfg.has_window), softcap=softcap)
+        if const_expr(cfg.has_softcap):
+            sc.scale_log2 = Float32(LOG2_E)
+            sc.softcap_in = softmax_scale / softcap
+            sc.inv_cap_log2 = 1.0 / (softcap * LOG2_E)
+        else:
+            sc.scale_log2 = softmax_scale * LOG2_E
+            sc.softcap_in = Float32(0.0)
+            sc.inv_cap_log2 = Float32(0.0)
+        return sc
+
+    @cute.jit
+    def probs_and_grads(self, acc_S, acc_dP, sc, m: Int32, sLSE, sdPsum, s_lse: Int32, s_dps: Int32,
+                        column_outer: cutlass.Constexpr):
+        """acc_S: S^T -> P^T (softcap, mask, exp2 against the rows' lse from sLSE stage ``s_lse``); then, once
+        every wgmma is done, acc_dP: dP^T -> dS^T (dpsum from sdPsum stage ``s_dps``). column_outer: query row
+        (column) outer, so each lse / dpsum value is live for its column only (holding all 32 of each
+        spilled at tile_m 128)."""
+        cfg = self.cfg
+        S = acc_mn_view(acc_S)
+        if const_expr(cfg.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = softcap_logit(acc_S[i], sc.softcap_in, sc.softcap)
+        apply_mask_kv_major(S, sc.cols, sc.keys, m * self.tile_m + sc.thr_col, sc.seqlen.seqlen_k, sc.shift,
+                            sc.left, sc.right, sc.mask_right, cfg.has_window)
+        dP = acc_mn_view(acc_dP)
+        cols, ncols = sc.cols, sc.ncols
+        if const_expr(column_outer):
+            for c in cutlass.range_constexpr(ncols):
+                lse_c = sLSE[sc.thr_col + cols[c], s_lse]
+                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    S[r, c] = cute.math.exp2(S[r, c] * sc.scale_log2 - lse_c, fastmath=True)
+            warpgroup.wait_group(0)
+            for c in cutlass.range_constexpr(ncols):
+                dps_c = sdPsum[sc.thr_col + cols[c], s_dps]
+                lse_c = sLSE[sc.thr_col + cols[c], s_lse] if const_expr(cfg.has_softcap) else None
+                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps_c, lse_c, sc.inv_cap_log2)
+        else:
+            lse = [sLSE[sc.thr_col + cols[c], s_lse] for c in range(ncols)]
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                for c in cutlass.range_constexpr(ncols):
+                    S[r, c] = cute.math.exp2(S[r, c] * sc.scale_log2 - lse[c], fastmath=True)
+            warpgroup.wait_group(0)
+            dps = [sdPsum[sc.thr_col + cols[c], s_dps] for c in range(ncols)]
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                for c in cutlass.range_constexpr(ncols):
+                    dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], sc.inv_cap_log2)
 
     @cute.jit
     def grad_score(self, p: Float32, dp: Float32, dpsum: Float32, lse2, inv_cap_log2: Float32) -> Float32:
