@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, sm90_thread0_cols,
                                        transpose_view, wgmma_gemm, wgmma_smem_layout)
 
-from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage
+from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
 STAGES = 2
@@ -85,10 +85,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                softmax_scale: Float32):
         mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
         warp_idx, tidx, storage = self.allocate(atoms)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ, sdO, sK, sV = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
         # Idle rows (past WQ * GC) are never loaded: zero them once (0 * row must stay 0).
         used = self.wq * self.gc
         if const_expr(used < TILE_M):

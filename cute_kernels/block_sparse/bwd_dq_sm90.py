@@ -30,7 +30,7 @@ from cutlass.cute.nvgpu import cpasync
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, transpose_view,
                                        wgmma_smem_layout)
 
-from .common import shared_storage
+from .common import shared_storage, smem_tensors
 from .config import TILE_M
 from .fwd_sm90 import CONSUMER_REGS, KV_STAGES, PRODUCER_REGS, THREADS_PER_WG, BlockSparseFwdSm90
 
@@ -69,10 +69,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout, softmax_scale: Float32):
         warp_idx, tidx, storage, mbar_q, pipeline_k, pipeline_v = self.prologue(atoms)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ, sdO, sK, sV = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
         tile = self.tile_of(mQ, mK, mTileCount)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)

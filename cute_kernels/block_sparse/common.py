@@ -27,6 +27,11 @@ def shared_storage(dtype, mbars: dict, **layouts):
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
+def smem_tensors(storage, **layouts):
+    """The storage buffers named by ``layouts`` as tensors of those (swizzled) layouts, in order."""
+    return [getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner) for name, layout in layouts.items()]
+
+
 class BlockSparseSm90:
     def __init__(self, cfg):
         if cfg.arch // 10 != 9:

@@ -52,7 +52,7 @@ from cute_kernels.common.softmax import OnlineSoftmax
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
                                        sm90_thread0_cols, transpose_view, wgmma_gemm, wgmma_smem_layout)
 
-from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage
+from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, TILE_M, FwdConfig
 
 KV_STAGES = 2
@@ -97,9 +97,7 @@ class BlockSparseFwdSm90(BlockSparseSm90):
                tma_atom_V: cute.CopyAtom, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, rows: cute.ComposedLayout, softmax_scale: Float32):
         warp_idx, tidx, storage, mbar_q, pipeline_k, pipeline_v = self.prologue((tma_atom_Q, tma_atom_K, tma_atom_V))
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ, sK, sV = smem_tensors(storage, sQ=sQ_layout, sK=sK_layout, sV=sV_layout)
 
         tile = self.tile_of(mQ, mK, mTileCount)
         if warp_idx < 4:
