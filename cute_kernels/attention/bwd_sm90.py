@@ -630,13 +630,8 @@ class FlashBwdSm90:
                     m = qtiles.m_min + mi
                     stage = state.index
                     ds_stage = step % STAGES
-                    acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-                    acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
-                    pipeline_q.consumer_wait(state)
-                    wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
-                    pipeline_do.consumer_wait(state)
-                    wgmma_gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], True)
-                    warpgroup.wait_group(1)
+                    acc_S, acc_dP = self.score_gemms(mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q, state,
+                                                     pipeline_do, state)
                     self.probs_and_grads(acc_S, acc_dP, sc, m, sLSE, sdPsum, stage, stage, self.tile_m == 128)
                     convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
                     if const_expr(self.dq_before_dk):
@@ -769,13 +764,8 @@ class FlashBwdSm90:
                     sq = state_q.index
                     sd = state_do.index
                     ps = step % self.pds_stages
-                    acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-                    acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
-                    pipeline_q.consumer_wait(state_q)
-                    wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, sq], True)
-                    pipeline_do.consumer_wait(state_do)
-                    wgmma_gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, sd], True)
-                    warpgroup.wait_group(1)
+                    acc_S, acc_dP = self.score_gemms(mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q,
+                                                     state_q, pipeline_do, state_do)
                     self.probs_and_grads(acc_S, acc_dP, sc, m, sLSE, sdPsum, sq, sd, False)
                     rP = cute.make_rmem_tensor(acc_S_shape, dt)
                     rdS = cute.make_rmem_tensor(acc_S_shape, dt)
@@ -813,6 +803,20 @@ class FlashBwdSm90:
         self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, dh,
                       wg * dh)
         self.store_kv(acc_dV, None, mdV, thr_dv, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, dvh, wg * dvh)
+
+    @cute.jit
+    def score_gemms(self, mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q, state_q, pipeline_do,
+                    state_do):
+        """S^T = K Q^T and dP^T = V dO^T of one step, each issued once its stage is full; returns with
+        the dP^T wgmma still in flight."""
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+        pipeline_q.consumer_wait(state_q)
+        wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state_q.index], True)
+        pipeline_do.consumer_wait(state_do)
+        wgmma_gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state_do.index], True)
+        warpgroup.wait_group(1)
+        return acc_S, acc_dP
 
     @cute.jit
     def score_context(self, thr_sdp, shape, key_base: Int32, col0, seqlen: SeqlenInfo, left: Int32, right: Int32,
