@@ -215,11 +215,12 @@ def fake_select(monkeypatch):
 
     runs = []
 
-    def run_topk(block_logit, lse, out, *, sink_blocks=0, local_blocks=0, causal_limit=None, arch=None):
+    def run_topk(block_logit, lse, out, *, sink_blocks=0, local_blocks=0, causal_limit=None, head_agg="max",
+                 arch=None):
         runs.append(dict(contiguous=(block_logit.is_contiguous(), lse.is_contiguous()),
                          values=(block_logit.numpy().copy(), lse.numpy().copy())))
         ref.select_topk_blocks(block_logit, lse, out, out.shape[3], out.shape[1], sink_blocks, local_blocks,
-                               causal_limit)
+                               causal_limit, head_agg)
 
     def run_indices(block_idx, out, *, block_size, seqlen_k, causal=True, arch=None):
         runs.append(dict(contiguous=(block_idx.is_contiguous(),), values=(block_idx.numpy().copy(),)))
