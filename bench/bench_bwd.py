@@ -97,7 +97,8 @@ def main(argv=None) -> int:
                         if unsupported_reason(cfg) is not None:
                             continue
                         ws = {n: torch.empty(sh, device="cuda", dtype=getattr(torch, t_))
-                              for n, (sh, t_) in workspace_shapes(cfg, batch=b, seqlen_q=s, num_heads=hq).items()}
+                              for n, (sh, t_) in workspace_shapes(cfg, batch=b, seqlen_q=s, num_heads=hq, seqlen_k=s,
+                                                                 num_kv_heads=hkv).items()}
                         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
                         def ours(cfg=cfg, ws=ws, dq=dq, dk=dk, dv=dv):

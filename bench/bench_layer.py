@@ -63,7 +63,8 @@ def make_step_fns(torch, b, s, hq, hkv, d, causal, bs):
     cfg_plain = fwd_config(90, dt, d, d, hq // hkv, causal, False, False, 0, False)
     bcfg = bwd_config(90, dt, d, d, hq // hkv, causal, False, False, False, False)
     ws = {n: torch.empty(sh, device="cuda", dtype=getattr(torch, t_))
-          for n, (sh, t_) in workspace_shapes(bcfg, batch=b, seqlen_q=s, num_heads=hq).items()}
+          for n, (sh, t_) in workspace_shapes(bcfg, batch=b, seqlen_q=s, num_heads=hq, seqlen_k=s,
+                                                             num_kv_heads=hkv).items()}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def fwd(cfg, bl):

@@ -56,6 +56,7 @@ CASES = [
                                                  window=(64, 32), softcap=30.0, block_size=32)),
     Case("fwd_d256", "fwd", dict(b=1, sq=257, sk=257, hq=2, hkv=2, d=256, causal=True, block_size=256)),
     Case("bwd_causal_gqa", "bwd", dict(b=1, sq=300, sk=300, hq=4, hkv=2, d=128, causal=True)),
+    Case("bwd_causal_gqa_det", "bwd", dict(b=1, sq=300, sk=300, hq=8, hkv=2, d=128, causal=True, deterministic=True)),
     Case("bwd_varlen_window_det", "bwd", dict(seqs=_VARLEN, hq=2, hkv=2, d=64, window=(100, 30), deterministic=True)),
     Case("indexed", "indexed", dict(b=1, lq=130, lkv=300, hq=8, hkv=2, d=128, width=40)),
     Case("canary_hang", "canary_hang", canary=True),
@@ -485,11 +486,12 @@ def _case_bwd(fw, cc: int, p: dict):
     tlse = fw.put(lse, "float32")
     grads = {n: fw.full(t[src].shape, float("nan"), dtype) for n, src in (("dq", "q"), ("dk", "k"), ("dv", "v"))}
     batch = len(seqs) if varlen else q.shape[0]
-    shapes = bwd_launch.workspace_shapes(cfg, batch=batch, seqlen_q=0 if varlen else q.shape[1],
-                                         num_heads=p["hq"], total_q=q.shape[0] if varlen else 0)
-    ws = {n: fw.full(s, float("nan") if dt == "float32" else 12345, dt) for n, (s, dt) in shapes.items()}
     max_sq = max(s for s, _ in p["seqs"]) if varlen else q.shape[1]
     max_sk = max(s for _, s in p["seqs"]) if varlen else k.shape[1]
+    shapes = bwd_launch.workspace_shapes(cfg, batch=batch, seqlen_q=0 if varlen else q.shape[1],
+                                         num_heads=p["hq"], total_q=q.shape[0] if varlen else 0, seqlen_k=max_sk,
+                                         num_kv_heads=p["hkv"], total_k=k.shape[0] if varlen else 0)
+    ws = {n: fw.full(s, float("nan") if dt == "float32" else 12345, dt) for n, (s, dt) in shapes.items()}
     bwd_launch.run_bwd(cfg, t["do"], t["q"], t["k"], t["v"], t["out"], tlse, None, grads["dq"], grads["dk"],
                        grads["dv"], fw.put(cq.astype(np.int32), "int32") if varlen else None,
                        fw.put(ck.astype(np.int32), "int32") if varlen else None, ws, softmax_scale=scale,

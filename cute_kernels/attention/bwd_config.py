@@ -37,6 +37,14 @@ into (no memset launch):
               zeroed by the preprocess. A kernel whose tile_m is a multiple of 64 uses the counter of
               its query tile's first 64-row block (``dq_sem_index``); the others stay 0.
 
+Only when ``group_split(cfg)`` (deterministic GQA with causal / window on SM90; Note [group split] in
+bwd_sm90.py):
+
+    dk_accum  like K  [B, Sk, Hkv, D]   ([total_k, Hkv, D])    fp32 partial sums of the group's heads
+    dv_accum  like V  [B, Sk, Hkv, Dv]  ([total_k, Hkv, Dv])   (never read before written: no init)
+    dkv_sem   int32 [B, Hkv, ceil(Sk / KV_SEM_KEYS)]  (varlen: Sk = max_seqlen_k)
+              one turn counter per KV_SEM_KEYS keys, zeroed by the preprocess
+
 Sq_pad = round_up(Sq, ACCUM_ROW_PAD). For varlen, sequence b's rows start at
 ``accum_row_start(cu_seqlens_q[b], b)`` (a multiple of ACCUM_ROW_PAD) and
 total_q_pad = ``varlen_accum_rows(total_q, B)``; every sequence owns round_up(len_b, ACCUM_ROW_PAD)
@@ -53,6 +61,8 @@ from typing import Any, NamedTuple
 ACCUM_ROW_PAD = 128
 #: Accumulator rows per deterministic-dQ turn counter (the smallest backward tile_m; divides ACCUM_ROW_PAD).
 DQ_SEM_ROWS = 64
+#: Keys per dK/dV turn counter of ``group_split`` (the smallest backward tile_n).
+KV_SEM_KEYS = 64
 
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128))
 DTYPES = ("bfloat16", "float16")
@@ -73,6 +83,14 @@ class BwdConfig:
     varlen: bool
     deterministic: bool  # dQ (and any cross-CTA sum) in a fixed order: bitwise reproducible
     has_dlse: bool = False  # D' = D - dLSE in the preprocess; the main kernel is unchanged
+
+
+def group_split(cfg: BwdConfig) -> bool:
+    """Deterministic GQA with causal / window on SM90: one CTA per (key tile, query head) instead of one
+    per (key tile, kv head), dK / dV summed over the group in head order through fp32 workspace (Note
+    [group split] in bwd_sm90.py). The other configs sum the group in registers."""
+    return (cfg.arch // 10 == 9 and cfg.deterministic and cfg.qhead_per_kvhead > 1
+            and (cfg.causal or cfg.has_window))
 
 
 def round_up(x: int, m: int) -> int:
@@ -104,11 +122,13 @@ def dq_sem_index(accum_row: int) -> int:
     return int(accum_row) // DQ_SEM_ROWS
 
 
-def workspace_shapes(cfg: BwdConfig, *, batch: int, seqlen_q: int, num_heads: int,
-                     total_q: int = 0) -> dict:
+def workspace_shapes(cfg: BwdConfig, *, batch: int, seqlen_q: int, num_heads: int, total_q: int = 0,
+                     seqlen_k: int = 0, num_kv_heads: int = 0, total_k: int = 0) -> dict:
     """``{name: (shape, dtype)}`` of the workspace one call needs (see the module docstring).
 
     ``seqlen_q`` is Sq (varlen: ignored; ``total_q`` and ``batch`` = number of sequences are used).
+    ``seqlen_k`` (Sk; varlen: max_seqlen_k), ``num_kv_heads`` and ``total_k`` (varlen) are read only
+    when ``group_split(cfg)``.
     """
     if cfg.varlen:
         rows = varlen_accum_rows(total_q, batch)
@@ -123,6 +143,12 @@ def workspace_shapes(cfg: BwdConfig, *, batch: int, seqlen_q: int, num_heads: in
     }
     if cfg.deterministic:
         out["dq_sem"] = (lead[:-1] + [rows // DQ_SEM_ROWS], "int32")
+    if group_split(cfg):
+        assert num_kv_heads > 0, "group_split configs need num_kv_heads (and seqlen_k / total_k)"
+        keys = [int(total_k)] if cfg.varlen else [batch, int(seqlen_k)]
+        out["dk_accum"] = (keys + [num_kv_heads, cfg.head_dim], "float32")
+        out["dv_accum"] = (keys + [num_kv_heads, cfg.head_dim_v], "float32")
+        out["dkv_sem"] = ([batch, num_kv_heads, -(-int(seqlen_k) // KV_SEM_KEYS)], "int32")
     return out
 
 
@@ -154,6 +180,8 @@ class BwdKernelArgs(NamedTuple):
                            Hq // Hkv query heads of a group itself (no fp32 dK/dV expansion over Hq)
         mCuSeqlensQ, mCuSeqlensK   int32 [B + 1], or None unless varlen
         mdQsem             int32 turn counters, or None unless deterministic
+        mdKaccum, mdVaccum, mdKVsem   fp32 partial dK / dV and their int32 turn counters, or None
+                           unless ``group_split`` (SM90 only)
         softmax_scale, softcap   Float32 (softcap 0 unless has_softcap)
         window_left, window_right  Int32, -1 = unbounded (read only when has_window)
         max_seqlen_q, max_seqlen_k Int32 (varlen: the longest sequence; else Sq, Sk)
@@ -171,6 +199,9 @@ class BwdKernelArgs(NamedTuple):
     mCuSeqlensQ: Any
     mCuSeqlensK: Any
     mdQsem: Any
+    mdKaccum: Any
+    mdVaccum: Any
+    mdKVsem: Any
     softmax_scale: Any
     softcap: Any
     window_left: Any

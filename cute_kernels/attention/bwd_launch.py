@@ -17,7 +17,7 @@ from cute_kernels.dtypes import cutlass_dtype, dtype_name
 from cute_kernels.jit_cache import jit_cache
 
 from .bwd_config import (ACCUM_ROW_PAD, DQ_SEM_ROWS, DTYPES, HEAD_DIMS, BwdConfig, BwdKernelArgs,
-                         workspace_shapes)
+                         group_split, workspace_shapes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,6 +101,11 @@ def _fake_common(cfg: BwdConfig):
     t["dq_accum"] = fake_tensor(f32, lead + (cfg.head_dim,))
     t["dq_sem"] = fake_tensor(cutlass.Int32, sems, align_bytes=4) if cfg.deterministic else None
     t["dlse"] = fake_tensor(f32, t["lse"].shape, align_bytes=4) if cfg.has_dlse else None
+    t["dk_accum"] = t["dv_accum"] = t["dkv_sem"] = None
+    if group_split(cfg):
+        t["dk_accum"] = fake_tensor(f32, t["k"].shape)
+        t["dv_accum"] = fake_tensor(f32, t["v"].shape)
+        t["dkv_sem"] = fake_tensor(cutlass.Int32, (sym(), hkv, sym()), align_bytes=4)
     return t
 
 
@@ -110,13 +115,17 @@ def fake_bwd_args(cfg: BwdConfig) -> BwdKernelArgs:
     t = _fake_common(cfg)
     f32 = cutlass.Float32
     return BwdKernelArgs(t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["dpsum"], t["dq_accum"], t["dk"],
-                         t["dv"], t["cu_q"], t["cu_k"], t["dq_sem"], f32(1.0), f32(0.0), cutlass.Int32(-1),
+                         t["dv"], t["cu_q"], t["cu_k"], t["dq_sem"], t["dk_accum"], t["dv_accum"], t["dkv_sem"],
+                         f32(1.0), f32(0.0), cutlass.Int32(-1),
                          cutlass.Int32(-1), cutlass.Int32(1), cutlass.Int32(1))
 
 
 def _prepost_key(cfg: BwdConfig) -> BwdConfig:
-    """The fields the pre/post kernels depend on (others normalised, so configs share one compile)."""
-    return dataclasses.replace(cfg, qhead_per_kvhead=1, causal=False, has_window=False, has_softcap=False)
+    """The fields the pre/post kernels depend on (others normalised, so configs share one compile;
+    ``group_split`` kept: the preprocess then zeroes dkv_sem)."""
+    split = group_split(cfg)
+    return dataclasses.replace(cfg, qhead_per_kvhead=2 if split else 1, causal=split, has_window=False,
+                               has_softcap=False)
 
 
 # ---------------------------------------------------------------------------- compile
@@ -144,7 +153,7 @@ def _compile_pre(key: BwdConfig):
 
     t = _fake_common(key)
     return cute.compile(FlashBwdPre(key), t["o"], t["do"], t["lse"], t["dlse"], t["lse_log2"], t["dpsum"],
-                        t["dq_accum"], t["dq_sem"], t["cu_q"], cutlass.Int32(1), fake_stream(),
+                        t["dq_accum"], t["dq_sem"], t["dkv_sem"], t["cu_q"], cutlass.Int32(1), fake_stream(),
                         options=arch_options(key.arch))
 
 
@@ -231,13 +240,15 @@ def run_bwd_with(compile_main, cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq
         return
     ws = workspace
     sem = ws.get("dq_sem") if cfg.deterministic else None
+    split = group_split(cfg)
+    dk_acc, dv_acc, kv_sem = (ws["dk_accum"], ws["dv_accum"], ws["dkv_sem"]) if split else (None, None, None)
     pre, main, post = compile_bwd_pre(cfg), compile_main(cfg), compile_bwd_post(cfg)
-    pre(out, dout, lse, dlse, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], sem, cu_seqlens_q,
+    pre(out, dout, lse, dlse, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], sem, kv_sem, cu_seqlens_q,
         int(max_seqlen_q))
     if not k_empty:
         main(q, k, v, dout, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], dk, dv, cu_seqlens_q, cu_seqlens_k,
-             sem, float(softmax_scale), float(softcap) if cfg.has_softcap else 0.0, int(window_left),
-             int(window_right), int(max_seqlen_q), int(max_seqlen_k))
+             sem, dk_acc, dv_acc, kv_sem, float(softmax_scale), float(softcap) if cfg.has_softcap else 0.0,
+             int(window_left), int(window_right), int(max_seqlen_q), int(max_seqlen_k))
     post(ws["dq_accum"], dq, cu_seqlens_q, float(softmax_scale), int(max_seqlen_q))
 
 

@@ -7,6 +7,7 @@ its block (sequence-relative; rows past seqlen_q are the padding of ``bwd_config
     lse_log2[i] = LSE[i] * log2(e)                                            +inf for padding rows
                   and for rows without keys (LSE = -inf), so P = exp2(s log2e - lse_log2) = 0 there
     dq_accum[i, :] = 0,  and (``deterministic``) the block's dq_sem counters = 0
+    (``group_split``) CTA (0, h, b), h < Hkv: dkv_sem[b, h, :] = 0
 
 Shapes and the varlen row starts: ``bwd_config`` (module docstring, ``accum_row_start``).
 A row's Dv elements are read by L adjacent lanes (L = Dv / 8 rounded down to a power of two,
@@ -25,7 +26,7 @@ from cute_kernels.common.utils import LOG2_E, row_allreduce
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.dtypes import cutlass_dtype
 
-from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
+from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig, group_split
 
 THREADS = 256
 ROWS = ACCUM_ROW_PAD
@@ -61,8 +62,8 @@ class FlashBwdPre:
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE, mLSElog2: cute.Tensor,
-                 mdPsum: cute.Tensor, mdQaccum: cute.Tensor, mdQsem, mCuSeqlensQ, max_seqlen_q: Int32,
-                 stream):
+                 mdPsum: cute.Tensor, mdQaccum: cute.Tensor, mdQsem, mdKVsem, mCuSeqlensQ,
+                 max_seqlen_q: Int32, stream):
         if const_expr(self.cfg.varlen):
             batch = mCuSeqlensQ.shape[0] - 1
             heads = mO.shape[1]
@@ -70,12 +71,12 @@ class FlashBwdPre:
             batch = mO.shape[0]
             heads = mO.shape[2]
         grid = (cute.ceil_div(max_seqlen_q, ROWS), heads, batch)
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSElog2, mdPsum, mdQaccum, mdQsem, mCuSeqlensQ,
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSElog2, mdPsum, mdQaccum, mdQsem, mdKVsem, mCuSeqlensQ,
                     max_seqlen_q).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE, mLSElog2: cute.Tensor,
-               mdPsum: cute.Tensor, mdQaccum: cute.Tensor, mdQsem, mCuSeqlensQ, max_seqlen_q: Int32):
+               mdPsum: cute.Tensor, mdQaccum: cute.Tensor, mdQsem, mdKVsem, mCuSeqlensQ, max_seqlen_q: Int32):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         m_blk, h, b = cute.arch.block_idx()
@@ -151,3 +152,11 @@ class FlashBwdPre:
                         mdQsem[h, row0 // DQ_SEM_ROWS + tidx] = Int32(0)
                     else:
                         mdQsem[b, h, row0 // DQ_SEM_ROWS + tidx] = Int32(0)
+            if const_expr(group_split(cfg)):
+                # The dK / dV turn counters of kv head h (a batch without queries has no main-kernel
+                # CTA that waits on them: its key tiles have no steps).
+                if m_blk == 0 and h < mdKVsem.shape[1]:
+                    nt = mdKVsem.shape[2]
+                    for j in cutlass.range((nt + THREADS - 1) // THREADS, unroll=1):
+                        if j * THREADS + tidx < nt:
+                            mdKVsem[b, h, j * THREADS + tidx] = Int32(0)

@@ -281,8 +281,8 @@ class FlashBwdSm100:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSElog2: cute.Tensor, mdPsum: cute.Tensor, mdQaccum: cute.Tensor,
-                 mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem,
-                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem, mdKaccum, mdVaccum,
+                 mdKVsem, softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_q: Int32, max_seqlen_k: Int32, stream):
         cfg = self.cfg
         self.dtype = mQ.element_type
@@ -291,6 +291,8 @@ class FlashBwdSm100:
             raise ValueError("cfg.varlen does not match the cu_seqlens arguments")
         if const_expr(cfg.deterministic != (mdQsem is not None)):
             raise ValueError("cfg.deterministic does not match mdQsem")
+        if const_expr(mdKaccum is not None or mdVaccum is not None or mdKVsem is not None):
+            raise ValueError("the group-split workspace (dk_accum / dv_accum / dkv_sem) is SM90's")
         # (seq, dim, head[, batch]) views of every [.., seq, head, dim] tensor
         modes = [0, 2, 1] if const_expr(varlen) else [1, 3, 2, 0]
         mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))

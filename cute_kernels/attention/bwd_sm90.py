@@ -59,6 +59,20 @@ which they do last (H200: det / FA4 det 0.49-0.67 for causal rows; 0.74-0.88 in 
 writers of query tile m go in descending n (turn = last_key_tile(m) - n) and blockIdx.x maps to the
 highest key tile first: a key tile is the first writer of its diagonal tiles and waits only on tiles
 launched before it (FA4's "SPT" order). Every counter still sees each of its writers exactly once.
+
+Note [group split] (``bwd_config.group_split``: deterministic GQA with causal / window): in the
+descending order a kv head's longest key tiles (the low ones, which see every query) are launched
+last, and with the group's G heads in one CTA each of them runs G times as long as an MHA CTA, so
+the grid ends on a tail of them (H200, GQA 32 / 8 causal: det / FA4 det 0.74-0.79 against 0.92 for
+MHA). So these configs take one CTA per (key tile, query head) -- blockIdx.y is the query head, the
+CTA walks that head only -- and sum dK / dV over the group in head order: the CTA of group rank r
+waits until the key tile's dkv_sem counter equals r, adds the fp32 partial the ranks before it left
+in dk_accum / dv_accum (rank 0 reads nothing), and either stores the sum back and bumps the counter
+(r < G - 1) or writes dK * scale and dV in the output dtype (r = G - 1). A CTA waits only on the
+CTA of the same key tile and the previous query head, which has the smaller blockIdx.y and so was
+launched before it; with the dQ counters (which also wait only on earlier CTAs) the earliest
+unfinished CTA never waits. Key tiles no query sees (steps = 0, the same for every head of the
+group) skip the counter; their last rank writes the zeros.
 """
 
 from __future__ import annotations
@@ -86,7 +100,7 @@ from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, co
                                        wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 
-from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, HEAD_DIMS, BwdConfig
+from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, HEAD_DIMS, KV_SEM_KEYS, BwdConfig, group_split
 
 SMEM_BYTES_MAX = 232_448
 TILE_N = 128  # keys per CTA, head_dim <= 128
@@ -106,6 +120,7 @@ DS_FULL_BARRIER = 1  # both consumer WGs: dS^T of the step is in smem
 DQ_FULL_BARRIER = 2  # + wg: WG wg staged its dQ region, warp 1 waits
 DQ_EMPTY_BARRIER = 4  # + wg: warp 1 has read WG wg's region (staging free again), WG wg waits
 PDS_EMPTY_BARRIER = 6  # wide schedule, one P^T / dS^T stage: both WGs' GEMMs of the last step have read it
+KV_TURN_BARRIER = 7  # group split: both consumer WGs, around the dK / dV turn (Note [group split])
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,9 @@ class FlashBwdSm90:
         self.cfg = cfg
         # Note [deterministic dQ, descending order]
         self.spt = cfg.deterministic and (cfg.causal or cfg.has_window)
+        # Note [group split]: one query head per CTA, dK / dV summed over the group in head order.
+        self.split = group_split(cfg)
+        self.heads_per_cta = 1 if self.split else cfg.qhead_per_kvhead
         self.dtype = cutlass_dtype(cfg.dtype)
         self.hdim = cfg.head_dim
         self.hdimv = cfg.head_dim_v
@@ -246,9 +264,9 @@ class FlashBwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSElog2: cute.Tensor, mdPsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem, softmax_scale: Float32,
-                 softcap: Float32, window_left: Int32, window_right: Int32, max_seqlen_q: Int32,
-                 max_seqlen_k: Int32, stream):
+                 mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem, mdKaccum, mdVaccum, mdKVsem,
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream):
         cfg = self.cfg
         varlen = const_expr(cfg.varlen)
         # (B, S, H, D) -> (S, D, H, B); varlen (T, H, D) -> (T, D, H)
@@ -298,12 +316,15 @@ class FlashBwdSm90:
         if const_expr(varlen):
             batch = mCuSeqlensK.shape[0] - 1
             num_kv_heads = mK.shape[1]
+            num_heads = mQ.shape[1]
         else:
             batch = mK.shape[0]
             num_kv_heads = mK.shape[2]
-        grid = (cute.ceil_div(max_seqlen_k, self.tile_n), num_kv_heads, batch)
+            num_heads = mQ.shape[2]
+        grid = (cute.ceil_div(max_seqlen_k, self.tile_n), num_heads if const_expr(self.split) else num_kv_heads,
+                batch)
         self.kernel(tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_dPsum, tma_dQ, mdK, mdV, mCuSeqlensQ,
-                    mCuSeqlensK, mdQsem, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
+                    mCuSeqlensK, mdQsem, mdKaccum, mdVaccum, mdKVsem, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
                     tma_atom_dPsum, tma_atom_dQ, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                     sdQ_layout, softmax_scale, softcap, window_left, window_right,
                     mQt.shape[0], mKt.shape[0]).launch(
@@ -314,7 +335,7 @@ class FlashBwdSm90:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE: cute.Tensor, mdPsum: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem,
+               mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem, mdKaccum, mdVaccum, mdKVsem,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_dPsum: cute.CopyAtom,
                tma_atom_dQ: cute.CopyAtom, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -353,7 +374,11 @@ class FlashBwdSm90:
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
         sdPsum = storage.sdPsum.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
 
-        n_tile, head_kv, batch_idx = cute.arch.block_idx()
+        n_tile, head_y, batch_idx = cute.arch.block_idx()
+        # The query heads this CTA walks: head0 + [0, heads_per_cta) (Note [group split])
+        head_kv, head0 = head_y, head_y * cfg.qhead_per_kvhead
+        if const_expr(self.split):
+            head_kv, head0 = head_y // cfg.qhead_per_kvhead, head_y
         seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static, mCuSeqlensQ, mCuSeqlensK)
         if const_expr(self.spt):
             # Highest key tile first (it is the first writer of its query tiles in descending order).
@@ -370,7 +395,7 @@ class FlashBwdSm90:
             num_m = qtiles.m_max - qtiles.m_min
             if num_m < 0:
                 num_m = Int32(0)
-            steps = num_m * cfg.qhead_per_kvhead
+            steps = num_m * self.heads_per_cta
             # Workspace row of this sequence's row 0 (bwd_config.accum_row_start).
             row0 = Int32(0)
             if const_expr(cfg.varlen):
@@ -381,22 +406,23 @@ class FlashBwdSm90:
                     self.load(mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, tma_atom_Q,
                               tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
                               pipeline_q, pipeline_do, pipeline_kv, seqlen, qtiles, steps, row0, n_tile,
-                              head_kv, batch_idx)
+                              head_kv, head0, batch_idx)
                 if warp_idx == 1:
                     self.store_dq(mdQacc, mdQsem, sdQ, tma_atom_dQ, seqlen, qtiles, steps, row0, left,
-                                  right, n_tile, head_kv, batch_idx)
+                                  right, n_tile, head0, batch_idx)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                kv_out = (mdK, mdV, mdKaccum, mdVaccum, mdKVsem)
                 if const_expr(self.wide):
                     sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-                    self.consume_wide(mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q,
+                    self.consume_wide(kv_out, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q,
                                       pipeline_do, pipeline_kv, seqlen, qtiles, steps, left, right, n_tile,
-                                      head_kv, batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap,
+                                      head_kv, head_y, batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap,
                                       mCuSeqlensK)
                 else:
-                    self.consume(mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
-                                 pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, batch_idx,
-                                 tidx - THREADS_PER_WG, softmax_scale, softcap, mCuSeqlensK)
+                    self.consume(kv_out, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
+                                 pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, head_y,
+                                 batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap, mCuSeqlensK)
 
     # ------------------------------------------------------------------ producer
     def _seq_view(self, t: cute.Tensor, offset, batch_idx):
@@ -415,9 +441,7 @@ class FlashBwdSm90:
     def load(self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, tma_atom_Q, tma_atom_K,
              tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum, pipeline_q, pipeline_do, pipeline_kv,
              seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, row0: Int32, n_tile: Int32,
-             head_kv: Int32, batch_idx: Int32):
-        cfg = self.cfg
-        G = cfg.qhead_per_kvhead
+             head_kv: Int32, head0: Int32, batch_idx: Int32):
         mK_cur = self._seq_view(mK, seqlen.offset_k, batch_idx)[None, None, head_kv]
         mV_cur = self._seq_view(mV, seqlen.offset_k, batch_idx)[None, None, head_kv]
         gK = cute.local_tile(mK_cur, (self.tile_n, self.hdim), (n_tile, 0))
@@ -441,8 +465,8 @@ class FlashBwdSm90:
             state_do = None
             if const_expr(self.do_stages != self.q_stages):
                 state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
-            for hi in cutlass.range(G, unroll=1):
-                head = head_kv * G + hi
+            for hi in cutlass.range(self.heads_per_cta, unroll=1):
+                head = head0 + hi
                 gQ = cute.local_tile(mQ_seq[None, None, head], (self.tile_m, self.hdim), (None, 0))
                 gdO = cute.local_tile(mdO_seq[None, None, head], (self.tile_m, self.hdimv), (None, 0))
                 gLSE = cute.local_tile(mLSE_seq[None, head], (self.tile_m,), (None,))
@@ -475,10 +499,9 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------ dQ writer (warp 1)
     @cute.jit
     def store_dq(self, mdQacc, mdQsem, sdQ, tma_atom_dQ, seqlen: SeqlenInfo, qtiles: QueryTileRange,
-                 steps: Int32, row0: Int32, left: Int32, right: Int32, n_tile: Int32, head_kv: Int32,
+                 steps: Int32, row0: Int32, left: Int32, right: Int32, n_tile: Int32, head0: Int32,
                  batch_idx: Int32):
         cfg = self.cfg
-        G = cfg.qhead_per_kvhead
         lane = cute.arch.lane_idx()
         nbar = THREADS_PER_WG + 32
         one = cute.make_layout(1)
@@ -490,8 +513,8 @@ class FlashBwdSm90:
             for r in cutlass.range_constexpr(self.dq_wgs):
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + r, number_of_threads=nbar)
         step = Int32(0)
-        for hi in cutlass.range(G, unroll=1):
-            head = head_kv * G + hi
+        for hi in cutlass.range(self.heads_per_cta, unroll=1):
+            head = head0 + hi
             gdQ = cute.local_tile(mdQ_seq[None, None, head], (self.dq_rows, self.dq_cols), (None, None))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_atom_dQ, 0, one, cute.group_modes(sdQ, 0, 2),
                                                    cute.group_modes(gdQ, 0, 2))
@@ -551,10 +574,10 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do, pipeline_kv,
+    def consume(self, kv_out, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do, pipeline_kv,
                 seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32, right: Int32,
-                n_tile: Int32, head_kv: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32,
-                softcap: Float32, mCuSeqlensK):
+                n_tile: Int32, head_kv: Int32, head_y: Int32, batch_idx: Int32, ctidx: Int32,
+                softmax_scale: Float32, softcap: Float32, mCuSeqlensK):
         cfg = self.cfg
         dt = self.dtype
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
@@ -625,7 +648,7 @@ class FlashBwdSm90:
             pipeline_kv.consumer_wait(kv_state)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             step = Int32(0)
-            for hi in cutlass.range(cfg.qhead_per_kvhead, unroll=1):
+            for hi in cutlass.range(self.heads_per_cta, unroll=1):
                 for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
                     m = qtiles.m_min + mi
                     stage = state.index
@@ -677,16 +700,15 @@ class FlashBwdSm90:
                     step = step + 1
 
         # Epilogue: dK * scale, dV; keys past seqlen_k are not written.
-        self.store_kv(acc_dK, softmax_scale, mdK, thr_dkv, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx,
-                      self.hdim)
-        self.store_kv(acc_dV, None, mdV, thr_dkv, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, self.hdimv)
+        self.finish_kv(kv_out, acc_dK, acc_dV, thr_dkv, thr_dkv, seqlen, mCuSeqlensK, key_base, n_tile, head_kv,
+                       head_y, batch_idx, steps, ctidx, softmax_scale, self.hdim, self.hdimv, 0, 0)
 
     # ------------------------------------------------------------------ consumers, wide schedule (d > 128)
     @cute.jit
-    def consume_wide(self, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
+    def consume_wide(self, kv_out, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                      pipeline_kv, seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32,
-                     right: Int32, n_tile: Int32, head_kv: Int32, batch_idx: Int32, ctidx: Int32,
-                     softmax_scale: Float32, softcap: Float32, mCuSeqlensK):
+                     right: Int32, n_tile: Int32, head_kv: Int32, head_y: Int32, batch_idx: Int32,
+                     ctidx: Int32, softmax_scale: Float32, softcap: Float32, mCuSeqlensK):
         """Both WGs see all 64 keys of the tile: WG w computes S^T / dP^T for query rows [32 w, 32 w + 32)
         of the step, writes P^T / dS^T to smem, then owns columns [w d / 2, (w + 1) d / 2) of dK, dV
         (SS wgmma over the whole P^T / dS^T) and of the dQ tile (Note [wide schedule])."""
@@ -758,7 +780,7 @@ class FlashBwdSm90:
             state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
             state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
             step = Int32(0)
-            for hi in cutlass.range(cfg.qhead_per_kvhead, unroll=1):
+            for hi in cutlass.range(self.heads_per_cta, unroll=1):
                 for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
                     m = qtiles.m_min + mi
                     sq = state_q.index
@@ -800,9 +822,8 @@ class FlashBwdSm90:
                     step = step + 1
 
         # Epilogue: dK * scale, dV (this WG's column halves); keys past seqlen_k are not written.
-        self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, dh,
-                      wg * dh)
-        self.store_kv(acc_dV, None, mdV, thr_dv, seqlen, mCuSeqlensK, key_base, head_kv, batch_idx, dvh, wg * dvh)
+        self.finish_kv(kv_out, acc_dK, acc_dV, thr_dk, thr_dv, seqlen, mCuSeqlensK, key_base, n_tile, head_kv,
+                       head_y, batch_idx, steps, ctidx, softmax_scale, dh, dvh, wg * dh, wg * dvh)
 
     @cute.jit
     def score_gemms(self, mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q, state_q, pipeline_do,
@@ -892,11 +913,56 @@ class FlashBwdSm90:
         return ds
 
     @cute.jit
-    def store_kv(self, acc, scale, mX, thr_dkv, seqlen: SeqlenInfo, mCuSeqlensK, key_base: Int32, head_kv: Int32,
-                 batch_idx: Int32, dim: cutlass.Constexpr, col0=0):
-        """Rows key_base + [0, 64), columns col0 + [0, dim) of dK / dV (keys past seqlen_k not written).
+    def finish_kv(self, kv_out, acc_dK, acc_dV, thr_dk, thr_dv, seqlen: SeqlenInfo, mCuSeqlensK, key_base: Int32,
+                  n_tile: Int32, head_kv: Int32, head_y: Int32, batch_idx: Int32, steps: Int32, ctidx: Int32,
+                  softmax_scale: Float32, dk_dim: cutlass.Constexpr, dv_dim: cutlass.Constexpr,
+                  dk_col0: cutlass.Constexpr, dv_col0: cutlass.Constexpr):
+        """dK * scale and dV of this thread's fragment out to global memory; with ``group_split`` summed over
+        the group's heads in head order first (Note [group split])."""
+        mdK, mdV, mdKacc, mdVacc, mdKVsem = kv_out
+        geo = (seqlen, mCuSeqlensK, key_base, head_kv, batch_idx)
+        if const_expr(not self.split):
+            self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, geo, dk_dim, dk_col0)
+            self.store_kv(acc_dV, None, mdV, thr_dv, geo, dv_dim, dv_col0)
+        else:
+            G = self.cfg.qhead_per_kvhead
+            rank = head_y % G
+            if steps == 0:
+                # No query sees these keys (the same for every head of the group): the last head writes
+                # the zeros, no counter is touched.
+                if rank == G - 1:
+                    self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, geo, dk_dim, dk_col0)
+                    self.store_kv(acc_dV, None, mdV, thr_dv, geo, dv_dim, dv_col0)
+            else:
+                sem_idx = n_tile * self.tile_n // KV_SEM_KEYS
+                sem_addr = (mdKVsem.iterator + cute.crd2idx((batch_idx, head_kv, sem_idx), mdKVsem.layout)).toint()
+                if ctidx == 0:
+                    cur = _ld_acquire(sem_addr)
+                    while cur != rank:
+                        cur = _ld_acquire(sem_addr)
+                cute.arch.barrier(barrier_id=KV_TURN_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+                cute.arch.fence_acq_rel_gpu()
+                if rank > 0:
+                    self.add_kv(acc_dK, mdKacc, thr_dk, geo, dk_dim, dk_col0)
+                    self.add_kv(acc_dV, mdVacc, thr_dv, geo, dv_dim, dv_col0)
+                if rank == G - 1:
+                    self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, geo, dk_dim, dk_col0)
+                    self.store_kv(acc_dV, None, mdV, thr_dv, geo, dv_dim, dv_col0)
+                else:
+                    self.store_kv(acc_dK, None, mdKacc, thr_dk, geo, dk_dim, dk_col0)
+                    self.store_kv(acc_dV, None, mdVacc, thr_dv, geo, dv_dim, dv_col0)
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.barrier(barrier_id=KV_TURN_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+                    if ctidx == 0:
+                        _red_release_add(sem_addr, Int32(1))
+
+    def _kv_tile(self, mX, thr_dkv, geo, dim: int, col0):
+        """This thread's elements of rows key_base + [0, 64), columns col0 + [0, dim) of mX (dK / dV or
+        their fp32 partials; same layout), as an (rows, cols) view, their coordinates and seqlen_k.
         Varlen: the sequence's first key row and length are read again from cu_seqlens_k here rather than
-        kept live across the main loop (they made 12 d 64 / d 128 varlen configs spill 8-32 bytes)."""
+        kept live across the main loop (they made 12 d 64 / d 128 varlen configs spill 8-32 bytes).
+        ``geo`` = (seqlen, mCuSeqlensK, key_base, head_kv, batch_idx)."""
+        seqlen, mCuSeqlensK, key_base, head_kv, batch_idx = geo
         seqlen_k = seqlen.seqlen_k
         if const_expr(self.cfg.varlen):
             seqlen_k = mCuSeqlensK[batch_idx + 1] - mCuSeqlensK[batch_idx]
@@ -906,13 +972,35 @@ class FlashBwdSm90:
         gX = cute.local_tile(cute.domain_offset((key_base, col0), mX_cur), (KEYS_PER_WG, dim), (0, 0))
         tXgX = acc_mn_view(thr_dkv.partition_C(gX))
         tXcX = acc_mn_view(thr_dkv.partition_C(cute.make_identity_tensor((KEYS_PER_WG, dim))))
+        return tXgX, tXcX, seqlen_k
+
+    @cute.jit
+    def store_kv(self, acc, scale, mX, thr_dkv, geo, dim: cutlass.Constexpr, col0):
+        """acc (* scale) -> rows key_base + [0, 64), columns col0 + [0, dim) of mX, in mX's dtype (keys past
+        seqlen_k not written)."""
+        tXgX, tXcX, seqlen_k = self._kv_tile(mX, thr_dkv, geo, dim, col0)
+        key_base = geo[2]
         if const_expr(scale is not None):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 acc[i] = acc[i] * scale
-        r16 = cute.make_rmem_tensor_like(acc, self.dtype)
-        convert_to_16bit(acc, r16)
-        r_mn = acc_mn_view(r16)
+        if const_expr(mX.element_type == Float32):
+            r_mn = acc_mn_view(acc)
+        else:
+            r16 = cute.make_rmem_tensor_like(acc, self.dtype)
+            convert_to_16bit(acc, r16)
+            r_mn = acc_mn_view(r16)
         for r in cutlass.range_constexpr(cute.size(r_mn, mode=[0])):
             if key_base + tXcX[r, 0][0] < seqlen_k:
                 for c in cutlass.range_constexpr(cute.size(r_mn, mode=[1])):
                     tXgX[r, c] = r_mn[r, c]
+
+    @cute.jit
+    def add_kv(self, acc, mXacc, thr_dkv, geo, dim: cutlass.Constexpr, col0):
+        """acc += the fp32 partial of the same elements in mXacc (rows past seqlen_k skipped)."""
+        tXgX, tXcX, seqlen_k = self._kv_tile(mXacc, thr_dkv, geo, dim, col0)
+        key_base = geo[2]
+        a_mn = acc_mn_view(acc)
+        for r in cutlass.range_constexpr(cute.size(a_mn, mode=[0])):
+            if key_base + tXcX[r, 0][0] < seqlen_k:
+                for c in cutlass.range_constexpr(cute.size(a_mn, mode=[1])):
+                    a_mn[r, c] = a_mn[r, c] + tXgX[r, c]

@@ -145,7 +145,8 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
     launch = _bwd_launch()
     cfg = bwd_config(arch_of(q), spec, deterministic, dlse is not None)
     shapes = launch.workspace_shapes(cfg, batch=spec.batch, seqlen_q=spec.seqlen_q, num_heads=spec.num_heads,
-                                     total_q=spec.total_q)
+                                     total_q=spec.total_q, seqlen_k=spec.seqlen_k, num_kv_heads=spec.num_heads_k,
+                                     total_k=spec.total_k)
     workspace = {name: _bridge.empty(shape, dtype, q) for name, (shape, dtype) in shapes.items()}
     a = kernel_arg
     launch.run_bwd(

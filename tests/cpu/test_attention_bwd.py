@@ -712,9 +712,12 @@ def test_bwd_glue_translates_spec(fake_gpu):
     run = fake_gpu.bwd.runs[-1]
     assert (run["softmax_scale"], run["softcap"]) == (pytest.approx(0.1), 3.0)
     assert (run["window_left"], run["window_right"], run["max_seqlen_q"], run["max_seqlen_k"]) == (5, 0, 8, 12)
-    assert fake_gpu.bwd.workspace_kw == dict(batch=2, seqlen_q=8, num_heads=4, total_q=16)
+    assert fake_gpu.bwd.workspace_kw == dict(batch=2, seqlen_q=8, num_heads=4, total_q=16, seqlen_k=12,
+                                             num_kv_heads=2, total_k=24)
     ws = run["workspace"]
-    assert sorted(ws) == ["dpsum", "dq_accum", "dq_sem", "lse_log2"]
+    # deterministic GQA with causal: the group split's fp32 dK / dV partials and turn counters too
+    assert sorted(ws) == ["dk_accum", "dkv_sem", "dpsum", "dq_accum", "dq_sem", "dv_accum", "lse_log2"]
+    assert ws["dk_accum"].shape == [2, 12, 2, 128] and ws["dkv_sem"].shape == [2, 2, 1]
     from cute_kernels.attention import bwd_config as contract
 
     rows = contract.round_up(8, contract.ACCUM_ROW_PAD)
@@ -860,6 +863,8 @@ def test_bwd_glue_matches_the_real_launcher_contract(monkeypatch):
     assert bound["cfg"] == cfg and bound["dlse"] is None and bound["cu_seqlens_q"] is None
     assert bound["dq"].data_ptr() == dq.data_ptr() and bound["dk"].shape == [2, 8, 2, 128]
     assert (bound["window_left"], bound["window_right"], bound["max_seqlen_q"], bound["max_seqlen_k"]) == (16, 0, 8, 8)
-    expected = launch.workspace_shapes(cfg, batch=2, seqlen_q=8, num_heads=4, total_q=16)
+    expected = launch.workspace_shapes(cfg, batch=2, seqlen_q=8, num_heads=4, total_q=16, seqlen_k=8, num_kv_heads=2,
+                                       total_k=16)
+    assert "dkv_sem" in expected  # deterministic GQA with causal: the group split's workspace is allocated too
     assert {n: (list(t.shape), str(t.dtype).replace("paddle.", "")) for n, t in bound["workspace"].items()} == {
         n: (list(shape), dtype) for n, (shape, dtype) in expected.items()}

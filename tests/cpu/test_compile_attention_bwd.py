@@ -96,6 +96,31 @@ def test_workspace_shapes():
         cu += n
 
 
+def test_group_split_workspace():
+    """Deterministic GQA with causal / window on SM90 (Note [group split]): fp32 partials shaped like K / V and
+    one turn counter per 64 keys; every other config allocates none of them."""
+    from cute_kernels.attention.bwd_config import KV_SEM_KEYS, group_split
+    from cute_kernels.attention.bwd_launch import _prepost_key, bwd_config, workspace_shapes
+
+    cfg = bwd_config(90, "bfloat16", 128, 128, 4, True, False, False, False, True)
+    assert group_split(cfg) and group_split(_prepost_key(cfg))  # the preprocess zeroes the counters
+    ws = workspace_shapes(cfg, batch=2, seqlen_q=300, num_heads=8, seqlen_k=200, num_kv_heads=2)
+    assert ws["dk_accum"] == ([2, 200, 2, 128], "float32") and ws["dv_accum"] == ([2, 200, 2, 128], "float32")
+    assert ws["dkv_sem"] == ([2, 2, -(-200 // KV_SEM_KEYS)], "int32")
+    cfg_v = bwd_config(90, "bfloat16", 192, 128, 2, False, True, False, True, True)
+    ws = workspace_shapes(cfg_v, batch=3, seqlen_q=0, num_heads=4, total_q=50, seqlen_k=130, num_kv_heads=2,
+                          total_k=70)
+    assert ws["dk_accum"] == ([70, 2, 192], "float32") and ws["dv_accum"] == ([70, 2, 128], "float32")
+    assert ws["dkv_sem"] == ([3, 2, 3], "int32")
+    for args in ((90, "bfloat16", 128, 128, 4, True, False, False, False, False),  # not deterministic
+                 (90, "bfloat16", 128, 128, 1, True, False, False, False, True),  # MHA
+                 (90, "bfloat16", 128, 128, 4, False, False, False, False, True),  # no causal / window
+                 (100, "bfloat16", 128, 128, 4, True, False, False, False, True)):  # SM100
+        c = bwd_config(*args)
+        assert not group_split(c) and not group_split(_prepost_key(c))
+        assert "dkv_sem" not in workspace_shapes(c, batch=1, seqlen_q=64, num_heads=4)
+
+
 def _visible(i, t, sq, sk, left, right):
     return t - (sk - sq) - right <= i <= t - (sk - sq) + left and 0 <= i < sq and 0 <= t < sk
 

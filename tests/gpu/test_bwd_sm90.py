@@ -106,10 +106,12 @@ def run_bwd_ours(q, k, v, out, lse, do, *, causal=False, window=(-1, -1), softca
                      dlse is not None)
     if varlen:
         batch = cu_q.shape[0] - 1
-        shapes = workspace_shapes(cfg, batch=batch, seqlen_q=0, num_heads=hq, total_q=q.shape[0])
+        shapes = workspace_shapes(cfg, batch=batch, seqlen_q=0, num_heads=hq, total_q=q.shape[0],
+                                  seqlen_k=max_sk, num_kv_heads=hkv, total_k=k.shape[0])
     else:
         batch, max_sq, max_sk = q.shape[0], q.shape[1], k.shape[1]
-        shapes = workspace_shapes(cfg, batch=batch, seqlen_q=q.shape[1], num_heads=hq)
+        shapes = workspace_shapes(cfg, batch=batch, seqlen_q=q.shape[1], num_heads=hq, seqlen_k=max_sk,
+                                  num_kv_heads=hkv)
     ws = {}
     for name, (shape, dtn) in shapes.items():
         t = torch.empty(shape, device=q.device, dtype=getattr(torch, dtn))
