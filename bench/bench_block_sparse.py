@@ -14,7 +14,9 @@ Timed with bench/_timing.py (own >= 0.5 s window per variant, L2 flushed between
 alternating windows for --rounds rounds; median and min-max of the window medians):
 
     bs_fwd            block_sparse forward kernel (plan prebuilt)
-    bs_fwd_bwd        forward + delta (torch) + dQ kernel + dK/dV kernel (dk/dv zero-filled)
+    bs_fwd_bwd        forward + dQ kernel (also writes delta = rowsum(dout * out)) + dK/dV kernel (dk/dv
+                      zero-filled)
+    bs_dq, bs_dkdv    the dQ kernel, the dK/dV kernel alone (the breakdown of the backward; ms only)
     idx_fwd           indexed_attention forward over blocks_to_indices of the same selection (plan prebuilt)
     idx_b2i_plan_fwd  blocks_to_indices + indexed plan + indexed forward (what the token path costs per layer)
     idx_fwd_bwd       blocks_to_indices + indexed plan + forward + dQ + dK/dV (issue 20's baseline)
@@ -87,10 +89,11 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
         run_fwd(cfg, q, k, v, plan["tile_start"], plan["tile_mask"], plan["tile_count"], plan["q_limit"], None,
                 out, lse, scale)
 
+    delta = torch.empty(1, hq, seqlen, device="cuda")  # written by the dQ kernel
+
     def bs_fwd_bwd():
         bs_fwd()
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
-        run_bwd_dq(bcfg, q, k, v, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
+        run_bwd_dq(bcfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
                    plan["q_limit"], dq, scale)
         dk.zero_()
         dv.zero_()
@@ -98,7 +101,16 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
                      plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
                      scale)
 
-    fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd}
+    def bs_dq():  # the two backward kernels alone (out / lse / delta of the bs_fwd_bwd run below)
+        run_bwd_dq(bcfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
+                   plan["q_limit"], dq, scale)
+
+    def bs_dkdv():
+        run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
+                     plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
+                     scale)
+
+    fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd, "bs_dq": bs_dq, "bs_dkdv": bs_dkdv}
     stats = {"keys_per_row": float(keys.mean()), "tile_blocks": float(plan["tile_count"].float().mean()),
              "flops": 4.0 * seqlen * hq * float(keys.mean()) * D}
     from cute_kernels.indexed.config import GROUP_SIZES, window_queries
@@ -181,7 +193,7 @@ def main(argv=None):
     info.finish()
     head = ["shape", "S", "selection", "keys/row", "blocks/tile", "bs_fwd ms (TF/s)", "idx_fwd ms (TF/s)",
             "b2i+plan+idx_fwd ms", "speed-up vs idx_fwd", "vs b2i+plan+idx_fwd", "bs_fwd_bwd ms (TF/s)",
-            "idx_fwd_bwd ms (TF/s)", "fwd+bwd speed-up"]
+            "idx_fwd_bwd ms (TF/s)", "fwd+bwd speed-up", "bwd dq / dkdv kernels ms"]
     lines = ["# Block-sparse attention", "", info.markdown(), "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for r in rows:
@@ -191,7 +203,8 @@ def main(argv=None):
                                         f"{r['tile_blocks']:.1f}", cell("bs_fwd"), cell("idx_fwd"),
                                         cell("idx_b2i_plan_fwd").split(" ")[0], ratio("idx_fwd"),
                                         ratio("idx_b2i_plan_fwd"), cell("bs_fwd_bwd"), cell("idx_fwd_bwd"),
-                                        ratio("idx_fwd_bwd")]) + " |")
+                                        ratio("idx_fwd_bwd"),
+                                        f"{r.get('bs_dq_ms', '-')} / {r.get('bs_dkdv_ms', '-')}"]) + " |")
     write_markdown(args.markdown, "\n".join(lines) + "\n")
     if args.json:
         with open(args.json, "w") as f:

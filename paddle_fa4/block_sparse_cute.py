@@ -64,13 +64,13 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
     from cute_kernels.block_sparse.launch import bwd_config, run_bwd_dkdv, run_bwd_dq
 
     q, k, v, out, dout = (kernel_input(t) for t in (q, k, v, out, dout))
-    delta = (dout.astype("float32") * out.astype("float32")).sum(-1).transpose([0, 2, 1]).contiguous()  # [B, Hq, S]
+    delta = paddle.empty([q.shape[0], q.shape[2], q.shape[1]], dtype="float32", device=q.place)  # rowsum(dout*out)
     dq = paddle.empty(q.shape, dtype=q.dtype, device=q.place)
     dk = paddle.zeros(k.shape, dtype=k.dtype, device=k.place)  # keys no query selects stay 0
     dv = paddle.zeros(v.shape, dtype=v.dtype, device=v.place)
     cfg = bwd_config(q, k, v, per_kv_head=spec.per_kv_head, arch=arch_of(q))
     a = kernel_arg
-    run_bwd_dq(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_start), a(plan.tile_mask),
+    run_bwd_dq(cfg, a(q), a(k), a(v), a(out), a(dout), a(lse), a(delta), a(plan.tile_start), a(plan.tile_mask),
                a(plan.tile_count), a(plan.q_limit), a(dq), spec.scale)
     run_bwd_dkdv(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_mask), a(plan.q_limit),
                  a(plan.key_start), a(plan.key_end), a(plan.key_count), a(plan.key_ptr), a(plan.key_tile),

@@ -6,17 +6,22 @@ over the rows (query, head) that see key c, with P and dS as in ``bwd_dq_sm90.py
 (selected key block r of index set s, kv head h, batch b): the block's rows ``[key_start,
 key_end)`` (clipped at its document's end) stay in shared memory while the CTA walks the block's
 (query tile, slot) pairs of the plan's key-major transpose in ascending tile order (x the head
-chunks for G > 64), so every dK / dV element is summed in one fixed order and written once:
-bitwise reproducible, no atomics. Keys no query selects are not visited: the caller passes dk / dv
-zero-filled.
+chunks for G > 64). Keys no query selects are not visited: the caller passes dk / dv zero-filled.
 
-    WG 0, warp 0   producer: K, V of the block once; per pair the tile's Q and dO rows (one TMA box
-                   of GC head rows per tile query each; queries past S repeat the last one, whose
-                   columns are masked) into one of 2 stages
-    WG 1 ("dV")    S^T = K Q^T (wgmma m64n64, keys as M: Note [keys as the M dimension] in
-                   indexed/bwd_dkdv_sm90.py), P^T, dV += P^T dO (A = P^T from registers)
-    WG 2 ("dK")    S^T and P^T again (instead of an exchange through shared memory), dP^T = V dO^T,
-                   dS^T = P^T (dP^T - delta), dK += dS^T Q; both store their rows at the end
+    WG 0, warp 0   producer: K, V of the block once; per step (pair x head chunk) the tile's Q and dO
+                   rows (one TMA box of GC head rows per tile query each; queries past S repeat the
+                   last one, whose columns are masked) into stage step % 4
+    WG 1, WG 2     Note [two pair streams]: WG w takes the steps of parity w - 1 (stages w - 1,
+                   w + 1): S^T = K Q^T and dP^T = V dO^T (wgmma m64n64, keys as M: Note [keys as the M
+                   dimension] in indexed/bwd_dkdv_sm90.py), P^T, dV += P^T dO, dS^T = P^T (dP^T - delta),
+                   dK += dS^T Q (A from registers), its own dK / dV partial in registers
+
+Note [two pair streams]: the two consumer WGs work on different steps, so neither recomputes the
+other's S^T and both run the whole step (an earlier split, one WG dV and one dK on the same step,
+computed S^T twice and left the dV WG idle a third of the time). After the last step WG 1 passes
+its dK partial and WG 2 its dV partial through the idle Q stages; WG 1 stores dV, WG 2 dK. Each
+element is the sum of its two partials, each summed in the plan's order over a split of the steps
+that only the plan decides: bitwise reproducible, no atomics, one write per element.
 
 Columns (tile rows) of S^T are masked per pair: a column counts iff it is a real row (not past the
 tile's queries, not one of the 64 - WQ * GC idle rows, which are zeroed once so that 0 * row stays 0)
@@ -40,9 +45,10 @@ from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, co
 from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
-STAGES = 2
+STAGES = 4  # Q / dO row stages: 2 per consumer WG (Note [two pair streams])
 # setmaxnreg split over 384 threads: 128 * (24 + 2 * 240) <= 64K.
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
+REDUCE_BARRIER = 1  # both consumer WGs, around the exchange of their dK / dV partials
 
 
 class BlockSparseBwdDKDVSm90(BlockSparseSm90):
@@ -101,7 +107,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             cute.arch.mbarrier_init(mbar_kv, 1)
         cute.arch.mbarrier_init_fence()
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * THREADS_PER_WG // 32)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG // 32)  # one WG per stage
         pipeline_rows = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_rows.data_ptr(), num_stages=STAGES, producer_group=producer,
             consumer_group=consumers, tx_count=self.tx_bytes_rows, defer_sync=False)
@@ -123,7 +129,8 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 self.consume(mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, mdK, mdV, sQ, sdO, sK, sV,
-                             mbar_kv, pipeline_rows, blk, warp_idx // 4 - 1, tidx % THREADS_PER_WG, softmax_scale)
+                             mbar_kv, pipeline_rows, blk, warp_idx // 4 - 1, tidx % THREADS_PER_WG, softmax_scale,
+                             storage.sQ.data_ptr())
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -161,84 +168,88 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
     # ------------------------------------------------------------------ consumers
     @cute.jit
     def consume(self, mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, mdK, mdV, sQ, sdO, sK, sV, mbar_kv,
-                pipeline_rows, blk, wg: Int32, ctidx: Int32, softmax_scale: Float32):
+                pipeline_rows, blk, wg: Int32, ctidx: Int32, softmax_scale: Float32, red_base):
+        """Consumer WG ``wg`` takes steps wg, wg + 2, ... of the block (stages wg, wg + 2 of the 4) and
+        sums its own dK / dV; then the two partials meet in shared memory (Note [two pair streams])."""
         mma_s = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(64, TILE_M))
+        mma_dk, mma_dv = self._mma_rs(self.dk), self._mma_rs(self.dv)
         thr_s = mma_s.get_slice(ctidx)
-        wg_s = mma_s.get_slice(0)
+        wg_s, wg_dk, wg_dv = mma_s.get_slice(0), mma_dk.get_slice(0), mma_dv.get_slice(0)
         tSrK = wg_s.make_fragment_A(wg_s.partition_A(sK))
         tSrV = wg_s.make_fragment_A(wg_s.partition_A(sV))
         tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ))  # (.., .., k, stage)
         tSrdO = wg_s.make_fragment_B(wg_s.partition_B(sdO))
+        tVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
+        tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
+        tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((self.tile_n, TILE_M)))
+        tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((self.tile_n, TILE_M)))
         acc_shape = wg_s.partition_shape_C((self.tile_n, TILE_M))
+        acc_dK = cute.make_rmem_tensor(wg_dk.partition_shape_C((self.tile_n, self.dk)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((self.tile_n, self.dv)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
         tScS_mn = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_n, TILE_M))))
         ctx = SimpleNamespace(key=[blk.start + tScS_mn[i, 0][0] for i in range(2)], thr_col=tScS_mn[0, 0][1],
                               cols=sm90_thread0_cols(TILE_M), scale_log2=softmax_scale * LOG2_E,
                               mLSE=mLSE, mDelta=mDelta, mTileMask=mTileMask, mQLimit=mQLimit, mKeyTile=mKeyTile,
                               mKeySlot=mKeySlot, blk=blk)
+        ctx.qi_packed = self.pack_column_queries(ctx)
         cute.arch.mbarrier_wait(mbar_kv, 0)
         n = (blk.p1 - blk.p0) * self.chunks
-        if wg == 0:
-            self.consume_dv(ctx, n, mma_s, tSrK, tSrQ, tSrdO, acc_shape, sdO, mdV, pipeline_rows, ctidx)
-        else:
-            self.consume_dk(ctx, n, mma_s, tSrK, tSrV, tSrQ, tSrdO, acc_shape, sQ, mdK, pipeline_rows, ctidx,
-                            softmax_scale)
-
-    def _mma_rs(self, cols: int):
-        return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, cols), a_source=warpgroup.OperandSource.RMEM)
-
-    @cute.jit
-    def consume_dv(self, ctx, n: Int32, mma_s, tSrK, tSrQ, tSrdO, acc_shape, sdO, mdV, pipeline_rows, ctidx: Int32):
-        mma_dv = self._mma_rs(self.dv)
-        wg_dv = mma_dv.get_slice(0)
-        tVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))  # (.., .., k, stage)
-        tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((self.tile_n, TILE_M)))
-        acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((self.tile_n, self.dv)), Float32)
-        acc_dV.fill(0.0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        for i in cutlass.range(n, unroll=1):
-            col = self.columns(ctx, i)
-            acc_S = cute.make_rmem_tensor(acc_shape, Float32)
-            pipeline_rows.consumer_wait(state)
-            self.gemm(mma_s, acc_S, tSrK, tSrQ[None, None, None, state.index], True, 0)
-            self.probs(ctx, acc_mn_view(acc_S), col)
-            convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
-            self.gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, 0)
-            pipeline_rows.consumer_release(state)
+        if wg == 1:
             state.advance()
-        self.store_keys(ctx, acc_dV, mdV, mma_dv.get_slice(ctidx), self.dv, Float32(1.0))
-
-    @cute.jit
-    def consume_dk(self, ctx, n: Int32, mma_s, tSrK, tSrV, tSrQ, tSrdO, acc_shape, sQ, mdK, pipeline_rows,
-                   ctidx: Int32, softmax_scale: Float32):
-        mma_dk = self._mma_rs(self.dk)
-        wg_dk = mma_dk.get_slice(0)
-        tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))  # (.., .., k, stage)
-        tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((self.tile_n, TILE_M)))
-        acc_dK = cute.make_rmem_tensor(wg_dk.partition_shape_C((self.tile_n, self.dk)), Float32)
-        acc_dK.fill(0.0)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        for i in cutlass.range(n, unroll=1):
+        for j in cutlass.range((n - wg + 1) // 2, unroll=1):
+            i = 2 * j + wg
             col = self.columns(ctx, i)
             acc_S = cute.make_rmem_tensor(acc_shape, Float32)
             acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
             pipeline_rows.consumer_wait(state)
             self.gemm(mma_s, acc_S, tSrK, tSrQ[None, None, None, state.index], True, -1)
-            self.gemm(mma_s, acc_dP, tSrV, tSrdO[None, None, None, state.index], True, 0)
+            self.gemm(mma_s, acc_dP, tSrV, tSrdO[None, None, None, state.index], True, 1)
             acc_S_mn = acc_mn_view(acc_S)
-            acc_dP_mn = acc_mn_view(acc_dP)
             self.probs(ctx, acc_S_mn, col)
+            convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
+            self.gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, 1)  # dP done
+            delta = self.deltas(ctx, i)
+            acc_dP_mn = acc_mn_view(acc_dP)
             for k in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    acc_S_mn[k, c] = acc_S_mn[k, c] * (acc_dP_mn[k, c] - col.delta[c])  # dS^T
-            convert_to_16bit(acc_as_operand_a(acc_S), tKrdS)
+                    acc_dP_mn[k, c] = acc_S_mn[k, c] * (acc_dP_mn[k, c] - delta[c])  # dS^T
+            convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
             self.gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False, 0)
             pipeline_rows.consumer_release(state)
             state.advance()
-        self.store_keys(ctx, acc_dK, mdK, mma_dk.get_slice(ctidx), self.dk, softmax_scale)
+            state.advance()
+        # Note [two pair streams]: WG 1 hands its dV partial to WG 0 and WG 0 its dK partial to WG 1 through
+        # the (now idle) Q stages; each adds the other's and stores one of the two (a + b = b + a exactly, and
+        # the split of the steps is fixed by the plan: bitwise reproducible).
+        cute.arch.barrier(barrier_id=REDUCE_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+        nk, nv = cute.size(acc_dK), cute.size(acc_dV)
+        red = cute.make_tensor(cute.recast_ptr(red_base, dtype=Float32),
+                               cute.make_layout((THREADS_PER_WG, nk + nv), stride=(1, THREADS_PER_WG)))
+        if wg == 0:
+            for e in cutlass.range_constexpr(nk):
+                red[ctidx, e] = acc_dK[e]
+        else:
+            for e in cutlass.range_constexpr(nv):
+                red[ctidx, nk + e] = acc_dV[e]
+        cute.arch.barrier(barrier_id=REDUCE_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+        if wg == 0:
+            for e in cutlass.range_constexpr(nv):
+                acc_dV[e] = acc_dV[e] + red[ctidx, nk + e]
+            self.store_keys(ctx, acc_dV, mdV, mma_dv.get_slice(ctidx), self.dv, Float32(1.0))
+        else:
+            for e in cutlass.range_constexpr(nk):
+                acc_dK[e] = acc_dK[e] + red[ctidx, e]
+            self.store_keys(ctx, acc_dK, mdK, mma_dk.get_slice(ctidx), self.dk, softmax_scale)
+
+    def _mma_rs(self, cols: int):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, cols), a_source=warpgroup.OperandSource.RMEM)
 
     @cute.jit
     def gemm(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr, wait: cutlass.Constexpr):
@@ -248,36 +259,66 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
 
     @cute.jit
     def columns(self, ctx, i: Int32):
-        """Per register column (a tile row) of step ``i``: exclusive key limit (0 for a column that
-        does not count), lse in log2 units, delta."""
+        """Per register column (a tile row) of step ``i``: which of this thread's two keys the column
+        keeps (bit c + 16 k of ``keep``: the column counts and key k < its query's limit; one register
+        instead of 16 limits) and lse in log2 units (delta: ``deltas``, loaded later so that it is not
+        live across the S^T / P^T part)."""
         blk = ctx.blk
         p = blk.p0 + i // self.chunks
         w = ctx.mKeyTile[p]
         bits = ctx.mTileMask[blk.s, w, ctx.mKeySlot[p]]
-        q0 = w * self.wq
-        head0 = blk.h * self.cfg.group + (i % self.chunks) * self.gc
         ncol = len(ctx.cols)
-        col = SimpleNamespace(limit=cute.make_rmem_tensor((ncol,), Int32),
-                              lse=cute.make_rmem_tensor((ncol,), Float32),
-                              delta=cute.make_rmem_tensor((ncol,), Float32))
+        assert ncol <= 16
+        col = SimpleNamespace(keep=Int32(0), lse=cute.make_rmem_tensor((ncol,), Float32))
         for c in cutlass.range_constexpr(ncol):
-            row = ctx.thr_col + ctx.cols[c]
-            qi = row // self.gc
-            t = cutlass.min(q0 + qi, blk.seqlen - 1)
-            head = head0 + row % self.gc
-            live = row < self.wq * self.gc and q0 + qi < blk.seqlen
+            row, qi, t, head = self.column_row(ctx, i, w, c)
+            live = row < self.wq * self.gc and w * self.wq + qi < blk.seqlen
             live = live and ((bits >> qi) & 1) != 0
-            col.limit[c] = ctx.mQLimit[blk.b, t] if live else Int32(0)
+            limit = ctx.mQLimit[blk.b, t] if live else Int32(0)
+            for k in cutlass.range_constexpr(2):
+                if ctx.key[k] < limit:
+                    col.keep = col.keep | Int32(1 << (c + 16 * k))
             col.lse[c] = ctx.mLSE[blk.b, head, t] * LOG2_E
-            col.delta[c] = ctx.mDelta[blk.b, head, t]
         return col
+
+    @cute.jit
+    def deltas(self, ctx, i: Int32):
+        """delta of each register column of step ``i`` (as ``columns``)."""
+        w = ctx.mKeyTile[ctx.blk.p0 + i // self.chunks]
+        delta = cute.make_rmem_tensor((len(ctx.cols),), Float32)
+        for c in cutlass.range_constexpr(len(ctx.cols)):
+            _, _, t, head = self.column_row(ctx, i, w, c)
+            delta[c] = ctx.mDelta[ctx.blk.b, head, t]
+        return delta
+
+    def pack_column_queries(self, ctx):
+        """GC not a power of two: the tile query (row // GC, < 64) of each of this thread's 16 register
+        columns, 6 bits each in 4 registers, computed once (16 divisions per step made G 12 spill);
+        None otherwise (a shift)."""
+        if self.gc & (self.gc - 1) == 0:
+            return None
+        packed = [Int32(0) for _ in range(4)]
+        for c in range(len(ctx.cols)):
+            packed[c // 5] = packed[c // 5] | (((ctx.thr_col + ctx.cols[c]) // self.gc) << (6 * (c % 5)))
+        return packed
+
+    def column_row(self, ctx, i, w, c: int):
+        """(tile row, query of the tile, sequence position (clamped), head) of register column c at step i."""
+        row = ctx.thr_col + ctx.cols[c]
+        if ctx.qi_packed is None:
+            qi = row // self.gc
+        else:
+            qi = (ctx.qi_packed[c // 5] >> (6 * (c % 5))) & 63
+        t = cutlass.min(w * self.wq + qi, ctx.blk.seqlen - 1)
+        head = ctx.blk.h * self.cfg.group + (i % self.chunks) * self.gc + row - qi * self.gc
+        return row, qi, t, head
 
     @cute.jit
     def probs(self, ctx, acc_mn, col):
         """P^T in place: exp2(S^T scale log2e - lse) where the column counts and key < its limit, else 0."""
         for k in cutlass.range_constexpr(2):
             for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                keep = ctx.key[k] < col.limit[c]
+                keep = ((col.keep >> (c + 16 * k)) & 1) != 0
                 p = cute.math.exp2(acc_mn[k, c] * ctx.scale_log2 - col.lse[c], fastmath=True)
                 acc_mn[k, c] = p if keep else Float32(0.0)
 

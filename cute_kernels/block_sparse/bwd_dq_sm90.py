@@ -1,7 +1,8 @@
 """BlockSparseBwdDQSm90: Hopper dQ of block-sparse attention, query-major (no atomics).
 
     P   = exp(scale * q . k_c - lse)       over the keys the forward saw (same plan, same masks)
-    dS  = P * (dO . v_c - delta),   delta = rowsum(dO * O)  (fp32, computed by the caller)
+    dS  = P * (dO . v_c - delta),   delta = rowsum(dO * O)  (fp32, computed here from O and dO
+                                                            and written out for the dK/dV kernel)
     dq  = scale * sum_c dS k_c
 
 One CTA per row tile, as the forward (``fwd_sm90.py``, whose producer / row / mask methods this class
@@ -9,7 +10,9 @@ inherits), 256 threads:
 
     WG 0, warp 0   producer: K and V of block 0, then Q and dO (one TMA box of GC head rows per tile
                    query each), then K[n], V[n] per listed block (2 stages)
-    WG 1           per block: S = Q K^T and dP = dO V^T (wgmma, smem x smem), masks, P from lse,
+    WG 1           first each row's delta (the 4 lanes of a row each read a quarter of its O and dO
+                   with 16-byte loads and sum; one lane stores it), then
+                   per block: S = Q K^T and dP = dO V^T (wgmma, smem x smem), masks, P from lse,
                    dS, dQ += dS K (A = dS from registers, B = K read MN-major); dQ * scale stored
                    once to each row's (query, head)
 
@@ -27,8 +30,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, transpose_view,
-                                       wgmma_smem_layout)
+from cute_kernels.attention.bwd_pre import vec_ptr
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, row_allreduce,
+                                       transpose_view, wgmma_smem_layout)
 
 from .common import shared_storage, smem_tensors
 from .config import TILE_M
@@ -43,8 +47,8 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         return rows + kv + 4 * 1024 + 8 * (1 + 4 * KV_STAGES)
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor,
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mdO: cute.Tensor,
+                 mLSE: cute.Tensor, mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor,
                  mQLimit: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream):
         sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 1))
         sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, 1))
@@ -57,14 +61,14 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
                                              sV=sV_layout)
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
         atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V)
-        self.kernel(tma_Q, tma_dO, tma_K, tma_V, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, mdQ,
+        self.kernel(tma_Q, tma_dO, tma_K, tma_V, mO, mdO, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, mdQ,
                     atoms, sQ_layout, sdO_layout, sK_layout, sV_layout, rows_q, rows_do, softmax_scale).launch(
             grid=grid, block=[2 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=2 if self.dk <= 64 else 1, preferred_smem_carveout=100)
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mLSE: cute.Tensor,
-               mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor,
+    def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mdOg: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor,
                mQLimit: cute.Tensor, mdQ: cute.Tensor, atoms: tuple, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout, softmax_scale: Float32):
@@ -78,7 +82,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
                               storage.sdO.data_ptr(), mbar_q, pipeline_k, pipeline_v, tile)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume_dq(mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
+            self.consume_dq(mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
                             pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
 
     # ------------------------------------------------------------------ producer
@@ -114,7 +118,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
 
     # ------------------------------------------------------------------ consumer
     @cute.jit
-    def consume_dq(self, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
+    def consume_dq(self, mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
                    pipeline_v, tile, ctidx: Int32, softmax_scale: Float32):
         tiled_mma_s, tiled_mma_dq = self.row_mmas(self.dk)
         thr_mma_s = tiled_mma_s.get_slice(ctidx)
@@ -131,18 +135,35 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((TILE_M, self.dk)), Float32)
         acc_dQ.fill(0.0)
         ctx = self.row_context(thr_mma_s, mTileStart, mTileMask, mQLimit, tile)
-        # per row: lse (log2 units; +inf where P must be 0) and delta
+        # per row: lse (log2 units; +inf where P must be 0) and delta = rowsum(dO * O), summed by the 4
+        # lanes that hold the row (lane % 4 takes columns [quarter * Dv / 4, ...)) and stored by one
         lse_log2 = cute.make_rmem_tensor((2,), Float32)
         delta = cute.make_rmem_tensor((2,), Float32)
+        quarter = ctidx % 4
+        cols = self.dv // 4
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        vec = cute.make_layout((8,))
         for r in cutlass.range_constexpr(2):
             lse_log2[r] = Float32.inf
-            delta[r] = Float32(0.0)
+            part = Float32(0.0)
+            t = tile.q0 + ctx.row[r] // self.gc
+            head = tile.head0 + ctx.row[r] % self.gc
             if ctx.row[r] < ctx.rows_valid:
-                t = tile.q0 + ctx.row[r] // self.gc
-                head = tile.head0 + ctx.row[r] % self.gc
                 v = mLSE[tile.b, head, t]
                 lse_log2[r] = Float32.inf if v == -Float32.inf else v * LOG2_E
-                delta[r] = mDelta[tile.b, head, t]
+                for c in cutlass.range_constexpr(cols // 8):
+                    coord = (tile.b, t, head, quarter * cols + c * 8)
+                    ro = cute.make_rmem_tensor((8,), self.dtype)
+                    rdo = cute.make_rmem_tensor((8,), self.dtype)
+                    cute.copy(copy16, cute.make_tensor(vec_ptr(mO, coord), vec), ro)
+                    cute.copy(copy16, cute.make_tensor(vec_ptr(mdOg, coord), vec), rdo)
+                    prod = ro.load().to(Float32) * rdo.load().to(Float32)
+                    for e in cutlass.range_constexpr(8):
+                        part = part + prod[e]
+            delta[r] = row_allreduce(part, 4, lambda x, y: x + y)
+            if ctx.row[r] < ctx.rows_valid:
+                if quarter == 0:
+                    mDelta[tile.b, head, t] = delta[r]
         ctx.lse_log2 = lse_log2
         ctx.delta = delta
         ctx.scale_log2 = softmax_scale * LOG2_E

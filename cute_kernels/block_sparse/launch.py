@@ -88,7 +88,8 @@ def compile_bwd_dq(cfg: BwdConfig):
     rows = lambda: fake_tensor(f32, (b, hq, s), align_bytes=4)  # noqa: E731
     ints = lambda *shape: fake_tensor(i32, shape, align_bytes=4)  # noqa: E731
     return cute.compile(BlockSparseBwdDQSm90(cfg), q, kv(cfg.head_dim), kv(cfg.head_dim_v),
-                        fake_tensor(dt, (b, s, hq, cfg.head_dim_v)), rows(), rows(), ints(ns, nqt, cap),
+                        fake_tensor(dt, (b, s, hq, cfg.head_dim_v)), fake_tensor(dt, (b, s, hq, cfg.head_dim_v)),
+                        rows(), rows(), ints(ns, nqt, cap),
                         ints(ns, nqt, cap), ints(ns, nqt), ints(b, s), fake_tensor(dt, (b, s, hq, cfg.head_dim)),
                         f32(1.0), fake_stream(), options=arch_options(cfg.arch))
 
@@ -127,12 +128,13 @@ def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, 
                           key_tile, key_slot, dk, dv, float(softmax_scale))
 
 
-def run_bwd_dq(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
+def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
                softmax_scale: float) -> None:
-    """dq (every element written) from the forward's lse and ``delta = rowsum(dout * out)`` [B, Hq, S] fp32."""
+    """dq (every element written) from the forward's out and lse; also writes ``delta = rowsum(dout * out)``
+    [B, Hq, S] fp32 (every element), which ``run_bwd_dkdv`` and the sink gradient read."""
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
         return
-    compile_bwd_dq(cfg)(q, k, v, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
+    compile_bwd_dq(cfg)(q, k, v, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
                         float(softmax_scale))
 
 

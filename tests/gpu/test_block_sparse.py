@@ -161,7 +161,8 @@ def run_bwd(c, dout):
     p = {n: torch.from_numpy(a).cuda() for n, a in pn.items()}
     out, lse = run(c, p)
     q, k, v = c["q"], c["k"], c["v"]
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    want_delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    delta = torch.full(want_delta.shape, float("nan"), device="cuda")  # written by the dQ kernel, every entry
     dq = torch.full_like(q, float("nan"))
     # the caller's zero fill, except the rows the dK/dV kernel must write (NaN: every one written)
     written = torch.from_numpy(listed_key_rows(pn, *k.shape[:3])).cuda()
@@ -169,8 +170,9 @@ def run_bwd(c, dout):
     dk[written], dv[written] = float("nan"), float("nan")
     cfg = bwd_config(q, k, v, per_kv_head=c["ids"].ndim == 4)
     scale = q.shape[-1] ** -0.5
-    run_bwd_dq(cfg, q, k, v, dout, lse, delta, p["tile_start"], p["tile_mask"], p["tile_count"], p["q_limit"], dq,
-               scale)
+    run_bwd_dq(cfg, q, k, v, out, dout, lse, delta, p["tile_start"], p["tile_mask"], p["tile_count"], p["q_limit"],
+               dq, scale)
+    torch.testing.assert_close(delta, want_delta, rtol=1e-5, atol=1e-4)
     run_bwd_dkdv(cfg, q, k, v, dout, lse, delta, p["tile_mask"], p["q_limit"], p["key_start"], p["key_end"],
                  p["key_count"], p["key_ptr"], p["key_tile"], p["key_slot"], dk, dv, scale)
     dsink = None if c["sink"] is None else -(torch.exp(c["sink"][None, :, None] - lse) * delta).sum((0, 2))
