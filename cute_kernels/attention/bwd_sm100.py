@@ -48,9 +48,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels import arch as _arch
@@ -61,7 +59,7 @@ from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import softcap_logit
 from cute_kernels.common.tile_range import (QueryTileRange, TileRange, first_key_tile, last_key_tile,
                                              normalize_window)
-from cute_kernels.common.utils import LN_2, LOG2_E
+from cute_kernels.common.utils import LN_2, LOG2_E, ld_acquire_gpu, red_release_add_gpu
 
 from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
 
@@ -216,22 +214,6 @@ def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8) -> None:
                     raise TypeError(f"{name}: layouts must be static ({type(oa)}, {type(ob)})")
                 if oa != ob:
                     raise ValueError(f"{name}: element ({r}, {c}) at {oa} vs {ob}")
-
-
-@dsl_user_op
-def _ld_acquire_s32(ptr_i64, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(
-        cutlass.Int32.mlir_type, [Int64(ptr_i64).ir_value(loc=loc, ip=ip)],
-        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _red_release_add_s32(ptr_i64, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None, [Int64(ptr_i64).ir_value(loc=loc, ip=ip)],
-        "red.release.gpu.global.add.s32 [$0], 1;", "l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 class FlashBwdSm100:
@@ -1001,9 +983,9 @@ class FlashBwdSm100:
                         sem_off = cute.crd2idx((batch, head, blk), mdQsem.layout)
                     sem_ptr = (mdQsem.iterator + sem_off).toint()
                     if tidx == 0:
-                        seen = _ld_acquire_s32(sem_ptr)
+                        seen = ld_acquire_gpu(sem_ptr)
                         while seen != turn:
-                            seen = _ld_acquire_s32(sem_ptr)
+                            seen = ld_acquire_gpu(sem_ptr)
                 pipe_dQ.consumer_wait(dq_state)
                 for c in cutlass.range_constexpr(nchunk):
                     stage = (it * nchunk + c) % DQ_STAGES  # stages alternate across tiles too (d 96: 3 chunks)
@@ -1030,7 +1012,7 @@ class FlashBwdSm100:
                         cute.arch.sync_warp()
                         if tidx == 0:
                             cute.arch.fence_acq_rel_gpu()
-                            _red_release_add_s32(sem_ptr)
+                            red_release_add_gpu(sem_ptr, 1)
                 head, m_tile = self.next_coords(head, m_tile, tile)
             if warp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # smem and the adds outlive no CTA

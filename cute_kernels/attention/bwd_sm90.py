@@ -85,9 +85,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels import arch as _arch
@@ -96,8 +94,8 @@ from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import softcap_logit
 from cute_kernels.common.tile_range import QueryTileRange, first_key_tile, last_key_tile, normalize_window
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
-                                       select_modes, sm90_thread0_cols, transpose_view, wgmma_gemm,
-                                       wgmma_smem_layout)
+                                       ld_acquire_gpu, red_release_add_gpu, select_modes, sm90_thread0_cols,
+                                       transpose_view, wgmma_gemm, wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 
 from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, HEAD_DIMS, KV_SEM_KEYS, BwdConfig, group_split
@@ -162,21 +160,6 @@ def _smem_layout(dtype, shape: tuple, major_cols: int):
     atom = warpgroup.make_smem_layout_atom(
         sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_cols), dtype)
     return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
-
-
-@dsl_user_op
-def _ld_acquire(addr: Int64, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.acquire.gpu.global.b32 $0, [$1];",
-        "=r,l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _red_release_add(addr: Int64, val: Int32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(val).ir_value(loc=loc, ip=ip)],
-        "red.release.gpu.global.add.s32 [$0], $1;", "l,r", has_side_effects=True,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 class FlashBwdSm90:
@@ -535,9 +518,9 @@ class FlashBwdSm90:
                         lock = n_tile - first_key_tile(m * self.tile_m, seqlen.seqlen_q, seqlen.seqlen_k, left,
                                                        self.tile_n, cfg.has_window)
                     if lane == 0:
-                        cur = _ld_acquire(sem_addr)
+                        cur = ld_acquire_gpu(sem_addr)
                         while cur != lock:
-                            cur = _ld_acquire(sem_addr)
+                            cur = ld_acquire_gpu(sem_addr)
                     cute.arch.sync_warp()
                 # The whole warp issues (the TMA copy elects one lane itself; one active lane hangs). Region
                 # r goes out as soon as WG r staged it and is handed back once the TMA has read it.
@@ -567,7 +550,7 @@ class FlashBwdSm90:
                     cute.arch.sync_warp()
                     if lane == 0:
                         cute.arch.fence_acq_rel_gpu()
-                        _red_release_add(sem_addr, Int32(1))
+                        red_release_add_gpu(sem_addr, Int32(1))
                     cute.arch.sync_warp()
                 step = step + 1
         cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -937,9 +920,9 @@ class FlashBwdSm90:
                 sem_idx = n_tile * self.tile_n // KV_SEM_KEYS
                 sem_addr = (mdKVsem.iterator + cute.crd2idx((batch_idx, head_kv, sem_idx), mdKVsem.layout)).toint()
                 if ctidx == 0:
-                    cur = _ld_acquire(sem_addr)
+                    cur = ld_acquire_gpu(sem_addr)
                     while cur != rank:
-                        cur = _ld_acquire(sem_addr)
+                        cur = ld_acquire_gpu(sem_addr)
                 cute.arch.barrier(barrier_id=KV_TURN_BARRIER, number_of_threads=2 * THREADS_PER_WG)
                 cute.arch.fence_acq_rel_gpu()
                 if rank > 0:
@@ -954,7 +937,7 @@ class FlashBwdSm90:
                     cute.arch.fence_acq_rel_gpu()
                     cute.arch.barrier(barrier_id=KV_TURN_BARRIER, number_of_threads=2 * THREADS_PER_WG)
                     if ctidx == 0:
-                        _red_release_add(sem_addr, Int32(1))
+                        red_release_add_gpu(sem_addr, Int32(1))
 
     def _kv_tile(self, mX, thr_dkv, geo, dim: int, col0):
         """This thread's elements of rows key_base + [0, 64), columns col0 + [0, dim) of mX (dK / dV or

@@ -136,3 +136,20 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
     to_bf16 = const_expr(dst.element_type is cutlass.BFloat16)
     for i in cutlass.range_constexpr(cute.size(dst_i32)):
         dst_i32[i] = _cvt_pack2(src[2 * i], src[2 * i + 1], to_bf16)
+
+
+@dsl_user_op
+def ld_acquire_gpu(addr, *, loc=None, ip=None) -> Int32:
+    """``ld.acquire.gpu`` of the int32 at global address ``addr`` (an Int64): a turn counter's read."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)], "ld.acquire.gpu.global.b32 $0, [$1];",
+        "=r,l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def red_release_add_gpu(addr, val, *, loc=None, ip=None) -> None:
+    """``red.release.gpu.global.add.s32``: bump the turn counter at ``addr`` by ``val`` (release)."""
+    llvm.inline_asm(
+        None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), Int32(val).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;", "l,r", has_side_effects=True,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
