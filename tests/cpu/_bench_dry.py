@@ -83,6 +83,12 @@ def main(name: str, argv: list) -> int:
         L.compile_fwd = mock.MagicMock()
         L.run_fwd = mock.MagicMock()
         mod.block_max_torch = mock.MagicMock()
+    elif name == "bench_bwd":
+        import cute_kernels.attention.bwd_launch as BL
+
+        BL.run_bwd = mock.MagicMock()
+        BL.unsupported_reason = lambda cfg: None  # the stand-in torch dtype is no real dtype name
+        sys.modules["flash_attn.cute.interface"].flash_attn_func.return_value = (mock.MagicMock(), mock.MagicMock())
     elif name == "bench_layer":
         import cute_kernels.attention.bwd_launch as BL
         import cute_kernels.attention.launch as L

@@ -86,3 +86,18 @@ def test_bench_layer_dry(tmp_path):
     assert 0 < r["ratio"]["lo"] <= r["ratio"]["median"] <= r["ratio"]["hi"]
     assert set(out["host_us"]["128/full"]) == {"ours_step", "fa4_step", "ours_bwd", "fa4_bwd"}
     assert "ours / FA4 (step)" in md and "Host cost per call" in md
+
+
+def test_bench_bwd_dry(tmp_path):
+    """The backward bench: one row per (d, heads, S, mode) with both ratios, and the host-cost table of every
+    variant (ours through the launcher, FA4 through its interface)."""
+    out, md, windows = dry(tmp_path, "bench_bwd", "--hdims", "128", "--seqlens", "4096", "--heads", "32/8",
+                           "--host-n", "5")
+    rows = out["rows"]
+    assert [(r["heads"], r["heads_kv"], r["causal"]) for r in rows] == [(32, 8, False), (32, 8, True)]
+    assert [n for n, _ in windows[:4]] == ["ours", "fa4", "ours_det", "fa4_det"]
+    r = rows[1]
+    assert set(r["tflops"]) == {"ours", "fa4", "ours_det", "fa4_det"}
+    assert set(r["ratios"]) == {"ours_over_fa4", "det_over_fa4_det"}
+    assert set(out["host_us"]["128/causal"]) == {"ours", "fa4", "ours_det", "fa4_det"}
+    assert "ours det / FA4 det" in md and "Host cost per call" in md
