@@ -24,7 +24,8 @@ head_dim <= 128 the 128-key schedule (TILE_N = 128), head_dim 192 / 256 / (192, 
                       dS^T -> smem (stmatrix), both WGs sync, dQ tile = dS K (smem x smem) -> fp32
                       staging -> warp 1
                   dK_w / dV_w stay in registers across all steps of all query heads of the group (GQA
-                  sums its group without any fp32 expansion; bitwise deterministic by construction),
+                  sums its group without any fp32 expansion; bitwise deterministic by construction;
+                  deterministic causal / window GQA instead takes one head per CTA, Note [group split]),
                   then dK * softmax_scale and dV go out with predicated stores (zeros for keys that no
                   query sees).
 
