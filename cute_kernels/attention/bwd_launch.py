@@ -286,14 +286,20 @@ def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
 
 
 def prepost_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
-    """One config per distinct pre/post compile key (dtype x head dims x varlen x deterministic x dlse)."""
+    """One config per distinct pre/post compile key (dtype x head dims x varlen x deterministic x dlse, and
+    on SM90 the group-split keys, whose preprocess also zeroes dkv_sem)."""
     arch = int(arch)
     dims = HEAD_DIMS if full else ((128, 128), (64, 64), (192, 128))
     dts = DTYPES if full else ("bfloat16",)
     out = [bwd_config(arch, dt, d, dv, 1, False, False, False, vl, det, dl)
            for dt in dts for d, dv in dims for vl in (False, True) for det in (False, True)
            for dl in (False, True)]
-    return out if full else out[:6] + [bwd_config(arch, "float16", 96, 96, 1, False, False, False, True, True)]
+    split = [_prepost_key(bwd_config(arch, dt, d, dv, 4, True, False, False, vl, True, dl))
+             for dt in dts for d, dv in dims for vl in (False, True) for dl in (False, True)]
+    split = [c for c in split if group_split(c)]
+    if full:
+        return out + split
+    return out[:6] + [bwd_config(arch, "float16", 96, 96, 1, False, False, False, True, True)] + split[:2]
 
 
 def _no_smem(cfg) -> None:
