@@ -171,6 +171,9 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
                                                       False, bsz, varlen))
         out += [fwd_config(arch, "bfloat16", d, d, 1, c, False, True, 64, False)
                 for d in (128, 256) for c in (False, True)]
+        if sm90:  # softcap with every mask at d 64 (the SM90 tile choice depends on window + softcap)
+            out += [fwd_config(arch, "bfloat16", 64, 64, 4, mask == "causal", mask == "window", True, bsz, True)
+                    for mask in ("none", "causal", "window") for bsz in (0, 32)]
         out += [fwd_config(arch, dt, 192, 128, ratio, mask == "causal", mask == "window", False, bsz, varlen)
                 for dt in DTYPES for mask in ("none", "causal", "window") for ratio in (1, 4)
                 for varlen in (False, True) for bsz in (0,) + BLOCK_SIZES]
