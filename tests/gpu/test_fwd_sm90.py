@@ -134,6 +134,19 @@ def test_softcap(softcap, causal):
     full_check(q, k, v, 64, causal=causal, softcap=softcap)
 
 
+@pytest.mark.parametrize("hkv", [4, 1], ids=["mha", "gqa4"])
+def test_window_softcap_d64(hkv):
+    """head_dim 64 with window + softcap runs the 128-row tile (fwd_sm90.tile_shape): reference numerics,
+    block_logit, and out / lse bitwise the same with and without block_logit."""
+    q, k, v = make_qkv(1, 700, 700, 4, hkv, 64, seed=12)
+    q = q * 3
+    kw = dict(window=(100, 20), softcap=10.0)
+    o0, l0, _ = full_check(q, k, v, 0, **kw)
+    for bs in (32, 128):
+        o1, l1, _ = full_check(q, k, v, bs, **kw)
+        assert torch.equal(o0, o1) and torch.equal(l0, l1), f"out / lse changed by block_logit (block_size={bs})"
+
+
 @pytest.mark.parametrize("dtype,d", [(torch.float16, 128), (torch.bfloat16, 96), (torch.bfloat16, 192)],
                          ids=["fp16-d128", "bf16-d96", "bf16-d192"])
 def test_dtypes_and_head_dims(dtype, d):
