@@ -8,8 +8,7 @@ over the keys t visible to row i (bottom-right causal / sliding window / seqlen;
 ``common/tile_range.py``). Tensors and argument order: ``attention/config.py`` (``FwdArgs``).
 
 Warp roles (128 * (num_wg + 1) threads, one CTA per (query tile of tile_m = 64 * num_wg rows, head, batch);
-num_wg = 3 consumer warpgroups at head_dim <= 64 (tile 192 x 128, as FA4 b36 does there) unless window and
-softcap are both on (``tile_shape``), else 2):
+num_wg = 3 consumer warpgroups at head_dim <= 64 (tile 192 x 128, as FA4 b36 does there), else 2):
 
     warp 0        TMA producer: Q once, then K[n], V[n+1] per key tile (descending n), 2 stages
     warps 1-3     block_logit: -inf into the blocks of key tiles this query tile never visits
@@ -86,12 +85,9 @@ def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
     """(tile_m, tile_n, kv_stages). Independent of block_size so out/lse do not depend on it. tile_m 192
     (3 consumer WGs) at head_dim <= 64: measured 1.08-1.10x the 128-row tile on the H200
     (docs/benchmarks.md); the 160-register budget of 3 WGs holds a 64 x 128 tile's acc_O / acc_S / P at d 64
-    only, and not with window + softcap together (with block_logit those spill 8 B there; the choice may
-    not depend on block_size, so window + softcap at d 64 keep the 128-row tile)."""
-    if cfg.head_dim <= 64 and not (cfg.has_window and cfg.has_softcap):
-        return 192, 128, 2
+    only."""
     if cfg.head_dim <= 64:
-        return 128, 128, 2
+        return 192, 128, 2
     if cfg.head_dim <= 128:
         return 128, 128, 2
     return 128, 64, 2
@@ -124,10 +120,12 @@ class FlashFwdSm90:
         self.use_scheduler_barrier = cfg.head_dim <= 128
         self.bl_shape = (bl.BlockLogitShape(self.tile_n, cfg.block_size, rows_per_thread=2, threads_per_row=4)
                          if cfg.has_block_logit else None)
-        # 3 WGs (160 registers) with 8 blocks per key tile (block_size 16): keeping the 16 partial maxima live
-        # across the next QK^T issue spills; reduce-scatter them in the softmax step instead (only the stores
-        # stay deferred) and finish the PV before it. Same values either way.
-        self.bl_early_reduce = self.bl_deferred and self.num_wg == 3 and self.bl_shape.blocks_per_tile >= 8
+        # 3 WGs (160 registers) with 8 blocks per key tile (block_size 16), or 4 (block_size 32) with a window:
+        # keeping the partial maxima live across the next QK^T issue spills (16-20 B; 32 B, 8 B with softcap);
+        # reduce-scatter them in the softmax step instead (only the stores stay deferred) and finish the PV
+        # before it. Same values either way.
+        self.bl_early_reduce = self.bl_deferred and self.num_wg == 3 and (
+            self.bl_shape.blocks_per_tile >= 8 or (cfg.has_window and self.bl_shape.blocks_per_tile >= 4))
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod

@@ -136,8 +136,9 @@ def test_softcap(softcap, causal):
 
 @pytest.mark.parametrize("hkv", [4, 1], ids=["mha", "gqa4"])
 def test_window_softcap_d64(hkv):
-    """head_dim 64 with window + softcap runs the 128-row tile (fwd_sm90.tile_shape): reference numerics,
-    block_logit, and out / lse bitwise the same with and without block_logit."""
+    """head_dim 64 with window + softcap (3 WGs; at block_size 32 the block maxima are reduced in the softmax
+    step, ``bl_early_reduce``): reference numerics, block_logit, and out / lse bitwise the same with and
+    without block_logit."""
     q, k, v = make_qkv(1, 700, 700, 4, hkv, 64, seed=12)
     q = q * 3
     kw = dict(window=(100, 20), softcap=10.0)
