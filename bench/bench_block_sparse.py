@@ -67,7 +67,8 @@ def selection(torch, seqlen: int, kind: str, seed: int = 0):
 
 
 def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
-    from cute_kernels.block_sparse.launch import bwd_config, fwd_config, run_bwd_dkdv, run_bwd_dq, run_fwd
+    from cute_kernels.block_sparse.launch import (bwd_config, dkdv_workspace_shapes, fwd_config, run_bwd_dkdv,
+                                                  run_bwd_dq, run_fwd)
     from tests.oracles import block_sparse as orc
 
     torch.manual_seed(0)
@@ -90,6 +91,8 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
                 out, lse, scale)
 
     delta = torch.empty(1, hq, seqlen, device="cuda")  # written by the dQ kernel
+    shapes = dkdv_workspace_shapes(k, v, plan["key_start"])
+    ws = {n: torch.empty(shape, dtype=getattr(torch, dt), device="cuda") for n, (shape, dt, _) in shapes.items()}
 
     def bs_fwd_bwd():
         bs_fwd()
@@ -97,18 +100,20 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
                    plan["q_limit"], dq, scale)
         dk.zero_()
         dv.zero_()
+        ws["seg_sem"].zero_()
         run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
                      plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
-                     scale)
+                     ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale)
 
     def bs_dq():  # the two backward kernels alone (out / lse / delta of the bs_fwd_bwd run below)
         run_bwd_dq(bcfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
                    plan["q_limit"], dq, scale)
 
     def bs_dkdv():
+        ws["seg_sem"].zero_()
         run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
                      plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
-                     scale)
+                     ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale)
 
     fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd, "bs_dq": bs_dq, "bs_dkdv": bs_dkdv}
     stats = {"keys_per_row": float(keys.mean()), "tile_blocks": float(plan["tile_count"].float().mean()),

@@ -61,7 +61,7 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
 def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
     import paddle
 
-    from cute_kernels.block_sparse.launch import bwd_config, run_bwd_dkdv, run_bwd_dq
+    from cute_kernels.block_sparse.launch import bwd_config, dkdv_workspace_shapes, run_bwd_dkdv, run_bwd_dq
 
     q, k, v, out, dout = (kernel_input(t) for t in (q, k, v, out, dout))
     delta = paddle.empty([q.shape[0], q.shape[2], q.shape[1]], dtype="float32", device=q.place)  # rowsum(dout*out)
@@ -69,12 +69,14 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
     dk = paddle.zeros(k.shape, dtype=k.dtype, device=k.place)  # keys no query selects stay 0
     dv = paddle.zeros(v.shape, dtype=v.dtype, device=v.place)
     cfg = bwd_config(q, k, v, per_kv_head=spec.per_kv_head, arch=arch_of(q))
+    ws = {name: (paddle.zeros if zero else paddle.empty)(shape, dtype=dtype, device=q.place)
+          for name, (shape, dtype, zero) in dkdv_workspace_shapes(k, v, plan.key_start).items()}
     a = kernel_arg
     run_bwd_dq(cfg, a(q), a(k), a(v), a(out), a(dout), a(lse), a(delta), a(plan.tile_start), a(plan.tile_mask),
                a(plan.tile_count), a(plan.q_limit), a(dq), spec.scale)
     run_bwd_dkdv(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_mask), a(plan.q_limit),
                  a(plan.key_start), a(plan.key_end), a(plan.key_count), a(plan.key_ptr), a(plan.key_tile),
-                 a(plan.key_slot), a(dk), a(dv), spec.scale)
+                 a(plan.key_slot), a(dk), a(dv), a(ws["dk_part"]), a(ws["dv_part"]), a(ws["seg_sem"]), spec.scale)
     dsink = None
     if sink is not None:  # lse includes the sink, so it is finite on every row
         p_sink = paddle.exp(sink.astype("float32").reshape([1, -1, 1]) - lse)

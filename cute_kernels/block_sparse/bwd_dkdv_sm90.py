@@ -3,10 +3,11 @@
     dv_c = sum_rows P[row, c] dO[row],   dk_c = scale * sum_rows dS[row, c] q[row]
 
 over the rows (query, head) that see key c, with P and dS as in ``bwd_dq_sm90.py``. One CTA per
-(selected key block r of index set s, kv head h, batch b): the block's rows ``[key_start,
-key_end)`` (clipped at its document's end) stay in shared memory while the CTA walks the block's
-(query tile, slot) pairs of the plan's key-major transpose in ascending tile order (x the head
-chunks for G > 64). Keys no query selects are not visited: the caller passes dk / dv zero-filled.
+(segment of selected key block r of index set s, kv head h, batch b; Note [key block segments]):
+the block's rows ``[key_start, key_end)`` (clipped at its document's end) stay in shared memory
+while the CTA walks its share of the block's (query tile, slot) pairs of the plan's key-major
+transpose in ascending tile order (x the head chunks for G > 64). Keys no query selects are not
+visited: the caller passes dk / dv zero-filled.
 
     WG 0, warp 0   producer: K, V of the block once; per step (pair x head chunk) the tile's Q and dO
                    rows (one TMA box of GC head rows per tile query each; queries past S repeat the
@@ -22,6 +23,16 @@ computed S^T twice and left the dV WG idle a third of the time). After the last 
 its dK partial and WG 2 its dV partial through the idle Q stages; WG 1 stores dV, WG 2 dK. Each
 element is the sum of its two partials, each summed in the plan's order over a split of the steps
 that only the plan decides: bitwise reproducible, no atomics, one write per element.
+
+Note [key block segments]: selections are skewed (an early block is listed by many more query tiles
+than a late one: ~5x the mean for block 0 of a causal 16K selection; MQA 64 has one CTA per block
+and kv head, 256 at 16K), so one CTA per key block ends the grid on a tail. Block r's n pairs go
+to CTAs x = r * SEGMENTS + k, k < nseg, nseg = ceil(n / L), L = max(ceil(n / SEGMENTS),
+MIN_SEGMENT_PAIRS); the others exit. With nseg > 1, segment k waits until the block's counter
+``seg_sem[s, r, h]`` (zeroed by the caller) equals k, adds the fp32 sum of segments 0 .. k - 1 that
+``dk_part`` / ``dv_part`` hold for the block's rows, and stores the sum there and bumps the counter,
+or (k = nseg - 1) writes dK * scale and dV. A segment waits only on the previous one, a lower
+blockIdx.x, launched before it. The order of every sum is fixed by the plan: bitwise reproducible.
 
 Columns (tile rows) of S^T are masked per pair: a column counts iff it is a real row (not past the
 tile's queries, not one of the 64 - WQ * GC idle rows, which are zeroed once so that 0 * row stays 0)
@@ -39,8 +50,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, sm90_thread0_cols,
-                                       transpose_view, wgmma_gemm, wgmma_smem_layout)
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, ld_acquire_gpu,
+                                       red_release_add_gpu, sm90_thread0_cols, transpose_view, wgmma_gemm,
+                                       wgmma_smem_layout)
 
 from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, TILE_M, BwdConfig
@@ -48,7 +60,11 @@ from .config import BLOCK_SIZE, TILE_M, BwdConfig
 STAGES = 4  # Q / dO row stages: 2 per consumer WG (Note [two pair streams])
 # setmaxnreg split over 384 threads: 128 * (24 + 2 * 240) <= 64K.
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
-REDUCE_BARRIER = 1  # both consumer WGs, around the exchange of their dK / dV partials
+REDUCE_BARRIER = 1  # both consumer WGs, around the exchange of their dK / dV partials and the segment turn
+# Note [key block segments]: a key block's steps are split over up to SEGMENTS CTAs of at least
+# MIN_SEGMENT_PAIRS pairs each.
+SEGMENTS = 8
+MIN_SEGMENT_PAIRS = 32
 
 
 class BlockSparseBwdDKDVSm90(BlockSparseSm90):
@@ -62,7 +78,8 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mTileMask: cute.Tensor, mQLimit: cute.Tensor, mKeyStart: cute.Tensor,
                  mKeyEnd: cute.Tensor, mKeyCount: cute.Tensor, mKeyPtr: cute.Tensor, mKeyTile: cute.Tensor,
-                 mKeySlot: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, stream):
+                 mKeySlot: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdKpart: cute.Tensor,
+                 mdVpart: cute.Tensor, mSegSem: cute.Tensor, softmax_scale: Float32, stream):
         sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, STAGES))
         sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, STAGES))
         sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk))
@@ -75,17 +92,17 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         self.tx_bytes_rows = self.wq * self.gc * (self.dk + self.dv) * 2
         self.shared_storage = shared_storage(self.dtype, {"mbar_kv": 1, "mbar_rows": 2 * STAGES}, sQ=sQ_layout,
                                              sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
-        grid = (mKeyStart.shape[1], mK.shape[2], mQ.shape[0])
+        grid = (mKeyStart.shape[1] * SEGMENTS, mK.shape[2], mQ.shape[0])
         atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V)
         plan = (mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot)
-        self.kernel(tma_Q, tma_dO, tma_K, tma_V, mLSE, mDelta, plan, mdK, mdV, atoms, sQ_layout, sdO_layout,
+        self.kernel(tma_Q, tma_dO, tma_K, tma_V, mLSE, mDelta, plan, (mdK, mdV, mdKpart, mdVpart, mSegSem), atoms, sQ_layout, sdO_layout,
                     sK_layout, sV_layout, rows_q, rows_do, softmax_scale).launch(
             grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mLSE: cute.Tensor,
-               mDelta: cute.Tensor, plan: tuple, mdK: cute.Tensor, mdV: cute.Tensor, atoms: tuple,
+               mDelta: cute.Tensor, plan: tuple, outs: tuple, atoms: tuple,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout,
                softmax_scale: Float32):
@@ -112,14 +129,19 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             barrier_storage=storage.mbar_rows.data_ptr(), num_stages=STAGES, producer_group=producer,
             consumer_group=consumers, tx_count=self.tx_bytes_rows, defer_sync=False)
 
-        r, h, b = cute.arch.block_idx()
+        x, h, b = cute.arch.block_idx()
+        r, seg = x // SEGMENTS, x % SEGMENTS
         s = b
         if const_expr(self.cfg.per_kv_head):
             s = b * mK.shape[2] + h
         kcap = mKeyStart.shape[1]
-        blk = SimpleNamespace(s=s, h=h, b=b, seqlen=mQ.shape[2], live=r < mKeyCount[s],
-                              start=mKeyStart[s, r], end=mKeyEnd[s, r], p0=mKeyPtr[s * kcap + r],
-                              p1=mKeyPtr[s * kcap + r + 1])
+        # Note [key block segments]: this CTA's pairs of key block r.
+        p0, p1 = mKeyPtr[s * kcap + r], mKeyPtr[s * kcap + r + 1]
+        seg_len = cutlass.max((p1 - p0 + SEGMENTS - 1) // SEGMENTS, MIN_SEGMENT_PAIRS)
+        nseg = (p1 - p0 + seg_len - 1) // seg_len
+        blk = SimpleNamespace(s=s, r=r, h=h, b=b, seqlen=mQ.shape[2], live=r < mKeyCount[s] and seg < nseg,
+                              start=mKeyStart[s, r], end=mKeyEnd[s, r], p0=p0 + seg * seg_len,
+                              p1=cutlass.min(p1, p0 + (seg + 1) * seg_len), seg=seg, nseg=nseg)
         if blk.live:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -128,7 +150,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                               storage.sdO.data_ptr(), mbar_kv, pipeline_rows, blk)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                self.consume(mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, mdK, mdV, sQ, sdO, sK, sV,
+                self.consume(mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, outs, sQ, sdO, sK, sV,
                              mbar_kv, pipeline_rows, blk, warp_idx // 4 - 1, tidx % THREADS_PER_WG, softmax_scale,
                              storage.sQ.data_ptr())
 
@@ -167,10 +189,12 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, mdK, mdV, sQ, sdO, sK, sV, mbar_kv,
+    def consume(self, mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, outs, sQ, sdO, sK, sV, mbar_kv,
                 pipeline_rows, blk, wg: Int32, ctidx: Int32, softmax_scale: Float32, red_base):
-        """Consumer WG ``wg`` takes steps wg, wg + 2, ... of the block (stages wg, wg + 2 of the 4) and
-        sums its own dK / dV; then the two partials meet in shared memory (Note [two pair streams])."""
+        """Consumer WG ``wg`` takes steps wg, wg + 2, ... of the segment (stages wg, wg + 2 of the 4) and
+        sums its own dK / dV; then the two partials meet in shared memory (Note [two pair streams]) and
+        the segments' sums in global memory (Note [key block segments])."""
+        mdK, mdV, mdKpart, mdVpart, mSegSem = outs
         mma_s = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(64, TILE_M))
@@ -240,11 +264,43 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         if wg == 0:
             for e in cutlass.range_constexpr(nv):
                 acc_dV[e] = acc_dV[e] + red[ctidx, nk + e]
-            self.store_keys(ctx, acc_dV, mdV, mma_dv.get_slice(ctidx), self.dv, Float32(1.0))
         else:
             for e in cutlass.range_constexpr(nk):
                 acc_dK[e] = acc_dK[e] + red[ctidx, e]
-            self.store_keys(ctx, acc_dK, mdK, mma_dk.get_slice(ctidx), self.dk, softmax_scale)
+        thr_dk, thr_dv = mma_dk.get_slice(ctidx), mma_dv.get_slice(ctidx)
+        if blk.nseg == 1:
+            if wg == 0:
+                self.store_keys(ctx, acc_dV, mdV, thr_dv, self.dv, Float32(1.0))
+            else:
+                self.store_keys(ctx, acc_dK, mdK, thr_dk, self.dk, softmax_scale)
+        else:
+            # Note [key block segments]: segment k adds the fp32 sum segments 0 .. k - 1 left, in turn.
+            sem_addr = (mSegSem.iterator + cute.crd2idx((blk.s, blk.r, blk.h), mSegSem.layout)).toint()
+            if wg == 0 and ctidx == 0:
+                cur = ld_acquire_gpu(sem_addr)
+                while cur != blk.seg:
+                    cur = ld_acquire_gpu(sem_addr)
+            cute.arch.barrier(barrier_id=REDUCE_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+            cute.arch.fence_acq_rel_gpu()
+            if blk.seg > 0:
+                if wg == 0:
+                    self.add_keys(ctx, acc_dV, mdVpart, thr_dv, self.dv)
+                else:
+                    self.add_keys(ctx, acc_dK, mdKpart, thr_dk, self.dk)
+            if blk.seg == blk.nseg - 1:
+                if wg == 0:
+                    self.store_keys(ctx, acc_dV, mdV, thr_dv, self.dv, Float32(1.0))
+                else:
+                    self.store_keys(ctx, acc_dK, mdK, thr_dk, self.dk, softmax_scale)
+            else:
+                if wg == 0:
+                    self.store_keys(ctx, acc_dV, mdVpart, thr_dv, self.dv, Float32(1.0))
+                else:
+                    self.store_keys(ctx, acc_dK, mdKpart, thr_dk, self.dk, Float32(1.0))
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier(barrier_id=REDUCE_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+                if wg == 0 and ctidx == 0:
+                    red_release_add_gpu(sem_addr, Int32(1))
 
     def _mma_rs(self, cols: int):
         return sm90_utils.make_trivial_tiled_mma(
@@ -324,14 +380,18 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
 
     @cute.jit
     def store_keys(self, ctx, acc, mX, thr_mma, cols: cutlass.Constexpr, scale: Float32):
-        """acc * scale (64 keys x cols) as 16-bit rows [start, end) of ``mX [B, S, Hkv, cols]``."""
+        """acc * scale (64 keys x cols) as rows [start, end) of ``mX [B, S, Hkv, cols]`` (16-bit, or the fp32
+        segment partials)."""
         blk = ctx.blk
         acc_mn = acc_mn_view(acc)
         for k in cutlass.range_constexpr(2):
             acc_mn[k, None].store(acc_mn[k, None].load() * scale)
-        rX = cute.make_rmem_tensor_like(acc, self.dtype)
-        convert_to_16bit(acc, rX)
-        rX_mn = acc_mn_view(rX)
+        if const_expr(mX.element_type == Float32):
+            rX_mn = acc_mn
+        else:
+            rX = cute.make_rmem_tensor_like(acc, self.dtype)
+            convert_to_16bit(acc, rX)
+            rX_mn = acc_mn_view(rX)
         tXcX_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, cols))))
         for k in cutlass.range_constexpr(2):
             key = blk.start + tXcX_mn[k, 0][0]
@@ -339,3 +399,16 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                 gX = mX[blk.b, key, blk.h, None]
                 for c in cutlass.range_constexpr(cute.size(rX_mn, mode=[1])):
                     gX[tXcX_mn[k, c][1]] = rX_mn[k, c]
+
+    @cute.jit
+    def add_keys(self, ctx, acc, mXpart, thr_mma, cols: cutlass.Constexpr):
+        """acc += rows [start, end) of the fp32 segment partial ``mXpart [B, S, Hkv, cols]`` (same elements)."""
+        blk = ctx.blk
+        acc_mn = acc_mn_view(acc)
+        tXcX_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, cols))))
+        for k in cutlass.range_constexpr(2):
+            key = blk.start + tXcX_mn[k, 0][0]
+            if key < blk.end:
+                gX = mXpart[blk.b, key, blk.h, None]
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    acc_mn[k, c] = acc_mn[k, c] + gX[tXcX_mn[k, c][1]]

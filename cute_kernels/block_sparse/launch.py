@@ -114,18 +114,28 @@ def compile_bwd_dkdv(cfg: BwdConfig):
     return cute.compile(BlockSparseBwdDKDVSm90(cfg), fake_tensor(dt, (b, s, hq, cfg.head_dim)), kv(cfg.head_dim),
                         kv(cfg.head_dim_v), fake_tensor(dt, (b, s, hq, cfg.head_dim_v)), rows(), rows(),
                         ints(ns, nqt, cap), ints(b, s), ints(ns, kcap), ints(ns, kcap), ints(ns), ints(kp),
-                        ints(np_), ints(np_), kv(cfg.head_dim), kv(cfg.head_dim_v), f32(1.0), fake_stream(),
-                        options=arch_options(cfg.arch))
+                        ints(np_), ints(np_), kv(cfg.head_dim), kv(cfg.head_dim_v),
+                        fake_tensor(f32, (b, s, hkv, cfg.head_dim)), fake_tensor(f32, (b, s, hkv, cfg.head_dim_v)),
+                        ints(ns, kcap, hkv), f32(1.0), fake_stream(), options=arch_options(cfg.arch))
+
+
+def dkdv_workspace_shapes(k, v, key_start) -> dict:
+    """``{name: (shape, dtype, zero)}`` of the dK/dV kernel's workspace (Note [key block segments] in
+    bwd_dkdv_sm90.py): fp32 partials shaped like k / v (no init) and the turn counters, zero-filled."""
+    b, s, hkv = (int(x) for x in k.shape[:3])
+    return {"dk_part": ([b, s, hkv, int(k.shape[3])], "float32", False),
+            "dv_part": ([b, s, hkv, int(v.shape[3])], "float32", False),
+            "seg_sem": ([int(key_start.shape[0]), int(key_start.shape[1]), hkv], "int32", True)}
 
 
 def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, key_start, key_end, key_count,
-                 key_ptr, key_tile, key_slot, dk, dv, softmax_scale: float) -> None:
+                 key_ptr, key_tile, key_slot, dk, dv, dk_part, dv_part, seg_sem, softmax_scale: float) -> None:
     """dk, dv of the selected key blocks' rows; the caller passes them zero-filled (keys no query
-    selects are not written)."""
+    selects are not written) and the workspace of ``dkdv_workspace_shapes``."""
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0 or int(key_start.shape[1]) == 0:
         return
     compile_bwd_dkdv(cfg)(q, k, v, dout, lse, delta, tile_mask, q_limit, key_start, key_end, key_count, key_ptr,
-                          key_tile, key_slot, dk, dv, float(softmax_scale))
+                          key_tile, key_slot, dk, dv, dk_part, dv_part, seg_sem, float(softmax_scale))
 
 
 def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,

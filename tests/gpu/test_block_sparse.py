@@ -155,7 +155,7 @@ def test_keys_outside_listed_blocks_never_read():
 
 
 def run_bwd(c, dout):
-    from cute_kernels.block_sparse.launch import bwd_config, run_bwd_dkdv, run_bwd_dq
+    from cute_kernels.block_sparse.launch import bwd_config, dkdv_workspace_shapes, run_bwd_dkdv, run_bwd_dq
 
     pn = orc.plan_arrays(c["ids"], BS, c["G"], c["causal"], c["cu"])
     p = {n: torch.from_numpy(a).cuda() for n, a in pn.items()}
@@ -173,8 +173,11 @@ def run_bwd(c, dout):
     run_bwd_dq(cfg, q, k, v, out, dout, lse, delta, p["tile_start"], p["tile_mask"], p["tile_count"], p["q_limit"],
                dq, scale)
     torch.testing.assert_close(delta, want_delta, rtol=1e-5, atol=1e-4)
+    ws = {n: (torch.zeros if zero else torch.empty)(shape, dtype=getattr(torch, dt), device="cuda")
+          for n, (shape, dt, zero) in dkdv_workspace_shapes(k, v, p["key_start"]).items()}
     run_bwd_dkdv(cfg, q, k, v, dout, lse, delta, p["tile_mask"], p["q_limit"], p["key_start"], p["key_end"],
-                 p["key_count"], p["key_ptr"], p["key_tile"], p["key_slot"], dk, dv, scale)
+                 p["key_count"], p["key_ptr"], p["key_tile"], p["key_slot"], dk, dv, ws["dk_part"], ws["dv_part"],
+                 ws["seg_sem"], scale)
     dsink = None if c["sink"] is None else -(torch.exp(c["sink"][None, :, None] - lse) * delta).sum((0, 2))
     torch.cuda.synchronize()
     return dq, dk, dv, dsink
@@ -238,3 +241,27 @@ def test_backward_deterministic_and_unseen_keys_zero():
     unseen = torch.from_numpy(unseen).cuda()
     dk, dv = runs[0][1], runs[0][2]
     assert not dk[0, unseen].any() and not dv[0, unseen].any()
+
+
+@pytest.mark.parametrize("kw", [dict(B=1, S=2048, Hq=16, Hkv=2, D=64, topk=3),
+                                dict(B=1, S=640, Hq=64, Hkv=1, D=128, topk=2)], ids=["gqa8-s2048", "mqa64-s640"])
+def test_backward_key_block_segments(kw):
+    """Note [key block segments] in bwd_dkdv_sm90.py: every query also selects block 0, so that block is listed
+    by every query tile (several segments summed in turn) and the others by few; oracle gradients and bitwise
+    equality over 3 runs."""
+    from cute_kernels.block_sparse.bwd_dkdv_sm90 import MIN_SEGMENT_PAIRS
+
+    c = make_case(8, pad=0.0, dup=0.0, **kw)
+    c["ids"][..., -1] = 0
+    pn = orc.plan_arrays(c["ids"], BS, c["G"], c["causal"], c["cu"])
+    assert pn["key_ptr"][1] - pn["key_ptr"][0] > 4 * MIN_SEGMENT_PAIRS  # block 0: more than 4 segments
+    g = torch.Generator(device="cuda").manual_seed(9)
+    dout = torch.randn(c["q"].shape, device="cuda", generator=g).to(c["q"].dtype)
+    runs = [run_bwd(c, dout) for _ in range(3)]
+    for r in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r[:3], runs[0][:3]))
+    mask = orc.token_mask(c["ids"], BS, c["causal"], c["cu"])
+    f = lambda t: t.double().cpu().numpy()  # noqa: E731
+    want = orc.gradients(f(c["q"]), f(c["k"]), f(c["v"]), mask, f(dout), sink=None)
+    for name, got, w in zip(("dq", "dk", "dv"), runs[0][:3], want):
+        assert _rel(got, w) <= GRAD_TOL, f"{name} rel L2 {_rel(got, w):.3e}"
