@@ -8,7 +8,7 @@ taking DLPack tensors (torch or Paddle), launched on the caller's current stream
 
     exp2    x f32 [N]                   -> poly f32 [N] (math_sm100.exp2_poly), mufu f32 [N] (ex2.approx)
     max     x f32 [N, k]                -> y f32 [N]    (math_sm100.max_tree over the k values of a row)
-    tiles   case i32 [N, 6]             -> out i32 [N, 10]   (common/tile_range, see TILE_FIELDS)
+    tiles   case i32 [N, 6]             -> out i32 [N, 12]   (common/tile_range, see TILE_FIELDS)
     mask    case i32 [N, 6]             -> q-major f32 [N, tile_n], kv-major f32 [N, tile_m]
                                            (common/mask: 0 kept, -inf masked)
 
@@ -34,7 +34,7 @@ from cute_kernels.jit_cache import jit_cache
 THREADS = 128
 #: Columns of the tiles probe's output row.
 TILE_FIELDS = ("left", "right", "n_min", "n_max", "n_right_mask", "n_left_mask", "first_key_tile",
-               "last_key_tile", "m_min", "m_max")
+               "last_key_tile", "m_min", "m_max", "m_right_mask", "m_left_mask")
 
 
 def _grid(n):
@@ -98,7 +98,7 @@ class _Tiles:
             vals = (left, right, rng.n_min, rng.n_max, rng.n_right_mask, rng.n_left_mask,
                     first_key_tile(m_start, sq, sk, left, self.tile_n, self.has_window),
                     last_key_tile(m_start, sq, sk, right, self.tile_m, self.tile_n, mask_right),
-                    qrng.m_min, qrng.m_max)
+                    qrng.m_min, qrng.m_max, qrng.m_right_mask, qrng.m_left_mask)
             for j in cutlass.range_constexpr(len(vals)):
                 mOut[i, j] = Int32(vals[j])
 

@@ -83,10 +83,17 @@ class QueryTileRange:
     ``normalize_window``), so the rows seeing the tile form the single interval
     [t_first - shift - right, t_last - shift + left] clipped to [0, Sq); empty when the clip is empty.
     ``first_key_tile`` is the matching exact rule in the other direction (deterministic dQ order).
+
+    Masking (the backward skips the mask on the other steps): query tiles m < m_right_mask need the
+    right (causal / window) mask, tiles m >= m_left_mask the left window mask; the tiles in between are
+    fully visible to every key of the tile. A tile that reaches past seqlen_k needs the key mask on
+    every step (the caller's test; not part of this range).
     """
 
     m_min: Int32
     m_max: Int32
+    m_right_mask: Int32
+    m_left_mask: Int32
 
     @staticmethod
     @cute.jit
@@ -105,7 +112,17 @@ class QueryTileRange:
         m_max = m_min
         if row_lo <= row_hi:
             m_max = row_hi // tile_m + 1
-        return QueryTileRange(m_min, m_max)
+        m_right_mask = m_min
+        m_left_mask = m_max
+        if const_expr(mask_right):
+            # Row i sees every key of the tile on the right side iff i >= n_last - shift - right.
+            m_right_mask = (cutlass.max(n_last - shift - right, 0) + tile_m - 1) // tile_m
+        if const_expr(mask_left):
+            # ... and on the left side iff i <= n_start - shift + left (last row of tile m: (m + 1) tile_m - 1).
+            m_left_mask = cutlass.max(n_start - shift + left + 1, 0) // tile_m
+        m_right_mask = cutlass.min(cutlass.max(m_right_mask, m_min), m_max)
+        m_left_mask = cutlass.min(cutlass.max(m_left_mask, m_right_mask), m_max)
+        return QueryTileRange(m_min, m_max, m_right_mask, m_left_mask)
 
 
 @cute.jit
@@ -131,3 +148,42 @@ def last_key_tile(m_start: Int32, seqlen_q: Int32, seqlen_k: Int32, right: Int32
         m_end = cutlass.min(m_start + tile_m, seqlen_q)
         last_key = cutlass.min(m_end - 1 + seqlen_k - seqlen_q + right, seqlen_k - 1)
     return last_key // tile_n
+
+
+#: L2 bytes the deterministic backward's head swizzle plans for (H100 / H200: 50 MiB).
+L2_BYTES = 50 * 1024 * 1024
+MAX_SWIZZLE_HEADS = 16
+
+
+@cute.jit
+def swizzle_heads(seqlen_q: Int32, head_dim: cutlass.Constexpr, head_dim_v: cutlass.Constexpr,
+                  elem_bytes: cutlass.Constexpr) -> Int32:
+    """How many (batch, head) pairs ``head_swizzled_tile`` interleaves: the largest power of two (at most
+    MAX_SWIZZLE_HEADS, at least 1) whose Q, dO and fp32 dQ accumulator rows (``seqlen_q`` each) fit in
+    L2_BYTES together -- the CTAs running at once stream those."""
+    rows_fit = L2_BYTES // ((head_dim + head_dim_v) * elem_bytes + head_dim * 4)  # compile-time
+    fit = Int32(rows_fit) // cutlass.max(seqlen_q, 1)
+    heads = Int32(1)
+    for p in (2, 4, 8, 16):
+        if const_expr(p <= MAX_SWIZZLE_HEADS):
+            heads = Int32(p) if fit >= p else heads
+    return heads
+
+
+@cute.jit
+def head_swizzled_tile(x: Int32, y: Int32, z: Int32, nx: Int32, ny: Int32, nz: Int32, heads: Int32):
+    """Block (x, y, z) of an (nx key tiles, ny heads, nz batches) grid -> (key tile, head, batch) with
+    ``heads`` (batch, head) pairs interleaved: consecutive blocks of the linear launch order
+    x + nx (y + ny z) walk key tile 0 of heads h0 .. h0 + heads - 1, then key tile 1 of the same heads,
+    ... (the last group may be narrower). A bijection; a block's key tile n - 1 and (same key tile) its
+    previous head keep a smaller linear index, so turn counters that wait on those still wait only on
+    blocks launched earlier. Note [head swizzle] in attention/bwd_sm90.py says why."""
+    linear = x + nx * (y + ny * z)
+    group_blocks = heads * nx
+    group = linear // group_blocks
+    rem = linear - group * group_blocks
+    width = cutlass.min(heads, ny * nz - group * heads)
+    n = rem // width
+    hb = group * heads + (rem - n * width)
+    b = hb // ny
+    return n, hb - b * ny, b

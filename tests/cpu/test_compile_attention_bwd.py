@@ -143,11 +143,21 @@ def test_query_tile_range_is_exact(sq, sk, window):
             lo = max(n0 - shift - right, 0) if mask_right else 0
             hi = min(n_last - shift + left, sq - 1) if mask_left else sq - 1
             mr = range(lo // tile_m, hi // tile_m + 1) if lo <= hi else range(0)
+            # mask-free query tiles [m_right_mask, m_left_mask) (the backward skips the mask there)
+            m_lo, m_hi = (mr.start, mr.stop) if len(mr) else (lo // tile_m, lo // tile_m)
+            m_rm = -(-max(n_last - shift - right, 0) // tile_m) if mask_right else m_lo
+            m_lm = max(n0 - shift + left + 1, 0) // tile_m if mask_left else m_hi
+            m_rm = min(max(m_rm, m_lo), m_hi)
+            m_lm = min(max(m_lm, m_rm), m_hi)
             for m in range(-(-sq // tile_m)):
                 brute = any(_visible(i, t, sq, sk, left, right)
                             for i in range(m * tile_m, min(m * tile_m + tile_m, sq))
                             for t in range(n0, n_last + 1))
                 assert (m in mr) == brute, (sq, sk, window, tile_m, n, m)
+                if m_rm <= m < m_lm:
+                    assert all(_visible(i, t, sq, sk, left, right)
+                               for i in range(m * tile_m, min(m * tile_m + tile_m, sq))
+                               for t in range(n0, n_last + 1)), ("mask-free", sq, sk, window, tile_m, n, m)
         for m in range(-(-sq // tile_m)):
             visitors = [n for n in range(-(-sk // tile_n))
                         if any(_visible(i, t, sq, sk, left, right)

@@ -167,7 +167,8 @@ def _cases(rng, n, tile_m, tile_n):
 @pytest.mark.parametrize("tile_m,tile_n", TILES, ids=lambda v: str(v))
 def test_tile_ranges(torch, probes, tile_m, tile_n, causal, has_window):
     """TileRange / QueryTileRange / first_key_tile / last_key_tile are exact, and the tiles they call
-    mask-free ([n_left_mask, n_right_mask)) are fully visible to every row of the query tile."""
+    mask-free ([n_left_mask, n_right_mask) key tiles, [m_right_mask, m_left_mask) query tiles) are fully
+    visible to every (row, key) pair of the two tiles."""
     cases = _cases(np.random.default_rng(tile_m + tile_n + 2 * causal + has_window), 600, tile_m, tile_n)
     fn = probes.compile_tiles(ARCH, tile_m, tile_n, causal, has_window)
     out = torch.empty(len(cases), len(probes.TILE_FIELDS), device="cuda", dtype=torch.int32)
@@ -197,6 +198,10 @@ def test_tile_ranges(torch, probes, tile_m, tile_n, causal, has_window):
         if len(qtiles):
             assert (got["m_min"], got["m_max"]) == (qtiles[0], qtiles[-1] + 1), where
             assert len(qtiles) == qtiles[-1] - qtiles[0] + 1, where  # contiguous, as the kernels assume
+            assert got["m_min"] <= got["m_right_mask"] <= got["m_left_mask"] <= got["m_max"], where
+            for m in range(got["m_right_mask"], got["m_left_mask"]):  # the backward skips the mask there
+                qrows = np.arange(m * tile_m, min((m + 1) * tile_m, sq))
+                assert _visible(qrows, keys, sq, sk, left, right).all(), f"query tile {m} needs a mask; {where}"
         else:
             assert got["m_max"] <= got["m_min"], where
 
