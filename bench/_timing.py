@@ -16,6 +16,8 @@ Method (issue 17), the same for our kernels and every anchor:
   inside a window, only one at its end (the events are read then).  With ``graph=True`` one call of
   ``fn`` is captured in a CUDA graph and each repetition replays it (same flush / pad / events);
   where capture fails the variant falls back to eager launches and its ``Stats.mode`` says so.
+* **Preheat.** ``preheat_s`` (the scripts' ``--preheat``, 3 s) of bf16 GEMMs run before the first
+  window, so the first windows do not catch the GPU on its way from idle to its power cap.
 * **Rounds.** The windows run in alternating order, ``A B C, C B A, A B C, ...`` for ``rounds``
   rounds (>= 3 for published figures), so drift in clocks (the H200 here sits at its power cap,
   SM 1.5-1.7 GHz) hits every variant alike.  A variant's window value is the median of its
@@ -173,7 +175,7 @@ class CudaTimer:
 
     def __init__(self, window_s: float = 0.5, warmup_s: float = 0.1, flush: bool = True, graph: bool = False,
                  flush_bytes: int = FLUSH_BYTES, lead_ms: float = 5.0, min_reps: int = 3, max_reps: int = 20000,
-                 pad: bool = True, torch_mod=None, clock=time.perf_counter):
+                 pad: bool = True, torch_mod=None, clock=time.perf_counter, preheat_s: float = 0.0):
         if torch_mod is None:
             import torch as torch_mod
         self.torch = torch_mod
@@ -188,6 +190,23 @@ class CudaTimer:
         self._graphs: list = []  # keep captured graphs alive
         self.capture_errors: dict = {}
         cuda.synchronize()
+        self.preheat(preheat_s)
+
+    def preheat(self, seconds: float) -> None:
+        """Back-to-back bf16 GEMMs for ``seconds`` before the first window: the H200 leaves its idle clock
+        and settles at its power cap first (the first windows of a cold GPU otherwise run at a higher
+        clock than the rest, and the first shape's per-round ratios scatter by up to 10 %)."""
+        if seconds <= 0:
+            return
+        torch = self.torch
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        t0 = self.clock()
+        while self.clock() - t0 < seconds:
+            for _ in range(16):
+                torch.matmul(a, b)
+            torch.cuda.synchronize()
+        del a, b
 
     # -- helpers
     def _calibrate_sleep(self) -> float:
@@ -407,6 +426,8 @@ def add_method_args(ap, window_s: float = 0.5, rounds: int = 3) -> None:
     ap.add_argument("--window", type=float, default=window_s, help="seconds of one variant's window (>= 0.5)")
     ap.add_argument("--rounds", type=int, default=rounds, help="rounds of windows, alternating order (>= 3)")
     ap.add_argument("--warmup", type=float, default=0.1, help="warm-up seconds before each window")
+    ap.add_argument("--preheat", type=float, default=3.0,
+                    help="seconds of GEMMs before the first window (the GPU settles at its power cap)")
     ap.add_argument("--no-flush", action="store_true", help="do not flush L2 between repetitions")
     ap.add_argument("--graph", action="store_true",
                     help="replay a CUDA graph of one call per repetition (eager where capture fails)")
@@ -435,11 +456,12 @@ def parse_shape_args(args):
 
 def timer_from_args(args, torch_mod=None) -> CudaTimer:
     return CudaTimer(window_s=args.window, warmup_s=args.warmup, flush=not args.no_flush, graph=args.graph,
-                     torch_mod=torch_mod)
+                     torch_mod=torch_mod, preheat_s=getattr(args, "preheat", 0.0))
 
 
 def method_from_args(args) -> dict:
     return {"window_s": args.window, "rounds": args.rounds, "warmup_s": args.warmup,
+            "preheat_s": getattr(args, "preheat", 0.0),
             "l2_flush": not args.no_flush, "graph": bool(args.graph)}
 
 

@@ -574,7 +574,10 @@ class FlashBwdSm90:
                         red_release_add_gpu(sem_addr, Int32(1))
                     cute.arch.sync_warp()
                 step = step + 1
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        # The CTA's smem must outlive the reduces' reads (already waited for per region); their global
+        # writes need not be waited for -- they complete before the kernel does (deterministic mode waited
+        # for them per step, before each turn counter release).
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit

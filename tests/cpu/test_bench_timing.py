@@ -217,6 +217,8 @@ class FakeBuf:
 
 class FakeTorch:
     uint8 = "uint8"
+    bfloat16 = "bfloat16"
+    GEMM_US = 1500.0  # one 8192^3 bf16 GEMM
 
     def __init__(self, sim):
         self.sim = sim
@@ -224,6 +226,12 @@ class FakeTorch:
 
     def empty(self, n, dtype=None, device=None):
         return FakeBuf(self.sim)
+
+    def randn(self, *shape, dtype=None, device=None):
+        return ("randn", shape)
+
+    def matmul(self, a, b):
+        self.sim.launch(self.GEMM_US, "gemm")
 
 
 def kernel_fn(sim, host_us, kernel_us, tag="kernel"):
@@ -386,3 +394,16 @@ def test_bench_other_scripts_parse_and_render():
     h2o = _bench_module("bench_h2o")
     assert len(h2o.plan(False)) == 19 and len(h2o.plan(True)) == 7
     assert h2o.parse_args(["--graph"]).graph
+
+
+@pytest.mark.parametrize("preheat_s", [0.0, 0.05])
+def test_cuda_timer_preheats_before_the_first_window(preheat_s):
+    """preheat_s of GEMMs run at construction, before any window (none at 0); they never enter a window."""
+    sim = Sim()
+    timer = make_timer(sim, preheat_s=preheat_s)
+    gemms = sim.log.count("gemm")
+    assert gemms * FakeTorch.GEMM_US >= preheat_s * 1e6 and (gemms > 0) == (preheat_s > 0)
+    first = len(sim.log)
+    ms = timer.window("k", kernel_fn(sim, 10.0, 100.0))
+    assert "gemm" not in sim.log[first:]
+    assert all(m == pytest.approx(0.1) for m in ms)
