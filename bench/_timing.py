@@ -16,8 +16,9 @@ Method (issue 17), the same for our kernels and every anchor:
   inside a window, only one at its end (the events are read then).  With ``graph=True`` one call of
   ``fn`` is captured in a CUDA graph and each repetition replays it (same flush / pad / events);
   where capture fails the variant falls back to eager launches and its ``Stats.mode`` says so.
-* **Preheat.** ``preheat_s`` (the scripts' ``--preheat``, 3 s) of bf16 GEMMs run before the first
-  window, so the first windows do not catch the GPU on its way from idle to its power cap.
+* **Prepare, then preheat.** ``run_windows`` first compiles and warms every variant of the shape, then
+  runs ``preheat_s`` (the scripts' ``--preheat``, 3 s) of bf16 GEMMs, so no compile idles the GPU
+  between windows and the first windows do not catch it on its way from idle to its power cap.
 * **Rounds.** The windows run in alternating order, ``A B C, C B A, A B C, ...`` for ``rounds``
   rounds (>= 3 for published figures), so drift in clocks (the H200 here sits at its power cap,
   SM 1.5-1.7 GHz) hits every variant alike.  A variant's window value is the median of its
@@ -139,6 +140,11 @@ def run_windows(fns: dict, rounds: int, timer) -> WindowResult:
     """
     if hasattr(timer, "begin"):
         timer.begin()
+    if hasattr(timer, "prepare"):  # compile / load every variant first: no compile between windows
+        for name in fns:
+            timer.prepare(name, fns[name])
+    if hasattr(timer, "settle"):  # then bring the GPU back to its loaded state (compiles idle it)
+        timer.settle()
     per_round = []
     samples = {name: [] for name in fns}
     reps = {name: [] for name in fns}
@@ -190,12 +196,21 @@ class CudaTimer:
         self._graphs: list = []  # keep captured graphs alive
         self.capture_errors: dict = {}
         cuda.synchronize()
-        self.preheat(preheat_s)
+        self.preheat_s = float(preheat_s)
+
+    def prepare(self, name: str, fn) -> None:
+        """Compile / capture and warm ``fn`` now (``run_windows`` prepares every variant before the first
+        window); its first window then warms up again like every later one."""
+        self._prepare(name, fn).pop("fresh", None)
+
+    def settle(self) -> None:
+        self.preheat(self.preheat_s)
 
     def preheat(self, seconds: float) -> None:
-        """Back-to-back bf16 GEMMs for ``seconds`` before the first window: the H200 leaves its idle clock
-        and settles at its power cap first (the first windows of a cold GPU otherwise run at a higher
-        clock than the rest, and the first shape's per-round ratios scatter by up to 10 %)."""
+        """Back-to-back bf16 GEMMs for ``seconds`` (``settle``: after the variants of a shape are compiled,
+        before its first window): the H200 leaves the clock it idled at during the compiles and settles at
+        its power cap first (otherwise a shape's first windows run at a higher clock than the rest and
+        its per-round ratios scatter by up to 10 %)."""
         if seconds <= 0:
             return
         torch = self.torch

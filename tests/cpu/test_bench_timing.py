@@ -397,13 +397,16 @@ def test_bench_other_scripts_parse_and_render():
 
 
 @pytest.mark.parametrize("preheat_s", [0.0, 0.05])
-def test_cuda_timer_preheats_before_the_first_window(preheat_s):
-    """preheat_s of GEMMs run at construction, before any window (none at 0); they never enter a window."""
+def test_run_windows_prepares_every_variant_then_preheats(preheat_s):
+    """run_windows warms every variant first, then runs preheat_s of GEMMs (none at 0), then the
+    windows: no GEMM after the first window's kernels, none inside a window."""
     sim = Sim()
     timer = make_timer(sim, preheat_s=preheat_s)
-    gemms = sim.log.count("gemm")
-    assert gemms * FakeTorch.GEMM_US >= preheat_s * 1e6 and (gemms > 0) == (preheat_s > 0)
-    first = len(sim.log)
-    ms = timer.window("k", kernel_fn(sim, 10.0, 100.0))
-    assert "gemm" not in sim.log[first:]
-    assert all(m == pytest.approx(0.1) for m in ms)
+    res = T.run_windows({"a": kernel_fn(sim, 10.0, 100.0, "a"), "b": kernel_fn(sim, 10.0, 50.0, "b")}, 3, timer)
+    log = sim.log
+    gemm_at = [i for i, tag in enumerate(log) if tag == "gemm"]
+    assert len(gemm_at) * FakeTorch.GEMM_US >= preheat_s * 1e6 and bool(gemm_at) == (preheat_s > 0)
+    if gemm_at:
+        assert "a" in log[:gemm_at[0]] and "b" in log[:gemm_at[0]]  # both prepared before the preheat
+        assert set(log[gemm_at[0]:gemm_at[-1] + 1]) == {"gemm", "sync"}  # one block, before every window
+    assert res.ratio("a", "b").median == pytest.approx(2.0)
