@@ -8,10 +8,12 @@
 Each case runs in its own subprocess under a watchdog (``--timeout`` seconds, compile included):
 a kernel that never finishes is killed and reported HUNG with the last phase it reached
 (``compile``: still compiling; ``sync``: launched and never completed, i.e. a pipeline handshake
-that never happened), a wrong output MISMATCH with its worst element, a CUDA error or exception
-ERROR, a dead process CRASH; the next case starts in a fresh process (a fresh CUDA context). The
-kernels cannot name the pipeline edge that deadlocked; the report names the kernel, its compile
-config and the command that reproduces the case alone (for compute-sanitizer / cuda-gdb).
+that never happened) and, for the SM100 kernels (run as their edge-trace builds, common/trace.py)
+and the hang canary, which pipeline edge each role of each CTA was waiting on (e.g. ``mma: waiting
+on s.empty in 148 CTAs (@3: 148)``); a wrong output MISMATCH with its worst element, a CUDA error or
+exception ERROR, a dead process CRASH; the next case starts in a fresh process (a fresh CUDA
+context). The report names the kernel, its compile config and the command that reproduces the case
+alone (for compute-sanitizer / cuda-gdb).
 
 References are float64 numpy on the host, from the same 16-bit inputs: attention forward (out, lse,
 block_logit) and backward (dq, dk, dv from the reference out / lse), indexed attention (forward and
@@ -88,8 +90,12 @@ def run_child(cmd: list, timeout: float) -> dict:
     phases = [ln.split(None, 1)[1].strip() for ln in out.splitlines() if ln.startswith("PHASE ")]
     results = [ln[len("RESULT "):] for ln in out.splitlines() if ln.startswith("RESULT ")]
     if hung:
-        return dict(status="hung", phase=phases[-1] if phases else "start", seconds=seconds,
-                    message=f"no result after {timeout:g} s")
+        res = dict(status="hung", phase=phases[-1] if phases else "start", seconds=seconds,
+                   message=f"no result after {timeout:g} s")
+        edges = edge_report(out)
+        if edges:
+            res["edges"] = edges
+        return res
     if results:
         res = json.loads(results[-1])
         res["seconds"] = seconds
@@ -97,6 +103,20 @@ def run_child(cmd: list, timeout: float) -> dict:
     tail = (err or out).strip().splitlines()[-6:]
     return dict(status="crash", phase=phases[-1] if phases else "start", seconds=seconds,
                 message=f"exit status {proc.returncode}: " + " | ".join(tail))
+
+
+def edge_report(out: str) -> list:
+    """The last edge trace a child printed (``TRACE`` schema, last ``EDGES`` words), decoded: one line per
+    role saying which pipeline edge its CTAs wait on (common/trace.summarize); [] without a trace."""
+    from cute_kernels.common import trace
+
+    schema = [ln[len("TRACE "):] for ln in out.splitlines() if ln.startswith("TRACE ")]
+    words = [ln[len("EDGES "):] for ln in out.splitlines() if ln.startswith("EDGES ")]
+    if not schema or not words:
+        return []
+    sch = json.loads(schema[-1])
+    w = {int(k): v for k, v in json.loads(words[-1]).items()}
+    return trace.summarize(w, sch["roles"], sch["edges"])
 
 
 def _child_cmd(case: str, framework: str, mode: str) -> list:
@@ -110,6 +130,8 @@ def _hint(res: dict) -> str:
     phase = res.get("phase")
     if phase == "sync":
         why = "launched and never finished: a pipeline handshake that never completed (deadlock)"
+        if res.get("edges"):
+            why += "; where each role waits (edge trace): " + " | ".join(res["edges"])
     elif phase == "compile":
         why = "still compiling (raise --timeout if the host is slow)"
     else:
@@ -238,6 +260,21 @@ class _Torch:
     def sync(self):
         self.t.cuda.synchronize()
 
+    def pinned_words(self, n: int):
+        """(address the GPU can write, numpy view) of ``n`` zeroed int32 words of mapped pinned host memory."""
+        buf = self.t.zeros(n, dtype=self.t.int32, pin_memory=True)
+        self._keep = buf
+        return buf.data_ptr(), buf.numpy()
+
+    def poll_sync(self, on_wait, period_s: float = 0.25):
+        """Wait for the queued work without blocking the thread: ``on_wait()`` every ``period_s``."""
+        ev = self.t.cuda.Event()
+        ev.record()
+        while not ev.query():
+            on_wait()
+            time.sleep(period_s)
+        on_wait()
+
 
 class _Paddle:
     def __init__(self):
@@ -263,6 +300,19 @@ class _Paddle:
 
     def sync(self):
         self.p.device.synchronize()
+
+    def pinned_words(self, n: int):
+        buf = self.p.zeros([n], dtype="int32").pin_memory()
+        self._keep = buf
+        return buf.data_ptr(), None  # read through numpy() copies
+
+    def poll_sync(self, on_wait, period_s: float = 0.25):
+        ev = self.p.device.cuda.Event()
+        ev.record()
+        while not ev.query():
+            on_wait()
+            time.sleep(period_s)
+        on_wait()
 
 
 def _round(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -407,6 +457,43 @@ def _per_sequence(p: dict, fn, *arrays):
     return out
 
 
+class _EdgeWatch:
+    """The edge trace of one traced launch (common/trace.py): the array's address for the kernel, and
+    ``print()``, which writes an ``EDGES <json>`` line (the nonzero words) whenever they changed -- the
+    parent keeps the last one a hung case printed and decodes it with the kernel's roles / edges."""
+
+    def __init__(self, fw, roles, edges):
+        from cute_kernels.common import trace
+
+        self.fw, self.roles, self.edges = fw, list(roles), list(edges)
+        self.addr, self.view = fw.pinned_words(trace.WORDS)
+        self.last = None
+        print("TRACE " + json.dumps(dict(roles=self.roles, edges=self.edges)), flush=True)
+
+    def words(self):
+        return self.view if self.view is not None else self.fw._keep.numpy()
+
+    def print(self):
+        w = self.words()
+        nz = {int(i): int(w[i]) & 0xFFFFFFFF for i in np.flatnonzero(w)}
+        if nz != self.last:
+            self.last = nz
+            print("EDGES " + json.dumps(nz), flush=True)
+
+    def sync(self):
+        self.fw.poll_sync(self.print)
+
+
+def _edge_watch(fw, cc: int, module: str):
+    """An ``_EdgeWatch`` for the SM100 kernels (their traced builds), else None (SM90 builds have no trace)."""
+    if _arch.family(cc) != 100:
+        return None
+    import importlib
+
+    mod = importlib.import_module(f"cute_kernels.attention.{module}")
+    return _EdgeWatch(fw, mod.TRACE_ROLES, mod.TRACE_EDGES)
+
+
 def _case_fwd(fw, cc: int, p: dict, perturb: float = 1.0):
     from cute_kernels.attention import launch
 
@@ -427,8 +514,9 @@ def _case_fwd(fw, cc: int, p: dict, perturb: float = 1.0):
     info = dict(kernel=launch._kernel_class(cfg.arch).__name__, config=repr(cfg))
     if reason is not None:
         return dict(status="error", message=f"unsupported: {reason}", **info)
+    watch = _edge_watch(fw, cc, "fwd_sm100")
     _phase("compile")
-    launch.compile_fwd(cfg, _arch.device_sm_count(0) if _arch.family(cc) == 100 else None)
+    launch.compile_fwd(cfg, _arch.device_sm_count(0) if _arch.family(cc) == 100 else None, trace=watch is not None)
     _phase("launch")
     tq, tk, tv = fw.put(q, dtype), fw.put(k, dtype), fw.put(v, dtype)
     hq = p["hq"]
@@ -438,9 +526,10 @@ def _case_fwd(fw, cc: int, p: dict, perturb: float = 1.0):
     tcq = fw.put(cq.astype(np.int32), "int32") if varlen else None
     tck = fw.put(ck.astype(np.int32), "int32") if varlen else None
     launch.run_fwd(cfg, tq, tk, tv, out, lse, bl, tcq, tck, softmax_scale=scale, softcap=softcap,
-                   window_left=window[0], window_right=window[1], max_seqlen_q=max_sq)
+                   window_left=window[0], window_right=window[1], max_seqlen_q=max_sq,
+                   trace_addr=None if watch is None else watch.addr)
     _phase("sync")
-    fw.sync()
+    watch.sync() if watch is not None else fw.sync()
     _phase("compare")
     got = [fw.get(out), fw.get(lse), fw.get(bl)]
     f64 = [a.astype(np.float64) for a in (q, k, v)]
@@ -479,8 +568,11 @@ def _case_bwd(fw, cc: int, p: dict):
     info = dict(kernel=bwd_launch._kernel_class(cfg.arch).__name__, config=repr(cfg))
     if reason is not None:
         return dict(status="error", message=f"unsupported: {reason}", **info)
+    watch = _edge_watch(fw, cc, "bwd_sm100")
     _phase("compile")
     bwd_launch.compile_bwd(cfg)
+    if watch is not None:
+        bwd_launch.compile_bwd_main_traced(cfg)
     _phase("launch")
     t = {n: fw.put(a, dtype) for n, a in (("q", q), ("k", k), ("v", v), ("do", do), ("out", out))}
     tlse = fw.put(lse, "float32")
@@ -496,9 +588,9 @@ def _case_bwd(fw, cc: int, p: dict):
                        grads["dv"], fw.put(cq.astype(np.int32), "int32") if varlen else None,
                        fw.put(ck.astype(np.int32), "int32") if varlen else None, ws, softmax_scale=scale,
                        softcap=softcap, window_left=window[0], window_right=window[1], max_seqlen_q=max_sq,
-                       max_seqlen_k=max_sk)
+                       max_seqlen_k=max_sk, trace_addr=None if watch is None else watch.addr)
     _phase("sync")
-    fw.sync()
+    watch.sync() if watch is not None else fw.sync()
     _phase("compare")
     ref = _per_sequence(p, lambda a, b_, c, o, d_, l_: _attn_bwd_ref(a, b_, c, o, d_, l_.T, scale, causal, window,
                                                                      softcap),
@@ -622,15 +714,20 @@ def _case_helpers(fw, cc: int):
     return dict(status="ok" if all(c["ok"] for c in checks) else "mismatch", checks=checks, **info)
 
 
-def _case_canary_hang(fw, cc: int):
-    """An mbarrier nobody arrives at: what a kernel with a missing pipeline arrive does."""
+CANARY_ROLES, CANARY_EDGES = ("waiter",), ["canary.full", "canary.empty"]
+
+
+def compile_canary_hang(cc: int):
+    """An mbarrier nobody arrives at (what a kernel with a missing pipeline arrive does), edge-traced as the
+    SM100 kernels' traced builds are: its waiter marks ``canary.full`` first. Takes the trace array address."""
     import cutlass
     import cutlass.cute as cute
 
+    from cute_kernels.common.trace import EdgeTrace
     from cute_kernels.fake import arch_options
 
     @cute.kernel
-    def deadlock():
+    def deadlock(trace_addr):
         @cute.struct
         class S:
             bar: cute.struct.MemRange[cutlass.Int64, 1]
@@ -641,18 +738,25 @@ def _case_canary_hang(fw, cc: int):
             cute.arch.mbarrier_init(bar, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
+        EdgeTrace(trace_addr, CANARY_EDGES).mark(0, "canary.full", 0)
         cute.arch.mbarrier_wait(bar, 0)
 
     @cute.jit
-    def launch():
-        deadlock().launch(grid=[1, 1, 1], block=[32, 1, 1], smem=64)
+    def launch(trace_addr):
+        deadlock(trace_addr).launch(grid=[1, 1, 1], block=[32, 1, 1], smem=64)
 
+    return cute.compile(launch, cutlass.Int64(0), options=arch_options(cc))
+
+
+def _case_canary_hang(fw, cc: int):
+    """The hang canary: must come out HUNG, with the edge trace naming canary.full."""
+    watch = _EdgeWatch(fw, CANARY_ROLES, CANARY_EDGES)
     _phase("compile")
-    fn = cute.compile(launch, options=arch_options(cc))
+    fn = compile_canary_hang(cc)
     _phase("launch")
-    fn()
+    fn(watch.addr)
     _phase("sync")
-    fw.sync()
+    watch.sync()
     return dict(status="ok", kernel="canary deadlock", config="mbarrier phase 0 never completes")
 
 

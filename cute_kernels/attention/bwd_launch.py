@@ -143,6 +143,24 @@ def compile_bwd_main(cfg: BwdConfig):
 
 
 @jit_cache
+def compile_bwd_main_traced(cfg: BwdConfig):
+    """The SM100 main kernel's edge-trace build (common/trace.py; the selftest's): it takes the trace
+    array's address as a last argument."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream
+
+    if _arch.family(cfg.arch) != 100:
+        raise NotImplementedError("flash_attn_bwd: the edge trace is built for the SM100 kernel only")
+    reason = unsupported_reason(cfg)
+    if reason is not None:
+        raise NotImplementedError(f"flash_attn_bwd: {reason}")
+    kernel = _kernel_class(cfg.arch)(cfg)
+    return cute.compile(kernel, *fake_bwd_args(cfg), fake_stream(), cutlass.Int64(0), options=arch_options(cfg.arch))
+
+
+@jit_cache
 def _compile_pre(key: BwdConfig):
     import cutlass
     import cutlass.cute as cute
@@ -201,22 +219,26 @@ def compile_bwd(cfg: BwdConfig):
 # ---------------------------------------------------------------------------- run
 def run_bwd(cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
             workspace: dict, *, softmax_scale: float, softcap: float, window_left: int, window_right: int,
-            max_seqlen_q: int, max_seqlen_k: int) -> None:
+            max_seqlen_q: int, max_seqlen_k: int, trace_addr: int | None = None) -> None:
     """Launch preprocess, main kernel and postprocess on the caller's current stream.
+    ``trace_addr``: device-visible address of an edge-trace array: the traced SM100 main kernel.
 
     Shapes as in ``bwd_config``; ``workspace`` holds the buffers of ``workspace_shapes(cfg, ...)``
     (uninitialised; the preprocess writes them). Writes every element of ``dq``, ``dk``, ``dv``
     (zeros where no visible (query, key) pair contributes). Window sizes -1 = unbounded.
     """
-    run_bwd_with(compile_bwd_main, cfg, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                 workspace, softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
-                 window_right=window_right, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    run_bwd_with(compile_bwd_main if trace_addr is None else compile_bwd_main_traced, cfg, dout, q, k, v, out,
+                 lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, workspace, softmax_scale=softmax_scale,
+                 softcap=softcap, window_left=window_left, window_right=window_right,
+                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                 extra=() if trace_addr is None else (int(trace_addr),))
 
 
 def run_bwd_with(compile_main, cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
                  cu_seqlens_k, workspace: dict, *, softmax_scale: float, softcap: float, window_left: int,
-                 window_right: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """``run_bwd`` with the main kernel from ``compile_main(cfg)`` (a seam for experiments with another build)."""
+                 window_right: int, max_seqlen_q: int, max_seqlen_k: int, extra: tuple = ()) -> None:
+    """``run_bwd`` with the main kernel from ``compile_main(cfg)`` (a seam for experiments with another build;
+    ``extra``: trailing arguments of that build)."""
     assert (cu_seqlens_q is None) == (not cfg.varlen), "cu_seqlens must match cfg.varlen"
     assert (dlse is None) == (not cfg.has_dlse), "dlse must match cfg.has_dlse"
     if cfg.varlen:
@@ -248,7 +270,7 @@ def run_bwd_with(compile_main, cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq
     if not k_empty:
         main(q, k, v, dout, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], dk, dv, cu_seqlens_q, cu_seqlens_k,
              sem, dk_acc, dv_acc, kv_sem, float(softmax_scale), float(softcap) if cfg.has_softcap else 0.0,
-             int(window_left), int(window_right), int(max_seqlen_q), int(max_seqlen_k))
+             int(window_left), int(window_right), int(max_seqlen_q), int(max_seqlen_k), *extra)
     post(ws["dq_accum"], dq, cu_seqlens_q, float(softmax_scale), int(max_seqlen_q))
 
 

@@ -59,6 +59,7 @@ from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import softcap_logit
 from cute_kernels.common.tile_range import (QueryTileRange, TileRange, first_key_tile, last_key_tile,
                                              normalize_window)
+from cute_kernels.common.trace import EdgeTrace, edge_names, traced_pipes
 from cute_kernels.common.utils import LN_2, LOG2_E, ld_acquire_gpu, red_release_add_gpu
 
 from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
@@ -114,6 +115,9 @@ class BwdBarrier(IntEnum):
     TmemFree = 3  # compute + reduce threads: last TMEM reads done, then dealloc
 
 
+# Edge trace of a traced build (common/trace.py): role slots and the edges they wait on (dq_turn: the
+# deterministic dQ turn counter of the query tile given as the count).
+TRACE_ROLES = ("reduce", "compute", "mma", "load")
 ROLE_THREADS = {"reduce": 32 * len(_WARPS_REDUCE), "compute": 32 * len(_WARPS_COMPUTE), "mma": 1,
                 "load": 1}
 # pipeline name -> (producer role, consumer role). tcgen05 / TMA sides arrive from one elected thread.
@@ -122,6 +126,7 @@ PIPES = {"kv": ("load", "mma"), "q": ("load", "mma"), "do": ("load", "mma"), "S"
          "dKV": ("mma", "compute")}
 BARRIERS = {BwdBarrier.Compute: ("compute",), BwdBarrier.Reduce: ("reduce",),
             BwdBarrier.TmemFree: ("compute", "reduce")}
+TRACE_EDGES = edge_names(PIPES) + ["tmem_free", "dq_turn"]
 
 
 def check_arrivals(groups: dict, barriers: dict) -> None:
@@ -265,7 +270,8 @@ class FlashBwdSm100:
                  mLSElog2: cute.Tensor, mdPsum: cute.Tensor, mdQaccum: cute.Tensor,
                  mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem, mdKaccum, mdVaccum,
                  mdKVsem, softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream):
+                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream, trace_addr=None):
+        """``trace_addr``: the edge-trace array (common/trace.py) of a traced build, else None."""
         cfg = self.cfg
         self.dtype = mQ.element_type
         varlen = const_expr(mCuSeqlensQ is not None)
@@ -385,7 +391,7 @@ class FlashBwdSm100:
             mLSElog2, mdPsum, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mdQsem,
             sK_layout, sQ_layout, sV_layout, sdO_layout, tP_layout, sdOt_layout, sdSt_layout, sQt_layout,
             sdS_layout, sKt_layout, sdS_epi_layout, sdQ_layout,
-            softmax_scale, scale_log2, softcap_in, softcap, window_left, window_right,
+            softmax_scale, scale_log2, softcap_in, softcap, window_left, window_right, trace_addr,
         ).launch(grid=[num_n_tiles, num_heads_kv, num_batch], block=[NUM_THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -405,8 +411,11 @@ class FlashBwdSm100:
                sKt_layout: cute.ComposedLayout, sdS_epi_layout: cute.ComposedLayout,
                sdQ_layout: cute.ComposedLayout,
                softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32,
-               window_left: Int32, window_right: Int32):
+               window_left: Int32, window_right: Int32, trace_addr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        trace = None
+        if const_expr(trace_addr is not None):
+            trace = EdgeTrace(trace_addr, TRACE_EDGES)
         if warp_idx == _WARP_LOAD:
             for atom in (tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO, tma_atom_dQ):
                 cpasync.prefetch_descriptor(atom)
@@ -484,34 +493,47 @@ class FlashBwdSm100:
         tdQtdQ = acc(mma_dQ, self.tiler_dQ[:2], tm["dQ"])
 
         tile_args = (mCuSeqlensQ, mCuSeqlensK, mQ, mK, window_left, window_right)
+        # Each role's view of the pipelines (traced builds: every wait marks its edge; slots = TRACE_ROLES;
+        # built outside the role branches, which may carry only runtime values).
+        tp = [traced_pipes(dict(zip(PIPES, pipes)), trace, slot) for slot in range(len(TRACE_ROLES))]
 
         if warp_idx <= _WARPS_REDUCE[-1]:
             cute.arch.setmaxregister_decrease(REGS[0])
             tile = self.tile_info(*tile_args)
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-            self.reduce(tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, pipe_dQ, tile)
+            self.reduce(tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, tp[0]["dQ"], tile, trace)
+            if const_expr(trace is not None):
+                trace.mark(0, "tmem_free", 0)
             pipeline.NamedBarrier(barrier_id=int(BwdBarrier.TmemFree),
                                   num_threads=rt["compute"] + rt["reduce"]).arrive_and_wait()
+            if const_expr(trace is not None):
+                trace.done(0)
             if warp_idx == _WARPS_REDUCE[0]:
                 cute.arch.dealloc_tmem(tmem_ptr, TMEM_COLS)
         elif warp_idx <= _WARPS_COMPUTE[-1]:
             cute.arch.setmaxregister_increase(REGS[1])
             tile = self.tile_info(*tile_args)
             self.compute(tStS, tdPtdP, tdVtdV, tdKtdK, sdS_epi, mLSElog2, mdPsum, mdK, mdV,
-                         pipe_S, pipe_dP, pipe_dS, pipe_dKV, tile, mCuSeqlensQ,
+                         tp[1]["S"], tp[1]["dP"], tp[1]["dS"], tp[1]["dKV"], tile, mCuSeqlensQ,
                          softmax_scale, scale_log2, softcap_in, softcap)
+            if const_expr(trace is not None):
+                trace.done(1)
             pipeline.NamedBarrier(barrier_id=int(BwdBarrier.TmemFree),
                                   num_threads=rt["compute"] + rt["reduce"]).arrive()
         elif warp_idx == _WARP_MMA:
             cute.arch.setmaxregister_decrease(REGS[2])
             tile = self.tile_info(*tile_args)
             self.mma(mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, sK, sV, sQ, sdO, sQt, sdOt, sKt, sdSt, sdS,
-                     tP_layout, tmem_ptr, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ, pipes, tile)
+                     tP_layout, tmem_ptr, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ, tuple(tp[2][n] for n in PIPES), tile)
+            if const_expr(trace is not None):
+                trace.done(2)
         elif warp_idx == _WARP_LOAD:
             cute.arch.setmaxregister_decrease(REGS[2])
             tile = self.tile_info(*tile_args)
             self.load(mma_S, mma_dP, tma_atom_K, mK, tma_atom_V, mV, tma_atom_Q, mQ, tma_atom_dO, mdO,
-                      sK, sV, sQ, sdO, pipe_kv, pipe_q, pipe_do, tile)
+                      sK, sV, sQ, sdO, tp[3]["kv"], tp[3]["q"], tp[3]["do"], tile)
+            if const_expr(trace is not None):
+                trace.done(3)
         else:
             cute.arch.setmaxregister_decrease(REGS[2])
 
@@ -934,7 +956,7 @@ class FlashBwdSm100:
 
     # ------------------------------------------------------------------ dQ reduce warps
     @cute.jit
-    def reduce(self, tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, pipe_dQ, tile):
+    def reduce(self, tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, pipe_dQ, tile, trace=None):
         """dQ(t) of each query tile: TMEM -> registers -> fp32 smem stage (DQ_CHUNK columns) -> one TMA
         reduce-add (``cp.reduce.async.bulk.tensor ... add.f32``) per stage into dq_accum. Warp 0 of the
         role issues the TMA and owns its bulk groups; a stage is rewritten only after warp 0 saw its
@@ -982,6 +1004,8 @@ class FlashBwdSm100:
                     else:
                         sem_off = cute.crd2idx((batch, head, blk), mdQsem.layout)
                     sem_ptr = (mdQsem.iterator + sem_off).toint()
+                    if const_expr(trace is not None):
+                        trace.mark(0, "dq_turn", m_tile)
                     if tidx == 0:
                         seen = ld_acquire_gpu(sem_ptr)
                         while seen != turn:

@@ -63,6 +63,7 @@ from cute_kernels.common.math_sm100 import exp2_poly, max_tree
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import OnlineSoftmax, conditional_max, exp2_reference, softcap_logit
 from cute_kernels.common.tile_range import TileRange, normalize_window
+from cute_kernels.common.trace import EdgeTrace, edge_names, traced_pipes
 from cute_kernels.common.utils import LOG2_E
 
 from .config import FwdConfig
@@ -153,6 +154,9 @@ BARRIERS = {FwdBarrier.TmemFree: ("correction",)}
 ARRIVALS = {"q": (1, 1), "kv": (1, 1), "s": (1, 2 * TILE_M), "scale": (TILE_M, TILE_M),
             "o": (1, TILE_M), "stats": (TILE_M, TILE_M)}
 NAMED_THREADS = {FwdBarrier.TmemFree: 4 * 32}
+# Edge trace of a traced build (common/trace.py): role slots and the edges they wait on.
+TRACE_ROLES = ("softmax0", "softmax1", "correction", "mma", "load")
+TRACE_EDGES = edge_names(PIPES) + ["tmem_free"]
 
 
 def _q_stage(cfg: FwdConfig) -> int:
@@ -308,7 +312,8 @@ class FlashFwdSm100:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, stream):
+                 max_seqlen_q: Int32, stream, trace_addr=None):
+        """``trace_addr``: the edge-trace array (common/trace.py) of a traced build, else None."""
         cfg = self.cfg
         self.dtype = mQ.element_type
         varlen = const_expr(mCuSeqlensQ is not None)
@@ -404,7 +409,7 @@ class FlashFwdSm100:
             mO, mLSE, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
             sQ_layout, sK_layout, sV_layout, tP_layout,
             scale_log2, softcap_in, softcap, logit_scale, window_left, window_right,
-            num_m_tiles, num_heads, total_tiles,
+            num_m_tiles, num_heads, total_tiles, trace_addr,
         ).launch(grid=[grid_x, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -417,8 +422,11 @@ class FlashFwdSm100:
                sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
                scale_log2: Float32, softcap_in: Float32, softcap: Float32, logit_scale: Float32,
                window_left: Int32, window_right: Int32,
-               num_m_tiles: Int32, num_heads: Int32, total_tiles: Int32):
+               num_m_tiles: Int32, num_heads: Int32, total_tiles: Int32, trace_addr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        trace = None
+        if const_expr(trace_addr is not None):
+            trace = EdgeTrace(trace_addr, TRACE_EDGES)
 
         if warp_idx == _WARP_LOAD:
             cpasync.prefetch_descriptor(tma_atom_Q)
@@ -477,13 +485,22 @@ class FlashFwdSm100:
         # One if/elif chain: the roles are sibling branches, so values only one role needs are not
         # live (and holding registers) inside another role's smaller setmaxnreg budget.
         regs_softmax, regs_softmax1, regs_correction, regs_other = REGS[self.q_stage]
+        # Each role's view of the pipelines (traced builds: every wait marks its edge; slots = TRACE_ROLES;
+        # built outside the role branches, which may carry only runtime values).
+        sm_slot = Int32(0) if const_expr(self.q_stage == 1) else warp_idx // 4
+        tp_softmax = traced_pipes(pipes, trace, sm_slot)
+        tp_correction = traced_pipes(pipes, trace, 2)
+        tp_mma = traced_pipes(pipes, trace, 3)
+        tp_load = traced_pipes(pipes, trace, 4)
         if warp_idx < 4 * self.q_stage:
             # ------------------------------------------------------------ SOFTMAX (one WG per Q stage)
             cute.arch.setmaxregister_increase(regs_softmax)
             stage = Int32(0) if const_expr(self.q_stage == 1) else warp_idx // 4
             self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, mBlockLogit,
-                         pipes["s"], pipes["scale"], pipes["stats"],
+                         tp_softmax["s"], tp_softmax["scale"], tp_softmax["stats"],
                          scale_log2, softcap_in, softcap, logit_scale, sched)
+            if const_expr(trace is not None):
+                trace.done(stage)
         elif warp_idx < _WARPS_CORRECTION[0]:
             # ------------------------------------------------------------ IDLE softmax WG 1 (q_stage 1)
             if const_expr(regs_softmax1 < 128):
@@ -494,21 +511,29 @@ class FlashFwdSm100:
                 cute.arch.setmaxregister_decrease(regs_correction)
             else:
                 cute.arch.setmaxregister_increase(regs_correction)
-            self.correction(thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, mO, mLSE,
-                            pipes["s"], pipes["scale"], pipes["o"], pipes["stats"], scale_log2, sched)
+            self.correction(thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, mO, mLSE, tp_correction["s"],
+                            tp_correction["scale"], tp_correction["o"], tp_correction["stats"], scale_log2, sched)
+            if const_expr(trace is not None):
+                trace.mark(2, "tmem_free", 0)
             tmem_free.arrive_and_wait()
+            if const_expr(trace is not None):
+                trace.done(2)
             if warp_idx == _WARPS_CORRECTION[0]:
                 cute.arch.dealloc_tmem(tmem_ptr, self.tmem_cols)
         elif warp_idx == _WARP_MMA:
             # ------------------------------------------------------------ MMA
             cute.arch.setmaxregister_decrease(regs_other)
             self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
-                     tmem_ptr, tStS, tOtO, pipes["q"], pipes["kv"], pipes["s"], pipes["o"], sched)
+                     tmem_ptr, tStS, tOtO, tp_mma["q"], tp_mma["kv"], tp_mma["s"], tp_mma["o"], sched)
+            if const_expr(trace is not None):
+                trace.done(3)
         elif warp_idx == _WARP_LOAD:
             # ------------------------------------------------------------ LOAD
             cute.arch.setmaxregister_decrease(regs_other)
             self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-                      sQ, sK, sV, pipes["q"], pipes["kv"], sched)
+                      sQ, sK, sV, tp_load["q"], tp_load["kv"], sched)
+            if const_expr(trace is not None):
+                trace.done(4)
         else:
             # ------------------------------------------------------------ IDLE warps 14-15
             cute.arch.setmaxregister_decrease(regs_other)

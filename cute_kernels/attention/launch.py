@@ -97,22 +97,26 @@ def fake_fwd_args(cfg: FwdConfig) -> FwdArgs:
                    cutlass.Int32(-1), cutlass.Int32(1))
 
 
-def compile_fwd(cfg: FwdConfig, sm_count: int | None = None):
+def compile_fwd(cfg: FwdConfig, sm_count: int | None = None, trace: bool = False):
     """Compile the arch kernel for ``cfg`` once (fake tensors; TVM-FFI env stream).
 
     ``sm_count``: SMs of the device the SM100 persistent kernel will launch on (its grid); None = the
     target's ``SM_COUNT_DEFAULT`` (compile-only builds). The SM90 kernel is not persistent, so for it
-    the count is ignored and no part of the compile key.
+    the count is ignored and no part of the compile key. ``trace``: the SM100 kernel's edge-trace
+    build (common/trace.py; the selftest's), which takes the trace array's address as a last argument.
     """
     if _arch.family(cfg.arch) != 100:
         sm_count = None
+        if trace:
+            raise NotImplementedError("flash_attn_fwd: the edge trace is built for the SM100 kernel only")
     elif sm_count is None:
         sm_count = _arch.SM_COUNT_DEFAULT[cfg.arch]
-    return _compile_fwd(cfg, sm_count)
+    return _compile_fwd(cfg, sm_count, bool(trace))
 
 
 @jit_cache
-def _compile_fwd(cfg: FwdConfig, sm_count: int | None):
+def _compile_fwd(cfg: FwdConfig, sm_count: int | None, trace: bool = False):
+    import cutlass
     import cutlass.cute as cute
 
     from cute_kernels.fake import arch_options, fake_stream
@@ -122,14 +126,16 @@ def _compile_fwd(cfg: FwdConfig, sm_count: int | None):
         raise NotImplementedError(f"flash_attn_fwd: {reason}")
     cls = _kernel_class(cfg.arch)
     kernel = cls(cfg) if sm_count is None else cls(cfg, sm_count=int(sm_count))
-    return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(),
+    extra = (cutlass.Int64(0),) if trace else ()
+    return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(), *extra,
                         options=arch_options(cfg.arch))
 
 
 def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, *,
             softmax_scale: float, softcap: float, window_left: int, window_right: int,
-            max_seqlen_q: int) -> None:
+            max_seqlen_q: int, trace_addr: int | None = None) -> None:
     """Launch the forward on the caller's current stream; writes ``out``, ``lse``, ``block_logit``.
+    ``trace_addr``: device-visible address of an edge-trace array (common/trace.py): the traced SM100 build.
 
     Shapes as in ``config.FwdArgs``; ``block_logit`` is None iff ``cfg.block_size == 0``;
     ``cu_seqlens_*`` are None iff not ``cfg.varlen``; window sizes -1 = unbounded.
@@ -143,9 +149,12 @@ def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seq
         return
     if max_seqlen_q <= 0:
         return
-    fn = compile_fwd(cfg, _arch.tensor_sm_count(q) if _arch.family(cfg.arch) == 100 else None)
+    fn = compile_fwd(cfg, _arch.tensor_sm_count(q) if _arch.family(cfg.arch) == 100 else None,
+                     trace=trace_addr is not None)
+    extra = () if trace_addr is None else (int(trace_addr),)
     fn(q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
-       float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q))
+       float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q),
+       *extra)
 
 
 # ---------------------------------------------------------------------------- config matrix

@@ -93,7 +93,7 @@ def test_kernel_call_takes_bwd_kernel_args():
     from cute_kernels.attention.bwd_sm100 import FlashBwdSm100
 
     params = list(inspect.signature(FlashBwdSm100.__call__).parameters)
-    assert params == ["self", *BwdKernelArgs._fields, "stream"]
+    assert params == ["self", *BwdKernelArgs._fields, "stream", "trace_addr"]  # trace_addr: the edge-trace build
 
 
 def _cfg(d=128, dv=None, **kw):

@@ -78,12 +78,13 @@ def test_softcap_configs_compile_for_sm100():
 
 
 def test_fwd_args_order_matches_kernel_call():
-    """FwdArgs is the one argument order: the SM100 kernel's __call__ takes exactly it, then stream."""
+    """FwdArgs is the one argument order: the SM100 kernel's __call__ takes exactly it, then stream (and the
+    edge-trace address of a traced build)."""
     from cute_kernels.attention.config import FwdArgs
     from cute_kernels.attention.fwd_sm100 import FlashFwdSm100
 
     params = list(inspect.signature(FlashFwdSm100.__call__).parameters)
-    assert params == ["self", *FwdArgs._fields, "stream"]
+    assert params == ["self", *FwdArgs._fields, "stream", "trace_addr"]  # trace_addr: the edge-trace build
 
 
 def test_unsupported_reasons_name_the_case():

@@ -87,6 +87,13 @@ class _NumpyFramework:
     def sync(self):
         pass
 
+    def pinned_words(self, n):  # the edge trace's array: host memory only here
+        self.words = np.zeros(n, dtype=np.int32)
+        return 0, self.words
+
+    def poll_sync(self, on_wait, period_s=0.25):
+        on_wait()
+
 
 def _window(wl, wr):
     return (None if wl < 0 else wl, None if wr < 0 else wr)
@@ -98,10 +105,11 @@ def oracle_launchers(monkeypatch):
     from cute_kernels.attention import bwd_launch, launch
     from cute_kernels.indexed import launch as il
 
-    state = dict(wrong=False)
+    state = dict(wrong=False, traced=[])
 
     def run_fwd(cfg, q, k, v, out, lse, bl, cu_q, cu_k, *, softmax_scale, softcap, window_left, window_right,
-                max_seqlen_q):
+                max_seqlen_q, trace_addr=None):
+        state["traced"].append(trace_addr is not None)
         max_sk = int(np.diff(cu_k).max()) if cu_k is not None else None
         o, l_, b_ = attn_oracle.attention(q, k, v, softmax_scale, cfg.causal, _window(window_left, window_right),
                                           softcap, cfg.block_size, cu_q, cu_k, max_sk)
@@ -112,7 +120,8 @@ def oracle_launchers(monkeypatch):
             out[..., 0, 0] += 0.5
 
     def run_bwd(cfg, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, ws, *, softmax_scale, softcap,
-                window_left, window_right, max_seqlen_q, max_seqlen_k):
+                window_left, window_right, max_seqlen_q, max_seqlen_k, trace_addr=None):
+        state["traced"].append(trace_addr is not None)
         g = bwd_oracle.attention_bwd(q, k, v, dout, None, softmax_scale, cfg.causal,
                                      _window(window_left, window_right), softcap, cu_q, cu_k)
         dq[...], dk[...], dv[...] = g
@@ -123,6 +132,7 @@ def oracle_launchers(monkeypatch):
     monkeypatch.setattr(launch, "compile_fwd", lambda *a, **kw: None)
     monkeypatch.setattr(launch, "run_fwd", run_fwd)
     monkeypatch.setattr(bwd_launch, "compile_bwd", lambda cfg: None)
+    monkeypatch.setattr(bwd_launch, "compile_bwd_main_traced", lambda cfg: None)
     monkeypatch.setattr(bwd_launch, "run_bwd", run_bwd)
     for name in ("compile_plan", "compile_fwd", "compile_bwd_dq", "compile_bwd_dkdv"):
         monkeypatch.setattr(il, name, lambda cfg: None)
@@ -146,10 +156,14 @@ KERNEL_CASES = [c for c in st.CASES if c.kind in ("fwd", "bwd", "indexed")]
 
 @pytest.mark.parametrize("cc", [90, 100, 103])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.name)
-def test_case_passes_a_correct_kernel(oracle_launchers, case, cc):
+def test_case_passes_a_correct_kernel(oracle_launchers, case, cc, capsys):
     res = st._RUNNERS[case.kind](_NumpyFramework(), cc, case)
     assert res["status"] == "ok", json.dumps(res, indent=1)
     assert f"arch={cc}" in res["config"]
+    # the SM100 cases launch the edge-trace builds (and print the trace schema), the SM90 ones do not
+    if case.kind in ("fwd", "bwd"):
+        assert oracle_launchers["traced"] == [cc != 90]
+        assert ("TRACE " in capsys.readouterr().out) == (cc != 90)
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.name)
