@@ -61,17 +61,17 @@ writers of query tile m go in descending n (turn = last_key_tile(m) - n) and blo
 highest key tile first: a key tile is the first writer of its diagonal tiles and waits only on tiles
 launched before it (FA4's "SPT" order). Every counter still sees each of its writers exactly once.
 
-Note [head swizzle] (deterministic without causal / window, not varlen): a writer waits for the key tile before it in the
-order, so a (head, batch)'s key tiles form a chain, and with blockIdx.x the key tile consecutive blocks
-are consecutive links: when an MHA CTA's steps are short next to the hand-off latency (8K rows: 64
-steps), each link waits on the one launched just before it and the lag adds up along the chain (H200,
-8K MHA non-causal: det / FA4 det 0.82 against 0.89 at 16K). So deterministic grids interleave
-``swizzle_heads`` (batch, head) pairs (``common/tile_range.head_swizzled_tile``: key tile n of those
-heads, then n + 1; as many as keep their Q, dO and dQ accumulator in L2): a link is launched that many
-blocks after the one it waits on. Waits still go only to earlier blocks. Not taken: the descending
-order (causal / window; measured at 0.91-0.94 of FA4's deterministic backward without it) and varlen,
-where the remapped batch index kept a cu_seqlens pointer live across the main loop (an 8-byte spill
-in the sm_90a matrix).
+Note [head swizzle] (deterministic without causal / window, not varlen): a writer waits for the key
+tile before it in the order, so a (head, batch)'s key tiles form a chain, and with blockIdx.x the key
+tile, consecutive blocks are consecutive links: when an MHA CTA is short next to the hand-off latency
+(8K rows: 128 steps), each link waits on the one launched just before it and the lag adds up along
+the chain. So deterministic grids interleave ``swizzle_heads`` (batch, head) pairs
+(``common/tile_range.head_swizzled_tile``: key tile n of those heads, then n + 1; as many as keep
+their Q, dO and dQ accumulator in L2): a link is launched that many blocks after the one it waits on.
+Waits still go only to earlier blocks. H200, 8K MHA non-causal: det / FA4 det 0.82 -> 0.89. Not
+taken: the descending order (causal / window; 0.93-0.96 of FA4's deterministic backward without it)
+and varlen, where the remapped batch index kept a cu_seqlens pointer live across the main loop (an
+8-byte spill in the sm_90a matrix).
 
 Note [group split] (``bwd_config.group_split``: deterministic GQA with causal / window): in the
 descending order a kv head's longest key tiles (the low ones, which see every query) are launched
