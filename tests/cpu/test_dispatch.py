@@ -59,7 +59,8 @@ def test_sm100_forward_grid_uses_the_devices_sm_count(monkeypatch, cc, expected)
 
     seen = []
     monkeypatch.setattr(arch_mod, "device_sm_count", lambda index: {0: 132, 1: 160}[index])
-    monkeypatch.setattr(launch, "_compile_fwd", lambda cfg, sm_count: seen.append(sm_count) or (lambda *a: None))
+    monkeypatch.setattr(launch, "_compile_fwd",
+                        lambda cfg, sm_count, trace=False: seen.append(sm_count) or (lambda *a: None))
     cfg = launch.fwd_config(cc, "bfloat16", 128, 128, 1, True, False, False, 0, False)
     q = _Tensor(shape=(1, 256, 2, 128), device=1)
     launch.run_fwd(cfg, q, q, q, q, q, None, None, None, softmax_scale=0.1, softcap=0.0, window_left=-1,
