@@ -197,6 +197,7 @@ class CudaTimer:
         self.capture_errors: dict = {}
         cuda.synchronize()
         self.preheat_s = float(preheat_s)
+        self._preheat_ab = None
 
     def prepare(self, name: str, fn) -> None:
         """Compile / capture and warm ``fn`` now (``run_windows`` prepares every variant before the first
@@ -214,14 +215,14 @@ class CudaTimer:
         if seconds <= 0:
             return
         torch = self.torch
-        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        if self._preheat_ab is None:  # made once, kept for the next shapes' preheats
+            self._preheat_ab = [torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        a, b = self._preheat_ab
         t0 = self.clock()
         while self.clock() - t0 < seconds:
             for _ in range(16):
                 torch.matmul(a, b)
             torch.cuda.synchronize()
-        del a, b
 
     # -- helpers
     def _calibrate_sleep(self) -> float:

@@ -261,10 +261,11 @@ class _Torch:
         self.t.cuda.synchronize()
 
     def pinned_words(self, n: int):
-        """(address the GPU can write, numpy view) of ``n`` zeroed int32 words of mapped pinned host memory."""
+        """(address the GPU can write, reader) of ``n`` zeroed int32 words of mapped pinned host memory;
+        ``reader()`` returns their current values as a numpy array (the caller keeps the reader alive)."""
         buf = self.t.zeros(n, dtype=self.t.int32, pin_memory=True)
-        self._keep = buf
-        return buf.data_ptr(), buf.numpy()
+        view = buf.numpy()  # shares the pinned memory
+        return buf.data_ptr(), lambda: view
 
     def poll_sync(self, on_wait, period_s: float = 0.25):
         """Wait for the queued work without blocking the thread: ``on_wait()`` every ``period_s``."""
@@ -303,8 +304,7 @@ class _Paddle:
 
     def pinned_words(self, n: int):
         buf = self.p.zeros([n], dtype="int32").pin_memory()
-        self._keep = buf
-        return buf.data_ptr(), None  # read through numpy() copies
+        return buf.data_ptr(), buf.numpy  # a copy per read
 
     def poll_sync(self, on_wait, period_s: float = 0.25):
         ev = self.p.device.cuda.Event()
@@ -466,12 +466,9 @@ class _EdgeWatch:
         from cute_kernels.common import trace
 
         self.fw, self.roles, self.edges = fw, list(roles), list(edges)
-        self.addr, self.view = fw.pinned_words(trace.WORDS)
+        self.addr, self.words = fw.pinned_words(trace.WORDS)
         self.last = None
         print("TRACE " + json.dumps(dict(roles=self.roles, edges=self.edges)), flush=True)
-
-    def words(self):
-        return self.view if self.view is not None else self.fw._keep.numpy()
 
     def print(self):
         w = self.words()

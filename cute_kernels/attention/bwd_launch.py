@@ -130,34 +130,27 @@ def _prepost_key(cfg: BwdConfig) -> BwdConfig:
 
 # ---------------------------------------------------------------------------- compile
 @jit_cache
-def compile_bwd_main(cfg: BwdConfig):
-    import cutlass.cute as cute
-
-    from cute_kernels.fake import arch_options, fake_stream
-
-    reason = unsupported_reason(cfg)
-    if reason is not None:
-        raise NotImplementedError(f"flash_attn_bwd: {reason}")
-    kernel = _kernel_class(cfg.arch)(cfg)
-    return cute.compile(kernel, *fake_bwd_args(cfg), fake_stream(), options=arch_options(cfg.arch))
-
-
-@jit_cache
-def compile_bwd_main_traced(cfg: BwdConfig):
-    """The SM100 main kernel's edge-trace build (common/trace.py; the selftest's): it takes the trace
-    array's address as a last argument."""
+def compile_bwd_main(cfg: BwdConfig, trace: bool = False):
+    """The main kernel of ``cfg``; ``trace``: the SM100 kernel's edge-trace build (common/trace.py; the
+    selftest's), which takes the trace array's address as a last argument."""
     import cutlass
     import cutlass.cute as cute
 
     from cute_kernels.fake import arch_options, fake_stream
 
-    if _arch.family(cfg.arch) != 100:
+    if trace and _arch.family(cfg.arch) != 100:
         raise NotImplementedError("flash_attn_bwd: the edge trace is built for the SM100 kernel only")
     reason = unsupported_reason(cfg)
     if reason is not None:
         raise NotImplementedError(f"flash_attn_bwd: {reason}")
     kernel = _kernel_class(cfg.arch)(cfg)
-    return cute.compile(kernel, *fake_bwd_args(cfg), fake_stream(), cutlass.Int64(0), options=arch_options(cfg.arch))
+    extra = (cutlass.Int64(0),) if trace else ()
+    return cute.compile(kernel, *fake_bwd_args(cfg), fake_stream(), *extra, options=arch_options(cfg.arch))
+
+
+def compile_bwd_main_traced(cfg: BwdConfig):
+    """``compile_bwd_main(cfg, trace=True)`` (the ``compile_main`` of ``run_bwd_with``)."""
+    return compile_bwd_main(cfg, trace=True)
 
 
 @jit_cache

@@ -153,6 +153,7 @@ def last_key_tile(m_start: Int32, seqlen_q: Int32, seqlen_k: Int32, right: Int32
 #: L2 bytes the deterministic backward's head swizzle plans for (H100 / H200: 50 MiB).
 L2_BYTES = 50 * 1024 * 1024
 MAX_SWIZZLE_HEADS = 16
+_SWIZZLE_POWERS = tuple(1 << i for i in range(1, MAX_SWIZZLE_HEADS.bit_length()))  # 2, 4, 8, 16
 
 
 @cute.jit
@@ -164,9 +165,8 @@ def swizzle_heads(seqlen_q: Int32, head_dim: cutlass.Constexpr, head_dim_v: cutl
     rows_fit = L2_BYTES // ((head_dim + head_dim_v) * elem_bytes + head_dim * 4)  # compile-time
     fit = Int32(rows_fit) // cutlass.max(seqlen_q, 1)
     heads = Int32(1)
-    for p in (2, 4, 8, 16):
-        if const_expr(p <= MAX_SWIZZLE_HEADS):
-            heads = Int32(p) if fit >= p else heads
+    for p in _SWIZZLE_POWERS:  # a Python tuple: unrolled at trace time
+        heads = Int32(p) if fit >= p else heads
     return heads
 
 

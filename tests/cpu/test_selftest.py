@@ -89,7 +89,7 @@ class _NumpyFramework:
 
     def pinned_words(self, n):  # the edge trace's array: host memory only here
         self.words = np.zeros(n, dtype=np.int32)
-        return 0, self.words
+        return 0, lambda: self.words
 
     def poll_sync(self, on_wait, period_s=0.25):
         on_wait()
