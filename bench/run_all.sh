@@ -9,6 +9,7 @@
 #   bench/run_all.sh fwd gqa unfused    # first half
 #   bench/run_all.sh indexed select h2o # second half
 #   bench/run_all.sh rho05 bwd          # opt-in steps (indexed at rho 0.5; the attention backward)
+#   bench/run_all.sh bwd_wide layer bsparse   # opt-in: d 192 / 256 backward, the full layer, block-sparse
 #   OUT=/tmp/b PYTHON=.venv/bin/python WINDOW=0.5 ROUNDS=3 bench/run_all.sh
 #
 # Writes $OUT/<step>.json, $OUT/<step>.md, $OUT/<step>.log, and $OUT/summary.md (all markdown
@@ -63,7 +64,14 @@ for step in "${steps[@]}"; do
         h2o) run_step h2o bench_h2o.py ;;
         # the attention backward vs FA4's (bench_bwd.py's own default shapes; about 4 minutes)
         bwd) run_step bwd bench_bwd.py ;;
-        *) echo "unknown step $step (fwd gqa unfused indexed rho05 select h2o bwd)"; status=1 ;;
+        # the wide backward schedules README quotes (d 192, d 256; MHA 16 heads, 8K / 16K)
+        bwd_wide) run_step bwd_wide bench_bwd.py --hdims 192,256 --seqlens 8192,16384 --heads 16 --host-n 0 ;;
+        # one training step of the full layer (forward with block_logit + backward) vs FA4 fwd + bwd
+        layer) run_step layer bench_layer.py --seqlens 16384 ;;
+        # block-sparse attention (issue 20): GQA 32/4 local selection at 16K-64K, MQA 64 heads at 16K
+        bsparse) run_step bsparse_gqa bench_block_sparse.py --seqlens 16K,32K,64K --selections local --shapes gqa
+                 run_step bsparse_mqa bench_block_sparse.py --seqlens 16K --selections local,random --shapes mqa64 ;;
+        *) echo "unknown step $step (fwd gqa unfused indexed rho05 select h2o bwd bwd_wide layer bsparse)"; status=1 ;;
     esac
 done
 

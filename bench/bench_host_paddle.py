@@ -1,0 +1,131 @@
+"""Host cost per call of the Paddle ops' own path (validation, spec, ``paddle.empty`` outputs, PyLayer,
+the CuTe glue and the launcher's Python), on a machine without a GPU.
+
+    python bench/bench_host_paddle.py [--n 2000] [--repeats 5] [--json FILE]
+
+Paddle with CUDA is not available where this project is developed, so the Paddle path cannot launch a
+kernel here. This bench runs every line of it on CPU tensors up to the compiled kernel call, which it
+replaces by a no-op: ``tensor_arch`` reports compute capability 90, so the ops take the CuTe backend,
+and ``compile_fwd`` / ``compile_bwd_*`` return a stub instead of the compiled TVM-FFI function. What
+the stub leaves out is the TVM-FFI call itself (DLPack of the arguments + the launch), which
+bench_fwd.py / bench_bwd.py measure with torch tensors on a GPU (``host µs ours``); the ``dlpack``
+row below times exporting the same Paddle tensors through ``__dlpack__``, the part of that call that
+depends on the framework.
+
+Shapes: B 1, S 128, 2 heads, head dim 128, bfloat16 (tiny, as in the GPU benches' host column).
+Reported: microseconds per call, median and minimum of ``--repeats`` timings of ``--n`` back-to-back
+calls.
+Rows: ``fwd`` (no autograd), ``fwd_bl`` (with block_logit), ``fwd_grad`` (inputs need gradients: the
+PyLayer records the call), ``bwd_op`` (the public ``flash_attn_bwd``), ``step`` (``fwd_grad`` + the
+autograd backward of ``out.sum()``), ``dlpack`` (``__dlpack__`` of the 8 tensors a forward launch takes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+@contextlib.contextmanager
+def stubbed_launch(arch: int = 90):
+    """Patch the arch query and the compiled kernels (see the module docstring); restored on exit."""
+    import paddle_fa4._bridge as bridge
+    import paddle_fa4.backend as backend
+    from cute_kernels.attention import bwd_launch, launch
+
+    saved = [(bridge, "tensor_arch"), (backend, "tensor_arch"), (launch, "compile_fwd"),
+             (bwd_launch, "compile_bwd_main"), (bwd_launch, "compile_bwd_pre"), (bwd_launch, "compile_bwd_post")]
+    old = [getattr(mod, name) for mod, name in saved]
+    bridge.tensor_arch = backend.tensor_arch = lambda t: arch
+    launch.compile_fwd = lambda cfg, sm_count=None, trace=False: _noop
+    bwd_launch.compile_bwd_main = bwd_launch.compile_bwd_pre = bwd_launch.compile_bwd_post = lambda cfg, *a, **k: _noop
+    try:
+        yield
+    finally:
+        for (mod, name), value in zip(saved, old):
+            setattr(mod, name, value)
+
+
+def per_call_us(fn, n: int, repeats: int, clock=time.perf_counter) -> dict:
+    """``{"median", "min"}`` microseconds per call over ``repeats`` timings of ``n`` calls (on a shared
+    or virtualised CPU the minimum is the steadier figure)."""
+    fn()
+    vals = []
+    for _ in range(repeats):
+        t0 = clock()
+        for _ in range(n):
+            fn()
+        vals.append((clock() - t0) / n * 1e6)
+    return {"median": statistics.median(vals), "min": min(vals)}
+
+
+def make_calls(paddle, pf):
+    b, s, h, d = 1, 128, 2, 128
+
+    def t(*shape, grad=False):
+        x = paddle.randn(shape, dtype="float32").astype("bfloat16")
+        x.stop_gradient = not grad
+        return x
+
+    q, k, v = t(b, s, h, d), t(b, s, h, d), t(b, s, h, d)
+    qg, kg, vg = t(b, s, h, d, grad=True), t(b, s, h, d, grad=True), t(b, s, h, d, grad=True)
+    out, lse = pf.flash_attn_fwd(q, k, v, causal=True, backend="cute")[:2]
+    dout = t(b, s, h, d)
+    args8 = [q, k, v, out, lse, paddle.empty([b, h, s, s // 64], dtype="float32"),
+             paddle.zeros([2], dtype="int32"), paddle.zeros([2], dtype="int32")]
+
+    def step():
+        o = pf.flash_attn_fwd(qg, kg, vg, causal=True, backend="cute")[0]
+        o.backward(dout)
+
+    return {
+        "fwd": lambda: pf.flash_attn_fwd(q, k, v, causal=True, backend="cute"),
+        "fwd_bl": lambda: pf.flash_attn_fwd(q, k, v, causal=True, block_size=64, return_block_logit=True,
+                                            backend="cute"),
+        "fwd_grad": lambda: pf.flash_attn_fwd(qg, kg, vg, causal=True, backend="cute"),
+        "bwd_op": lambda: pf.flash_attn_bwd(dout, q, k, v, out, lse, causal=True, backend="cute"),
+        "step": step,
+        "dlpack": lambda: [x.__dlpack__() for x in args8],
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import paddle
+
+    import paddle_fa4 as pf
+
+    paddle.set_device("cpu")
+    rows = {}
+    with stubbed_launch():
+        calls = make_calls(paddle, pf)
+        for name, fn in calls.items():
+            rows[name] = per_call_us(fn, args.n, args.repeats)
+            print(f"{name:9s} {rows[name]['median']:8.1f} us per call (min {rows[name]['min']:.1f})", flush=True)
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "paddle": paddle.__version__,
+            "cpu": platform.processor() or platform.machine(), "n": args.n, "repeats": args.repeats,
+            "command": " ".join([os.path.basename(sys.argv[0])] + list(argv if argv is not None else sys.argv[1:]))}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"run": info, "us_per_call": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
