@@ -359,10 +359,11 @@ def bench_windows(fns: dict, window_s: float = 0.5, rounds: int = 3, flush: bool
 
 
 def host_us_per_call(fn, n: int = 100, repeats: int = 5, busy: bool = True, torch_mod=None,
-                     clock=time.perf_counter) -> float:
-    """Microseconds of host time per call: wall time of ``n`` back-to-back calls / ``n``, the median of
-    ``repeats``.  With ``busy`` a GPU spin covering the calls is queued first, so no call waits for
-    the GPU (keep ``n`` x launches per call well under the launch queue, ~1000); use tiny inputs."""
+                     clock=time.perf_counter, summarize=median):
+    """Microseconds of host time per call: wall time of ``n`` back-to-back calls / ``n``, ``summarize``
+    (default the median) of ``repeats``.  With ``busy`` a GPU spin covering the calls is queued first, so
+    no call waits for the GPU (keep ``n`` x launches per call well under the launch queue, ~1000); use
+    tiny inputs. ``busy=False`` without ``torch_mod`` needs no torch (CPU-only callers)."""
     if torch_mod is None and busy:
         import torch as torch_mod
     sync = torch_mod.cuda.synchronize if torch_mod is not None else (lambda: None)
@@ -383,7 +384,7 @@ def host_us_per_call(fn, n: int = 100, repeats: int = 5, busy: bool = True, torc
             est_us = min(per, 1e4)
             continue
         out.append(per)
-    return median(out)
+    return summarize(out)
 
 
 # ----------------------------------------------------------------------------- run metadata

@@ -32,6 +32,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _timing import host_us_per_call  # noqa: E402
 
 
 def _noop(*args, **kwargs):
@@ -58,17 +61,11 @@ def stubbed_launch(arch: int = 90):
             setattr(mod, name, value)
 
 
-def per_call_us(fn, n: int, repeats: int, clock=time.perf_counter) -> dict:
+def per_call_us(fn, n: int, repeats: int) -> dict:
     """``{"median", "min"}`` microseconds per call over ``repeats`` timings of ``n`` calls (on a shared
     or virtualised CPU the minimum is the steadier figure)."""
-    fn()
-    vals = []
-    for _ in range(repeats):
-        t0 = clock()
-        for _ in range(n):
-            fn()
-        vals.append((clock() - t0) / n * 1e6)
-    return {"median": statistics.median(vals), "min": min(vals)}
+    return host_us_per_call(fn, n=n, repeats=repeats, busy=False,
+                            summarize=lambda v: {"median": statistics.median(v), "min": min(v)})
 
 
 def make_calls(paddle, pf):

@@ -7,30 +7,29 @@ dtypes or plain strings.
 
 from __future__ import annotations
 
+import functools
+
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
             "float": "float32", "int": "int32"}
 
 
-_NAMES: dict = {}  # dtype object -> canonical name (every op validates dtypes on each call)
+def _parse(dtype) -> str:
+    text = str(dtype).lower()
+    for prefix in ("paddle.", "torch.", "<dtype: '", "dtype('"):
+        text = text.removeprefix(prefix)
+    text = text.strip("')>\" ")
+    return _ALIASES.get(text, text)
+
+
+_parse_cached = functools.lru_cache(maxsize=256)(_parse)  # every op validates dtypes on each call
 
 
 def dtype_name(dtype) -> str:
     """Canonical dtype name of a paddle/torch/numpy dtype or string (``"bfloat16"`` etc.)."""
     try:
-        return _NAMES[dtype]
-    except (KeyError, TypeError):  # not seen yet, or unhashable
-        pass
-    text = str(dtype).lower()
-    for prefix in ("paddle.", "torch.", "<dtype: '", "dtype('"):
-        text = text.removeprefix(prefix)
-    text = text.strip("')>\" ")
-    name = _ALIASES.get(text, text)
-    try:
-        if len(_NAMES) < 256:
-            _NAMES[dtype] = name
-    except TypeError:
-        pass
-    return name
+        return _parse_cached(dtype)
+    except TypeError:  # unhashable
+        return _parse(dtype)
 
 
 def cutlass_dtype(dtype):
