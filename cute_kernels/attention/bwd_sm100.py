@@ -26,6 +26,10 @@ Shared memory: K, V (one tile each), Q (2 stages), dO (2 stages if they fit, els
 The MN-major operand views (Q and dO as B of dK / dV, K as B of dQ, dS as A of dQ) alias the K-major
 buffers the TMA writes (the canonical SW128 layouts of both majors place the same bytes).
 
+head_dim 192 / 256 and (192, 128) run the wide schedule of Note [SM100 wide schedule]: 64-row query
+tiles, dQ^T = K^T dS^T in 128-head-dim chunks (TMEM lane = head dim), and at d 256 two CTAs per key
+tile, each owning half of the head dims of dK, dV and dQ.
+
 Every cross-role edge is a ``cutlass.pipeline`` object or a named barrier (ids in ``BwdBarrier``); see
 Note [SM100 backward handshakes]. Arrival counts are checked against the role sizes at trace time
 (``check_arrivals``).
@@ -34,8 +38,8 @@ Note [SM100 backward handshakes]. Arrival counts are checked against the role si
 the writers of a query tile go in descending key tile (turn = last_key_tile(m) - n) and blockIdx.x
 maps to the highest key tile first (Note [deterministic dQ, descending order] in bwd_sm90.py).
 
-Not supported (``unsupported_reason`` names each): head dims above 128 and (192, 128) (dK + dV + S^T +
-dP^T need 128 + 128 + d + dv > 512 TMEM columns: FA4 needs 2-CTA MMA for them), head_dim != head_dim_v.
+Not supported (``unsupported_reason`` names each): head-dim pairs other than 64, 96, 128, 192, 256
+(head_dim_v = head_dim) and (192, 128).
 No Blackwell GPU was available: compiled for sm_100a only, never run.
 """
 
@@ -86,12 +90,42 @@ from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
 # * The pipeline states live in the staged loops as loop-carried values (the MMA loop reassigns
 #   them from mma_iter; the last iteration is peeled so no state changes inside a runtime branch).
 
-TILE_M = 128  # query rows per query tile (= ACCUM_ROW_PAD: one dq_sem counter per tile)
+# Note [SM100 wide schedule]
+# At head_dim (or head_dim_v) > 128 the narrow TMEM map (S^T 128 | dP^T 128 | dV dv | dK d, dQ over
+# dP^T) needs more than 512 columns and dQ (128 rows x d) no longer fits over dP^T. FA4 b36 moves to a
+# 2-CTA (cta_group 2) schedule there; this kernel stays 1-CTA and changes three things instead:
+# * 64-row query tiles (TILE_M_WIDE): S^T and dP^T take 64 columns each, and each compute warpgroup
+#   owns 32 query columns. K / V stay 128 keys (M = 128 for S^T, dP^T, dK, dV).
+# * dQ is accumulated transposed, dQ^T = K^T dS^T, M = 128 head dims per MMA ("chunk"), N = 64 queries:
+#   64 columns per chunk, TMEM lane = head dim. A = K^T is the MN-major view of the K buffer started at
+#   the chunk's first head dim (a whole SW128 repeat, checked at trace time); B = dS^T is the MN-major
+#   view of the dS^T buffer. d 192 takes two chunks, dims [0, 128) and [64, 192): the second one's lanes
+#   0-63 repeat dims 64-127 and are not reduced (1/3 more dQ MMA work instead of an M = 64 layout).
+#   The reduce warps read 16 queries per tcgen05.ld (thread = head dim), stage them unswizzled as two
+#   16 x 64 fp32 boxes (lanes 0-63 / 64-127) and TMA-reduce-add each box into dq_accum.
+# * head_dim 256: dK + dV alone take 512 columns, so two CTAs share a key tile (grid x = 2 x key
+#   tiles, split = blockIdx.x % 2): both compute the full S^T and dP^T (K, V, Q, dO whole in smem), and
+#   CTA `split` accumulates dV, dK and dQ only for head dims [128 split, 128 split + 128): Q^T / dO^T /
+#   K^T views start 128 columns in. 1.4x the MMA work of one CTA per tile, the price of staying 1-CTA.
+#   Deterministic dQ: turn = rank(key tile) * 2 + split (the slices of a key tile add in slice order).
+# TMEM (columns): S^T [0, 64) | dP^T [64, 128) | dV | dK | free, and the dQ^T chunks take the free
+# columns first, then dP^T's (as the narrow dQ: drained before dP^T(t+1)), then S^T's:
+#     (192, 128): dV [128, 256) dK [256, 448) dQ^T [448, 512) + over dP^T
+#     192:        dV [128, 320) dK [320, 512) dQ^T over dP^T + over S^T
+#     256 / 2:    dV [128, 256) dK [256, 384) dQ^T [384, 448)
+# Serial order (``schedule(cfg)["serial"]``): when a dQ^T chunk lies over S^T (d 192) or Q has one smem
+# stage (d 256: K + V + Q + dO of 256 columns leave room for one), S^T(t+1) is issued with dP^T(t+1),
+# after the reduce warps drained dQ(t) (pipe_dQ empty) instead of right after dV(t); everything else is
+# the order of Note [SM100 backward handshakes]. (192, 128) keeps the pipelined order.
+
+TILE_M = 128  # query rows per query tile, head dims <= 128 (= ACCUM_ROW_PAD: one dq_sem counter per tile)
+TILE_M_WIDE = 64  # query rows per query tile of the wide schedule (head_dim 192 / 256, (192, 128))
 TILE_N = 128  # keys per CTA (TMEM lane = key row)
+MMA_M = 128  # rows of every tcgen05 MMA here (cta_group 1, M = 128: TMEM lane = row)
 NUM_THREADS = 512
 SMEM_BYTES_MAX_SM100 = 232_448
 TMEM_COLS = 512
-Q_STAGE = 2  # >= 2: S^T(t+1) is issued before Q(t) is released (Note [SM100 backward handshakes])
+Q_STAGE = 2  # >= 2 in the pipelined order: S^T(t+1) is issued before Q(t) is released (Note [SM100 backward handshakes])
 
 _WARPS_REDUCE = (0, 1, 2, 3)
 _WARPS_COMPUTE = (4, 5, 6, 7, 8, 9, 10, 11)
@@ -101,10 +135,13 @@ REGS = (64, 192, 64)
 EPI_CHUNK = 16  # dK / dV columns per TMEM load in the epilogue
 DQ_CHUNK = 32  # dQ columns per TMEM load, smem stage and TMA reduce-add box (128 rows x 32 fp32 = 16 KiB)
 DQ_STAGES = 2  # dQ staging buffers: the reduce warps fill one while the TMA reads the other
+DQT_ROWS = 16  # wide schedule: query rows (TMEM columns) per dQ^T load / smem box (Note [SM100 wide schedule])
+DQT_BOX = 64  # wide schedule: head-dim columns per dQ^T smem box and TMA reduce-add box
 DS_CHUNK = 16  # dP^T / dS^T columns per TMEM load / smem store in the compute warps
 STAT_CHUNK = 16  # lse_log2 / dpsum values per vector load in the compute warps
 
-assert ACCUM_ROW_PAD % TILE_M == 0 and TILE_M % DQ_SEM_ROWS == 0, "query tiles own whole accumulator / counter blocks"
+assert all(ACCUM_ROW_PAD % m == 0 and m % DQ_SEM_ROWS == 0 for m in (TILE_M, TILE_M_WIDE)), \
+    "query tiles own whole accumulator / counter blocks"
 
 
 class BwdBarrier(IntEnum):
@@ -136,24 +173,62 @@ def check_arrivals(groups: dict, barriers: dict) -> None:
     _check_arrivals(groups, barriers, pipes=PIPES, barriers=BARRIERS, role_threads=ROLE_THREADS)
 
 
+def is_wide(cfg: BwdConfig) -> bool:
+    """head_dim or head_dim_v above 128: the wide schedule (Note [SM100 wide schedule])."""
+    return max(cfg.head_dim, cfg.head_dim_v) > 128
+
+
+def schedule(cfg: BwdConfig) -> dict:
+    """The static plan of ``cfg``: tile_m, n_split (CTAs per key tile, each owning 1 / n_split of the
+    head dims of dK, dV and dQ), q_stage / do_stage (smem stages), serial (Note [SM100 wide schedule])
+    and the dQ^T chunks of the wide schedule: (first head dim relative to the CTA's slice, first lane
+    that owns a new head dim, TMEM column)."""
+    d, dv = cfg.head_dim, cfg.head_dim_v
+    if not is_wide(cfg):
+        do_stage = 2 if _smem_bytes(d, dv, TILE_M, Q_STAGE, 2, False) <= SMEM_BYTES_MAX_SM100 else 1
+        return {"tile_m": TILE_M, "n_split": 1, "q_stage": Q_STAGE, "do_stage": do_stage, "serial": False,
+                "dq_chunks": ()}
+    tile_m = TILE_M_WIDE
+    n_split = 2 if d == 256 else 1  # dK + dV of 256 columns each fill TMEM alone
+    dk_cols, dv_cols = d // n_split, dv // n_split
+    stages = [(q, o) for q in (2, 1) for o in (2, 1)
+              if _smem_bytes(d, dv, tile_m, q, o, True) <= SMEM_BYTES_MAX_SM100]
+    q_stage, do_stage = stages[0]
+    # TMEM: S^T [0, 64) | dP^T [64, 128) | dV | dK | free; a dQ^T chunk takes 64 columns: the free ones
+    # first, then dP^T's (drained before dP^T(t+1), as the narrow schedule's dQ), then S^T's (serial)
+    end = 2 * tile_m + dv_cols + dk_cols
+    slots = [c for c in range(end, TMEM_COLS - tile_m + 1, tile_m)] + [tile_m, 0]
+    chunks, base = [], 0
+    while base < dk_cols:
+        first = min(base, dk_cols - MMA_M)
+        chunks.append((first, base - first, slots[len(chunks)]))
+        base += MMA_M
+    serial = q_stage == 1 or any(col == 0 for _, _, col in chunks)
+    return {"tile_m": tile_m, "n_split": n_split, "q_stage": q_stage, "do_stage": do_stage, "serial": serial,
+            "dq_chunks": tuple(chunks)}
+
+
 def tmem_plan(cfg: BwdConfig) -> dict:
-    """TMEM column offsets of each accumulator (d <= 128)."""
-    s, dp = 0, TILE_M
-    dv = 2 * TILE_M
-    dk = dv + cfg.head_dim_v
-    return {"S": s, "P": s, "dP": dp, "dQ": dp, "dV": dv, "dK": dk, "end": dk + cfg.head_dim}
+    """TMEM column offsets of each accumulator ("dQ": the narrow schedule's dQ, or the first dQ^T chunk)."""
+    sch = schedule(cfg)
+    tile_m, n_split = sch["tile_m"], sch["n_split"]
+    s, dp = 0, tile_m
+    dv = 2 * tile_m
+    dk = dv + cfg.head_dim_v // n_split
+    end = dk + cfg.head_dim // n_split
+    dq = sch["dq_chunks"][0][2] if sch["dq_chunks"] else dp
+    if sch["dq_chunks"]:
+        end = max([end] + [col + tile_m for _, _, col in sch["dq_chunks"]])
+    return {"S": s, "P": s, "dP": dp, "dQ": dq, "dV": dv, "dK": dk, "end": end}
 
 
-def _smem_bytes(d: int, dv: int, do_stage: int) -> int:
+def _smem_bytes(d: int, dv: int, tile_m: int, q_stage: int, do_stage: int, wide: bool) -> int:
     """Upper bound of the SharedStorage: barriers (one 1 KiB block), K, V, Q stages, dO stages, dS, the
     fp32 dQ staging, each 1024-B aligned, plus 1024 B for aligning the dynamic smem base."""
     tile = lambda rows, cols: ((rows * cols * 2 + 1023) // 1024) * 1024  # noqa: E731
-    return (1024 + 1024 + tile(TILE_N, d) + tile(TILE_N, dv) + Q_STAGE * tile(TILE_M, d)
-            + do_stage * tile(TILE_M, dv) + tile(TILE_N, TILE_M) + DQ_STAGES * TILE_M * DQ_CHUNK * 4)
-
-
-def _do_stage(cfg: BwdConfig) -> int:
-    return 2 if _smem_bytes(cfg.head_dim, cfg.head_dim_v, 2) <= SMEM_BYTES_MAX_SM100 else 1
+    staging = DQ_STAGES * (2 * DQT_ROWS * DQT_BOX if wide else TILE_M * DQ_CHUNK) * 4
+    return (1024 + 1024 + tile(TILE_N, d) + tile(TILE_N, dv) + q_stage * tile(tile_m, d)
+            + do_stage * tile(tile_m, dv) + tile(TILE_N, tile_m) + staging)
 
 
 def check_smem_plan(storage_bytes: int, plan_bytes: int) -> None:
@@ -195,30 +270,37 @@ def _mma_offset(shape_stride, row: int, col: int, stage: int = 0) -> int:
     return _crd2idx(((row % ri, col % ci), row // ri, col // ci, stage), shape, stride)
 
 
-def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8) -> None:
+def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8, col_off: int = 0) -> int:
     """Trace-time check that two views of one smem buffer place every element at the same byte: for
-    each (name, a, b, b_is_2d) the element (r, c) of ``a`` (MMA operand layout) and (c, r) of ``b``
-    (the transposed MMA operand, or the (r, c) of a 2-D row-major epilogue layout) have equal offsets
-    and equal swizzles. Rows and columns are sampled at the first and last element of every ``step``
-    group (8 rows: a swizzle atom's rows; 8 columns: one 16-byte chunk)."""
+    each (name, a, b, b_is_2d) the element (r, c + col_off) of ``a`` (MMA operand layout) and (c, r) of
+    ``b`` (the transposed MMA operand, started ``col_off`` columns into the buffer), or the (r, c) of a
+    2-D row-major epilogue layout, have equal offsets and equal swizzles. Rows and columns are sampled at
+    the first and last element of every ``step`` group (8 rows: a swizzle atom's rows; 8 columns: one
+    16-byte chunk). Returns the element offset of the view's start (whole 1 KiB swizzle repeats, so the
+    swizzle pattern is the same from there)."""
+    start = 0
     for name, a, b, b_is_2d in pairs:
         if str(a.inner) != str(b.inner):
             raise ValueError(f"{name}: swizzles differ ({a.inner} vs {b.inner})")
         sa = (a.outer.shape, a.outer.stride)
         sb = (b.outer.shape, b.outer.stride)
         ri, ci = _size(sa[0][0][0]), _size(sa[0][0][1])
-        r, c = rows - 1, cols - 1
+        r, c = rows - 1, cols - 1 + col_off
         if _mma_offset(sa, r, c) != cute.crd2idx(((r % ri, c % ci), r // ri, c // ci, 0), a.outer):
             raise ValueError(f"{name}: _crd2idx disagrees with cute.crd2idx")
+        start = _mma_offset(sa, 0, col_off)
+        if start % 512:  # 512 16-bit elements = 1 KiB, the SW128 repeat
+            raise ValueError(f"{name}: a view at column {col_off} starts at element {start}, inside a swizzle repeat")
         samples = lambda n: sorted({x for x0 in range(0, n, step) for x in (x0, min(x0 + step - 1, n - 1))})  # noqa: E731
         for r in samples(rows):
             for c in samples(cols):
-                oa = _mma_offset(sa, r, c)
+                oa = _mma_offset(sa, r, c + col_off)
                 ob = _crd2idx((r, c), *sb) if b_is_2d else _mma_offset(sb, c, r)
                 if not (isinstance(oa, int) and isinstance(ob, int)):
                     raise TypeError(f"{name}: layouts must be static ({type(oa)}, {type(ob)})")
-                if oa != ob:
-                    raise ValueError(f"{name}: element ({r}, {c}) at {oa} vs {ob}")
+                if oa != ob + start:
+                    raise ValueError(f"{name}: element ({r}, {c + col_off}) at {oa} vs {ob} + {start}")
+    return start
 
 
 class FlashBwdSm100:
@@ -235,10 +317,16 @@ class FlashBwdSm100:
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
         self.group = cfg.qhead_per_kvhead
-        self.do_stage = _do_stage(cfg)
+        sch = schedule(cfg)
+        self.wide = is_wide(cfg)
+        self.tile_m, self.n_split = sch["tile_m"], sch["n_split"]
+        self.q_stage, self.do_stage, self.serial = sch["q_stage"], sch["do_stage"], sch["serial"]
+        self.dq_chunks = sch["dq_chunks"]
+        self.dk_cols, self.dv_cols = cfg.head_dim // self.n_split, cfg.head_dim_v // self.n_split
         self.tmem = tmem_plan(cfg)
         assert self.tmem["end"] <= TMEM_COLS, self.tmem
-        assert cfg.head_dim <= TILE_M, "dQ reuses the dP^T columns"
+        assert self.wide or cfg.head_dim <= TILE_M, "dQ reuses the dP^T columns"
+        assert self.serial or self.q_stage >= 2, "the pipelined order issues S^T(t+1) before Q(t) is released"
         assert self.smem_bytes(cfg) <= SMEM_BYTES_MAX_SM100
         assert sum((REGS[0], 2 * REGS[1], REGS[2])) <= 4 * 128
 
@@ -249,20 +337,19 @@ class FlashBwdSm100:
             return f"arch {cfg.arch} is not SM100"
         if cfg.dtype not in ("bfloat16", "float16"):
             return f"dtype {cfg.dtype} (bfloat16/float16 only)"
-        if cfg.head_dim != cfg.head_dim_v:
-            return (f"head_dim_v {cfg.head_dim_v} != head_dim {cfg.head_dim} (SM100 backward: the 1-CTA "
-                    f"kernel needs S^T + dP^T + dV + dK = 256 + {cfg.head_dim_v} + {cfg.head_dim} TMEM columns "
-                    "<= 512; (192, 128) needs the 2-CTA kernel, not implemented)")
-        if cfg.head_dim not in (64, 96, 128):
-            return (f"head_dim {cfg.head_dim} (SM100 backward supports 64, 96, 128: above 128 the 1-CTA "
-                    f"TMEM map needs 256 + 2 x {cfg.head_dim} > 512 columns; the 2-CTA kernel is not implemented)")
+        pairs = ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128))
+        if (cfg.head_dim, cfg.head_dim_v) not in pairs:
+            return (f"head_dim {cfg.head_dim} / head_dim_v {cfg.head_dim_v} (SM100 backward supports "
+                    f"{', '.join(f'({a}, {b})' for a, b in pairs)})")
         if cfg.qhead_per_kvhead < 1:
             return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
         return None
 
     @staticmethod
     def smem_bytes(cfg: BwdConfig) -> int:
-        return _smem_bytes(cfg.head_dim, cfg.head_dim_v, _do_stage(cfg))
+        sch = schedule(cfg)
+        return _smem_bytes(cfg.head_dim, cfg.head_dim_v, sch["tile_m"], sch["q_stage"], sch["do_stage"],
+                           is_wide(cfg))
 
     # ------------------------------------------------------------------ host (jit) side
     @cute.jit
@@ -288,11 +375,15 @@ class FlashBwdSm100:
         d, dv = self.head_dim, self.head_dim_v
         cta_group = tcgen05.CtaGroup.ONE
         K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        self.tiler_S = (TILE_N, TILE_M, d)  # S^T = K Q^T
-        self.tiler_dP = (TILE_N, TILE_M, dv)  # dP^T = V dO^T
-        self.tiler_dV = (TILE_N, dv, TILE_M)  # dV += P^T dO
-        self.tiler_dK = (TILE_N, d, TILE_M)  # dK += dS^T Q
-        self.tiler_dQ = (TILE_M, d, TILE_N)  # dQ = dS K
+        tm = self.tile_m
+        self.tiler_S = (TILE_N, tm, d)  # S^T = K Q^T
+        self.tiler_dP = (TILE_N, tm, dv)  # dP^T = V dO^T
+        self.tiler_dV = (TILE_N, self.dv_cols, tm)  # dV += P^T dO    (this CTA's head-dim slice)
+        self.tiler_dK = (TILE_N, self.dk_cols, tm)  # dK += dS^T Q
+        if const_expr(self.wide):
+            self.tiler_dQ = (MMA_M, tm, TILE_N)  # dQ^T = K^T dS^T, one 128-head-dim chunk at a time
+        else:
+            self.tiler_dQ = (TILE_M, d, TILE_N)  # dQ = dS K
         dt = self.dtype
         mma_S = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, cta_group, self.tiler_S[:2])
         mma_dP = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, cta_group, self.tiler_dP[:2])
@@ -301,28 +392,45 @@ class FlashBwdSm100:
         mma_dK = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, cta_group, self.tiler_dK[:2])
         mma_dQ = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, cta_group, self.tiler_dQ[:2])
 
+        q_stage, do_stage = self.q_stage, self.do_stage
         sK_layout = sm100_utils.make_smem_layout_a(mma_S, self.tiler_S, dt, 1)
-        sQ_layout = sm100_utils.make_smem_layout_b(mma_S, self.tiler_S, dt, Q_STAGE)
+        sQ_layout = sm100_utils.make_smem_layout_b(mma_S, self.tiler_S, dt, q_stage)
         sV_layout = sm100_utils.make_smem_layout_a(mma_dP, self.tiler_dP, dt, 1)
-        sdO_layout = sm100_utils.make_smem_layout_b(mma_dP, self.tiler_dP, dt, self.do_stage)
+        sdO_layout = sm100_utils.make_smem_layout_b(mma_dP, self.tiler_dP, dt, do_stage)
         tP_layout = sm100_utils.make_smem_layout_a(mma_dV, self.tiler_dV, dt, 1)
-        sdOt_layout = sm100_utils.make_smem_layout_b(mma_dV, self.tiler_dV, dt, self.do_stage)
+        sdOt_layout = sm100_utils.make_smem_layout_b(mma_dV, self.tiler_dV, dt, do_stage)
         sdSt_layout = sm100_utils.make_smem_layout_a(mma_dK, self.tiler_dK, dt, 1)
-        sQt_layout = sm100_utils.make_smem_layout_b(mma_dK, self.tiler_dK, dt, Q_STAGE)
-        sdS_layout = sm100_utils.make_smem_layout_a(mma_dQ, self.tiler_dQ, dt, 1)
-        sKt_layout = sm100_utils.make_smem_layout_b(mma_dQ, self.tiler_dQ, dt, 1)
-        sdS_epi_layout = sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M), 1)
+        sQt_layout = sm100_utils.make_smem_layout_b(mma_dK, self.tiler_dK, dt, q_stage)
+        if const_expr(self.wide):
+            sdS_layout = sm100_utils.make_smem_layout_b(mma_dQ, self.tiler_dQ, dt, 1)  # dS^T as B (N = query)
+            sKt_layout = sm100_utils.make_smem_layout_a(mma_dQ, self.tiler_dQ, dt, 1)  # K^T as A (M = head dim)
+        else:
+            sdS_layout = sm100_utils.make_smem_layout_a(mma_dQ, self.tiler_dQ, dt, 1)
+            sKt_layout = sm100_utils.make_smem_layout_b(mma_dQ, self.tiler_dQ, dt, 1)
+        sdS_epi_layout = sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (TILE_N, tm), 1)
 
         # The MN-major views alias the K-major buffers the TMA fills (stage 0 checked; stages are
-        # whole-tile strides in both), and the dS^T epilogue view aliases the dK A operand.
-        check_operand_aliases([("K / K^T", sK_layout, sKt_layout, False),
-                               ("Q / Q^T", sQ_layout, sQt_layout, False),
-                               ("dO / dO^T", sdO_layout, sdOt_layout, False)], TILE_N, d)
-        check_operand_aliases([("dS^T / dS", sdSt_layout, sdS_layout, False)], TILE_N, TILE_M)
+        # whole-tile strides in both), and the dS^T epilogue view aliases the dK A operand. A view of a
+        # head-dim slice (n_split, dQ^T chunks) starts at a static element offset of the K-major buffer.
+        if const_expr(self.wide):
+            self.k_offs = [check_operand_aliases([("K / K^T", sK_layout, sKt_layout, False)], TILE_N, MMA_M,
+                                                 col_off=h * self.dk_cols + first)
+                           for h in range(self.n_split) for first, _, _ in self.dq_chunks]
+            self.q_off = check_operand_aliases([("Q / Q^T", sQ_layout, sQt_layout, False)], tm, self.dk_cols,
+                                               col_off=self.dk_cols * (self.n_split - 1))
+            self.do_off = check_operand_aliases([("dO / dO^T", sdO_layout, sdOt_layout, False)], tm,
+                                                self.dv_cols, col_off=self.dv_cols * (self.n_split - 1))
+            check_operand_aliases([("Q / Q^T", sQ_layout, sQt_layout, False)], tm, self.dk_cols)
+            check_operand_aliases([("dO / dO^T", sdO_layout, sdOt_layout, False)], tm, self.dv_cols)
+        else:
+            check_operand_aliases([("K / K^T", sK_layout, sKt_layout, False),
+                                   ("Q / Q^T", sQ_layout, sQt_layout, False),
+                                   ("dO / dO^T", sdO_layout, sdOt_layout, False)], TILE_N, d)
+        check_operand_aliases([("dS^T / dS", sdSt_layout, sdS_layout, False)], TILE_N, tm)
         check_operand_aliases([("dS^T / epilogue", sdSt_layout,
                                 cute.make_composed_layout(sdS_epi_layout.inner, 0,
                                                           cute.slice_(sdS_epi_layout.outer, (None, None, 0))),
-                                True)], TILE_N, TILE_M)
+                                True)], TILE_N, tm)
         tma_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         vmnk = (1, 1, 1, 1)
         sel = lambda l: cute.select(l, mode=[0, 1, 2])  # noqa: E731
@@ -331,20 +439,27 @@ class FlashBwdSm100:
         tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(tma_op, mV, sel(sV_layout), self.tiler_dP, mma_dP, vmnk)
         tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(tma_op, mdO, sel(sdO_layout), self.tiler_dP, mma_dP,
                                                                vmnk)
-        # dQ: fp32 row-major staging (128 rows x DQ_CHUNK) -> TMA reduce-add into dq_accum, viewed as
-        # (accumulator rows, D, head[, batch])
-        sdQ_layout = sm100_utils.make_smem_layout_epi(Float32, LayoutEnum.ROW_MAJOR, (TILE_M, DQ_CHUNK), DQ_STAGES)
+        # dQ: fp32 row-major staging -> TMA reduce-add into dq_accum, viewed as (accumulator rows, D,
+        # head[, batch]); boxes of 128 rows x DQ_CHUNK (narrow) or DQT_ROWS x DQT_BOX (wide; two boxes,
+        # lanes 0-63 and 64-127 of a dQ^T chunk, per stage)
+        if const_expr(self.wide):
+            # unswizzled: 32 consecutive lanes write 32 consecutive floats of one row (no bank conflict),
+            # and every address is one base register plus an immediate (the 64-register reduce warps)
+            box = (DQT_ROWS, DQT_BOX)
+            sdQ_layout = cute.make_composed_layout(
+                cute.make_swizzle(0, 4, 3), 0,
+                cute.make_layout((DQT_ROWS, DQT_BOX, 2 * DQ_STAGES), stride=(DQT_BOX, 1, DQT_ROWS * DQT_BOX)))
+        else:
+            box = (TILE_M, DQ_CHUNK)
+            sdQ_layout = sm100_utils.make_smem_layout_epi(Float32, LayoutEnum.ROW_MAJOR, box, DQ_STAGES)
         acc_modes = [1, 2, 0] if const_expr(varlen) else [2, 3, 1, 0]
         mdQacc = cute.make_tensor(mdQaccum.iterator, cute.select(mdQaccum.layout, mode=acc_modes))
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]),
-            (TILE_M, DQ_CHUNK))
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]), box)
         self.k_bytes = cute.size_in_bytes(dt, sel(sK_layout))
         self.v_bytes = cute.size_in_bytes(dt, sel(sV_layout))
         self.q_bytes = cute.size_in_bytes(dt, sel(sQ_layout))
         self.do_bytes = cute.size_in_bytes(dt, sel(sdO_layout))
-
-        q_stage, do_stage = Q_STAGE, self.do_stage
 
         @cute.struct
         class SharedStorage:
@@ -392,7 +507,7 @@ class FlashBwdSm100:
             sK_layout, sQ_layout, sV_layout, sdO_layout, tP_layout, sdOt_layout, sdSt_layout, sQt_layout,
             sdS_layout, sKt_layout, sdS_epi_layout, sdQ_layout,
             softmax_scale, scale_log2, softcap_in, softcap, window_left, window_right, trace_addr,
-        ).launch(grid=[num_n_tiles, num_heads_kv, num_batch], block=[NUM_THREADS, 1, 1], stream=stream,
+        ).launch(grid=[num_n_tiles * self.n_split, num_heads_kv, num_batch], block=[NUM_THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -434,7 +549,7 @@ class FlashBwdSm100:
             num_stages=1, producer_group=g["kv"][0], consumer_group=g["kv"][1],
             tx_count=self.k_bytes + self.v_bytes, barrier_storage=storage.bar_kv.data_ptr(), defer_sync=True)
         pipe_q = pipeline.PipelineTmaUmma.create(
-            num_stages=Q_STAGE, producer_group=g["q"][0], consumer_group=g["q"][1],
+            num_stages=self.q_stage, producer_group=g["q"][0], consumer_group=g["q"][1],
             tx_count=self.q_bytes, barrier_storage=storage.bar_q.data_ptr(), defer_sync=True)
         pipe_do = pipeline.PipelineTmaUmma.create(
             num_stages=self.do_stage, producer_group=g["do"][0], consumer_group=g["do"][1],
@@ -490,7 +605,10 @@ class FlashBwdSm100:
         tdPtdP = acc(mma_dP, self.tiler_dP[:2], tm["dP"])
         tdVtdV = acc(mma_dV, self.tiler_dV[:2], tm["dV"])
         tdKtdK = acc(mma_dK, self.tiler_dK[:2], tm["dK"])
-        tdQtdQ = acc(mma_dQ, self.tiler_dQ[:2], tm["dQ"])
+        if const_expr(self.wide):  # one dQ^T accumulator per chunk
+            tdQtdQ = tuple(acc(mma_dQ, self.tiler_dQ[:2], col) for _, _, col in self.dq_chunks)
+        else:
+            tdQtdQ = (acc(mma_dQ, self.tiler_dQ[:2], tm["dQ"]),)
 
         tile_args = (mCuSeqlensQ, mCuSeqlensK, mQ, mK, window_left, window_right)
         # Each role's view of the pipelines (traced builds: every wait marks its edge; slots = TRACE_ROLES;
@@ -541,9 +659,14 @@ class FlashBwdSm100:
     @cute.jit
     def tile_info(self, mCuSeqlensQ, mCuSeqlensK, mQ, mK, window_left: Int32, window_right: Int32):
         """(n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k, m_min, num_m, n_iter,
-        accum_row0, left, right): the same values in every role."""
+        accum_row0, left, right, split): the same values in every role (split: this CTA's slice of the
+        head dims when n_split > 1, else 0)."""
         cfg = self.cfg
         n_tile, head_kv, batch = cute.arch.block_idx()
+        split = Int32(0)
+        if const_expr(self.n_split > 1):
+            split = n_tile % self.n_split
+            n_tile = n_tile // self.n_split
         seq = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
         offset_q, offset_k, seqlen_q, seqlen_k = seq.offset_q, seq.offset_k, seq.seqlen_q, seq.seqlen_k
         accum_row0 = Int32(0)
@@ -559,13 +682,13 @@ class FlashBwdSm100:
         m_min = Int32(0)
         num_m = Int32(0)
         if n_start < seqlen_k:
-            rng = QueryTileRange.create(n_start, seqlen_q, seqlen_k, left, right, TILE_M, TILE_N,
+            rng = QueryTileRange.create(n_start, seqlen_q, seqlen_k, left, right, self.tile_m, TILE_N,
                                         cfg.causal or cfg.has_window, cfg.has_window)
             m_min = rng.m_min
             num_m = cutlass.max(rng.m_max - rng.m_min, 0)
         n_iter = num_m * self.group
         return (n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k, m_min, num_m, n_iter,
-                accum_row0, left, right)
+                accum_row0, left, right, split)
 
     def first_coords(self, tile):
         """(query head, query tile) of iteration 0; ``next_coords`` steps them (head-major order over
@@ -604,12 +727,13 @@ class FlashBwdSm100:
             cute.copy(tma_atom_K, tKgK[None, n_tile], tKsK[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
             cute.copy(tma_atom_V, tVgV[None, n_tile], tVsV[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGE)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
             do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stage)
             head, m_tile = self.first_coords(tile)
             for it in cutlass.range(n_iter, unroll=1):
-                gQ = cute.local_tile(self.seq_view(mQ, offset_q, head, batch), (TILE_M, self.head_dim), (None, 0))
-                gdO = cute.local_tile(self.seq_view(mdO, offset_q, head, batch), (TILE_M, self.head_dim_v),
+                gQ = cute.local_tile(self.seq_view(mQ, offset_q, head, batch), (self.tile_m, self.head_dim),
+                                     (None, 0))
+                gdO = cute.local_tile(self.seq_view(mdO, offset_q, head, batch), (self.tile_m, self.head_dim_v),
                                       (None, 0))
                 tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
                                                    cute.group_modes(thr_S.partition_B(gQ), 0, 3))
@@ -638,18 +762,27 @@ class FlashBwdSm100:
     def mma(self, mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, sK, sV, sQ, sdO, sQt, sdOt, sKt, sdSt, sdS,
             tP_layout, tmem_ptr, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ, pipes, tile):
         pipe_kv, pipe_q, pipe_do, pipe_S, pipe_dP, pipe_dS, pipe_dQ, pipe_dKV = pipes
-        n_iter = tile[9]
+        n_iter, split = tile[9], tile[13]
         thr_S, thr_dP, thr_dV = mma_S.get_slice(0), mma_dP.get_slice(0), mma_dV.get_slice(0)
         thr_dK, thr_dQ = mma_dK.get_slice(0), mma_dQ.get_slice(0)
         tSrK = thr_S.make_fragment_A(sK)
         tSrQ = thr_S.make_fragment_B(sQ)
         tdPrV = thr_dP.make_fragment_A(sV)
         tdPrdO = thr_dP.make_fragment_B(sdO)
-        tdVrdO = thr_dV.make_fragment_B(sdOt)
+        # dV / dK take this CTA's head-dim slice of dO^T / Q^T (n_split > 1: split * the slice's offset)
+        tdVrdO = thr_dV.make_fragment_B(self.slice_view(sdOt, split, 0, self.do_off if self.wide else 0))
         tdKrdS = thr_dK.make_fragment_A(sdSt)
-        tdKrQ = thr_dK.make_fragment_B(sQt)
-        tdQrdS = thr_dQ.make_fragment_A(sdS)
-        tdQrK = thr_dQ.make_fragment_B(sKt)
+        tdKrQ = thr_dK.make_fragment_B(self.slice_view(sQt, split, 0, self.q_off if self.wide else 0))
+        if const_expr(self.wide):
+            # dQ^T chunk c = K^T[dims of chunk c] dS^T: A = K^T from the chunk's first head dim, B = dS^T
+            tdQrdS = thr_dQ.make_fragment_B(sdS)
+            nc = len(self.dq_chunks)
+            tdQrK = tuple(thr_dQ.make_fragment_A(self.slice_view(
+                sKt, split, self.k_offs[c], self.k_offs[nc + c] - self.k_offs[c] if self.n_split > 1 else 0))
+                for c in range(nc))
+        else:
+            tdQrdS = thr_dQ.make_fragment_A(sdS)
+            tdQrK = (thr_dQ.make_fragment_B(sKt),)
         # P^T (16-bit, K-major A operand) in TMEM over the S^T columns
         tP = cute.make_tensor(tStS.iterator, tP_layout.outer)
         tdVrP_layout = thr_dV.make_fragment_A(tP)[None, None, None, 0].layout
@@ -657,7 +790,7 @@ class FlashBwdSm100:
 
         if n_iter > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGE)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
             do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stage)
             s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             dp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -686,7 +819,8 @@ class FlashBwdSm100:
 
     @cute.jit
     def mma_iter(self, ops, pipes, states, accumulate, last: cutlass.Constexpr):
-        """One query tile (see Note [SM100 backward handshakes]): dV, S^T(next), dK, dQ, dP^T(next)."""
+        """One query tile (see Note [SM100 backward handshakes]): dV, S^T(next), dK, dQ, dP^T(next); the
+        serial order (Note [SM100 wide schedule]) issues S^T(next) after dQ has drained instead."""
         (mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ,
          tdQrdS, tdQrK, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ) = ops
         pipe_kv, pipe_q, pipe_do, pipe_S, pipe_dP, pipe_dS, pipe_dQ, pipe_dKV = pipes
@@ -699,15 +833,19 @@ class FlashBwdSm100:
         do_state.advance()
         # S^T(next) over the S^T / P^T columns: issued after dV (tcgen05 issue order), so the tensor
         # core computes it while the compute warps form dS
-        if const_expr(not last):
+        if const_expr(not last and not self.serial):
             q_s.advance()
             self.mma_s(mma_S, tStS, tSrK, tSrQ, pipe_q, pipe_S, q_s, s_state)
-        # dK += dS^T Q and dQ = dS K once dS is in smem
+        # dK += dS^T Q and dQ = dS K (wide: dQ^T = K^T dS^T per chunk) once dS is in smem
         pipe_dS.consumer_wait(ds_state)
         self.gemm(mma_dK, tdKtdK, tdKrdS[None, None, None, 0], tdKrQ[None, None, None, q_state.index], accumulate)
         pipe_q.consumer_release(q_state)
         q_state.advance()
-        self.gemm(mma_dQ, tdQtdQ, tdQrdS[None, None, None, 0], tdQrK[None, None, None, 0], False)
+        for c in cutlass.range_constexpr(len(tdQtdQ)):
+            if const_expr(self.wide):
+                self.gemm(mma_dQ, tdQtdQ[c], tdQrK[c][None, None, None, 0], tdQrdS[None, None, None, 0], False)
+            else:
+                self.gemm(mma_dQ, tdQtdQ[c], tdQrdS[None, None, None, 0], tdQrK[c][None, None, None, 0], False)
         pipe_dQ.producer_commit(dq_state)
         pipe_dS.consumer_release(ds_state)
         ds_state.advance()
@@ -715,8 +853,21 @@ class FlashBwdSm100:
         if const_expr(not last):
             dp_state.advance()
             dq_state.advance()
+            if const_expr(self.serial):
+                # S^T(next) also waits the drain (a dQ^T chunk over the S^T columns, or one Q stage:
+                # Q(next) could only load after dK released Q(t) anyway)
+                pipe_dQ.producer_acquire(dq_state)
+                q_s.advance()
+                self.mma_s(mma_S, tStS, tSrK, tSrQ, pipe_q, pipe_S, q_s, s_state)
             self.mma_dp(mma_dP, tdPtdP, tdPrV, tdPrdO, pipe_do, pipe_dQ, pipe_dP, do_state, dq_state, dp_state)
         return q_state, q_s, do_state, s_state, dp_state, dq_state, ds_state
+
+    def slice_view(self, view, split, off0: int, step: int):
+        """``view`` started ``off0 + split * step`` elements into its buffer (whole swizzle repeats,
+        checked by check_operand_aliases); split is this CTA's runtime head-dim slice."""
+        if off0 == 0 and step == 0:
+            return view
+        return cute.make_tensor(view.iterator + (off0 + split * step), view.layout)
 
     @cute.jit
     def mma_s(self, mma_S, tStS, tSrK, tSrQ, pipe_q, pipe_S, q_s, s_state):
@@ -754,7 +905,7 @@ class FlashBwdSm100:
         n_iter, accum_row0, left, right = tile[9], tile[10], tile[11], tile[12]
         tidx = cute.arch.thread_idx()[0] % 128  # TMEM lane = key row of the tile
         wg = (cute.arch.make_warp_uniform(cute.arch.warp_idx()) - _WARPS_COMPUTE[0]) // 4
-        half = TILE_M // 2  # query columns of this warpgroup
+        half = self.tile_m // 2  # query columns of this warpgroup
         # S^T / dP^T: (128 keys, 64 query columns) of this warpgroup
         tS_all = tStS[(None, None), 0, 0]
         half_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, half)))
@@ -799,7 +950,7 @@ class FlashBwdSm100:
             bar_compute = pipeline.NamedBarrier(barrier_id=int(BwdBarrier.Compute), num_threads=ROLE_THREADS["compute"])
             head, m_tile = self.first_coords(tile)
             for it in cutlass.range(n_iter, unroll=1):
-                q0 = m_tile * TILE_M + half * wg  # first query row (sequence-relative) of this WG's columns
+                q0 = m_tile * self.tile_m + half * wg  # first query row (sequence-relative) of this WG's columns
                 stats_off = self.stats_offset(mLSElog2, head, batch, accum_row0 + q0)
                 # 1. S^T columns -> registers
                 pipe_S.consumer_wait(s_state)
@@ -814,7 +965,7 @@ class FlashBwdSm100:
                 # from their +inf lse fill, see load_row_stats)
                 need_mask = n_tile * TILE_N + TILE_N > seqlen_k
                 if const_expr(cfg.causal or cfg.has_window):
-                    rng = TileRange.create(m_tile * TILE_M, seqlen_q, seqlen_k, left, right, TILE_M, TILE_N,
+                    rng = TileRange.create(m_tile * self.tile_m, seqlen_q, seqlen_k, left, right, self.tile_m, TILE_N,
                                            True, cfg.has_window)
                     need_mask = need_mask | (n_tile >= rng.n_right_mask) | (n_tile < rng.n_left_mask)
                 if need_mask:
@@ -880,10 +1031,11 @@ class FlashBwdSm100:
         if n_iter > 0:
             pipe_dKV.consumer_wait(dkv_state)
         row_ok = (key < seqlen_k) & (n_tile >= 0)  # n_tile < 0: spt CTA past this sequence's key tiles
-        self.store_rows(tdKtdK, mdK, self.head_dim, n_iter > 0, row_ok, softmax_scale, key, offset_k, head_kv,
-                        batch, wg, tidx)
-        self.store_rows(tdVtdV, mdV, self.head_dim_v, n_iter > 0, row_ok, Float32(1.0), key, offset_k, head_kv,
-                        batch, wg, tidx)
+        split = tile[13]
+        self.store_rows(tdKtdK, mdK, self.dk_cols, split * self.dk_cols, n_iter > 0, row_ok, softmax_scale, key,
+                        offset_k, head_kv, batch, wg, tidx)
+        self.store_rows(tdVtdV, mdV, self.dv_cols, split * self.dv_cols, n_iter > 0, row_ok, Float32(1.0), key,
+                        offset_k, head_kv, batch, wg, tidx)
         if n_iter > 0:
             cute.arch.fence_view_async_tmem_load()
             pipe_dKV.consumer_release(dkv_state)
@@ -919,9 +1071,10 @@ class FlashBwdSm100:
         return r
 
     @cute.jit
-    def store_rows(self, tAcc, mOut, dim: cutlass.Constexpr, has_work, row_ok, scale: Float32, key: Int32,
-                   offset_k: Int32, head_kv: Int32, batch: Int32, wg: Int32, tidx: Int32):
-        """Row ``key`` of dK or dV: columns [dim/2 wg, dim/2 (wg + 1)) from TMEM (x scale) -> q's dtype."""
+    def store_rows(self, tAcc, mOut, dim: cutlass.Constexpr, col0: Int32, has_work, row_ok, scale: Float32,
+                   key: Int32, offset_k: Int32, head_kv: Int32, batch: Int32, wg: Int32, tidx: Int32):
+        """Row ``key`` of dK or dV: TMEM columns [dim/2 wg, dim/2 (wg + 1)) of this CTA's ``dim``-wide
+        head-dim slice (x scale) -> q's dtype, at output columns col0 + those."""
         acc_all = tAcc[(None, None), 0, 0]
         chunk_layout = cute.composition(acc_all.layout, cute.make_layout((TILE_N, EPI_CHUNK)))
         atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(EPI_CHUNK)), Float32)
@@ -949,7 +1102,7 @@ class FlashBwdSm100:
                 r_h = cute.make_rmem_tensor((EPI_CHUNK,), self.dtype)
                 r_h.store(cute.make_tensor(r.iterator, cute.make_layout(EPI_CHUNK)).load().to(self.dtype))
                 dst = cute.make_tensor(
-                    cute.make_ptr(self.dtype, (out_row.iterator + col).toint(), cute.AddressSpace.gmem,
+                    cute.make_ptr(self.dtype, (out_row.iterator + col0 + col).toint(), cute.AddressSpace.gmem,
                                   assumed_align=16),
                     cute.make_layout(EPI_CHUNK))
                 cute.autovec_copy(r_h, dst)
@@ -957,27 +1110,20 @@ class FlashBwdSm100:
     # ------------------------------------------------------------------ dQ reduce warps
     @cute.jit
     def reduce(self, tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, pipe_dQ, tile, trace=None):
-        """dQ(t) of each query tile: TMEM -> registers -> fp32 smem stage (DQ_CHUNK columns) -> one TMA
-        reduce-add (``cp.reduce.async.bulk.tensor ... add.f32``) per stage into dq_accum. Warp 0 of the
-        role issues the TMA and owns its bulk groups; a stage is rewritten only after warp 0 saw its
-        previous reduce finish reading (wait_group read, then the Reduce barrier).
+        """dQ(t) of each query tile: TMEM -> registers -> fp32 smem stage -> TMA reduce-add
+        (``cp.reduce.async.bulk.tensor ... add.f32``) into dq_accum (``drain`` / ``drain_wide``). Warp 0
+        of the role issues the TMA and owns its bulk groups; a stage is rewritten only after warp 0 saw
+        its previous reduce finish reading (wait_group read, then the Reduce barrier).
 
-        Every query tile reduces whole 128-row boxes: rows past seqlen_q add exact zeros (their dS is 0)
-        into accumulator rows the tile owns (Sq_pad rows, or the sequence's padded varlen rows)."""
+        Every query tile reduces whole tile_m-row boxes: rows past seqlen_q add exact zeros (their dS is
+        0) into accumulator rows the tile owns (Sq_pad rows, or the sequence's padded varlen rows)."""
         cfg = self.cfg
         n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k = tile[:7]
-        n_iter, accum_row0, left, right = tile[9], tile[10], tile[11], tile[12]
-        tidx = cute.arch.thread_idx()[0] % 128  # TMEM lane = query row of the tile
+        n_iter, accum_row0, left, right, split = tile[9], tile[10], tile[11], tile[12], tile[13]
+        tidx = cute.arch.thread_idx()[0] % 128  # TMEM lane: query row (narrow) or head dim (wide)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - _WARPS_REDUCE[0]
-        d = self.head_dim
-        acc_all = tdQtdQ[(None, None), 0, 0]
-        chunk_layout = cute.composition(acc_all.layout, cute.make_layout((TILE_M, DQ_CHUNK)))
-        atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQ_CHUNK)), Float32)
-        chunk0 = cute.make_tensor(acc_all.iterator, chunk_layout)
-        thr = tcgen05.make_tmem_copy(atom, chunk0).get_slice(tidx)
-        src0 = thr.partition_S(chunk0)
-        r_shape = thr.partition_D(cute.make_identity_tensor((TILE_M, DQ_CHUNK))).shape
-        nchunk = d // DQ_CHUNK
+        tm = self.tile_m
+        box = (DQT_ROWS, DQT_BOX) if self.wide else (TILE_M, DQ_CHUNK)
         if n_iter > 0:
             dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             bar_reduce = pipeline.NamedBarrier(barrier_id=int(BwdBarrier.Reduce), num_threads=ROLE_THREADS["reduce"])
@@ -985,20 +1131,22 @@ class FlashBwdSm100:
             for it in cutlass.range(n_iter, unroll=1):
                 if const_expr(cfg.varlen):
                     gdQ = cute.local_tile(cute.domain_offset((accum_row0, 0), mdQacc[None, None, head]),
-                                          (TILE_M, DQ_CHUNK), (None, None))
+                                          box, (None, None))
                 else:
-                    gdQ = cute.local_tile(mdQacc[None, None, head, batch], (TILE_M, DQ_CHUNK), (None, None))
+                    gdQ = cute.local_tile(mdQacc[None, None, head, batch], box, (None, None))
                 tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
                                                        cute.group_modes(gdQ, 0, 2))
                 sem_ptr = Int64(0)
                 if const_expr(cfg.deterministic):
                     if const_expr(self.spt):
-                        turn = last_key_tile(m_tile * TILE_M, seqlen_q, seqlen_k, right, TILE_M, TILE_N, True) - n_tile
+                        turn = last_key_tile(m_tile * tm, seqlen_q, seqlen_k, right, tm, TILE_N, True) - n_tile
                     else:
                         # turn = rank of this key tile among the key tiles that see query tile m_tile
-                        turn = n_tile - first_key_tile(m_tile * TILE_M, seqlen_q, seqlen_k, left, TILE_N,
+                        turn = n_tile - first_key_tile(m_tile * tm, seqlen_q, seqlen_k, left, TILE_N,
                                                        cfg.has_window)
-                    blk = (accum_row0 + m_tile * TILE_M) // DQ_SEM_ROWS  # bwd_config.dq_sem_index
+                    if const_expr(self.n_split > 1):
+                        turn = turn * self.n_split + split  # the slices of one key tile in slice order
+                    blk = (accum_row0 + m_tile * tm) // DQ_SEM_ROWS  # bwd_config.dq_sem_index
                     if const_expr(cfg.varlen):
                         sem_off = cute.crd2idx((head, blk), mdQsem.layout)
                     else:
@@ -1011,24 +1159,12 @@ class FlashBwdSm100:
                         while seen != turn:
                             seen = ld_acquire_gpu(sem_ptr)
                 pipe_dQ.consumer_wait(dq_state)
-                for c in cutlass.range_constexpr(nchunk):
-                    stage = (it * nchunk + c) % DQ_STAGES  # stages alternate across tiles too (d 96: 3 chunks)
-                    r = cute.make_rmem_tensor(r_shape, Float32)
-                    cute.copy(thr, cute.make_tensor(src0.iterator + c * DQ_CHUNK, src0.layout), r)
-                    cute.arch.fence_view_async_tmem_load()
-                    if const_expr(c == nchunk - 1):
-                        pipe_dQ.consumer_release(dq_state)
-                    # the stage's previous reduce has read it (at most DQ_STAGES - 1 groups in flight)
-                    if warp == 0:
-                        cute.arch.cp_async_bulk_wait_group(DQ_STAGES - 1, read=True)
-                    bar_reduce.arrive_and_wait()
-                    cute.autovec_copy(cute.make_tensor(r.iterator, cute.make_layout(DQ_CHUNK)),
-                                      sdQ[tidx, None, stage])
-                    cute.arch.fence_view_async_shared()
-                    bar_reduce.arrive_and_wait()
-                    if warp == 0:  # the whole warp issues (the TMA copy elects one lane)
-                        cute.copy(tma_atom_dQ, tdQsdQ[None, stage], tdQgdQ[None, m_tile, c])
-                        cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.wide):
+                    self.drain_wide(tdQtdQ, tma_atom_dQ, tdQsdQ, tdQgdQ, sdQ, pipe_dQ, dq_state, bar_reduce, m_tile,
+                                    split, tidx, warp)
+                else:
+                    self.drain(tdQtdQ[0], tma_atom_dQ, tdQsdQ, tdQgdQ, sdQ, pipe_dQ, dq_state, bar_reduce, m_tile,
+                               it, tidx, warp)
                 dq_state.advance()
                 if const_expr(cfg.deterministic):
                     if warp == 0:
@@ -1040,3 +1176,77 @@ class FlashBwdSm100:
                 head, m_tile = self.next_coords(head, m_tile, tile)
             if warp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # smem and the adds outlive no CTA
+
+    @cute.jit
+    def drain(self, tdQ, tma_atom_dQ, tdQsdQ, tdQgdQ, sdQ, pipe_dQ, dq_state, bar_reduce, m_tile: Int32,
+              it: Int32, tidx: Int32, warp: Int32):
+        """Narrow schedule: thread = query row of dQ (128 x d in TMEM); DQ_CHUNK columns per stage."""
+        acc_all = tdQ[(None, None), 0, 0]
+        chunk_layout = cute.composition(acc_all.layout, cute.make_layout((TILE_M, DQ_CHUNK)))
+        atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQ_CHUNK)), Float32)
+        chunk0 = cute.make_tensor(acc_all.iterator, chunk_layout)
+        thr = tcgen05.make_tmem_copy(atom, chunk0).get_slice(tidx)
+        src0 = thr.partition_S(chunk0)
+        r_shape = thr.partition_D(cute.make_identity_tensor((TILE_M, DQ_CHUNK))).shape
+        nchunk = self.head_dim // DQ_CHUNK
+        for c in cutlass.range_constexpr(nchunk):
+            stage = (it * nchunk + c) % DQ_STAGES  # stages alternate across tiles too (d 96: 3 chunks)
+            r = cute.make_rmem_tensor(r_shape, Float32)
+            cute.copy(thr, cute.make_tensor(src0.iterator + c * DQ_CHUNK, src0.layout), r)
+            cute.arch.fence_view_async_tmem_load()
+            if const_expr(c == nchunk - 1):
+                pipe_dQ.consumer_release(dq_state)
+            # the stage's previous reduce has read it (at most DQ_STAGES - 1 groups in flight)
+            if warp == 0:
+                cute.arch.cp_async_bulk_wait_group(DQ_STAGES - 1, read=True)
+            bar_reduce.arrive_and_wait()
+            cute.autovec_copy(cute.make_tensor(r.iterator, cute.make_layout(DQ_CHUNK)), sdQ[tidx, None, stage])
+            cute.arch.fence_view_async_shared()
+            bar_reduce.arrive_and_wait()
+            if warp == 0:  # the whole warp issues (the TMA copy elects one lane)
+                cute.copy(tma_atom_dQ, tdQsdQ[None, stage], tdQgdQ[None, m_tile, c])
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def drain_wide(self, tdQ_chunks, tma_atom_dQ, tdQsdQ, tdQgdQ, sdQ, pipe_dQ, dq_state, bar_reduce,
+                   m_tile: Int32, split: Int32, tidx: Int32, warp: Int32):
+        """Wide schedule (Note [SM100 wide schedule]): thread = head dim (TMEM lane) of a dQ^T chunk
+        (128 head dims x tile_m queries); DQT_ROWS queries per stage, written as two DQT_ROWS x DQT_BOX
+        boxes (lanes 0-63, 64-127); lanes below the chunk's lane_lo repeat the previous chunk's head
+        dims and are skipped. A tile drains an even number of stages, so the stage is static."""
+        groups = self.tile_m // DQT_ROWS
+        n_stage = len(self.dq_chunks) * groups
+        assert n_stage % DQ_STAGES == 0
+        col = tidx % DQT_BOX
+        box = tidx // DQT_BOX
+        for c in cutlass.range_constexpr(len(self.dq_chunks)):
+            first, lane_lo, _ = self.dq_chunks[c]
+            acc_all = tdQ_chunks[c][(None, None), 0, 0]
+            chunk_layout = cute.composition(acc_all.layout, cute.make_layout((MMA_M, DQT_ROWS)))
+            atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQT_ROWS)), Float32)
+            chunk0 = cute.make_tensor(acc_all.iterator, chunk_layout)
+            thr = tcgen05.make_tmem_copy(atom, chunk0).get_slice(tidx)
+            src0 = thr.partition_S(chunk0)
+            r_shape = thr.partition_D(cute.make_identity_tensor((MMA_M, DQT_ROWS))).shape
+            col_blk0 = (split * self.dk_cols + first) // DQT_BOX
+            for g in cutlass.range_constexpr(groups):
+                k = c * groups + g
+                stage = k % DQ_STAGES
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(thr, cute.make_tensor(src0.iterator + g * DQT_ROWS, src0.layout), r)
+                cute.arch.fence_view_async_tmem_load()
+                if const_expr(k == n_stage - 1):
+                    pipe_dQ.consumer_release(dq_state)
+                if warp == 0:
+                    cute.arch.cp_async_bulk_wait_group(DQ_STAGES - 1, read=True)
+                bar_reduce.arrive_and_wait()
+                if tidx >= lane_lo:
+                    for q in cutlass.range_constexpr(DQT_ROWS):
+                        sdQ[q, col, DQ_STAGES * stage + box] = r[q]
+                cute.arch.fence_view_async_shared()
+                bar_reduce.arrive_and_wait()
+                if warp == 0:
+                    for b in cutlass.range_constexpr(lane_lo // DQT_BOX, MMA_M // DQT_BOX):
+                        cute.copy(tma_atom_dQ, tdQsdQ[None, DQ_STAGES * stage + b],
+                                  tdQgdQ[None, m_tile * groups + g, col_blk0 + b])
+                    cute.arch.cp_async_bulk_commit_group()

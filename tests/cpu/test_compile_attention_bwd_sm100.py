@@ -40,8 +40,13 @@ def test_attention_bwd_full_matrix_compiles_for_sm100(tmp_path):
     assert all(r["smem_bytes"] <= SMEM_LIMIT for r in rows)
 
 
-# (dtype, d, qhead_per_kvhead, causal, window, softcap, varlen, deterministic, spt)
-_EXTRA = [("bfloat16", 128, 8, True, True, True, False, False, False),
+# (dtype, d or [d, dv], qhead_per_kvhead, causal, window, softcap, varlen, deterministic, spt)
+_EXTRA = [("bfloat16", 256, 8, True, False, True, True, True, False),
+          ("float16", 192, 4, False, True, True, False, True, False),
+          ("bfloat16", [192, 128], 8, True, False, True, True, True, False),
+          ("bfloat16", 256, 4, True, False, False, False, True, True),
+          ("bfloat16", 192, 1, True, False, False, True, True, True),
+          ("bfloat16", 128, 8, True, True, True, False, False, False),
           ("bfloat16", 64, 8, True, True, True, True, True, False),
           ("float16", 96, 1, False, True, True, True, True, False),
           ("bfloat16", 128, 1, False, False, False, False, False, False),
@@ -58,7 +63,8 @@ from cute_kernels.attention.bwd_launch import bwd_config, compile_bwd_main, fake
 from cute_kernels.attention.bwd_sm100 import FlashBwdSm100
 rows = []
 for dt, d, g, causal, window, softcap, varlen, det, spt in json.loads(sys.argv[1]):
-    cfg = bwd_config(100, dt, d, d, g, causal, window, softcap, varlen, det)
+    d, dv = d if isinstance(d, list) else (d, d)
+    cfg = bwd_config(100, dt, d, dv, g, causal, window, softcap, varlen, det)
     with _capture_fd2() as box:
         if spt:  # opt-in descending deterministic order (not reachable through the launcher)
             kernel = FlashBwdSm100(cfg, spt=True)
@@ -75,8 +81,9 @@ print(json.dumps(rows))
 
 @pytest.mark.compile
 def test_feature_combinations_compile_for_sm100():
-    """softcap x GQA x masks, deterministic varlen window and the opt-in descending deterministic
-    order (outside the check subset) compile spill-free."""
+    """softcap x GQA x masks, deterministic varlen window, the wide schedule with softcap / varlen /
+    deterministic (d 192, 256, (192, 128)) and the opt-in descending deterministic order (outside the
+    check subset) compile spill-free."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("CUTE_DSL_ARCH", None)
     proc = subprocess.run([sys.executable, "-c", _EXTRA_SCRIPT, json.dumps(_EXTRA)], cwd=ROOT, env=env,
@@ -109,39 +116,74 @@ def test_unsupported_reasons_name_the_case():
     from cute_kernels.attention.bwd_launch import unsupported_reason
     from cute_kernels.attention.bwd_sm100 import FlashBwdSm100
 
-    for d in (64, 96, 128):
-        assert unsupported_reason(_cfg(d)) is None
-        assert unsupported_reason(_cfg(d, qhead_per_kvhead=8, causal=True, has_softcap=True, varlen=True,
+    for d, dv in ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)):
+        assert unsupported_reason(_cfg(d, dv)) is None
+        assert unsupported_reason(_cfg(d, dv, qhead_per_kvhead=8, causal=True, has_softcap=True, varlen=True,
                                        deterministic=True)) is None
-    assert "head_dim 256" in unsupported_reason(_cfg(256)) and "TMEM" in unsupported_reason(_cfg(256))
-    assert "head_dim 192" in unsupported_reason(_cfg(192))
-    assert "head_dim_v 128" in unsupported_reason(_cfg(192, 128))
+    for d, dv in ((256, 128), (128, 64), (160, 160)):
+        assert f"head_dim {d} / head_dim_v {dv}" in unsupported_reason(_cfg(d, dv))
     assert "float32" in unsupported_reason(_cfg(dtype="float32"))
     assert "arch 90" in FlashBwdSm100.unsupported_reason(_cfg(arch=90))
-    with pytest.raises(ValueError, match="head_dim 256"):
-        FlashBwdSm100(_cfg(256))
+    with pytest.raises(ValueError, match="head_dim 256 / head_dim_v 128"):
+        FlashBwdSm100(_cfg(256, 128))
+
+
+def _spans_disjoint(spans):
+    spans = sorted(spans)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
 def test_smem_and_tmem_plan_fits_every_config():
-    """Every supported config of the full matrix: smem <= 232,448 B, TMEM map inside 512 columns with
-    dQ inside the dP^T columns it reuses, register split within 64K registers."""
+    """Every supported config of the full matrix: smem <= 232,448 B, TMEM map inside 512 columns
+    (S^T, dP^T, dV, dK disjoint; the narrow dQ inside the dP^T columns it reuses), register split within
+    64K registers; the wide schedule (Note [SM100 wide schedule]) below."""
     from cute_kernels.attention import bwd_sm100 as m
     from cute_kernels.attention.bwd_launch import config_matrix
 
     cfgs = config_matrix(100, True)
-    assert {c.head_dim for c in cfgs} == {64, 96, 128}
+    assert {(c.head_dim, c.head_dim_v) for c in cfgs} == {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256),
+                                                          (192, 128)}
     for cfg in cfgs:
         k = m.FlashBwdSm100(cfg)
         assert m.FlashBwdSm100.smem_bytes(cfg) <= SMEM_LIMIT, cfg
-        t = k.tmem
-        assert t["end"] <= m.TMEM_COLS and t["dQ"] + cfg.head_dim <= t["dP"] + m.TILE_M, t
-        spans = sorted([(t["S"], t["S"] + m.TILE_M), (t["dP"], t["dP"] + m.TILE_M),
-                        (t["dV"], t["dV"] + cfg.head_dim_v), (t["dK"], t["dK"] + cfg.head_dim)])
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # S, dP, dV, dK disjoint
+        t, tm = k.tmem, k.tile_m
+        spans = [(t["S"], t["S"] + tm), (t["dP"], t["dP"] + tm), (t["dV"], t["dV"] + k.dv_cols),
+                 (t["dK"], t["dK"] + k.dk_cols)]
+        assert t["end"] <= m.TMEM_COLS and _spans_disjoint(spans), (cfg, t)
+        if not k.wide:
+            assert tm == m.TILE_M and k.n_split == 1 and t["dQ"] + cfg.head_dim <= t["dP"] + m.TILE_M, t
     r, c, o = m.REGS
     assert r + 2 * c + o <= 4 * 128 and all(x % 8 == 0 and 24 <= x <= 256 for x in m.REGS)
     # dO: two stages where they fit beside the dQ staging (d 64, 96), one at d 128 (231,424 B)
     assert [m.FlashBwdSm100(_cfg(d)).do_stage for d in (64, 96, 128)] == [2, 2, 1]
+
+
+@pytest.mark.parametrize("d, dv", [(192, 192), (256, 256), (192, 128)])
+def test_wide_schedule_plan(d, dv):
+    """Wide schedule: the dQ^T chunks' new lanes cover each CTA's head-dim slice exactly once, a chunk
+    lies in free columns or over dP^T / S^T only (never over dV / dK or another chunk), the serial order
+    is chosen exactly when a chunk is over S^T or Q has one stage, and the K^T / Q^T / dO^T views start
+    on whole swizzle repeats (checked again at trace time by check_operand_aliases)."""
+    from cute_kernels.attention import bwd_sm100 as m
+
+    k = m.FlashBwdSm100(_cfg(d, dv))
+    t, tm = k.tmem, k.tile_m
+    assert k.wide and tm == m.TILE_M_WIDE and k.n_split == (2 if d == 256 else 1)
+    assert k.dk_cols * k.n_split == d and k.dv_cols * k.n_split == dv
+    dims = []
+    for first, lane_lo, col in k.dq_chunks:
+        assert first + m.MMA_M <= k.dk_cols and lane_lo % m.DQT_BOX == 0 and col % tm == 0
+        dims += [first + lane for lane in range(lane_lo, m.MMA_M)]
+    assert sorted(dims) == list(range(k.dk_cols))  # every head dim of the slice reduced once
+    accs = [(t["dV"], t["dV"] + k.dv_cols), (t["dK"], t["dK"] + k.dk_cols)]
+    chunks = [(col, col + tm) for _, _, col in k.dq_chunks]
+    assert _spans_disjoint(accs + chunks) and all(b <= m.TMEM_COLS for _, b in chunks)
+    over_s = any(col == t["S"] for _, _, col in k.dq_chunks)
+    assert k.serial == (over_s or k.q_stage == 1)
+    expect = {(192, 192): (2, 2, True), (256, 256): (1, 1, True), (192, 128): (2, 2, False)}[(d, dv)]
+    assert (k.q_stage, k.do_stage, k.serial) == expect
+    assert m.FlashBwdSm100.smem_bytes(_cfg(d, dv)) <= SMEM_LIMIT
+    assert m.DQ_SEM_ROWS == tm and (len(k.dq_chunks) * tm // m.DQT_ROWS) % m.DQ_STAGES == 0
 
 
 def test_arrival_check_rejects_wrong_counts():

@@ -8,8 +8,10 @@ inputs (TF32 off). Tolerance FA-style: max |ours - ref| <= 2 max |lowp - ref| + 
 autograd in the inputs' 16-bit dtype. Outputs and workspace are poisoned (NaN / garbage) before each
 run, so an element the kernels fail to write shows up. Features: masks (none, bottom-right causal,
 window), GQA, Sq != Sk (not multiples of 128), rows without keys, keys no query sees, softcap, dlse,
-fp16, head dims 64 / 96 / 128, varlen with empty and unequal documents, deterministic (bitwise over
-3 runs). Nothing here has been run: no Blackwell GPU was available when it was written.
+fp16, head dims 64 / 96 / 128 and the wide schedule's 192 / 256 / (192, 128) (Note [SM100 wide schedule]:
+64-row query tiles, transposed dQ chunks, two CTAs per key tile at 256), varlen with empty and unequal
+documents, deterministic (bitwise over 3 runs). Nothing here has been run: no Blackwell GPU was available
+when it was written.
 """
 
 from __future__ import annotations
@@ -123,13 +125,14 @@ def check_grads(torch, name, ours, ref, lowp, factor=2.0):
 
 
 def dense_case(torch, b, sq, sk, hq, hkv, d, dtype="bf16", causal=False, window=(-1, -1), softcap=0.0,
-               deterministic=False, with_dlse=False, seed=0):
+               deterministic=False, with_dlse=False, seed=0, dv=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dt = _dt(torch, dtype)
+    dv = dv or d
     q = torch.randn(b, sq, hq, d, device="cuda", generator=g).to(dt)
     k = torch.randn(b, sk, hkv, d, device="cuda", generator=g).to(dt)
-    v = torch.randn(b, sk, hkv, d, device="cuda", generator=g).to(dt)
-    do = torch.randn(b, sq, hq, d, device="cuda", generator=g).to(dt)
+    v = torch.randn(b, sk, hkv, dv, device="cuda", generator=g).to(dt)
+    do = torch.randn(b, sq, hq, dv, device="cuda", generator=g).to(dt)
     scale = 1.0 / math.sqrt(d)
     kw = dict(causal=causal, window=window, softcap=softcap, scale=scale)
     with torch.no_grad():
@@ -142,7 +145,7 @@ def dense_case(torch, b, sq, sk, hq, hkv, d, dtype="bf16", causal=False, window=
     ours = run_ours(torch, q, k, v, out, lse, do, deterministic=deterministic, dlse=dlse, **kw)
     ref = ref_grads(torch, q, k, v, do, dlse, upcast=True, **kw)
     lowp = ref_grads(torch, q, k, v, do, dlse, upcast=False, **kw)
-    check_grads(torch, f"b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d} {dtype} causal={causal} win={window} "
+    check_grads(torch, f"b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d}/{dv} {dtype} causal={causal} win={window} "
                        f"cap={softcap} det={deterministic} dlse={with_dlse}", ours, ref, lowp)
     return ours
 
@@ -155,6 +158,47 @@ def test_dense(torch, d, mask, gqa):
     window = (100, 30) if mask == "window" else (-1, -1)
     dense_case(torch, 2, 517, 300, hq, hkv, d, causal=mask == "causal", window=window)
     dense_case(torch, 1, 256, 1024, hq, hkv, d, causal=mask == "causal", window=window, seed=3)
+
+
+_WIDE = [(192, 192), (256, 256), (192, 128)]
+
+
+@pytest.mark.parametrize("d, dv", _WIDE)
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_dense_wide(torch, d, dv, mask, gqa):
+    """The wide schedule: Sq / Sk not multiples of 64 or 128, more query tiles than one, GQA groups."""
+    hq, hkv = (8, 2) if gqa else (4, 4)
+    window = (100, 30) if mask == "window" else (-1, -1)
+    dense_case(torch, 2, 517, 300, hq, hkv, d, causal=mask == "causal", window=window, dv=dv)
+    dense_case(torch, 1, 200, 1000, hq, hkv, d, causal=mask == "causal", window=window, seed=3, dv=dv)
+
+
+@pytest.mark.parametrize("d, dv", _WIDE)
+def test_wide_fp16_softcap_dlse_deterministic(torch, d, dv):
+    dense_case(torch, 1, 333, 333, 4, 2, d, dtype="fp16", causal=True, dv=dv)
+    dense_case(torch, 1, 300, 500, 8, 2, d, window=(64, 16), softcap=5.0, seed=8, dv=dv)
+    dense_case(torch, 2, 300, 260, 4, 2, d, with_dlse=True, seed=7, dv=dv)
+    for mask in ("none", "causal"):
+        dense_case(torch, 1, 700, 900, 8, 2, d, causal=mask == "causal", deterministic=True, seed=9, dv=dv)
+
+
+@pytest.mark.parametrize("d, dv", _WIDE)
+def test_wide_deterministic_bitwise(torch, d, dv):
+    """Bitwise equal over 3 runs (d 256: the two head-dim slices of a key tile take turns too)."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q = torch.randn(1, 512, 4, d, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 2048, 2, d, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(1, 2048, 2, dv, device="cuda", generator=g).to(torch.bfloat16)
+    do = torch.randn(1, 512, 4, dv, device="cuda", generator=g).to(torch.bfloat16)
+    kw = dict(causal=True, window=(-1, -1), softcap=0.0, scale=1.0 / math.sqrt(d))
+    with torch.no_grad():
+        out, lse = attention(torch, q.float(), k.float(), v.float(), **kw)
+    runs = [run_ours(torch, q, k, v, out.to(q.dtype), lse.contiguous(), do, deterministic=True, **kw)
+            for _ in range(3)]
+    for r in runs[1:]:
+        for a, b_ in zip(runs[0], r):
+            assert torch.equal(a, b_), "deterministic backward differs between runs"
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -198,19 +242,21 @@ def test_deterministic_bitwise(torch, causal):
             assert torch.equal(a, b_), "deterministic backward differs between runs"
 
 
-def _varlen_case(torch, lens_q, lens_k, hq, hkv, d, causal=False, window=(-1, -1), deterministic=False, seed=0):
+def _varlen_case(torch, lens_q, lens_k, hq, hkv, d, causal=False, window=(-1, -1), deterministic=False, seed=0,
+                 dv=None):
     dt = torch.bfloat16
+    dv = dv or d
     g = torch.Generator(device="cuda").manual_seed(seed)
     tq, tk = sum(lens_q), sum(lens_k)
     q = torch.randn(tq, hq, d, device="cuda", generator=g).to(dt)
     k = torch.randn(tk, hkv, d, device="cuda", generator=g).to(dt)
-    v = torch.randn(tk, hkv, d, device="cuda", generator=g).to(dt)
-    do = torch.randn(tq, hq, d, device="cuda", generator=g).to(dt)
+    v = torch.randn(tk, hkv, dv, device="cuda", generator=g).to(dt)
+    do = torch.randn(tq, hq, dv, device="cuda", generator=g).to(dt)
     cu_q = torch.tensor([0] + [sum(lens_q[:i + 1]) for i in range(len(lens_q))], device="cuda", dtype=torch.int32)
     cu_k = torch.tensor([0] + [sum(lens_k[:i + 1]) for i in range(len(lens_k))], device="cuda", dtype=torch.int32)
     scale = 1.0 / math.sqrt(d)
     kw = dict(causal=causal, window=window, softcap=0.0, scale=scale)
-    out = torch.zeros(tq, hq, d, device="cuda", dtype=dt)
+    out = torch.zeros(tq, hq, dv, device="cuda", dtype=dt)
     lse = torch.full((hq, tq), float("-inf"), device="cuda")
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         a, ka = int(cu_q[i]), int(cu_k[i])
@@ -247,6 +293,13 @@ def test_varlen(torch, d, mask, deterministic):
     window = (60, 20) if mask == "window" else (-1, -1)
     _varlen_case(torch, lens_q, lens_k, 4, 2, d, causal=mask == "causal", window=window,
                  deterministic=deterministic)
+
+
+@pytest.mark.parametrize("d, dv", _WIDE)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_wide(torch, d, dv, deterministic):
+    _varlen_case(torch, [130, 0, 257, 64, 1, 300], [200, 50, 100, 0, 129, 300], 4, 2, d, causal=True,
+                 deterministic=deterministic, dv=dv)
 
 
 def test_varlen_d96_mha(torch):
