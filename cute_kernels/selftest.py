@@ -60,6 +60,8 @@ CASES = [
     Case("bwd_causal_gqa", "bwd", dict(b=1, sq=300, sk=300, hq=4, hkv=2, d=128, causal=True)),
     Case("bwd_causal_gqa_det", "bwd", dict(b=1, sq=300, sk=300, hq=8, hkv=2, d=128, causal=True, deterministic=True)),
     Case("bwd_varlen_window_det", "bwd", dict(seqs=_VARLEN, hq=2, hkv=2, d=64, window=(100, 30), deterministic=True)),
+    Case("bwd_d256_causal_det", "bwd", dict(b=1, sq=200, sk=333, hq=4, hkv=2, d=256, causal=True, deterministic=True)),
+    Case("bwd_d192_window", "bwd", dict(b=1, sq=300, sk=300, hq=2, hkv=2, d=192, window=(100, 30))),
     Case("indexed", "indexed", dict(b=1, lq=130, lkv=300, hq=8, hkv=2, d=128, width=40)),
     Case("canary_hang", "canary_hang", canary=True),
     Case("canary_mismatch", "canary_mismatch", dict(b=1, sq=130, sk=130, hq=2, hkv=2, d=64), canary=True),

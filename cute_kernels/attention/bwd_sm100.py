@@ -137,9 +137,11 @@ DQ_CHUNK = 32  # dQ columns per TMEM load, smem stage and TMA reduce-add box (12
 DQ_STAGES = 2  # dQ staging buffers: the reduce warps fill one while the TMA reads the other
 DQT_ROWS = 16  # wide schedule: query rows (TMEM columns) per dQ^T load / smem box (Note [SM100 wide schedule])
 DQT_BOX = 64  # wide schedule: head-dim columns per dQ^T smem box and TMA reduce-add box
+DQT_BOXES = 2  # wide schedule: boxes per dQ^T stage (MMA_M lanes = DQT_BOXES x DQT_BOX head dims)
 DS_CHUNK = 16  # dP^T / dS^T columns per TMEM load / smem store in the compute warps
 STAT_CHUNK = 16  # lse_log2 / dpsum values per vector load in the compute warps
 
+assert DQT_BOXES * DQT_BOX == MMA_M
 assert all(ACCUM_ROW_PAD % m == 0 and m % DQ_SEM_ROWS == 0 for m in (TILE_M, TILE_M_WIDE)), \
     "query tiles own whole accumulator / counter blocks"
 
@@ -226,7 +228,7 @@ def _smem_bytes(d: int, dv: int, tile_m: int, q_stage: int, do_stage: int, wide:
     """Upper bound of the SharedStorage: barriers (one 1 KiB block), K, V, Q stages, dO stages, dS, the
     fp32 dQ staging, each 1024-B aligned, plus 1024 B for aligning the dynamic smem base."""
     tile = lambda rows, cols: ((rows * cols * 2 + 1023) // 1024) * 1024  # noqa: E731
-    staging = DQ_STAGES * (2 * DQT_ROWS * DQT_BOX if wide else TILE_M * DQ_CHUNK) * 4
+    staging = DQ_STAGES * (DQT_BOXES * DQT_ROWS * DQT_BOX if wide else TILE_M * DQ_CHUNK) * 4
     return (1024 + 1024 + tile(TILE_N, d) + tile(TILE_N, dv) + q_stage * tile(tile_m, d)
             + do_stage * tile(tile_m, dv) + tile(TILE_N, tile_m) + staging)
 
@@ -448,7 +450,7 @@ class FlashBwdSm100:
             box = (DQT_ROWS, DQT_BOX)
             sdQ_layout = cute.make_composed_layout(
                 cute.make_swizzle(0, 4, 3), 0,
-                cute.make_layout((DQT_ROWS, DQT_BOX, 2 * DQ_STAGES), stride=(DQT_BOX, 1, DQT_ROWS * DQT_BOX)))
+                cute.make_layout((DQT_ROWS, DQT_BOX, DQT_BOXES * DQ_STAGES), stride=(DQT_BOX, 1, DQT_ROWS * DQT_BOX)))
         else:
             box = (TILE_M, DQ_CHUNK)
             sdQ_layout = sm100_utils.make_smem_layout_epi(Float32, LayoutEnum.ROW_MAJOR, box, DQ_STAGES)
@@ -1242,11 +1244,11 @@ class FlashBwdSm100:
                 bar_reduce.arrive_and_wait()
                 if tidx >= lane_lo:
                     for q in cutlass.range_constexpr(DQT_ROWS):
-                        sdQ[q, col, DQ_STAGES * stage + box] = r[q]
+                        sdQ[q, col, DQT_BOXES * stage + box] = r[q]
                 cute.arch.fence_view_async_shared()
                 bar_reduce.arrive_and_wait()
                 if warp == 0:
-                    for b in cutlass.range_constexpr(lane_lo // DQT_BOX, MMA_M // DQT_BOX):
-                        cute.copy(tma_atom_dQ, tdQsdQ[None, DQ_STAGES * stage + b],
+                    for b in cutlass.range_constexpr(lane_lo // DQT_BOX, DQT_BOXES):
+                        cute.copy(tma_atom_dQ, tdQsdQ[None, DQT_BOXES * stage + b],
                                   tdQgdQ[None, m_tile * groups + g, col_blk0 + b])
                     cute.arch.cp_async_bulk_commit_group()

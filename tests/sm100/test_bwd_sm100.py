@@ -98,11 +98,14 @@ def run_ours(torch, q, k, v, out, lse, do, *, causal=False, window=(-1, -1), sof
     hq, hkv = q.shape[-2], k.shape[-2]
     cfg = bwd_config(torch_cuda_arch(), q.dtype, q.shape[-1], v.shape[-1], hq // hkv, causal, tuple(window) != (-1, -1),
                      softcap > 0, varlen, deterministic, dlse is not None)
+    # num_kv_heads / seqlen_k: the group-split workspace of the SM90 kernels (this harness also drives them)
     if varlen:
-        shapes = workspace_shapes(cfg, batch=cu_q.shape[0] - 1, seqlen_q=0, num_heads=hq, total_q=q.shape[0])
+        shapes = workspace_shapes(cfg, batch=cu_q.shape[0] - 1, seqlen_q=0, num_heads=hq, total_q=q.shape[0],
+                                  seqlen_k=max_sk, num_kv_heads=hkv, total_k=k.shape[0])
     else:
         max_sq, max_sk = q.shape[1], k.shape[1]
-        shapes = workspace_shapes(cfg, batch=q.shape[0], seqlen_q=q.shape[1], num_heads=hq)
+        shapes = workspace_shapes(cfg, batch=q.shape[0], seqlen_q=q.shape[1], num_heads=hq, seqlen_k=max_sk,
+                                  num_kv_heads=hkv)
     ws = {name: poison_like(torch, torch.empty(shape, device=q.device, dtype=getattr(torch, dtn)))
           for name, (shape, dtn) in shapes.items()}
     dq, dk, dv = poison_like(torch, q), poison_like(torch, k), poison_like(torch, v)
@@ -137,7 +140,7 @@ def dense_case(torch, b, sq, sk, hq, hkv, d, dtype="bf16", causal=False, window=
     kw = dict(causal=causal, window=window, softcap=softcap, scale=scale)
     with torch.no_grad():
         out, lse = attention(torch, q.float(), k.float(), v.float(), **kw)
-    out = out.to(dt)
+    out = out.to(dt).contiguous()  # the einsum's output is permuted; the launcher takes dense tensors
     lse = lse.contiguous()
     dlse = None
     if with_dlse:
@@ -194,7 +197,7 @@ def test_wide_deterministic_bitwise(torch, d, dv):
     kw = dict(causal=True, window=(-1, -1), softcap=0.0, scale=1.0 / math.sqrt(d))
     with torch.no_grad():
         out, lse = attention(torch, q.float(), k.float(), v.float(), **kw)
-    runs = [run_ours(torch, q, k, v, out.to(q.dtype), lse.contiguous(), do, deterministic=True, **kw)
+    runs = [run_ours(torch, q, k, v, out.to(q.dtype).contiguous(), lse.contiguous(), do, deterministic=True, **kw)
             for _ in range(3)]
     for r in runs[1:]:
         for a, b_ in zip(runs[0], r):
@@ -235,7 +238,7 @@ def test_deterministic_bitwise(torch, causal):
     kw = dict(causal=causal, window=(-1, -1), softcap=0.0, scale=1.0 / math.sqrt(128))
     with torch.no_grad():
         out, lse = attention(torch, q.float(), k.float(), v.float(), **kw)
-    runs = [run_ours(torch, q, k, v, out.to(q.dtype), lse.contiguous(), do, deterministic=True, **kw)
+    runs = [run_ours(torch, q, k, v, out.to(q.dtype).contiguous(), lse.contiguous(), do, deterministic=True, **kw)
             for _ in range(3)]
     for r in runs[1:]:
         for a, b_ in zip(runs[0], r):
@@ -264,7 +267,7 @@ def _varlen_case(torch, lens_q, lens_k, hq, hkv, d, causal=False, window=(-1, -1
             with torch.no_grad():
                 o, l_ = attention(torch, q[None, a:a + lq].float(), k[None, ka:ka + lk].float(),
                                   v[None, ka:ka + lk].float(), **kw)
-            out[a:a + lq], lse[:, a:a + lq] = o[0].to(dt), l_[0]
+            out[a:a + lq], lse[:, a:a + lq] = o[0].to(dt), l_[0]  # copied into the dense buffers
     dq, dk, dv = run_ours(torch, q, k, v, out, lse, do, deterministic=deterministic, cu_q=cu_q, cu_k=cu_k,
                           max_sq=max(lens_q), max_sk=max(lens_k), **kw)
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
