@@ -133,6 +133,7 @@ DQ_FULL_BARRIER = 2  # + wg: WG wg staged its dQ region, warp 1 waits
 DQ_EMPTY_BARRIER = 4  # + wg: warp 1 has read WG wg's region (staging free again), WG wg waits
 PDS_EMPTY_BARRIER = 6  # wide schedule, one P^T / dS^T stage: both WGs' GEMMs of the last step have read it
 KV_TURN_BARRIER = 7  # group split: both consumer WGs, around the dK / dV turn (Note [group split])
+KV_FREE_BARRIER = 8  # staged dK / dV epilogue: both consumer WGs done with K / V smem, then staged into it
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,9 @@ class FlashBwdSm90:
         # Issue dQ = dS K before dK += dS^T Q and stage dQ while the dK GEMM runs (tile_m 64; at tile_m
         # 128 the live dQ accumulator spills). Not in deterministic mode, where it measured no faster.
         self.dq_before_dk = self.tile_m == 64 and not cfg.deterministic and not self.wide
+        # Note [staged dK / dV epilogue]: dense (not varlen: a TMA box would cross into the next sequence),
+        # not the group split (fp32 partials), the d <= 128 schedule.
+        self.kv_tma_store = not cfg.varlen and not self.split and not self.wide
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -304,6 +308,13 @@ class FlashBwdSm90:
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacct, cute.select(sdQ_layout, mode=[0, 1]),
             (self.dq_rows, self.dq_cols))
+        tma_atom_dK = tma_dK = tma_atom_dV = tma_dV = None
+        if const_expr(self.kv_tma_store):  # dK / dV stored from the K / V buffers (their own layouts)
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(s2g, select_modes(mdK, order), sK_layout,
+                                                              (self.tile_n, self.hdim))
+            tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(s2g, select_modes(mdV, order), sV_layout,
+                                                              (self.tile_n, self.hdimv))
         self.tx_q = cute.size_in_bytes(self.dtype, sel(sQ_layout)) + self.tile_m * 4
         self.tx_do = cute.size_in_bytes(self.dtype, sel(sdO_layout)) + self.tile_m * 4
         self.tx_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
@@ -326,7 +337,7 @@ class FlashBwdSm90:
                     mCuSeqlensK, mdQsem, mdKaccum, mdVaccum, mdKVsem, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
                     tma_atom_dPsum, tma_atom_dQ, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                     sdQ_layout, softmax_scale, softcap, window_left, window_right,
-                    mQt.shape[0], mKt.shape[0]).launch(
+                    mQt.shape[0], mKt.shape[0], tma_atom_dK, tma_dK, tma_atom_dV, tma_dV).launch(
             grid=grid, block=[NUM_THREADS, 1, 1], smem=self.shared_storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
@@ -341,7 +352,7 @@ class FlashBwdSm90:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-               seqlen_q_static: Int32, seqlen_k_static: Int32):
+               seqlen_q_static: Int32, seqlen_k_static: Int32, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -416,7 +427,8 @@ class FlashBwdSm90:
                                   right, n_tile, head0, batch_idx)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                kv_out = (mdK, mdV, mdKaccum, mdVaccum, mdKVsem)
+                # the last four: the TMA store of Note [staged dK / dV epilogue] (None where not used)
+                kv_out = (mdK, mdV, mdKaccum, mdVaccum, mdKVsem, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV)
                 if const_expr(self.wide):
                     sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
                     self.consume_wide(kv_out, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q,
@@ -708,8 +720,44 @@ class FlashBwdSm90:
                     step = step + 1
 
         # Epilogue: dK * scale, dV; keys past seqlen_k are not written.
-        self.finish_kv(kv_out, acc_dK, acc_dV, thr_dkv, thr_dkv, seqlen, mCuSeqlensK, key_base, n_tile, head_kv,
-                       head_y, batch_idx, steps, ctidx, softmax_scale, self.hdim, self.hdimv, 0, 0)
+        if const_expr(self.kv_tma_store):
+            # Note [staged dK / dV epilogue]: every wgmma of both WGs has completed (each step ends in
+            # wait_group(0)), so the K / V buffers are free once both WGs are here.
+            cute.arch.barrier(barrier_id=KV_FREE_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+            self.stage_kv(acc_dK, softmax_scale, sK_w, mma_dkv, tid)
+            self.stage_kv(acc_dV, None, sV_w, mma_dkv, tid)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=KV_FREE_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+            if ctidx == 0:
+                for atom, mX, sX, dim in ((kv_out[5], kv_out[6], sK, self.hdim), (kv_out[7], kv_out[8], sV, self.hdimv)):
+                    gX = cute.local_tile(self._seq_view(mX, seqlen.offset_k, batch_idx)[None, None, head_kv],
+                                         (self.tile_n, dim), (n_tile, 0))
+                    tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                                       cute.group_modes(gX, 0, 2))
+                    cute.copy(atom, tXsX, tXgX)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem is read before the CTA exits
+        else:
+            self.finish_kv(kv_out, acc_dK, acc_dV, thr_dkv, thr_dkv, seqlen, mCuSeqlensK, key_base, n_tile,
+                           head_kv, head_y, batch_idx, steps, ctidx, softmax_scale, self.hdim, self.hdimv, 0, 0)
+
+    @cute.jit
+    def stage_kv(self, acc, scale, sX_w, mma_dkv, tid: Int32):
+        """Note [staged dK / dV epilogue]: acc (* scale) in q's dtype -> this WG's 64 rows of the K or V
+        buffer (stmatrix, in the buffer's own swizzled layout), which one thread then TMA-stores whole
+        (the box clips rows past Sk). dK goes to the K buffer and dV to the V buffer. Storing the wgmma
+        fragments straight to global memory (2-byte pieces, 8 rows per warp instruction, as the varlen
+        and group-split paths still do) is a per-CTA fixed cost that shows at short sequences, where a
+        CTA runs few query tiles; FA4 stages through the free K / V buffers and TMA-stores too."""
+        if const_expr(scale is not None):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] * scale
+        r16 = cute.make_rmem_tensor_like(acc, self.dtype)
+        convert_to_16bit(acc, r16)
+        st_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+        st_copy = cute.make_tiled_copy_C(st_atom, mma_dkv)
+        thr_st = st_copy.get_slice(tid)
+        cute.copy(st_copy, thr_st.retile(r16), thr_st.partition_D(sX_w))
 
     # ------------------------------------------------------------------ consumers, wide schedule (d > 128)
     @cute.jit
@@ -942,7 +990,7 @@ class FlashBwdSm90:
                   dk_col0: cutlass.Constexpr, dv_col0: cutlass.Constexpr):
         """dK * scale and dV of this thread's fragment out to global memory; with ``group_split`` summed over
         the group's heads in head order first (Note [group split])."""
-        mdK, mdV, mdKacc, mdVacc, mdKVsem = kv_out
+        mdK, mdV, mdKacc, mdVacc, mdKVsem = kv_out[:5]
         geo = (seqlen, mCuSeqlensK, key_base, head_kv, batch_idx)
         if const_expr(not self.split):
             self.store_kv(acc_dK, softmax_scale, mdK, thr_dk, geo, dk_dim, dk_col0)
