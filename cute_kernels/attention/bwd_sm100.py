@@ -305,6 +305,17 @@ def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8, col_off: i
     return start
 
 
+def tmem_chunk_copy(tAcc, rows: int, cols: int, tidx):
+    """A tcgen05.ld (32x32b, ``cols`` repetitions) of ``cols`` columns of the accumulator ``tAcc``
+    (TMEM lane = row): thread ``tidx``'s slice, its source view at column 0 (offset the iterator for
+    other columns) and the register fragment's shape."""
+    acc_all = tAcc[(None, None), 0, 0]
+    chunk0 = cute.make_tensor(acc_all.iterator, cute.composition(acc_all.layout, cute.make_layout((rows, cols))))
+    atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)), Float32)
+    thr = tcgen05.make_tmem_copy(atom, chunk0).get_slice(tidx)
+    return thr, thr.partition_S(chunk0), thr.partition_D(cute.make_identity_tensor((rows, cols))).shape
+
+
 class FlashBwdSm100:
     """Blackwell backward main kernel for one ``BwdConfig``; see the module docstring."""
 
@@ -1077,13 +1088,7 @@ class FlashBwdSm100:
                    key: Int32, offset_k: Int32, head_kv: Int32, batch: Int32, wg: Int32, tidx: Int32):
         """Row ``key`` of dK or dV: TMEM columns [dim/2 wg, dim/2 (wg + 1)) of this CTA's ``dim``-wide
         head-dim slice (x scale) -> q's dtype, at output columns col0 + those."""
-        acc_all = tAcc[(None, None), 0, 0]
-        chunk_layout = cute.composition(acc_all.layout, cute.make_layout((TILE_N, EPI_CHUNK)))
-        atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(EPI_CHUNK)), Float32)
-        chunk0 = cute.make_tensor(acc_all.iterator, chunk_layout)
-        thr = tcgen05.make_tmem_copy(atom, chunk0).get_slice(tidx)
-        src0 = thr.partition_S(chunk0)
-        r_shape = thr.partition_D(cute.make_identity_tensor((TILE_N, EPI_CHUNK))).shape
+        thr, src0, r_shape = tmem_chunk_copy(tAcc, TILE_N, EPI_CHUNK, tidx)
         cols_wg = dim // 2
         row_g = key
         if const_expr(self.cfg.varlen):
@@ -1180,28 +1185,30 @@ class FlashBwdSm100:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # smem and the adds outlive no CTA
 
     @cute.jit
+    def load_stage(self, thr, src, r_shape, last: cutlass.Constexpr, pipe_dQ, dq_state, warp: Int32, bar_reduce):
+        """One dQ chunk from TMEM into registers (the last one frees the dQ columns), then wait until
+        the staging buffer it goes to is free: its previous reduce has read it (warp 0 keeps at most
+        DQ_STAGES - 1 bulk groups in flight) and every reduce thread knows (the Reduce barrier)."""
+        r = cute.make_rmem_tensor(r_shape, Float32)
+        cute.copy(thr, src, r)
+        cute.arch.fence_view_async_tmem_load()
+        if const_expr(last):
+            pipe_dQ.consumer_release(dq_state)
+        if warp == 0:
+            cute.arch.cp_async_bulk_wait_group(DQ_STAGES - 1, read=True)
+        bar_reduce.arrive_and_wait()
+        return r
+
+    @cute.jit
     def drain(self, tdQ, tma_atom_dQ, tdQsdQ, tdQgdQ, sdQ, pipe_dQ, dq_state, bar_reduce, m_tile: Int32,
               it: Int32, tidx: Int32, warp: Int32):
         """Narrow schedule: thread = query row of dQ (128 x d in TMEM); DQ_CHUNK columns per stage."""
-        acc_all = tdQ[(None, None), 0, 0]
-        chunk_layout = cute.composition(acc_all.layout, cute.make_layout((TILE_M, DQ_CHUNK)))
-        atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQ_CHUNK)), Float32)
-        chunk0 = cute.make_tensor(acc_all.iterator, chunk_layout)
-        thr = tcgen05.make_tmem_copy(atom, chunk0).get_slice(tidx)
-        src0 = thr.partition_S(chunk0)
-        r_shape = thr.partition_D(cute.make_identity_tensor((TILE_M, DQ_CHUNK))).shape
+        thr, src0, r_shape = tmem_chunk_copy(tdQ, TILE_M, DQ_CHUNK, tidx)
         nchunk = self.head_dim // DQ_CHUNK
         for c in cutlass.range_constexpr(nchunk):
             stage = (it * nchunk + c) % DQ_STAGES  # stages alternate across tiles too (d 96: 3 chunks)
-            r = cute.make_rmem_tensor(r_shape, Float32)
-            cute.copy(thr, cute.make_tensor(src0.iterator + c * DQ_CHUNK, src0.layout), r)
-            cute.arch.fence_view_async_tmem_load()
-            if const_expr(c == nchunk - 1):
-                pipe_dQ.consumer_release(dq_state)
-            # the stage's previous reduce has read it (at most DQ_STAGES - 1 groups in flight)
-            if warp == 0:
-                cute.arch.cp_async_bulk_wait_group(DQ_STAGES - 1, read=True)
-            bar_reduce.arrive_and_wait()
+            r = self.load_stage(thr, cute.make_tensor(src0.iterator + c * DQ_CHUNK, src0.layout), r_shape,
+                                c == nchunk - 1, pipe_dQ, dq_state, warp, bar_reduce)
             cute.autovec_copy(cute.make_tensor(r.iterator, cute.make_layout(DQ_CHUNK)), sdQ[tidx, None, stage])
             cute.arch.fence_view_async_shared()
             bar_reduce.arrive_and_wait()
@@ -1223,25 +1230,13 @@ class FlashBwdSm100:
         box = tidx // DQT_BOX
         for c in cutlass.range_constexpr(len(self.dq_chunks)):
             first, lane_lo, _ = self.dq_chunks[c]
-            acc_all = tdQ_chunks[c][(None, None), 0, 0]
-            chunk_layout = cute.composition(acc_all.layout, cute.make_layout((MMA_M, DQT_ROWS)))
-            atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQT_ROWS)), Float32)
-            chunk0 = cute.make_tensor(acc_all.iterator, chunk_layout)
-            thr = tcgen05.make_tmem_copy(atom, chunk0).get_slice(tidx)
-            src0 = thr.partition_S(chunk0)
-            r_shape = thr.partition_D(cute.make_identity_tensor((MMA_M, DQT_ROWS))).shape
+            thr, src0, r_shape = tmem_chunk_copy(tdQ_chunks[c], MMA_M, DQT_ROWS, tidx)
             col_blk0 = (split * self.dk_cols + first) // DQT_BOX
             for g in cutlass.range_constexpr(groups):
                 k = c * groups + g
                 stage = k % DQ_STAGES
-                r = cute.make_rmem_tensor(r_shape, Float32)
-                cute.copy(thr, cute.make_tensor(src0.iterator + g * DQT_ROWS, src0.layout), r)
-                cute.arch.fence_view_async_tmem_load()
-                if const_expr(k == n_stage - 1):
-                    pipe_dQ.consumer_release(dq_state)
-                if warp == 0:
-                    cute.arch.cp_async_bulk_wait_group(DQ_STAGES - 1, read=True)
-                bar_reduce.arrive_and_wait()
+                r = self.load_stage(thr, cute.make_tensor(src0.iterator + g * DQT_ROWS, src0.layout), r_shape,
+                                    k == n_stage - 1, pipe_dQ, dq_state, warp, bar_reduce)
                 if tidx >= lane_lo:
                     for q in cutlass.range_constexpr(DQT_ROWS):
                         sdQ[q, col, DQT_BOXES * stage + box] = r[q]
