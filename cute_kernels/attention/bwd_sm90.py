@@ -211,9 +211,12 @@ class FlashBwdSm90:
         # Issue dQ = dS K before dK += dS^T Q and stage dQ while the dK GEMM runs (tile_m 64; at tile_m
         # 128 the live dQ accumulator spills). Not in deterministic mode, where it measured no faster.
         self.dq_before_dk = self.tile_m == 64 and not cfg.deterministic and not self.wide
-        # Note [staged dK / dV epilogue]: dense (not varlen: a TMA box would cross into the next sequence),
-        # not the group split (fp32 partials), the d <= 128 schedule.
-        self.kv_tma_store = not cfg.varlen and not self.split and not self.wide
+        # Note [staged dK / dV epilogue]: dense (not varlen: a TMA box would cross into the next sequence)
+        # MHA without a window, the d <= 128 schedule: where it was measured faster (MHA at short S, few
+        # query tiles per CTA) and compiles spill-free (with a window or GQA, 10 of those configs spilled
+        # 8 bytes in the main loop; GQA measured 0.98-1.04x with it).
+        self.kv_tma_store = (not cfg.varlen and not self.split and not self.wide and not cfg.has_window
+                             and cfg.qhead_per_kvhead == 1)
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
