@@ -212,11 +212,11 @@ class FlashBwdSm90:
         # 128 the live dQ accumulator spills). Not in deterministic mode, where it measured no faster.
         self.dq_before_dk = self.tile_m == 64 and not cfg.deterministic and not self.wide
         # Note [staged dK / dV epilogue]: dense (not varlen: a TMA box would cross into the next sequence)
-        # MHA without a window, the d <= 128 schedule: where it was measured faster (MHA at short S, few
-        # query tiles per CTA) and compiles spill-free (with a window or GQA, 10 of those configs spilled
-        # 8 bytes in the main loop; GQA measured 0.98-1.04x with it).
+        # MHA without a window or softcap, the d <= 128 schedule: where it was measured faster (MHA at short
+        # S, few query tiles per CTA) and compiles spill-free (with a window, GQA or softcap, 11 of those
+        # configs spilled 8 bytes in the main loop; GQA measured 0.98-1.04x with it).
         self.kv_tma_store = (not cfg.varlen and not self.split and not self.wide and not cfg.has_window
-                             and cfg.qhead_per_kvhead == 1)
+                             and not cfg.has_softcap and cfg.qhead_per_kvhead == 1)
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
