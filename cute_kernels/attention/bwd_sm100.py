@@ -429,12 +429,12 @@ class FlashBwdSm100:
             self.k_offs = [check_operand_aliases([("K / K^T", sK_layout, sKt_layout, False)], TILE_N, MMA_M,
                                                  col_off=h * self.dk_cols + first)
                            for h in range(self.n_split) for first, _, _ in self.dq_chunks]
-            self.q_off = check_operand_aliases([("Q / Q^T", sQ_layout, sQt_layout, False)], tm, self.dk_cols,
-                                               col_off=self.dk_cols * (self.n_split - 1))
-            self.do_off = check_operand_aliases([("dO / dO^T", sdO_layout, sdOt_layout, False)], tm,
-                                                self.dv_cols, col_off=self.dv_cols * (self.n_split - 1))
-            check_operand_aliases([("Q / Q^T", sQ_layout, sQt_layout, False)], tm, self.dk_cols)
-            check_operand_aliases([("dO / dO^T", sdO_layout, sdOt_layout, False)], tm, self.dv_cols)
+            # every slice's view (slice 0 at offset 0); q_off / do_off: the start of the last slice
+            self.q_off = [check_operand_aliases([("Q / Q^T", sQ_layout, sQt_layout, False)], tm, self.dk_cols,
+                                                col_off=h * self.dk_cols) for h in range(self.n_split)][-1]
+            self.do_off = [check_operand_aliases([("dO / dO^T", sdO_layout, sdOt_layout, False)], tm,
+                                                 self.dv_cols, col_off=h * self.dv_cols)
+                           for h in range(self.n_split)][-1]
         else:
             check_operand_aliases([("K / K^T", sK_layout, sKt_layout, False),
                                    ("Q / Q^T", sQ_layout, sQt_layout, False),

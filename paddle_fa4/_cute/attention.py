@@ -8,6 +8,8 @@ cutlass.
 
 from __future__ import annotations
 
+import sys
+
 from .. import _bridge
 from .._bridge import (arch_of, commit_output, kernel_arg, kernel_input, require_aligned, require_contiguous,
                        stage_output)
@@ -22,24 +24,20 @@ KERNEL_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192
 KERNEL_DTYPES = ("bfloat16", "float16")
 
 
-_LOADED: dict = {}  # launcher modules imported so far (looked up on every call)
-
-
 def _import_launcher(module: str):
-    """The launcher module, or None when it is not part of this install yet."""
-    found = _LOADED.get(module)
+    """The launcher module, or None when it is not part of this install yet (looked up on every call:
+    an imported module comes straight from ``sys.modules``)."""
+    found = sys.modules.get(module)
     if found is not None:
         return found
     import importlib
 
     try:
-        found = importlib.import_module(module)
+        return importlib.import_module(module)
     except ModuleNotFoundError as err:
         if err.name in (module, "cute_kernels.attention"):
             return None
         raise
-    _LOADED[module] = found
-    return found
 
 
 def _launch():
