@@ -219,8 +219,8 @@ def test_deterministic(dims):
                    fa4=dims in NARROW)
 
 
-def _det_runs(deterministic, n=3, dims=(128, 128), mask="none"):
-    q, k, v = make_qkv_dv(1, 512, 4096, 4, 2, dims, seed=11)
+def _det_runs(deterministic, n=3, dims=(128, 128), mask="none", hkv=2):
+    q, k, v = make_qkv_dv(1, 512, 4096, 4, hkv, dims, seed=11)
     do = torch.randn(*q.shape[:-1], dims[1], device="cuda", dtype=q.dtype)
     causal = mask == "causal"
     window = (700, 100) if mask == "window" else (-1, -1)
@@ -233,6 +233,17 @@ def _det_runs(deterministic, n=3, dims=(128, 128), mask="none"):
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_deterministic_bitwise(dims, mask):
     runs = _det_runs(True, 3, dims=dims, mask=mask)
+    for r in runs[1:]:
+        for a, b_ in zip(runs[0], r):
+            assert torch.equal(a, b_), "deterministic backward differs between runs"
+
+
+@dims_params([(64, 64), (128, 128)])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_deterministic_bitwise_mha(dims, mask):
+    """MHA without a window: the kernel that stores dK / dV through shared memory and TMA
+    (bwd_sm90's Note [staged dK / dV epilogue]); the GQA cases above take the direct stores."""
+    runs = _det_runs(True, 3, dims=dims, mask=mask, hkv=4)
     for r in runs[1:]:
         for a, b_ in zip(runs[0], r):
             assert torch.equal(a, b_), "deterministic backward differs between runs"
