@@ -12,6 +12,9 @@ visited: the caller passes dk / dv zero-filled.
     WG 0, warp 0   producer: K, V of the block once; per step (pair x head chunk) the tile's Q and dO
                    rows (one TMA box of GC head rows per tile query each; queries past S repeat the
                    last one, whose columns are masked) into stage step % 4
+    WG 0, warp 1   row producer (Note [row facts in shared memory]): per step the 64 rows' lse (log2
+                   units), delta and key limit into the same stage, then its arrival on the stage's
+                   full barrier (which counts it next to the TMA bytes)
     WG 1, WG 2     Note [two pair streams]: WG w takes the steps of parity w - 1 (stages w - 1,
                    w + 1): S^T = K Q^T and dP^T = V dO^T (wgmma m64n64, keys as M: Note [keys as the M
                    dimension] in indexed/bwd_dkdv_sm90.py), P^T, dV += P^T dO, dS^T = P^T (dP^T - delta),
@@ -33,6 +36,14 @@ MIN_SEGMENT_PAIRS); the others exit. With nseg > 1, segment k waits until the bl
 ``dk_part`` / ``dv_part`` hold for the block's rows, and stores the sum there and bumps the counter,
 or (k = nseg - 1) writes dK * scale and dV. A segment waits only on the previous one, a lower
 blockIdx.x, launched before it. The order of every sum is fixed by the plan: bitwise reproducible.
+
+Note [row facts in shared memory]: each step needs, per tile row, lse, delta and which of the block's
+keys the row sees; read by the consumers from global memory (two dependent loads: the pair's tile and
+selection bits, then the rows' limits and lse), their latency stood in the step's critical path
+(ncu, 16K GQA: ~20 % of warp samples waited on those loads). Warp 1, idle otherwise, loads them up to
+STAGES steps ahead and stores ``lse * log2(e)``, ``delta`` and ``lim`` (keys [0, lim) of the block are
+seen; 0 for a row that does not count) into the stage, and the consumers read shared memory after
+the stage's wait.
 
 Columns (tile rows) of S^T are masked per pair: a column counts iff it is a real row (not past the
 tile's queries, not one of the 64 - WQ * GC idle rows, which are zeroed once so that 0 * row stays 0)
@@ -58,13 +69,15 @@ from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage, smem_tensor
 from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
 STAGES = 4  # Q / dO row stages: 2 per consumer WG (Note [two pair streams])
-# setmaxnreg split over 384 threads: 128 * (24 + 2 * 240) <= 64K.
+# setmaxnreg split over 384 threads: 24 + 2 * 240 = 3 * 168, the registers the launch gives each thread
+# (an increase past what the CTA holds never returns).
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 REDUCE_BARRIER = 1  # both consumer WGs, around the exchange of their dK / dV partials and the segment turn
 # Note [key block segments]: a key block's steps are split over up to SEGMENTS CTAs of at least
-# MIN_SEGMENT_PAIRS pairs each.
+# MIN_SEGMENT_PAIRS pairs each (64 over 32: fewer segment turns at the GQA shape, measured in
+# docs/benchmarks.md, "Block-sparse attention", Run AB).
 SEGMENTS = 8
-MIN_SEGMENT_PAIRS = 32
+MIN_SEGMENT_PAIRS = 64
 
 
 class BlockSparseBwdDKDVSm90(BlockSparseSm90):
@@ -72,7 +85,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
     def smem_bytes(cfg: BwdConfig) -> int:
         rows = STAGES * TILE_M * (cfg.head_dim + cfg.head_dim_v) * 2
         kv = BLOCK_SIZE * (cfg.head_dim + cfg.head_dim_v) * 2
-        return rows + kv + 5 * 1024 + 8 * (2 + 2 * STAGES)
+        return rows + kv + 5 * 1024 + 8 * (2 + 2 * STAGES) + 12 * TILE_M * STAGES + 32
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -90,8 +103,9 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         tma_atom_V, tma_V = self.kv_tma(mV, sV_layout, self.dv)
         self.tx_bytes_kv = self.tile_n * (self.dk + self.dv) * 2
         self.tx_bytes_rows = self.wq * self.gc * (self.dk + self.dv) * 2
-        self.shared_storage = shared_storage(self.dtype, {"mbar_kv": 1, "mbar_rows": 2 * STAGES}, sQ=sQ_layout,
-                                             sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
+        words = {"row_f": (Float32, 2 * TILE_M * STAGES), "row_lim": (Int32, TILE_M * STAGES)}
+        self.shared_storage = shared_storage(self.dtype, {"mbar_kv": 1, "mbar_rows": 2 * STAGES}, words,
+                                             sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
         grid = (mKeyStart.shape[1] * SEGMENTS, mK.shape[2], mQ.shape[0])
         atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V)
         plan = (mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot)
@@ -109,6 +123,9 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
         warp_idx, tidx, storage = self.allocate(atoms)
         sQ, sdO, sK, sV = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
+        # (row, lse | delta, stage) and (row, stage): Note [row facts in shared memory]
+        sRowF = cute.make_tensor(storage.row_f.data_ptr(), cute.make_layout((TILE_M, 2, STAGES)))
+        sRowLim = cute.make_tensor(storage.row_lim.data_ptr(), cute.make_layout((TILE_M, STAGES)))
         # Idle rows (past WQ * GC) are never loaded: zero them once (0 * row must stay 0).
         used = self.wq * self.gc
         if const_expr(used < TILE_M):
@@ -123,7 +140,9 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         if tidx == 0:
             cute.arch.mbarrier_init(mbar_kv, 1)
         cute.arch.mbarrier_init_fence()
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # Full barrier: the TMA warp's arrive-and-expect-tx and the row producer's arrival (Note [row facts
+        # in shared memory]).
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG // 32)  # one WG per stage
         pipeline_rows = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_rows.data_ptr(), num_stages=STAGES, producer_group=producer,
@@ -148,11 +167,13 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                 if warp_idx == 0:
                     self.load(mQ, mdO, mK, mV, mKeyTile, sK, sV, atoms, rows_q, rows_do, storage.sQ.data_ptr(),
                               storage.sdO.data_ptr(), mbar_kv, pipeline_rows, blk)
+                elif warp_idx == 1:
+                    self.load_rows(mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, sRowF, sRowLim,
+                                   pipeline_rows, blk)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                self.consume(mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, outs, sQ, sdO, sK, sV,
-                             mbar_kv, pipeline_rows, blk, warp_idx // 4 - 1, tidx % THREADS_PER_WG, softmax_scale,
-                             storage.sQ.data_ptr())
+                self.consume(outs, sQ, sdO, sK, sV, sRowF, sRowLim, mbar_kv, pipeline_rows, blk, warp_idx // 4 - 1,
+                             tidx % THREADS_PER_WG, softmax_scale, storage.sQ.data_ptr())
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -187,10 +208,40 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                     cute.copy(atom, tG, tS, tma_bar_ptr=bar)
             state.advance()
 
+    @cute.jit
+    def load_rows(self, mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, sRowF, sRowLim, pipeline_rows, blk):
+        """Warp 1: per step, each lane's two tile rows' facts into the step's stage (Note [row facts in
+        shared memory]); rows that do not count (idle rows past WQ * GC, queries past S, queries that did
+        not select the block) get lim 0 and lse = delta = 0 (finite: 0 * delta stays 0)."""
+        lane = cute.arch.lane_idx()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        for i in cutlass.range((blk.p1 - blk.p0) * self.chunks, unroll=1):
+            p = blk.p0 + i // self.chunks
+            w = mKeyTile[p]
+            bits = mTileMask[blk.s, w, mKeySlot[p]]
+            head0 = blk.h * self.cfg.group + (i % self.chunks) * self.gc
+            pipeline_rows.sync_object_empty.wait(state.index, state.phase)
+            for rr in cutlass.range_constexpr(TILE_M // 32):
+                row = lane + 32 * rr
+                qi = row // self.gc
+                q = w * self.wq + qi
+                t = cutlass.min(q, blk.seqlen - 1)
+                head = head0 + row - qi * self.gc  # < h * G + G also for idle rows: every load in bounds
+                live = row < self.wq * self.gc and q < blk.seqlen
+                live = live and ((bits >> qi) & 1) != 0
+                limit = cutlass.min(cutlass.max(mQLimit[blk.b, t] - blk.start, 0), self.tile_n)
+                sRowLim[row, state.index] = limit if live else Int32(0)
+                sRowF[row, 0, state.index] = mLSE[blk.b, head, t] * LOG2_E if live else Float32(0.0)
+                sRowF[row, 1, state.index] = mDelta[blk.b, head, t] if live else Float32(0.0)
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(pipeline_rows.producer_get_barrier(state))
+            state.advance()
+
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, outs, sQ, sdO, sK, sV, mbar_kv,
-                pipeline_rows, blk, wg: Int32, ctidx: Int32, softmax_scale: Float32, red_base):
+    def consume(self, outs, sQ, sdO, sK, sV, sRowF, sRowLim, mbar_kv, pipeline_rows, blk, wg: Int32, ctidx: Int32,
+                softmax_scale: Float32, red_base):
         """Consumer WG ``wg`` takes steps wg, wg + 2, ... of the segment (stages wg, wg + 2 of the 4) and
         sums its own dK / dV; then the two partials meet in shared memory (Note [two pair streams]) and
         the segments' sums in global memory (Note [key block segments])."""
@@ -215,29 +266,27 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         tScS_mn = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_n, TILE_M))))
-        ctx = SimpleNamespace(key=[blk.start + tScS_mn[i, 0][0] for i in range(2)], thr_col=tScS_mn[0, 0][1],
+        ctx = SimpleNamespace(key=[tScS_mn[i, 0][0] for i in range(2)], thr_col=tScS_mn[0, 0][1],
                               cols=sm90_thread0_cols(TILE_M), scale_log2=softmax_scale * LOG2_E,
-                              mLSE=mLSE, mDelta=mDelta, mTileMask=mTileMask, mQLimit=mQLimit, mKeyTile=mKeyTile,
-                              mKeySlot=mKeySlot, blk=blk)
-        ctx.qi_packed = self.pack_column_queries(ctx)
+                              sRowF=sRowF, sRowLim=sRowLim, blk=blk)
         cute.arch.mbarrier_wait(mbar_kv, 0)
         n = (blk.p1 - blk.p0) * self.chunks
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         if wg == 1:
             state.advance()
         for j in cutlass.range((n - wg + 1) // 2, unroll=1):
-            i = 2 * j + wg
-            col = self.columns(ctx, i)
             acc_S = cute.make_rmem_tensor(acc_shape, Float32)
             acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
             pipeline_rows.consumer_wait(state)
             self.gemm(mma_s, acc_S, tSrK, tSrQ[None, None, None, state.index], True, -1)
-            self.gemm(mma_s, acc_dP, tSrV, tSrdO[None, None, None, state.index], True, 1)
+            self.gemm(mma_s, acc_dP, tSrV, tSrdO[None, None, None, state.index], True, -1)
+            col = self.columns(ctx, state.index)  # while the two GEMMs run
+            warpgroup.wait_group(1)
             acc_S_mn = acc_mn_view(acc_S)
             self.probs(ctx, acc_S_mn, col)
             convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
             self.gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, 1)  # dP done
-            delta = self.deltas(ctx, i)
+            delta = self.deltas(ctx, state.index)
             acc_dP_mn = acc_mn_view(acc_dP)
             for k in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -314,60 +363,29 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             warpgroup.wait_group(wait)
 
     @cute.jit
-    def columns(self, ctx, i: Int32):
-        """Per register column (a tile row) of step ``i``: which of this thread's two keys the column
-        keeps (bit c + 16 k of ``keep``: the column counts and key k < its query's limit; one register
-        instead of 16 limits) and lse in log2 units (delta: ``deltas``, loaded later so that it is not
-        live across the S^T / P^T part)."""
-        blk = ctx.blk
-        p = blk.p0 + i // self.chunks
-        w = ctx.mKeyTile[p]
-        bits = ctx.mTileMask[blk.s, w, ctx.mKeySlot[p]]
+    def columns(self, ctx, stage: Int32):
+        """Per register column (a tile row) of the step in ``stage``: which of this thread's two keys the
+        column keeps (bit c + 16 k of ``keep``: key k < the row's ``lim``, Note [row facts in shared
+        memory]; one register instead of 16 limits) and lse in log2 units."""
         ncol = len(ctx.cols)
         assert ncol <= 16
         col = SimpleNamespace(keep=Int32(0), lse=cute.make_rmem_tensor((ncol,), Float32))
         for c in cutlass.range_constexpr(ncol):
-            row, qi, t, head = self.column_row(ctx, i, w, c)
-            live = row < self.wq * self.gc and w * self.wq + qi < blk.seqlen
-            live = live and ((bits >> qi) & 1) != 0
-            limit = ctx.mQLimit[blk.b, t] if live else Int32(0)
+            row = ctx.thr_col + ctx.cols[c]
+            lim = ctx.sRowLim[row, stage]
             for k in cutlass.range_constexpr(2):
-                if ctx.key[k] < limit:
+                if ctx.key[k] < lim:
                     col.keep = col.keep | Int32(1 << (c + 16 * k))
-            col.lse[c] = ctx.mLSE[blk.b, head, t] * LOG2_E
+            col.lse[c] = ctx.sRowF[row, 0, stage]
         return col
 
     @cute.jit
-    def deltas(self, ctx, i: Int32):
-        """delta of each register column of step ``i`` (as ``columns``)."""
-        w = ctx.mKeyTile[ctx.blk.p0 + i // self.chunks]
+    def deltas(self, ctx, stage: Int32):
+        """delta of each register column of the step in ``stage`` (as ``columns``)."""
         delta = cute.make_rmem_tensor((len(ctx.cols),), Float32)
         for c in cutlass.range_constexpr(len(ctx.cols)):
-            _, _, t, head = self.column_row(ctx, i, w, c)
-            delta[c] = ctx.mDelta[ctx.blk.b, head, t]
+            delta[c] = ctx.sRowF[ctx.thr_col + ctx.cols[c], 1, stage]
         return delta
-
-    def pack_column_queries(self, ctx):
-        """GC not a power of two: the tile query (row // GC, < 64) of each of this thread's 16 register
-        columns, 6 bits each in 4 registers, computed once (16 divisions per step made G 12 spill);
-        None otherwise (a shift)."""
-        if self.gc & (self.gc - 1) == 0:
-            return None
-        packed = [Int32(0) for _ in range(4)]
-        for c in range(len(ctx.cols)):
-            packed[c // 5] = packed[c // 5] | (((ctx.thr_col + ctx.cols[c]) // self.gc) << (6 * (c % 5)))
-        return packed
-
-    def column_row(self, ctx, i, w, c: int):
-        """(tile row, query of the tile, sequence position (clamped), head) of register column c at step i."""
-        row = ctx.thr_col + ctx.cols[c]
-        if ctx.qi_packed is None:
-            qi = row // self.gc
-        else:
-            qi = (ctx.qi_packed[c // 5] >> (6 * (c % 5))) & 63
-        t = cutlass.min(w * self.wq + qi, ctx.blk.seqlen - 1)
-        head = ctx.blk.h * self.cfg.group + (i % self.chunks) * self.gc + row - qi * self.gc
-        return row, qi, t, head
 
     @cute.jit
     def probs(self, ctx, acc_mn, col):

@@ -19,9 +19,11 @@ from .config import BLOCK_SIZE, TILE_M, head_chunk
 THREADS_PER_WG = 128
 
 
-def shared_storage(dtype, mbars: dict, **layouts):
-    """The struct of ``mbars`` (name: count of Int64 barriers) then one 1024-aligned buffer per layout."""
+def shared_storage(dtype, mbars: dict, words: dict | None = None, **layouts):
+    """The struct of ``mbars`` (name: count of Int64 barriers), then ``words`` (name: (Float32 / Int32,
+    count), 16-aligned), then one 1024-aligned buffer per layout."""
     fields = {name: cute.struct.MemRange[Int64, n] for name, n in mbars.items()}
+    fields.update({name: cute.struct.Align[cute.struct.MemRange[t, n], 16] for name, (t, n) in (words or {}).items()})
     fields.update({name: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
                    for name, layout in layouts.items()})
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
