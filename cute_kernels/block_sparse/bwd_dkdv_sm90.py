@@ -40,7 +40,7 @@ blockIdx.x, launched before it. The order of every sum is fixed by the plan: bit
 Note [row facts in shared memory]: each step needs, per tile row, lse, delta and which of the block's
 keys the row sees; read by the consumers from global memory (two dependent loads: the pair's tile and
 selection bits, then the rows' limits and lse), their latency stood in the step's critical path
-(ncu, 16K GQA: ~20 % of warp samples waited on those loads). Warp 1, idle otherwise, loads them up to
+(the profile in docs/benchmarks.md, "Block-sparse attention"). Warp 1, idle otherwise, loads them up to
 STAGES steps ahead and stores ``lse * log2(e)``, ``delta`` and ``lim`` (keys [0, lim) of the block are
 seen; 0 for a row that does not count) into the stage, and the consumers read shared memory after
 the stage's wait.
