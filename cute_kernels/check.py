@@ -4,8 +4,10 @@
 
 For each config prints: kernel, config, compile seconds, registers per thread, spill store/load
 bytes and the dynamic shared memory the launcher requests (vs the arch limit). Exits non-zero when
-any config fails to compile, spills, or asks for more shared memory than the arch has.
-Registers and spills come from ptxas remarks (``remarks{ptx}``) captured from stderr.
+any config fails to compile, spills, asks for more shared memory than the arch has, or has its SM90
+wgmma instructions serialized by ptxas (its "Potential Performance Loss" info, C75xx: the async
+tensor-core pipeline then waits after every wgmma, a silent slowdown no spill count shows).
+Registers, spills and those notes come from ptxas remarks (``remarks{ptx}``) captured from stderr.
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ def _capture_fd2():
             os.close(saved)
             tmp.seek(0)
             box["text"] = tmp.read().decode("utf-8", "replace")
+
+
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized(?: due to)?\s*(?P<why>[^\n']*?)\s*(?:for the function|in the function|$)",
+                         re.M)
+
+
+def serialized_wgmma(text: str) -> list[str]:
+    """The reasons of every ptxas note that it serialized wgmma.mma_async instructions (deduplicated)."""
+    return sorted({m["why"].strip() or "no reason given" for m in _SERIALIZED.finditer(text)})
 
 
 def parse_remarks(text: str) -> list[dict]:
@@ -95,6 +106,8 @@ def check(arch_text: str, kernel: str | None = None, full: bool = False, limit: 
                     problems.append("no ptxas remark captured")
                 if row["spill_bytes"]:
                     problems.append(f"{row['spill_bytes']} spill bytes")
+                for why in serialized_wgmma(box["text"]):
+                    problems.append(f"ptxas serialized wgmma ({why})")
                 if row["smem_bytes"] is not None and row["smem_bytes"] > smem_max:
                     problems.append(f"smem {row['smem_bytes']} > {smem_max}")
                 row["problems"] = problems

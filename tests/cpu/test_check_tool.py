@@ -1,0 +1,33 @@
+"""``cute_kernels.check``'s reading of ptxas remarks: the wgmma-serialization note fails a config.
+
+The sample lines are ptxas output seen on 2026-12-02 (cu12 ptxas through cutlass-dsl 4.8.1): the first
+from a block-sparse dK/dV variant that deferred its last wgmma wait (rejected for this reason), the
+second the form ptxas uses for another cause."""
+
+from __future__ import annotations
+
+from cute_kernels import check as C
+
+SERIALIZED = (
+    "remark[ptxas info]: ptxas output: ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async "
+    "instructions are serialized due to insufficient register resources for the function 'kernel_abc'\n"
+    "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+EXTERN = ("ptxas info    : (C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+          "to the presence of Extern calls in the function 'kernel_abc'\n")
+CLEAN = ("ptxas info    : Compiling entry function 'kernel_abc' for 'sm_90a'\n"
+         "ptxas info    : Function properties for kernel_abc\n"
+         "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+         "ptxas info    : Used 168 registers\n")
+
+
+def test_serialized_wgmma_reasons():
+    assert C.serialized_wgmma(SERIALIZED) == ["insufficient register resources"]
+    assert C.serialized_wgmma(EXTERN) == ["the presence of Extern calls"]
+    assert C.serialized_wgmma(SERIALIZED + EXTERN + SERIALIZED) == ["insufficient register resources",
+                                                                   "the presence of Extern calls"]
+
+
+def test_clean_output_has_none_and_still_parses():
+    assert C.serialized_wgmma(CLEAN) == []
+    fns = C.parse_remarks(CLEAN)
+    assert [(f["function"], f["registers"], f["spill_store_bytes"]) for f in fns] == [("kernel_abc", 168, 0)]
