@@ -50,8 +50,8 @@ def _capture_fd2():
             box["text"] = tmp.read().decode("utf-8", "replace")
 
 
-_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized(?: due to)?\s*(?P<why>[^\n']*?)\s*(?:for the function|in the function|$)",
-                         re.M)
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized (?:due to )?(?P<why>.*?)"
+                         r"(?: (?:for|in) the function\b.*)?$", re.M)
 
 
 def serialized_wgmma(text: str) -> list[str]:
