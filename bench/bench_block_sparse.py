@@ -17,6 +17,8 @@ alternating windows for --rounds rounds; median and min-max of the window median
     bs_fwd_bwd        forward + dQ kernel (also writes delta = rowsum(dout * out)) + dK/dV kernel (dk/dv
                       zero-filled)
     bs_dq, bs_dkdv    the dQ kernel, the dK/dV kernel alone (the breakdown of the backward; ms only)
+    bs_dkdv_L<n>      the dK/dV kernel alone with shortest segment n (``--dkdv-min-seg n,...``; Note [key block
+                      segments] in cute_kernels/block_sparse/bwd_dkdv_sm90.py), to size the default
     idx_fwd           indexed_attention forward over blocks_to_indices of the same selection (plan prebuilt)
     idx_b2i_plan_fwd  blocks_to_indices + indexed plan + indexed forward (what the token path costs per layer)
     idx_fwd_bwd       blocks_to_indices + indexed plan + forward + dQ + dK/dV (issue 20's baseline)
@@ -66,7 +68,7 @@ def selection(torch, seqlen: int, kind: str, seed: int = 0):
     return ids, keys
 
 
-def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
+def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str, min_segs=()):
     from cute_kernels.block_sparse.launch import (bwd_config, dkdv_workspace_shapes, fwd_config, run_bwd_dkdv,
                                                   run_bwd_dq, run_fwd)
     from tests.oracles import block_sparse as orc
@@ -116,6 +118,17 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str):
                      ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale)
 
     fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd, "bs_dq": bs_dq, "bs_dkdv": bs_dkdv}
+
+    def dkdv_with(min_seg):
+        def fn():
+            ws["seg_sem"].zero_()
+            run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
+                         plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk,
+                         dv, ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale, min_segment_pairs=min_seg)
+        return fn
+
+    for n in min_segs:
+        fns[f"bs_dkdv_L{n}"] = dkdv_with(n)
     stats = {"keys_per_row": float(keys.mean()), "tile_blocks": float(plan["tile_count"].float().mean()),
              "flops": 4.0 * seqlen * hq * float(keys.mean()) * D}
     from cute_kernels.indexed.config import GROUP_SIZES, window_queries
@@ -167,6 +180,7 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="16K,32K")
     ap.add_argument("--selections", default="local,random")
     ap.add_argument("--shapes", default="gqa,mqa64")
+    ap.add_argument("--dkdv-min-seg", default="", help="also time the dK/dV kernel with these shortest segments")
     add_method_args(ap)
     args = ap.parse_args(argv)
     import torch
@@ -174,11 +188,12 @@ def main(argv=None):
     info = RunInfo(gpu=torch.cuda.get_device_name(), method=method_from_args(args))
     timer = timer_from_args(args)
     rows = []
+    min_segs = [int(x) for x in args.dkdv_min_seg.split(",") if x]
     for shape in args.shapes.split(","):
         hq, hkv = SHAPES[shape]
         for seqlen in (parse_len(x) for x in args.seqlens.split(",")):
             for kind in args.selections.split(","):
-                fns, st = make_fns(torch, seqlen, hq, hkv, kind)
+                fns, st = make_fns(torch, seqlen, hq, hkv, kind, min_segs)
                 res = bench_windows(fns, rounds=args.rounds, timer=timer)
                 row = {"shape": shape, "S": seqlen, "selection": kind, **{k: round(v, 2) for k, v in st.items()}}
                 for name, s in res.items():
@@ -199,6 +214,8 @@ def main(argv=None):
     head = ["shape", "S", "selection", "keys/row", "blocks/tile", "bs_fwd ms (TF/s)", "idx_fwd ms (TF/s)",
             "b2i+plan+idx_fwd ms", "speed-up vs idx_fwd", "vs b2i+plan+idx_fwd", "bs_fwd_bwd ms (TF/s)",
             "idx_fwd_bwd ms (TF/s)", "fwd+bwd speed-up", "bwd dq / dkdv kernels ms"]
+    if min_segs:
+        head.append("dkdv ms by shortest segment")
     lines = ["# Block-sparse attention", "", info.markdown(), "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for r in rows:
@@ -209,11 +226,13 @@ def main(argv=None):
                                         cell("idx_b2i_plan_fwd").split(" ")[0], ratio("idx_fwd"),
                                         ratio("idx_b2i_plan_fwd"), cell("bs_fwd_bwd"), cell("idx_fwd_bwd"),
                                         ratio("idx_fwd_bwd"),
-                                        f"{r.get('bs_dq_ms', '-')} / {r.get('bs_dkdv_ms', '-')}"]) + " |")
-    write_markdown(args.markdown, "\n".join(lines) + "\n")
+                                        f"{r.get('bs_dq_ms', '-')} / {r.get('bs_dkdv_ms', '-')}"]
+                                       + ([", ".join(f"{n}: {r[f'bs_dkdv_L{n}_ms']}" for n in min_segs)]
+                                          if min_segs else [])) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"run": info.as_dict(), "rows": rows}, f, indent=1)
+    write_markdown(args.markdown, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

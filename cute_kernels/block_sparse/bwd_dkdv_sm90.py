@@ -12,9 +12,9 @@ visited: the caller passes dk / dv zero-filled.
     WG 0, warp 0   producer: K, V of the block once; per step (pair x head chunk) the tile's Q and dO
                    rows (one TMA box of GC head rows per tile query each; queries past S repeat the
                    last one, whose columns are masked) into stage step % 4
-    WG 0, warp 1   row producer (Note [row facts in shared memory]): per step the 64 rows' lse (log2
-                   units), delta and key limit into the same stage, then its arrival on the stage's
-                   full barrier (which counts it next to the TMA bytes)
+    WG 0, warps 1-2 row producers (Note [row facts in shared memory]), one step each in turn: the 64
+                   rows' lse (log2 units), delta and key limit into the step's stage, then its arrival
+                   on the stage's full barrier (which counts it next to the TMA bytes)
     WG 1, WG 2     Note [two pair streams]: WG w takes the steps of parity w - 1 (stages w - 1,
                    w + 1): S^T = K Q^T and dP^T = V dO^T (wgmma m64n64, keys as M: Note [keys as the M
                    dimension] in indexed/bwd_dkdv_sm90.py), P^T, dV += P^T dO, dS^T = P^T (dP^T - delta),
@@ -30,8 +30,9 @@ that only the plan decides: bitwise reproducible, no atomics, one write per elem
 Note [key block segments]: selections are skewed (an early block is listed by many more query tiles
 than a late one: ~5x the mean for block 0 of a causal 16K selection; MQA 64 has one CTA per block
 and kv head, 256 at 16K), so one CTA per key block ends the grid on a tail. Block r's n pairs go
-to CTAs x = r * SEGMENTS + k, k < nseg, nseg = ceil(n / L), L = max(ceil(n / SEGMENTS),
-MIN_SEGMENT_PAIRS); the others exit. With nseg > 1, segment k waits until the block's counter
+to CTAs x = r * SEGMENTS + k, k < nseg: with L0 = max(ceil(n / SEGMENTS), min_seg) (``min_seg``, a
+runtime argument, ``launch.default_min_segment_pairs``), the segment length is L = ceil(n / ceil(n / L0))
+(segments of one block differ by at most one pair) and nseg = ceil(n / L); the others exit. With nseg > 1, segment k waits until the block's counter
 ``seg_sem[s, r, h]`` (zeroed by the caller) equals k, adds the fp32 sum of segments 0 .. k - 1 that
 ``dk_part`` / ``dv_part`` hold for the block's rows, and stores the sum there and bumps the counter,
 or (k = nseg - 1) writes dK * scale and dV. A segment waits only on the previous one, a lower
@@ -40,10 +41,26 @@ blockIdx.x, launched before it. The order of every sum is fixed by the plan: bit
 Note [row facts in shared memory]: each step needs, per tile row, lse, delta and which of the block's
 keys the row sees; read by the consumers from global memory (two dependent loads: the pair's tile and
 selection bits, then the rows' limits and lse), their latency stood in the step's critical path
-(the profile in docs/benchmarks.md, "Block-sparse attention"). Warp 1, idle otherwise, loads them up to
-STAGES steps ahead and stores ``lse * log2(e)``, ``delta`` and ``lim`` (keys [0, lim) of the block are
-seen; 0 for a row that does not count) into the stage, and the consumers read shared memory after
-the stage's wait.
+(the profile in docs/benchmarks.md, "Block-sparse attention"). Warps 1 and 2 of the producer warpgroup,
+idle otherwise, load them up to STAGES steps ahead and store ``lse * log2(e)``, ``delta`` and ``lim`` (keys
+[0, lim) of the block are seen; 0 for a row that does not count) into the stage, and the consumers read
+shared memory after the stage's wait. With one row warp its per-step chain of dependent global loads
+(pair -> tile -> rows) bounded the step rate, and the consumers waited on the stages' full barriers for
+46 % of their samples (ncu, 2026-12-03); so two warps take the steps in turn, one per consumer WG
+(Note [row warps and parity waits]; issuing a step's rows' loads before its stage's wait as well spilled
+in the 24 registers a producer thread has), and the TMA warp loads the next step's tile index one step
+ahead.
+
+Note [row warps and parity waits]: an mbarrier wait names a phase by its parity only, so a producer's
+wait for round r of a stage also passes when only round r - 2 has completed. One producer walking the
+steps in order never gets that far ahead; row warps that skip each other's steps can. With ROW_WARPS = 2
+warp w takes the steps of parity w, i.e. exactly those of consumer WG w (Note [two pair streams]): at
+step j it has seen step j - 6 released (its wait for step j - 2), and WG w releases its steps in order,
+so j - 8 -- round r - 1 of j's stage -- is released as well and the wait for round r cannot alias. (Three
+row warps would not have that: a warp at step j knows only of j - 7 and j - 10, so round r - 1 may be
+open, round r - 2 done, and the wait passes while j - 8's row facts are still read -- the first version
+did that, and the H200 tests caught it: MQA 64 dK / dV differed between runs, then a launch failure.
+Waiting for round r - 1 first fixed it but spilled in the producers' 24 registers.)
 
 Columns (tile rows) of S^T are masked per pair: a column counts iff it is a real row (not past the
 tile's queries, not one of the 64 - WQ * GC idle rows, which are zeroed once so that 0 * row stays 0)
@@ -69,15 +86,16 @@ from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage, smem_tensor
 from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
 STAGES = 4  # Q / dO row stages: 2 per consumer WG (Note [two pair streams])
-# setmaxnreg split over 384 threads: 24 + 2 * 240 = 3 * 168, the registers the launch gives each thread
-# (an increase past what the CTA holds never returns).
-PRODUCER_REGS, CONSUMER_REGS = 24, 240
+# setmaxnreg split (producer WG, each consumer WG) over 384 threads: p + 2 c <= 3 * 168, the registers the
+# launch gives each thread (an increase past what the CTA holds never returns). Head dims <= 64 need fewer
+# consumer registers (64-column dK / dV partials) and the three row-producer warps spill in 24.
+def regs(head_dim: int) -> tuple[int, int]:
+    return (24, 240) if head_dim > 64 else (56, 224)
 REDUCE_BARRIER = 1  # both consumer WGs, around the exchange of their dK / dV partials and the segment turn
 # Note [key block segments]: a key block's steps are split over up to SEGMENTS CTAs of at least
-# MIN_SEGMENT_PAIRS pairs each (64 over 32: fewer segment turns at the GQA shape, measured in
-# docs/benchmarks.md, "Block-sparse attention", Run AB).
+# ``min_seg`` pairs each (a kernel argument; the launcher's default in ``launch.default_min_segment_pairs``).
 SEGMENTS = 8
-MIN_SEGMENT_PAIRS = 64
+ROW_WARPS = 2  # warps 1, 2 of the producer warpgroup take turns as row producers (Note [row warps and parity waits])
 
 
 class BlockSparseBwdDKDVSm90(BlockSparseSm90):
@@ -92,7 +110,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                  mDelta: cute.Tensor, mTileMask: cute.Tensor, mQLimit: cute.Tensor, mKeyStart: cute.Tensor,
                  mKeyEnd: cute.Tensor, mKeyCount: cute.Tensor, mKeyPtr: cute.Tensor, mKeyTile: cute.Tensor,
                  mKeySlot: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdKpart: cute.Tensor,
-                 mdVpart: cute.Tensor, mSegSem: cute.Tensor, softmax_scale: Float32, stream):
+                 mdVpart: cute.Tensor, mSegSem: cute.Tensor, softmax_scale: Float32, min_seg: Int32, stream):
         sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, STAGES))
         sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, STAGES))
         sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk))
@@ -110,7 +128,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V)
         plan = (mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot)
         self.kernel(tma_Q, tma_dO, tma_K, tma_V, mLSE, mDelta, plan, (mdK, mdV, mdKpart, mdVpart, mSegSem), atoms, sQ_layout, sdO_layout,
-                    sK_layout, sV_layout, rows_q, rows_do, softmax_scale).launch(
+                    sK_layout, sV_layout, rows_q, rows_do, softmax_scale, min_seg).launch(
             grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
 
@@ -119,7 +137,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                mDelta: cute.Tensor, plan: tuple, outs: tuple, atoms: tuple,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout,
-               softmax_scale: Float32):
+               softmax_scale: Float32, min_seg: Int32):
         mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
         warp_idx, tidx, storage = self.allocate(atoms)
         sQ, sdO, sK, sV = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
@@ -156,22 +174,26 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         kcap = mKeyStart.shape[1]
         # Note [key block segments]: this CTA's pairs of key block r.
         p0, p1 = mKeyPtr[s * kcap + r], mKeyPtr[s * kcap + r + 1]
-        seg_len = cutlass.max((p1 - p0 + SEGMENTS - 1) // SEGMENTS, MIN_SEGMENT_PAIRS)
-        nseg = (p1 - p0 + seg_len - 1) // seg_len
+        n_pairs = p1 - p0
+        seg_len = cutlass.max((n_pairs + SEGMENTS - 1) // SEGMENTS, cutlass.max(min_seg, 1))
+        nseg = (n_pairs + seg_len - 1) // seg_len
+        # balanced: the block's segment lengths differ by at most one pair (0 pairs: no segment)
+        seg_len = cutlass.max((n_pairs + cutlass.max(nseg, 1) - 1) // cutlass.max(nseg, 1), 1)
+        nseg = (n_pairs + seg_len - 1) // seg_len
         blk = SimpleNamespace(s=s, r=r, h=h, b=b, seqlen=mQ.shape[2], live=r < mKeyCount[s] and seg < nseg,
                               start=mKeyStart[s, r], end=mKeyEnd[s, r], p0=p0 + seg * seg_len,
                               p1=cutlass.min(p1, p0 + (seg + 1) * seg_len), seg=seg, nseg=nseg)
         if blk.live:
             if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                cute.arch.setmaxregister_decrease(regs(self.dk)[0])
                 if warp_idx == 0:
                     self.load(mQ, mdO, mK, mV, mKeyTile, sK, sV, atoms, rows_q, rows_do, storage.sQ.data_ptr(),
                               storage.sdO.data_ptr(), mbar_kv, pipeline_rows, blk)
-                elif warp_idx == 1:
+                elif warp_idx <= ROW_WARPS:
                     self.load_rows(mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, sRowF, sRowLim,
-                                   pipeline_rows, blk)
+                                   pipeline_rows, blk, warp_idx - 1)
             else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                cute.arch.setmaxregister_increase(regs(self.dk)[1])
                 self.consume(outs, sQ, sdO, sK, sV, sRowF, sRowLim, mbar_kv, pipeline_rows, blk, warp_idx // 4 - 1,
                              tidx % THREADS_PER_WG, softmax_scale, storage.sQ.data_ptr())
 
@@ -189,10 +211,14 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                                cute.group_modes(gX, 0, 2))
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=mbar_kv)
-        # 2. Per (pair, head chunk): the tile's Q and dO rows into the next stage.
+        # 2. Per (pair, head chunk): the tile's Q and dO rows into the next stage. The next step's query
+        # tile is loaded one step ahead (its latency stood in every step; Note [row facts in shared memory]).
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        for i in cutlass.range((blk.p1 - blk.p0) * self.chunks, unroll=1):
-            q0 = mKeyTile[blk.p0 + i // self.chunks] * self.wq
+        n = (blk.p1 - blk.p0) * self.chunks
+        tile = mKeyTile[blk.p0]
+        for i in cutlass.range(n, unroll=1):
+            q0 = tile * self.wq
+            tile = mKeyTile[blk.p0 + cutlass.min(i + 1, n - 1) // self.chunks]
             head0 = blk.h * self.cfg.group + (i % self.chunks) * self.gc
             pipeline_rows.producer_acquire(state)
             bar = pipeline_rows.producer_get_barrier(state)
@@ -209,18 +235,23 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             state.advance()
 
     @cute.jit
-    def load_rows(self, mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, sRowF, sRowLim, pipeline_rows, blk):
-        """Warp 1: per step, each lane's two tile rows' facts into the step's stage (Note [row facts in
-        shared memory]); rows that do not count (idle rows past WQ * GC, queries past S, queries that did
-        not select the block) get lim 0 and lse = delta = 0 (finite: 0 * delta stays 0)."""
+    def load_rows(self, mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, sRowF, sRowLim, pipeline_rows, blk,
+                  wr: Int32):
+        """Row producer warp ``wr`` (0..ROW_WARPS-1, warps 1..ROW_WARPS): steps wr, wr + ROW_WARPS, ...: each lane's
+        two tile rows' facts into the step's stage (Note [row facts in shared memory]); rows that do not count
+        (idle rows past WQ * GC, queries past S, queries that did not select the block) get lim 0 and
+        lse = delta = 0 (finite: 0 * delta stays 0). The warps take turns, so ROW_WARPS steps' chains of
+        global round trips are in flight at once."""
         lane = cute.arch.lane_idx()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        for i in cutlass.range((blk.p1 - blk.p0) * self.chunks, unroll=1):
+        for _ in cutlass.range(wr, unroll=1):
+            state.advance()
+        for i in cutlass.range(wr, (blk.p1 - blk.p0) * self.chunks, ROW_WARPS, unroll=1):
             p = blk.p0 + i // self.chunks
             w = mKeyTile[p]
             bits = mTileMask[blk.s, w, mKeySlot[p]]
             head0 = blk.h * self.cfg.group + (i % self.chunks) * self.gc
-            pipeline_rows.sync_object_empty.wait(state.index, state.phase)
+            pipeline_rows.sync_object_empty.wait(state.index, state.phase)  # Note [row warps and parity waits]
             for rr in cutlass.range_constexpr(TILE_M // 32):
                 row = lane + 32 * rr
                 qi = row // self.gc
@@ -236,7 +267,8 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(pipeline_rows.producer_get_barrier(state))
-            state.advance()
+            for _ in cutlass.range_constexpr(ROW_WARPS):
+                state.advance()
 
     # ------------------------------------------------------------------ consumers
     @cute.jit

@@ -116,7 +116,7 @@ def compile_bwd_dkdv(cfg: BwdConfig):
                         ints(ns, nqt, cap), ints(b, s), ints(ns, kcap), ints(ns, kcap), ints(ns), ints(kp),
                         ints(np_), ints(np_), kv(cfg.head_dim), kv(cfg.head_dim_v),
                         fake_tensor(f32, (b, s, hkv, cfg.head_dim)), fake_tensor(f32, (b, s, hkv, cfg.head_dim_v)),
-                        ints(ns, kcap, hkv), f32(1.0), fake_stream(), options=arch_options(cfg.arch))
+                        ints(ns, kcap, hkv), f32(1.0), i32(1), fake_stream(), options=arch_options(cfg.arch))
 
 
 def dkdv_workspace_shapes(k, v, key_start) -> dict:
@@ -128,14 +128,36 @@ def dkdv_workspace_shapes(k, v, key_start) -> dict:
             "seg_sem": ([int(key_start.shape[0]), int(key_start.shape[1]), hkv], "int32", True)}
 
 
+#: Default shortest segment of a key block's (query tile, slot) pairs (Note [key block segments] in
+#: bwd_dkdv_sm90.py). H200, 2026-12-03 (docs/benchmarks.md, "Block-sparse attention", Run AC), the dK/dV
+#: kernel alone, 256 against 64 / 128 / unsplit: GQA 32/4 16K local 1.10 ms (1.19 / 1.16 / 1.28), 16K random
+#: 4.28 (4.73 / 4.77 / 4.30), 64K local 5.19 (5.73 / 5.59 / 5.32), MQA 64 16K 2.29 (2.35 / 2.33 / 3.49: one
+#: CTA per key block leaves SMs idle). Best at every shape measured, so no shape-dependent rule yet.
+MIN_SEGMENT_PAIRS = 256
+
+
+def default_min_segment_pairs(batch: int, num_kv_heads: int, key_blocks: int) -> int:
+    """The dK/dV kernel's shortest segment for a launch of ``batch x num_kv_heads x key_blocks`` key blocks
+    (the arguments are what a shape-dependent rule would use; today one value was best everywhere)."""
+    return MIN_SEGMENT_PAIRS
+
+
 def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, key_start, key_end, key_count,
-                 key_ptr, key_tile, key_slot, dk, dv, dk_part, dv_part, seg_sem, softmax_scale: float) -> None:
+                 key_ptr, key_tile, key_slot, dk, dv, dk_part, dv_part, seg_sem, softmax_scale: float,
+                 min_segment_pairs: int | None = None) -> None:
     """dk, dv of the selected key blocks' rows; the caller passes them zero-filled (keys no query
-    selects are not written) and the workspace of ``dkdv_workspace_shapes``."""
+    selects are not written) and the workspace of ``dkdv_workspace_shapes``. ``min_segment_pairs``: the
+    shortest segment a heavily listed key block is split into (default ``default_min_segment_pairs``);
+    it changes the summation order of dK / dV (each value is bitwise reproducible), not their meaning."""
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0 or int(key_start.shape[1]) == 0:
         return
+    if min_segment_pairs is None:
+        min_segment_pairs = default_min_segment_pairs(int(q.shape[0]), int(k.shape[2]), int(key_start.shape[1]))
+    if int(min_segment_pairs) < 1:
+        raise ValueError(f"min_segment_pairs must be >= 1, got {min_segment_pairs}")
     compile_bwd_dkdv(cfg)(q, k, v, dout, lse, delta, tile_mask, q_limit, key_start, key_end, key_count, key_ptr,
-                          key_tile, key_slot, dk, dv, dk_part, dv_part, seg_sem, float(softmax_scale))
+                          key_tile, key_slot, dk, dv, dk_part, dv_part, seg_sem, float(softmax_scale),
+                          int(min_segment_pairs))
 
 
 def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,

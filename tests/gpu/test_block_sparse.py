@@ -154,7 +154,7 @@ def test_keys_outside_listed_blocks_never_read():
 # backward
 
 
-def run_bwd(c, dout):
+def run_bwd(c, dout, min_segment_pairs=None):
     from cute_kernels.block_sparse.launch import bwd_config, dkdv_workspace_shapes, run_bwd_dkdv, run_bwd_dq
 
     pn = orc.plan_arrays(c["ids"], BS, c["G"], c["causal"], c["cu"])
@@ -177,7 +177,7 @@ def run_bwd(c, dout):
           for n, (shape, dt, zero) in dkdv_workspace_shapes(k, v, p["key_start"]).items()}
     run_bwd_dkdv(cfg, q, k, v, dout, lse, delta, p["tile_mask"], p["q_limit"], p["key_start"], p["key_end"],
                  p["key_count"], p["key_ptr"], p["key_tile"], p["key_slot"], dk, dv, ws["dk_part"], ws["dv_part"],
-                 ws["seg_sem"], scale)
+                 ws["seg_sem"], scale, min_segment_pairs=min_segment_pairs)
     dsink = None if c["sink"] is None else -(torch.exp(c["sink"][None, :, None] - lse) * delta).sum((0, 2))
     torch.cuda.synchronize()
     return dq, dk, dv, dsink
@@ -245,19 +245,25 @@ def test_backward_deterministic_and_unseen_keys_zero():
 
 @pytest.mark.parametrize("kw", [dict(B=1, S=2048, Hq=16, Hkv=2, D=64, topk=3),
                                 dict(B=1, S=640, Hq=64, Hkv=1, D=128, topk=2)], ids=["gqa8-s2048", "mqa64-s640"])
-def test_backward_key_block_segments(kw):
+@pytest.mark.parametrize("min_seg", [None, 7, 1 << 20], ids=["default", "short", "unsplit"])
+def test_backward_key_block_segments(kw, min_seg):
     """Note [key block segments] in bwd_dkdv_sm90.py: every query also selects block 0, so that block is listed
     by every query tile (several segments summed in turn) and the others by few; oracle gradients and bitwise
-    equality over 3 runs."""
-    from cute_kernels.block_sparse.bwd_dkdv_sm90 import MIN_SEGMENT_PAIRS
+    equality over 3 runs, for the default shortest segment, a short one (every listed block split, up to 8
+    segments) and one that splits nothing."""
+    from cute_kernels.block_sparse.launch import MIN_SEGMENT_PAIRS
 
     c = make_case(8, pad=0.0, dup=0.0, **kw)
     c["ids"][..., -1] = 0
     pn = orc.plan_arrays(c["ids"], BS, c["G"], c["causal"], c["cu"])
-    assert pn["key_ptr"][1] - pn["key_ptr"][0] >= 4 * MIN_SEGMENT_PAIRS  # block 0: at least 4 segments
+    n0 = int(pn["key_ptr"][1] - pn["key_ptr"][0])  # block 0's pairs
+    if min_seg == 7:
+        assert n0 >= 8 * 7  # block 0 in 8 segments (the most a block takes), the others in 1-8
+    elif min_seg is None and kw["Hq"] == 64:
+        assert n0 >= 2 * MIN_SEGMENT_PAIRS  # the default splits block 0 too (640 pairs: 3 segments)
     g = torch.Generator(device="cuda").manual_seed(9)
     dout = torch.randn(c["q"].shape, device="cuda", generator=g).to(c["q"].dtype)
-    runs = [run_bwd(c, dout) for _ in range(3)]
+    runs = [run_bwd(c, dout, min_seg) for _ in range(3)]
     for r in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r[:3], runs[0][:3]))
     mask = orc.token_mask(c["ids"], BS, c["causal"], c["cu"])
