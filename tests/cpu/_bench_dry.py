@@ -123,6 +123,26 @@ def main(name: str, argv: list) -> int:
             return fns, bl, lse, Mat()
 
         mod.selection_fns = selection_fns
+    elif name == "bench_block_sparse":
+        import cute_kernels.block_sparse.launch as BSL
+        import cute_kernels.indexed.launch as IL
+        import cute_kernels.select.launch as SL
+        from tests.oracles import block_sparse as orc
+
+        mod.selection = lambda torch_, seqlen, kind, seed=0: (mock.MagicMock(), mock.MagicMock())
+        plan_names = ("tile_start", "tile_mask", "tile_count", "q_limit", "key_start", "key_end", "key_count",
+                      "key_ptr", "key_tile", "key_slot")
+        orc.plan_arrays = lambda *a, **k: {n: mock.MagicMock() for n in plan_names}
+        for f in ("run_fwd", "run_bwd_dq", "run_bwd_dkdv", "fwd_config", "bwd_config"):
+            setattr(BSL, f, mock.MagicMock(name=f))
+        BSL.dkdv_workspace_shapes = lambda *a: {"dk_part": ([1], "float32", False),
+                                                "dv_part": ([1], "float32", False), "seg_sem": ([1], "int32", True)}
+        for f in ("run_plan", "run_fwd", "run_bwd"):
+            setattr(IL, f, mock.MagicMock(name=f))
+        IL.attn_config = mock.MagicMock(return_value=types.SimpleNamespace(group=8))
+        names = ("win_key", "win_mask", "win_count", "tile_bits", "tile_ptr", "tile_win", "tile_start")
+        IL.plan_shapes = lambda *a: types.SimpleNamespace(_asdict=lambda: {n: 1 for n in names})
+        SL.run_blocks_to_indices = mock.MagicMock()
     elif name == "bench_h2o":
         def fake_op(*a):
             return mock.MagicMock(), mock.MagicMock(), 1 << 20

@@ -101,3 +101,15 @@ def test_bench_bwd_dry(tmp_path):
     assert set(r["ratios"]) == {"ours_over_fa4", "det_over_fa4_det"}
     assert set(out["host_us"]["128/causal"]) == {"ours", "fa4", "ours_det", "fa4_det"}
     assert "ours det / FA4 det" in md and "Host cost per call" in md
+
+
+def test_bench_block_sparse_dry(tmp_path):
+    out, md, windows = dry(tmp_path, "bench_block_sparse", "--seqlens", "16K", "--selections", "local",
+                           "--shapes", "gqa,mqa64", "--dkdv-min-seg", "64,256")
+    rows = out["rows"]
+    assert [(r["shape"], r["S"]) for r in rows] == [("gqa", 16384), ("mqa64", 16384)]
+    names = {n for n, _ in windows}
+    assert {"bs_fwd", "bs_fwd_bwd", "bs_dq", "bs_dkdv", "bs_dkdv_L64", "bs_dkdv_L256"} <= names
+    assert "idx_fwd_bwd_ms" in rows[0] and "idx_fwd_bwd_ms" not in rows[1]  # the token path: GQA only
+    assert "bs_dkdv_L256_ms" in rows[1] and len(rows[0]["speedup_vs_idx_fwd_bwd"]) == 3
+    assert "dkdv ms by shortest segment" in md and "64: " in md and "256: " in md

@@ -53,3 +53,19 @@ def test_unsupported_reason_names_the_case(kw, fragment):
     args.update(kw)
     assert fragment in unsupported_reason(**args)
     assert unsupported_reason(head_dim=128, head_dim_v=128, group=8, dtype="bfloat16", block_size=64) is None
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_dkdv_min_segment_pairs_checked_before_launch(bad, monkeypatch):
+    """A shortest segment below 1 is a ValueError from the launcher, before any compile or launch."""
+    from types import SimpleNamespace
+
+    import cute_kernels.block_sparse.launch as L
+
+    monkeypatch.setattr(L, "compile_bwd_dkdv", lambda cfg: pytest.fail("compiled despite a bad min_segment_pairs"))
+    t = SimpleNamespace(shape=(1, 128, 2, 64))
+    ks = SimpleNamespace(shape=(1, 2))
+    with pytest.raises(ValueError, match="min_segment_pairs"):
+        L.run_bwd_dkdv(None, t, t, t, t, t, t, t, t, ks, ks, ks, ks, ks, ks, t, t, t, t, t, 0.125,
+                       min_segment_pairs=bad)
+    assert L.default_min_segment_pairs(1, 2, 2) == L.MIN_SEGMENT_PAIRS >= 1
