@@ -41,7 +41,8 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan=No
     """``(dq, dk, dv, dsink)``; ``dk`` is the combined latent gradient and ``dv`` None when
     ``spec.latent``; ``dsink`` float32 ``[Hq]`` (None without a sink).
 
-    ``P = exp(s - lse)``, ``D = rowsum(dO * O)``, ``dS = P (dO V^T - D)``; ``dq = scale dS K``,
+    ``P = exp(s - lse)``, ``D = rowsum(P dO V^T)`` (= rowsum(dO * O), free of O's rounding),
+    ``dS = P (dO V^T - D)``; ``dq = scale dS K``,
     ``dk = scale dS^T q`` and ``dv = P^T dO`` added into the selected key rows;
     ``dsink[h] = -sum_rows exp(sink[h] - lse) D``.
     """
@@ -205,13 +206,14 @@ class _Rows:
         """``(dq [rows, Hq, Dk] float32, dsink [Hq] float32 or None)``; key gradients go into ``grads``."""
         spec = self.spec
         q = self._heads(q_rows, spec.Dk)
-        o, do = self._heads(out_rows, spec.Dv), self._heads(dout_rows, spec.Dv)
+        do = self._heads(dout_rows, spec.Dv)  # out_rows is not read: D comes from P and dP
         row_lse = lse_rows.transpose([1, 0]).reshape([self.rows, spec.Hkv, spec.group, 1])
         live = self.keep.unsqueeze(2) & paddle.isfinite(row_lse)
         zero = paddle.zeros([], dtype="float32", device=q.place)
         p = paddle.where(live, paddle.exp(self._scores(q) - row_lse), zero)  # [rows, Hkv, G, W]
-        delta = paddle.sum(do * o, axis=-1, keepdim=True)  # [rows, Hkv, G, 1]
-        ds = p * (paddle.matmul(do, self.v, transpose_y=True) - delta)
+        dp = paddle.matmul(do, self.v, transpose_y=True)
+        delta = paddle.sum(p * dp, axis=-1, keepdim=True)  # [rows, Hkv, G, 1]; see reference/attention.py
+        ds = p * (dp - delta)
         dq = paddle.matmul(ds, self.k) * spec.scale
         grads.add(self.flat_index, paddle.matmul(ds, q, transpose_x=True) * spec.scale,
                   paddle.matmul(p, do, transpose_x=True))

@@ -147,7 +147,8 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
 
     Per sequence and chunk of query rows (each ``[Hq, rows, Sk]`` float32 tile stays under
     :data:`TILE_BYTES` / 4): recompute ``P = exp(s - lse)`` on the visible keys (0 on rows whose
-    lse is -inf), ``D = rowsum(dout * out) - dlse``, ``dP = dout V^T``, ``dS = P (dP - D)``
+    lse is -inf), ``dP = dout V^T``, ``D = rowsum(P dP) - dlse`` (rowsum(dout * out) in exact arithmetic,
+    here free of out's rounding), ``dS = P (dP - D)``
     (times ``1 - tanh^2`` under softcap), then ``dq = scale dS K`` per chunk and
     ``dk += scale dS^T Q``, ``dv += P^T dout`` over the chunks (and the query heads of each kv head)
     in float32, cast once per sequence.
@@ -240,7 +241,10 @@ def _chunk_bwd(spec, dout, q, kf, vf, out, lse, dlse, dk, dv, row0: int, sq: int
     safe_lse = paddle.where(paddle.isfinite(row_lse), row_lse, paddle.zeros_like(row_lse))
     p = paddle.where(live, paddle.exp(s - safe_lse), zero)  # [Hq, rows, Sk]
     dp = paddle.matmul(dof, vf, transpose_y=True).reshape([hq, rows, sk])
-    delta = paddle.sum(dout.astype("float32") * out.astype("float32"), axis=-1).transpose([1, 0])  # [Hq, rows]
+    # D = rowsum(P dP), equal to rowsum(dout * out) in exact arithmetic but taken from the float32 P and dP:
+    # on peaked rows dS = P (dP - D) is far smaller than dP, and the bf16 rounding of out (2^-9 |out|)
+    # would exceed it (docs/api.md, "Gradients of peaked rows"). out is then not read.
+    delta = paddle.sum(p * dp, axis=-1)  # [Hq, rows]
     if dlse is not None:
         delta = delta - dlse
     ds = p * (dp - delta.unsqueeze(-1))

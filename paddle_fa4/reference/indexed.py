@@ -36,7 +36,8 @@ def forward(spec, query, key, value, indices, plan=None):
 def backward(spec, query, key, value, out, lse, dout, indices):
     """``(dq, dk, dv)`` in the inputs' dtypes for upstream gradient ``dout [B, Lq, Hq, D]``.
 
-    ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dq = scale dS K``; ``dk = scale dS^T q``
+    ``dP = dO V^T``, ``dS = P * (dP - rowsum(P dP))`` (rowsum(P dP) = rowsum(dO * O), free of O's rounding),
+    ``dq = scale dS K``; ``dk = scale dS^T q``
     and ``dv = P^T dO`` are added into the selected (valid, distinct) key rows.
     """
     place = query.place
@@ -142,13 +143,13 @@ class _Rows:
     def backward(self, query_rows, out_rows, lse_rows, dout_rows, dk_flat, dv_flat):
         """``(dq [rows, Hq, D] float32, dk_flat, dv_flat)`` with this chunk's key gradients added."""
         q = self._queries(query_rows)
-        o, do = self._queries(out_rows), self._queries(dout_rows)
+        do = self._queries(dout_rows)  # out_rows is not read: D comes from P and dP
         row_lse = lse_rows.transpose([1, 0]).reshape([self.rows, self.spec.Hkv, -1, 1])
         live = self.keep.unsqueeze(2) & paddle.isfinite(row_lse)
         zero = paddle.zeros([], dtype="float32", device=q.place)
         p = paddle.where(live, paddle.exp(self._scores(q) - row_lse), zero)  # [rows, Hkv, G, W]
         dp = paddle.matmul(do, self.v, transpose_y=True)  # [rows, Hkv, G, W]
-        ds = p * (dp - paddle.sum(do * o, axis=-1, keepdim=True))
+        ds = p * (dp - paddle.sum(p * dp, axis=-1, keepdim=True))  # D = rowsum(P dP), as reference/attention.py
         dq = paddle.matmul(ds, self.k) * self.spec.scale
         dk_rows = paddle.matmul(ds, q, transpose_x=True) * self.spec.scale  # [rows, Hkv, W, D]
         dv_rows = paddle.matmul(p, do, transpose_x=True)

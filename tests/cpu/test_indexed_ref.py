@@ -214,3 +214,37 @@ def test_plan_is_accepted_and_ignored_by_reference():
     with_plan = [t.numpy() for t in run(q, k, v, idx, dout, plan=plan)]
     for a, b in zip(base, with_plan):
         np.testing.assert_array_equal(a, b)
+
+
+def test_peaked_rows_bf16():
+    """Every row indexes key 0, an attention sink (~0.99 of its weight), bf16 inputs: the reference's
+    D = rowsum(P dP) keeps dq / dk within 1e-2 of the fp64 gradients, where D from the bf16-rounded out
+    (rowsum(dO * O)) is off by ~1 relative (tests/cpu/test_attention_bwd.py::test_peaked_rows_bf16)."""
+    rng = np.random.default_rng(8)
+    lq = lkv = 128
+    d, w = 64, 24
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    q = rng.standard_normal((1, lq, 2, d))
+    q = q - (q @ u)[..., None] * u + u
+    k = rng.standard_normal((1, lkv, 1, d))
+    k[0, 0, 0] = 12.0 * 8.0 * u  # logit q . k_0 / sqrt(64) = 12 on every row and head
+    v = rng.standard_normal((1, lkv, 1, d))
+    dout = rng.standard_normal((1, lq, 2, d))
+    idx = rng.integers(1, lkv, size=(1, lq, w))
+    idx[..., 0] = 0
+    leaves = []
+    for a in (q, k, v):
+        t = paddle.to_tensor(a.astype(np.float32)).astype("bfloat16")
+        t.stop_gradient = False
+        leaves.append(t)
+    dout_t = paddle.to_tensor(dout.astype(np.float32)).astype("bfloat16")
+    idx_t = paddle.to_tensor(idx.astype(np.int32))
+    out, lse, dq, dk, dv = run(*leaves, idx_t, dout_t)
+    args = [to_numpy64(t) for t in leaves] + [idx]
+    _, lse64 = oracle.forward(*args)
+    assert np.exp(to_numpy64(leaves[0])[0] @ to_numpy64(leaves[1])[0, 0, 0] / 8.0
+                  - to_numpy64(lse64)[0].T).min() > 0.98  # the sink's weight on every row
+    want = oracle.backward(*args, to_numpy64(dout_t))
+    for name, a, e in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert_rel_l2(name, a, e, 1e-2)
