@@ -1,4 +1,7 @@
-"""CuTe backend of :func:`paddle_fa4.block_sparse_attention` (SM90; see ``docs/hysparse.md``).
+"""CuTe backend of :func:`paddle_fa4.block_sparse_attention` (see ``docs/hysparse.md``).
+
+SM90 runs the block-sparse kernels of ``cute_kernels.block_sparse``. SM100 (10.0 / 10.3) has no
+block-sparse kernel yet; there this backend takes the token path (Note [SM100 token path] below).
 
 Contract used by the PyLayer in ``paddle_fa4/block_sparse.py``:
 
@@ -29,16 +32,81 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
         return f"the CuTe block-sparse kernels cannot be imported ({err})"
     from cute_kernels.arch import family
 
+    if family(arch) == 100:
+        return _token_path_reason(arch, spec)
     if family(arch) != 90:
-        return f"no CuTe block-sparse kernel for compute capability {arch} yet (SM90 only)"
+        return f"no CuTe block-sparse kernel for compute capability {arch}"
     if spec.has_sink and spec.scale == 0.0:
         return "softmax_scale 0 with a sink (the kernel folds the sink in units of the scale)"
     return kernel_reason(head_dim=spec.Dk, head_dim_v=spec.Dv, group=spec.group, dtype=spec.dtype,
                          block_size=spec.block_size, latent=spec.latent, backward=needs_grad)
 
 
+# Note [SM100 token path]: until the block-sparse tcgen05 kernels exist, an SM100 call expands the
+# blocks to token index rows (the select kernels' blocks_to_indices) and runs the indexed-attention
+# kernels over them (forward, deterministic key-major backward; both compile for sm_100a / sm_103a).
+# Same keys per row (tests/cpu/test_block_sparse.py: test_equals_indexed_attention_over_blocks_to_indices),
+# as slow as the token path the SM90 kernels replace, but on the GPU's kernels instead of the
+# reference backend. Covered: one document per batch row (block ids are then global), Dk == Dv, no
+# sink, and whatever the indexed and select kernels take; the rest runs the reference ("auto").
+
+
+class _TokenPlan:
+    """What an SM100 forward hands its backward: the token rows, the indexed spec and plan."""
+
+    def __init__(self, tokens, ispec, iplan):
+        self.tokens, self.ispec, self.iplan = tokens, ispec, iplan
+
+
+def _token_path_reason(arch: int, spec) -> str | None:
+    if spec.latent:
+        return f"the absorbed-MLA latent (v=None) on compute capability {arch} (SM100: token path only)"
+    if spec.has_sink:
+        return f"a sink on compute capability {arch} (SM100: token path only, indexed attention has no sink)"
+    if spec.num_docs > 1:
+        return (f"several documents (cu_seqlens) on compute capability {arch} (SM100: token path only, "
+                "blocks_to_indices takes global block ids)")
+    if spec.Dk != spec.Dv:
+        return f"Dk {spec.Dk} != Dv {spec.Dv} on compute capability {arch} (SM100: token path only)"
+    from ._cute import indexed as indexed_glue
+    from ._cute import selection as selection_glue
+
+    reason = selection_glue.indices_unsupported_reason(arch, topk=spec.topk, block_size=spec.block_size)
+    if reason is None:
+        reason = indexed_glue.unsupported_reason(arch, _indexed_spec(spec))
+    return None if reason is None else f"SM100 token path: {reason}"
+
+
+def _indexed_spec(spec):
+    from .indexed import IndexedSpec
+
+    return IndexedSpec(B=spec.B, Lq=spec.S, Lkv=spec.S, Hq=spec.Hq, Hkv=spec.Hkv, D=spec.Dk,
+                       W=spec.topk * spec.block_size, per_kv_head=spec.per_kv_head, scale=spec.scale,
+                       dtype=spec.dtype)
+
+
+def _token_forward(spec, q, k, v, block_ids):
+    import paddle
+
+    from ._cute import indexed as indexed_glue
+    from ._cute import selection as selection_glue
+
+    ids = kernel_input(block_ids if spec.per_kv_head else block_ids.unsqueeze(1), 4)  # [B, Hs, S, topk]
+    tokens = paddle.empty(list(ids.shape[:3]) + [spec.topk * spec.block_size], dtype="int32", device=q.place)
+    selection_glue.blocks_to_indices(ids, tokens, spec.block_size, spec.S, spec.causal)
+    tokens = tokens if spec.per_kv_head else tokens[:, 0]
+    ispec = _indexed_spec(spec)
+    out, lse, iplan = indexed_glue.forward(ispec, q, k, v, tokens, None)
+    return out, lse, _TokenPlan(tokens, ispec, iplan)
+
+
 def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
     import paddle
+
+    from cute_kernels.arch import family
+
+    if family(arch_of(q)) == 100:  # Note [SM100 token path]; a given block-sparse plan is not needed there
+        return _token_forward(spec, q, k, v, block_ids)
 
     from cute_kernels.block_sparse.config import tile_queries
     from cute_kernels.block_sparse.launch import fwd_config, run_fwd
@@ -60,6 +128,12 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
 
 def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
     import paddle
+
+    if isinstance(plan, _TokenPlan):  # Note [SM100 token path]
+        from ._cute import indexed as indexed_glue
+
+        dq, dk, dv = indexed_glue.backward(plan.ispec, q, k, v, out, lse, dout, plan.iplan)
+        return dq, dk, dv, None
 
     from cute_kernels.block_sparse.launch import bwd_config, dkdv_workspace_shapes, run_bwd_dkdv, run_bwd_dq
 

@@ -295,7 +295,11 @@ def test_cute_glue_refuses_what_it_does_not_cover():
     assert "backward at head dim 256" in glue.unsupported_reason(
         90, BlockSparseSpec(**dict(base, Dk=256, Dv=256)), needs_grad=True)
     assert glue.unsupported_reason(90, BlockSparseSpec(**dict(base, Dk=256, Dv=256)), needs_grad=False) is None
-    assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**base), needs_grad=False)
+    # SM100: the token path (Note [SM100 token path]); it has no sink; no kernel at all for 12.0
+    assert glue.unsupported_reason(100, BlockSparseSpec(**base), needs_grad=True) is None
+    assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**dict(base, has_sink=True)),
+                                                               needs_grad=False)
+    assert "compute capability 120" in glue.unsupported_reason(120, BlockSparseSpec(**base), needs_grad=False)
     for over, fragment in ((dict(latent=True, Dv=64), "absorbed-MLA"), (dict(block_size=16), "block_size 16"),
                            (dict(Dv=64), "head dims"), (dict(dtype="float32"), "dtype"),
                            (dict(has_sink=True, scale=0.0), "softmax_scale 0")):
@@ -332,3 +336,71 @@ def test_peaked_rows_bf16():
         g = t.grad.astype("float32").numpy()
         rel = np.linalg.norm(g - w) / np.linalg.norm(w)
         assert rel <= 1e-2, (name, rel)
+
+
+# ---------------------------------------------------------------------------------------------
+# SM100: the CuTe backend's token path (Note [SM100 token path] in paddle_fa4/block_sparse_cute.py)
+
+
+def _spec(c, dtype="float32"):
+    from paddle_fa4 import block_sparse as bs_mod
+
+    v = None if c["v"] is None else _t(c["v"], dtype)
+    cu = None if c["cu"] is None else _t(c["cu"], "int32")
+    sink = None if c["sink"] is None else _t(c["sink"])
+    return bs_mod._validate(_t(c["q"], dtype), _t(c["k"], dtype), v, _t(c["ids"], "int32"), c["bs"], None,
+                            c["causal"], cu, sink, c["Dv"] if v is None else None, True, True, None)
+
+
+@pytest.mark.parametrize("case,fragment", [
+    (dict(sink=True), "sink"), (dict(latent=True, Dv=8), "latent"), (dict(cu=[0, 20, 48]), "documents"),
+    (dict(Dv=8), "Dk 16 != Dv 8"), (dict(Hq=8, Hkv=1, Dk=20, Dv=20), "SM100 token path"),
+])
+def test_sm100_token_path_names_what_it_does_not_cover(case, fragment):
+    pytest.importorskip("cutlass")
+    from paddle_fa4 import block_sparse_cute as glue
+
+    kw = dict(B=1, S=48, Hq=4, Hkv=2, Dk=16, Dv=16, topk=3, bs=16)
+    kw.update(case)
+    c = _case(0, **kw)
+    reason = glue.unsupported_reason(100, _spec(c, "bfloat16"), True)
+    assert reason is not None and fragment in reason, reason
+    ok = _case(0, B=1, S=48, Hq=4, Hkv=2, Dk=64, Dv=64, topk=3, bs=16)
+    assert glue.unsupported_reason(100, _spec(ok, "bfloat16"), True) is None
+    assert glue.unsupported_reason(103, _spec(ok, "bfloat16"), True) is None
+    assert "bf16" in glue.unsupported_reason(100, _spec(ok), True)  # float32: the indexed kernels' dtype
+    assert "compute capability 120" in glue.unsupported_reason(120, _spec(ok, "bfloat16"), True)
+
+
+@pytest.mark.parametrize("per_kv,causal", [(False, True), (True, True), (False, False)],
+                         ids=["shared-causal", "per-kv-causal", "shared-noncausal"])
+def test_sm100_token_path_matches_the_reference(per_kv, causal, monkeypatch):
+    """The SM100 forward / backward glue with its kernels replaced by the reference implementations of the
+    same ops (blocks_to_indices, indexed attention): ids -> token rows -> indexed attention gives the
+    block-sparse reference's out, lse and gradients (the plumbing: layouts, per-kv-head ids, the plan)."""
+    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4 import block_sparse_ref
+    from paddle_fa4._cute import indexed as indexed_glue
+    from paddle_fa4._cute import selection as selection_glue
+    from paddle_fa4.reference import indexed as ref_indexed
+    from paddle_fa4.reference import selection as ref_selection
+
+    monkeypatch.setattr(glue, "arch_of", lambda t: 100)
+    monkeypatch.setattr(selection_glue, "blocks_to_indices", ref_selection.blocks_to_indices)
+    monkeypatch.setattr(indexed_glue, "forward", lambda sp, q, k, v, idx, plan: ref_indexed.forward(sp, q, k, v, idx)[:2]
+                        + (("indexed plan", idx),))
+    monkeypatch.setattr(indexed_glue, "backward", lambda sp, q, k, v, out, lse, dout, plan:
+                        ref_indexed.backward(sp, q, k, v, out, lse, dout, plan[1]))
+    c = _case(7, B=2, S=70, Hq=4, Hkv=2, Dk=16, Dv=16, topk=3, bs=16, causal=causal, per_kv=per_kv, pad=0.3, dup=0.3)
+    spec = _spec(c)
+    q, k, v, ids, dout = _t(c["q"]), _t(c["k"]), _t(c["v"]), _t(c["ids"], "int32"), _t(c["dout"])
+    out, lse, plan = glue.forward(spec, q, k, v, ids, None, None, None)
+    assert isinstance(plan, glue._TokenPlan)
+    assert plan.tokens.shape == ([2, 2, 70, 48] if per_kv else [2, 70, 48])
+    want_out, want_lse, _ = block_sparse_ref.forward(spec, q, k, v, ids, None, None)
+    grads = glue.backward(spec, q, k, v, ids, None, None, out, lse, dout, plan)
+    want = block_sparse_ref.backward(spec, q, k, v, ids, None, None, want_out, want_lse, dout)
+    assert grads[3] is None and want[3] is None
+    for name, a, b in (("out", out, want_out), ("lse", lse, want_lse), ("dq", grads[0], want[0]),
+                       ("dk", grads[1], want[1]), ("dv", grads[2], want[2])):
+        _close(name, a.numpy(), b.numpy(), atol=1e-5, rtol=1e-5)
