@@ -43,12 +43,15 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
 
 
 # Note [SM100 token path]: until the block-sparse tcgen05 kernels exist, an SM100 call expands the
-# blocks to token index rows (the select kernels' blocks_to_indices) and runs the indexed-attention
-# kernels over them (forward, deterministic key-major backward; both compile for sm_100a / sm_103a).
-# Same keys per row (tests/cpu/test_block_sparse.py: test_equals_indexed_attention_over_blocks_to_indices),
-# as slow as the token path the SM90 kernels replace, but on the GPU's kernels instead of the
-# reference backend. Covered: one document per batch row (block ids are then global), Dk == Dv, no
-# sink, and whatever the indexed and select kernels take; the rest runs the reference ("auto").
+# blocks to token index rows with Paddle ops -- the rule of the planner and the reference
+# (block_sparse_planner.block_starts / query_limits: absolute block starts from document-relative ids,
+# each row's causal or document-end limit; -1 for what the row does not see) -- and runs the
+# indexed-attention kernels over them (forward, deterministic key-major backward; they compile for
+# sm_100a / sm_103a; repeated blocks are repeated tokens, which indexed attention counts once). As slow
+# as the token path the SM90 kernels replace, and the rows take B * S * topk * block_size int32
+# (Hkv times that for per-kv-head ids), but on the GPU's kernels instead of the reference backend.
+# Covered: Dk == Dv, no sink, v given, and what the indexed kernels take; the rest runs the reference
+# under "auto".
 
 
 class _TokenPlan:
@@ -63,17 +66,11 @@ def _token_path_reason(arch: int, spec) -> str | None:
         return f"the absorbed-MLA latent (v=None) on compute capability {arch} (SM100: token path only)"
     if spec.has_sink:
         return f"a sink on compute capability {arch} (SM100: token path only, indexed attention has no sink)"
-    if spec.num_docs > 1:
-        return (f"several documents (cu_seqlens) on compute capability {arch} (SM100: token path only, "
-                "blocks_to_indices takes global block ids)")
     if spec.Dk != spec.Dv:
         return f"Dk {spec.Dk} != Dv {spec.Dv} on compute capability {arch} (SM100: token path only)"
     from ._cute import indexed as indexed_glue
-    from ._cute import selection as selection_glue
 
-    reason = selection_glue.indices_unsupported_reason(arch, topk=spec.topk, block_size=spec.block_size)
-    if reason is None:
-        reason = indexed_glue.unsupported_reason(arch, _indexed_spec(spec))
+    reason = indexed_glue.unsupported_reason(arch, _indexed_spec(spec))
     return None if reason is None else f"SM100 token path: {reason}"
 
 
@@ -85,16 +82,27 @@ def _indexed_spec(spec):
                        dtype=spec.dtype)
 
 
-def _token_forward(spec, q, k, v, block_ids):
+def token_rows(spec, block_ids, cu_seqlens):
+    """int32 ``[B, S, topk * block_size]`` (per-kv-head ids: ``[B, Hkv, S, ...]``): the key tokens of each
+    row's blocks, -1 where the row does not see them (Note [SM100 token path])."""
     import paddle
 
-    from ._cute import indexed as indexed_glue
-    from ._cute import selection as selection_glue
+    from .block_sparse_planner import block_starts, doc_bounds, query_limits
 
-    ids = kernel_input(block_ids if spec.per_kv_head else block_ids.unsqueeze(1), 4)  # [B, Hs, S, topk]
-    tokens = paddle.empty(list(ids.shape[:3]) + [spec.topk * spec.block_size], dtype="int32", device=q.place)
-    selection_glue.blocks_to_indices(ids, tokens, spec.block_size, spec.S, spec.causal)
-    tokens = tokens if spec.per_kv_head else tokens[:, 0]
+    bos, eos = doc_bounds(spec.B, spec.S, cu_seqlens, block_ids.place)
+    limit = query_limits(bos, eos, spec.causal)
+    start = block_starts(block_ids, bos, limit, spec.block_size)  # int64, ids' shape, -1: nothing live
+    token = start.unsqueeze(-1) + paddle.arange(spec.block_size, dtype="int64", device=start.place)
+    lim = (limit.unsqueeze(1) if spec.per_kv_head else limit).unsqueeze(-1).unsqueeze(-1)
+    keep = (start >= 0).unsqueeze(-1) & (token < lim)
+    token = paddle.where(keep, token, paddle.full_like(token, -1)).astype("int32")
+    return token.reshape(list(block_ids.shape[:-1]) + [spec.topk * spec.block_size])
+
+
+def _token_forward(spec, q, k, v, block_ids, cu_seqlens):
+    from ._cute import indexed as indexed_glue
+
+    tokens = token_rows(spec, block_ids, cu_seqlens)
     ispec = _indexed_spec(spec)
     out, lse, iplan = indexed_glue.forward(ispec, q, k, v, tokens, None)
     return out, lse, _TokenPlan(tokens, ispec, iplan)
@@ -106,7 +114,7 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
     from cute_kernels.arch import family
 
     if family(arch_of(q)) == 100:  # Note [SM100 token path]; a given block-sparse plan is not needed there
-        return _token_forward(spec, q, k, v, block_ids)
+        return _token_forward(spec, q, k, v, block_ids, cu_seqlens)
 
     from cute_kernels.block_sparse.config import tile_queries
     from cute_kernels.block_sparse.launch import fwd_config, run_fwd

@@ -353,7 +353,7 @@ def _spec(c, dtype="float32"):
 
 
 @pytest.mark.parametrize("case,fragment", [
-    (dict(sink=True), "sink"), (dict(latent=True, Dv=8), "latent"), (dict(cu=[0, 20, 48]), "documents"),
+    (dict(sink=True), "sink"), (dict(latent=True, Dv=8), "latent"),
     (dict(Dv=8), "Dk 16 != Dv 8"), (dict(Hq=8, Hkv=1, Dk=20, Dv=20), "SM100 token path"),
 ])
 def test_sm100_token_path_names_what_it_does_not_cover(case, fragment):
@@ -368,38 +368,41 @@ def test_sm100_token_path_names_what_it_does_not_cover(case, fragment):
     ok = _case(0, B=1, S=48, Hq=4, Hkv=2, Dk=64, Dv=64, topk=3, bs=16)
     assert glue.unsupported_reason(100, _spec(ok, "bfloat16"), True) is None
     assert glue.unsupported_reason(103, _spec(ok, "bfloat16"), True) is None
+    docs = _case(0, B=1, S=48, Hq=4, Hkv=2, Dk=64, Dv=64, topk=3, bs=16, cu=[0, 20, 48])
+    assert glue.unsupported_reason(100, _spec(docs, "bfloat16"), True) is None
     assert "bf16" in glue.unsupported_reason(100, _spec(ok), True)  # float32: the indexed kernels' dtype
     assert "compute capability 120" in glue.unsupported_reason(120, _spec(ok, "bfloat16"), True)
 
 
-@pytest.mark.parametrize("per_kv,causal", [(False, True), (True, True), (False, False)],
-                         ids=["shared-causal", "per-kv-causal", "shared-noncausal"])
-def test_sm100_token_path_matches_the_reference(per_kv, causal, monkeypatch):
-    """The SM100 forward / backward glue with its kernels replaced by the reference implementations of the
-    same ops (blocks_to_indices, indexed attention): ids -> token rows -> indexed attention gives the
-    block-sparse reference's out, lse and gradients (the plumbing: layouts, per-kv-head ids, the plan)."""
+@pytest.mark.parametrize("per_kv,causal,cu", [(False, True, None), (True, True, None), (False, False, None),
+                                              (False, True, [0, 37, 70]), (True, False, [[0, 19, 70], [0, 1, 70]])],
+                         ids=["shared-causal", "per-kv-causal", "shared-noncausal", "docs-bos37",
+                              "per-kv-noncausal-2d-docs"])
+def test_sm100_token_path_matches_the_reference(per_kv, causal, cu, monkeypatch):
+    """The SM100 forward / backward glue with the indexed kernels replaced by the indexed reference: ids ->
+    token rows (the glue's own Paddle ops) -> indexed attention gives the block-sparse reference's out,
+    lse and gradients (the token rule with documents at bos % 16 != 0, layouts, per-kv-head ids, the plan)."""
     from paddle_fa4 import block_sparse_cute as glue
     from paddle_fa4 import block_sparse_ref
     from paddle_fa4._cute import indexed as indexed_glue
-    from paddle_fa4._cute import selection as selection_glue
     from paddle_fa4.reference import indexed as ref_indexed
-    from paddle_fa4.reference import selection as ref_selection
 
     monkeypatch.setattr(glue, "arch_of", lambda t: 100)
-    monkeypatch.setattr(selection_glue, "blocks_to_indices", ref_selection.blocks_to_indices)
     monkeypatch.setattr(indexed_glue, "forward", lambda sp, q, k, v, idx, plan: ref_indexed.forward(sp, q, k, v, idx)[:2]
                         + (("indexed plan", idx),))
     monkeypatch.setattr(indexed_glue, "backward", lambda sp, q, k, v, out, lse, dout, plan:
                         ref_indexed.backward(sp, q, k, v, out, lse, dout, plan[1]))
-    c = _case(7, B=2, S=70, Hq=4, Hkv=2, Dk=16, Dv=16, topk=3, bs=16, causal=causal, per_kv=per_kv, pad=0.3, dup=0.3)
+    c = _case(7, B=2, S=70, Hq=4, Hkv=2, Dk=16, Dv=16, topk=3, bs=16, causal=causal, per_kv=per_kv, pad=0.3, dup=0.3,
+              cu=cu)
     spec = _spec(c)
     q, k, v, ids, dout = _t(c["q"]), _t(c["k"]), _t(c["v"]), _t(c["ids"], "int32"), _t(c["dout"])
-    out, lse, plan = glue.forward(spec, q, k, v, ids, None, None, None)
+    cu_t = None if cu is None else _t(cu, "int32")
+    out, lse, plan = glue.forward(spec, q, k, v, ids, cu_t, None, None)
     assert isinstance(plan, glue._TokenPlan)
     assert plan.tokens.shape == ([2, 2, 70, 48] if per_kv else [2, 70, 48])
-    want_out, want_lse, _ = block_sparse_ref.forward(spec, q, k, v, ids, None, None)
-    grads = glue.backward(spec, q, k, v, ids, None, None, out, lse, dout, plan)
-    want = block_sparse_ref.backward(spec, q, k, v, ids, None, None, want_out, want_lse, dout)
+    want_out, want_lse, _ = block_sparse_ref.forward(spec, q, k, v, ids, cu_t, None)
+    grads = glue.backward(spec, q, k, v, ids, cu_t, None, out, lse, dout, plan)
+    want = block_sparse_ref.backward(spec, q, k, v, ids, cu_t, None, want_out, want_lse, dout)
     assert grads[3] is None and want[3] is None
     for name, a, b in (("out", out, want_out), ("lse", lse, want_lse), ("dq", grads[0], want[0]),
                        ("dk", grads[1], want[1]), ("dv", grads[2], want[2])):

@@ -1,5 +1,5 @@
 """SM100 (Blackwell) block_sparse_attention through the CuTe backend's token path (Note [SM100 token path]
-in paddle_fa4/block_sparse_cute.py: blocks_to_indices + the indexed-attention kernels).
+in paddle_fa4/block_sparse_cute.py: token rows by the planner's rule + the indexed-attention kernels).
 
     python -m pytest tests/sm100/test_block_sparse_sm100.py -q   # skips without Paddle on a CC 10.0 / 10.3 GPU
 
@@ -7,7 +7,7 @@ The token path lives in the Paddle glue, so this file needs Paddle with CUDA on 
 (``PADDLE_FA4_SM100_FRAMEWORK=reference`` dry-runs the same checks on the CPU against the reference
 backend: it checks the tests, not the kernels). out / lse / dq / dk / dv against the fp64 oracle over the
 expanded token mask (tests/oracles/block_sparse.py), bf16, GQA and per-kv-head ids, -1 padding and
-repeated ids, S not a multiple of 64, causal and not; backend="cute" must not fall back; bitwise equal
+repeated ids, S not a multiple of 64, documents at bos % 64 != 0, causal and not; backend="cute" must not fall back; bitwise equal
 over two runs. Nothing here has been run on a Blackwell GPU: none was available when it was written.
 """
 
@@ -38,7 +38,7 @@ def _rel(a, b):
     return float(np.linalg.norm(a[fin] - b[fin]) / max(np.linalg.norm(b[fin]), 1e-30))
 
 
-def _run(paddle, c, ids):
+def _run(paddle, c, ids, cu):
     import paddle_fa4
 
     place = "cpu" if DRY else "gpu"
@@ -49,8 +49,9 @@ def _run(paddle, c, ids):
         leaf.append(t)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback to the reference backend warns: not allowed here
+        cu_t = None if cu is None else paddle.to_tensor(np.asarray(cu, np.int32), place=place)
         out, lse = paddle_fa4.block_sparse_attention(*leaf, paddle.to_tensor(ids, place=place), block_size=64,
-                                                     causal=c["causal"], return_lse=True,
+                                                     causal=c["causal"], cu_seqlens=cu_t, return_lse=True,
                                                      backend="reference" if DRY else "cute")
     dout = paddle.to_tensor(c["dout"], place=place).astype("bfloat16")
     paddle.autograd.backward([out], [dout])
@@ -58,21 +59,22 @@ def _run(paddle, c, ids):
     return f32(out), lse.numpy(), f32(leaf[0].grad), f32(leaf[1].grad), f32(leaf[2].grad)
 
 
+@pytest.mark.parametrize("cu", [None, [0, 37, 300]], ids=["one-doc", "docs-bos37"])
 @pytest.mark.parametrize("per_kv", [False, True], ids=["shared-ids", "per-kv-head-ids"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
-def test_token_path_matches_oracle(per_kv, causal):
+def test_token_path_matches_oracle(per_kv, causal, cu):
     paddle = pytest.importorskip("paddle")
     rng = np.random.default_rng(11)
     b, s, hq, hkv, d = 1, 300, 16, 2, 128
-    ids = orc.random_ids(rng, b, s, 4, 64, causal, None, heads=hkv if per_kv else None, pad=0.2, dup=0.2)
+    ids = orc.random_ids(rng, b, s, 4, 64, causal, cu, heads=hkv if per_kv else None, pad=0.2, dup=0.2)
     bf = lambda a: paddle.to_tensor(a.astype(np.float32)).astype("bfloat16").astype("float32").numpy()  # noqa: E731
     c = dict(q=bf(rng.standard_normal((b, s, hq, d))), k=bf(rng.standard_normal((b, s, hkv, d))),
              v=bf(rng.standard_normal((b, s, hkv, d))), dout=bf(rng.standard_normal((b, s, hq, d))), causal=causal)
-    got = _run(paddle, c, ids)
-    again = _run(paddle, c, ids)
+    got = _run(paddle, c, ids, cu)
+    again = _run(paddle, c, ids, cu)
     for a, a2 in zip(got, again):
         assert np.array_equal(a, a2, equal_nan=True)  # bitwise over two runs
-    mask = orc.token_mask(ids, 64, causal, None)
+    mask = orc.token_mask(ids, 64, causal, None if cu is None else np.asarray(cu))
     out, lse, _ = orc.attention(c["q"], c["k"], c["v"], mask)
     dq, dk, dv, _ = orc.gradients(c["q"], c["k"], c["v"], mask, c["dout"])
     assert np.array_equal(np.isneginf(got[1]), np.isneginf(lse))
