@@ -55,7 +55,8 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
 
 
 class _TokenPlan:
-    """What an SM100 forward hands its backward: the token rows, the indexed spec and plan."""
+    """What an SM100 forward hands its backward: the token rows, the indexed spec and plan (all None for
+    a call with no work)."""
 
     def __init__(self, tokens, ispec, iplan):
         self.tokens, self.ispec, self.iplan = tokens, ispec, iplan
@@ -102,6 +103,11 @@ def token_rows(spec, block_ids, cu_seqlens):
 def _token_forward(spec, q, k, v, block_ids, cu_seqlens):
     from ._cute import indexed as indexed_glue
 
+    if spec.B * spec.S * spec.Hq == 0 or spec.topk == 0:  # no work: zeros / -inf (the reference's rule)
+        from . import block_sparse_ref
+
+        out, lse, _ = block_sparse_ref.forward(spec, q, k, v, block_ids, cu_seqlens, None)
+        return out, lse, _TokenPlan(None, None, None)
     tokens = token_rows(spec, block_ids, cu_seqlens)
     ispec = _indexed_spec(spec)
     out, lse, iplan = indexed_glue.forward(ispec, q, k, v, tokens, None)
@@ -138,6 +144,10 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
     import paddle
 
     if isinstance(plan, _TokenPlan):  # Note [SM100 token path]
+        if plan.ispec is None:  # no work: zero gradients
+            from . import block_sparse_ref
+
+            return block_sparse_ref.backward(spec, q, k, v, block_ids, cu_seqlens, None, out, lse, dout)
         from ._cute import indexed as indexed_glue
 
         dq, dk, dv = indexed_glue.backward(plan.ispec, q, k, v, out, lse, dout, plan.iplan)

@@ -32,8 +32,8 @@ than a late one: ~5x the mean for block 0 of a causal 16K selection; MQA 64 has 
 and kv head, 256 at 16K), so one CTA per key block ends the grid on a tail. Block r's n pairs go
 to CTAs x = r * SEGMENTS + k, k < nseg: with L0 = max(ceil(n / SEGMENTS), min_seg) (``min_seg``, a
 runtime argument, ``launch.default_min_segment_pairs``), the segment length is L = ceil(n / ceil(n / L0))
-(segments of one block differ by at most one pair) and nseg = ceil(n / L); the others exit. With nseg > 1, segment k waits until the block's counter
-``seg_sem[s, r, h]`` (zeroed by the caller) equals k, adds the fp32 sum of segments 0 .. k - 1 that
+(segments of one block differ by at most one pair) and nseg = ceil(n / L); the others exit. With
+nseg > 1, segment k waits until the block's counter ``seg_sem[s, r, h]`` (zeroed by the caller) equals k, adds the fp32 sum of segments 0 .. k - 1 that
 ``dk_part`` / ``dv_part`` hold for the block's rows, and stores the sum there and bumps the counter,
 or (k = nseg - 1) writes dK * scale and dV. A segment waits only on the previous one, a lower
 blockIdx.x, launched before it. The order of every sum is fixed by the plan: bitwise reproducible.
@@ -86,16 +86,19 @@ from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage, smem_tensor
 from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
 STAGES = 4  # Q / dO row stages: 2 per consumer WG (Note [two pair streams])
-# setmaxnreg split (producer WG, each consumer WG) over 384 threads: p + 2 c <= 3 * 168, the registers the
-# launch gives each thread (an increase past what the CTA holds never returns). Head dims <= 64 need fewer
-# consumer registers (64-column dK / dV partials) and the three row-producer warps spill in 24.
-def regs(head_dim: int) -> tuple[int, int]:
-    return (24, 240) if head_dim > 64 else (56, 224)
 REDUCE_BARRIER = 1  # both consumer WGs, around the exchange of their dK / dV partials and the segment turn
 # Note [key block segments]: a key block's steps are split over up to SEGMENTS CTAs of at least
 # ``min_seg`` pairs each (a kernel argument; the launcher's default in ``launch.default_min_segment_pairs``).
 SEGMENTS = 8
 ROW_WARPS = 2  # warps 1, 2 of the producer warpgroup take turns as row producers (Note [row warps and parity waits])
+
+
+def regs(head_dim: int) -> tuple[int, int]:
+    """setmaxnreg split (producer WG, each consumer WG) over 384 threads: p + 2 c <= 3 * 168, the registers
+    the launch gives each thread (an increase past what the CTA holds never returns). Head dims <= 64 need
+    fewer consumer registers (64-column dK / dV partials); their producer warps spilled in 24 (seen with
+    three row warps), so they take 56 / 224."""
+    return (24, 240) if head_dim > 64 else (56, 224)
 
 
 class BlockSparseBwdDKDVSm90(BlockSparseSm90):

@@ -407,3 +407,21 @@ def test_sm100_token_path_matches_the_reference(per_kv, causal, cu, monkeypatch)
     for name, a, b in (("out", out, want_out), ("lse", lse, want_lse), ("dq", grads[0], want[0]),
                        ("dk", grads[1], want[1]), ("dv", grads[2], want[2])):
         _close(name, a.numpy(), b.numpy(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("S,topk", [(0, 2), (20, 0)], ids=["S0", "topk0"])
+def test_sm100_token_path_without_work(S, topk, monkeypatch):
+    """Zero-size or topk-0 calls on the SM100 path launch nothing: out 0, lse -inf, zero gradients."""
+    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4._cute import indexed as indexed_glue
+
+    monkeypatch.setattr(glue, "arch_of", lambda t: 100)
+    monkeypatch.setattr(indexed_glue, "forward", lambda *a: pytest.fail("launched"))
+    c = _case(2, B=1, S=S, Hq=2, Hkv=1, Dk=8, Dv=8, topk=1, bs=16)
+    c["ids"] = np.ascontiguousarray(c["ids"][..., :topk])
+    spec = _spec(c)
+    q, k, v, ids, dout = _t(c["q"]), _t(c["k"]), _t(c["v"]), _t(c["ids"], "int32"), _t(c["dout"])
+    out, lse, plan = glue.forward(spec, q, k, v, ids, None, None, None)
+    dq, dk, dv, dsink = glue.backward(spec, q, k, v, ids, None, None, out, lse, dout, plan)
+    assert out.shape == [1, S, 2, 8] and not out.numpy().any() and np.isneginf(lse.numpy()).all()
+    assert dsink is None and not any(g.numpy().any() for g in (dq, dk, dv))
