@@ -417,6 +417,9 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     ``1 - tanh^2(s / softcap)`` with softcap), the results are ``dq = softmax_scale dS K``,
     ``dk = softmax_scale dS^T Q`` (summed over the query heads of each kv head) and ``dv = P^T dout``.
     Rows without a visible key (``lse = -inf``) contribute nothing; key rows no query sees get 0.
+    The reference backend takes ``D = rowsum(P * dP) - dlse`` (equal in exact arithmetic, free of
+    ``out``'s rounding, which matters on rows peaked on one key; docs/api.md, "Gradients of peaked
+    rows"); the CuTe kernels compute it from ``out``, as FA4 does.
 
     Args:
         dout (Tensor): gradient of ``out``, ``out``'s shape and q's dtype. A non-contiguous
