@@ -30,10 +30,11 @@ that only the plan decides: bitwise reproducible, no atomics, one write per elem
 Note [key block segments]: selections are skewed (an early block is listed by many more query tiles
 than a late one: ~5x the mean for block 0 of a causal 16K selection; MQA 64 has one CTA per block
 and kv head, 256 at 16K), so one CTA per key block ends the grid on a tail. Block r's n pairs go
-to CTAs x = r * SEGMENTS + k, k < nseg: with L0 = max(ceil(n / SEGMENTS), min_seg) (``min_seg``, a
-runtime argument, ``launch.default_min_segment_pairs``), the segment length is L = ceil(n / ceil(n / L0))
-(segments of one block differ by at most one pair) and nseg = ceil(n / L); the others exit. With
-nseg > 1, segment k waits until the block's counter ``seg_sem[s, r, h]`` (zeroed by the caller) equals k, adds the fp32 sum of segments 0 .. k - 1 that
+to CTAs x = r * SEGMENTS + k, k < nseg (``segment_split``): with L0 = max(ceil(n / SEGMENTS), min_seg)
+(``min_seg`` a runtime argument, ``launch.default_min_segment_pairs``), the segment length is
+L = ceil(n / ceil(n / L0)) <= L0 and nseg = ceil(n / L) <= SEGMENTS: segment k takes pairs
+[k L, min(n, (k + 1) L)), every one non-empty, all of L pairs but the last (83 pairs at L0 = 64: 42 + 41,
+where L0 itself would give 64 + 19); the others exit. With nseg > 1, segment k waits until the block's counter ``seg_sem[s, r, h]`` (zeroed by the caller) equals k, adds the fp32 sum of segments 0 .. k - 1 that
 ``dk_part`` / ``dv_part`` hold for the block's rows, and stores the sum there and bumps the counter,
 or (k = nseg - 1) writes dK * scale and dV. A segment waits only on the previous one, a lower
 blockIdx.x, launched before it. The order of every sum is fixed by the plan: bitwise reproducible.
@@ -87,10 +88,19 @@ from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
 STAGES = 4  # Q / dO row stages: 2 per consumer WG (Note [two pair streams])
 REDUCE_BARRIER = 1  # both consumer WGs, around the exchange of their dK / dV partials and the segment turn
-# Note [key block segments]: a key block's steps are split over up to SEGMENTS CTAs of at least
-# ``min_seg`` pairs each (a kernel argument; the launcher's default in ``launch.default_min_segment_pairs``).
+# Note [key block segments]: a key block's steps are split over up to SEGMENTS CTAs (``segment_split``;
+# ``min_seg`` a kernel argument, the launcher's default in ``launch.default_min_segment_pairs``).
 SEGMENTS = 8
 ROW_WARPS = 2  # warps 1, 2 of the producer warpgroup take turns as row producers (Note [row warps and parity waits])
+
+
+def segment_split(n_pairs, min_seg):
+    """Note [key block segments]: ``(L, nseg)`` for a key block of ``n_pairs`` pairs -- segment k takes pairs
+    [k L, min(n, (k + 1) L)). Python ints on the host (tests), Int32 in the kernel."""
+    seg_len = cutlass.max((n_pairs + SEGMENTS - 1) // SEGMENTS, cutlass.max(min_seg, 1))
+    nseg = (n_pairs + seg_len - 1) // seg_len
+    seg_len = cutlass.max((n_pairs + cutlass.max(nseg, 1) - 1) // cutlass.max(nseg, 1), 1)  # 0 pairs: no segment
+    return seg_len, (n_pairs + seg_len - 1) // seg_len
 
 
 def regs(head_dim: int) -> tuple[int, int]:
@@ -177,12 +187,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         kcap = mKeyStart.shape[1]
         # Note [key block segments]: this CTA's pairs of key block r.
         p0, p1 = mKeyPtr[s * kcap + r], mKeyPtr[s * kcap + r + 1]
-        n_pairs = p1 - p0
-        seg_len = cutlass.max((n_pairs + SEGMENTS - 1) // SEGMENTS, cutlass.max(min_seg, 1))
-        nseg = (n_pairs + seg_len - 1) // seg_len
-        # balanced: the block's segment lengths differ by at most one pair (0 pairs: no segment)
-        seg_len = cutlass.max((n_pairs + cutlass.max(nseg, 1) - 1) // cutlass.max(nseg, 1), 1)
-        nseg = (n_pairs + seg_len - 1) // seg_len
+        seg_len, nseg = segment_split(p1 - p0, min_seg)
         blk = SimpleNamespace(s=s, r=r, h=h, b=b, seqlen=mQ.shape[2], live=r < mKeyCount[s] and seg < nseg,
                               start=mKeyStart[s, r], end=mKeyEnd[s, r], p0=p0 + seg * seg_len,
                               p1=cutlass.min(p1, p0 + (seg + 1) * seg_len), seg=seg, nseg=nseg)

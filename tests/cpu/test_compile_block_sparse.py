@@ -69,3 +69,21 @@ def test_dkdv_min_segment_pairs_checked_before_launch(bad, monkeypatch):
         L.run_bwd_dkdv(None, t, t, t, t, t, t, t, t, ks, ks, ks, ks, ks, ks, t, t, t, t, t, 0.125,
                        min_segment_pairs=bad)
     assert L.default_min_segment_pairs(1, 2, 2) == L.MIN_SEGMENT_PAIRS >= 1
+
+
+def test_dkdv_segment_split_covers_every_pair_once():
+    """Note [key block segments]: the split the dK/dV kernel computes (the same function, on Python ints):
+    at most SEGMENTS non-empty segments of L pairs (the last one shorter), L no longer than
+    max(ceil(n / SEGMENTS), min_seg), together exactly the block's n pairs; no segment for n = 0."""
+    pytest.importorskip("cutlass")
+    from cute_kernels.block_sparse.bwd_dkdv_sm90 import SEGMENTS, segment_split
+
+    assert segment_split(83, 64) == (42, 2)  # the balanced split the Note quotes (not 64 + 19)
+    for min_seg in (1, 7, 64, 256, 1 << 20):
+        assert segment_split(0, min_seg)[1] == 0
+        for n in range(1, 2500):
+            seg_len, nseg = segment_split(n, min_seg)
+            assert 1 <= nseg <= SEGMENTS, (n, min_seg, seg_len, nseg)
+            assert (nseg - 1) * seg_len < n <= nseg * seg_len, (n, min_seg, seg_len, nseg)  # each one non-empty
+            assert seg_len <= max(-(-n // SEGMENTS), min_seg), (n, min_seg, seg_len)
+            assert nseg == -(-n // max(-(-n // SEGMENTS), min_seg)), (n, min_seg)  # as many as before balancing
