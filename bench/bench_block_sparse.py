@@ -111,15 +111,7 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str, min_segs=()):
         run_bwd_dq(bcfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
                    plan["q_limit"], dq, scale)
 
-    def bs_dkdv():
-        ws["seg_sem"].zero_()
-        run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
-                     plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
-                     ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale)
-
-    fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd, "bs_dq": bs_dq, "bs_dkdv": bs_dkdv}
-
-    def dkdv_with(min_seg):
+    def dkdv_with(min_seg):  # the dK/dV kernel alone (None: the launcher's default shortest segment)
         def fn():
             ws["seg_sem"].zero_()
             run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
@@ -127,6 +119,7 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str, min_segs=()):
                          dv, ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale, min_segment_pairs=min_seg)
         return fn
 
+    fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd, "bs_dq": bs_dq, "bs_dkdv": dkdv_with(None)}
     for n in min_segs:
         fns[f"bs_dkdv_L{n}"] = dkdv_with(n)
     stats = {"keys_per_row": float(keys.mean()), "tile_blocks": float(plan["tile_count"].float().mean()),

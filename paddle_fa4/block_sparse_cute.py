@@ -88,16 +88,14 @@ def token_rows(spec, block_ids, cu_seqlens):
     row's blocks, -1 where the row does not see them (Note [SM100 token path])."""
     import paddle
 
-    from .block_sparse_planner import block_starts, doc_bounds, query_limits
+    from .block_sparse_planner import block_starts, block_tokens, doc_bounds, query_limits
 
     bos, eos = doc_bounds(spec.B, spec.S, cu_seqlens, block_ids.place)
     limit = query_limits(bos, eos, spec.causal)
     start = block_starts(block_ids, bos, limit, spec.block_size)  # int64, ids' shape, -1: nothing live
-    token = start.unsqueeze(-1) + paddle.arange(spec.block_size, dtype="int64", device=start.place)
-    lim = (limit.unsqueeze(1) if spec.per_kv_head else limit).unsqueeze(-1).unsqueeze(-1)
-    keep = (start >= 0).unsqueeze(-1) & (token < lim)
-    token = paddle.where(keep, token, paddle.full_like(token, -1)).astype("int32")
-    return token.reshape(list(block_ids.shape[:-1]) + [spec.topk * spec.block_size])
+    token, keep = block_tokens(start, (limit.unsqueeze(1) if spec.per_kv_head else limit).unsqueeze(-1),
+                               spec.block_size)
+    return paddle.where(keep, token, paddle.full_like(token, -1)).astype("int32")
 
 
 def _token_forward(spec, q, k, v, block_ids, cu_seqlens):
@@ -119,7 +117,8 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
 
     from cute_kernels.arch import family
 
-    if family(arch_of(q)) == 100:  # Note [SM100 token path]; a given block-sparse plan is not needed there
+    arch = arch_of(q)
+    if family(arch) == 100:  # Note [SM100 token path]; a given block-sparse plan is not needed there
         return _token_forward(spec, q, k, v, block_ids, cu_seqlens)
 
     from cute_kernels.block_sparse.config import tile_queries
@@ -133,7 +132,7 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
     sink = None if sink is None else kernel_input(sink, 4)
     out = paddle.empty([spec.B, spec.S, spec.Hq, spec.Dv], dtype=q.dtype, device=q.place)
     lse = paddle.empty([spec.B, spec.Hq, spec.S], dtype="float32", device=q.place)
-    cfg = fwd_config(q, k, v, per_kv_head=spec.per_kv_head, has_sink=sink is not None, arch=arch_of(q))
+    cfg = fwd_config(q, k, v, per_kv_head=spec.per_kv_head, has_sink=sink is not None, arch=arch)
     a = kernel_arg
     run_fwd(cfg, a(q), a(k), a(v), a(plan.tile_start), a(plan.tile_mask), a(plan.tile_count), a(plan.q_limit),
             a(sink), a(out), a(lse), spec.scale)

@@ -239,6 +239,17 @@ def block_starts(block_ids, bos, limit, block_size: int):
     return paddle.where(live, start, paddle.full_like(start, -1))
 
 
+def block_tokens(start, limit, block_size: int):
+    """int64 ``token [..., topk * block_size]`` and bool ``keep`` of it: the ``block_size`` keys from each
+    ``start [..., topk]`` (-1: no block) that a row with exclusive key bound ``limit [..., 1]`` sees."""
+    import paddle
+
+    token = start.unsqueeze(-1) + paddle.arange(block_size, dtype="int64", device=start.place)
+    keep = (start >= 0).unsqueeze(-1) & (token < limit.unsqueeze(-1))
+    shape = list(start.shape[:-1]) + [start.shape[-1] * block_size]
+    return token.reshape(shape), keep.reshape(shape)
+
+
 # ----------------------------------------------------------------------------------------------
 # builder
 

@@ -13,7 +13,7 @@ import math
 
 import paddle
 
-from .block_sparse_planner import block_starts, doc_bounds, query_limits
+from .block_sparse_planner import block_starts, block_tokens, doc_bounds, query_limits
 
 #: Upper bound on the float32 bytes of one chunk's gathered keys, values and scores.
 TILE_BYTES = 64 << 20
@@ -110,12 +110,8 @@ class _Rule:
         st = paddle.sort(st, axis=-1)  # repeats become neighbours; -1 first
         repeat = paddle.concat([paddle.zeros([rows, spec.Hkv, 1], dtype="bool", device=st.place),
                                 st[..., 1:] == st[..., :-1]], axis=-1)
-        live = (st >= 0) & ~repeat
-        offs = paddle.arange(spec.block_size, dtype="int64", device=st.place)
-        token = (st.unsqueeze(-1) + offs).reshape([rows, spec.Hkv, -1])
-        limit = self.limit[b, i0:i1].reshape([rows, 1, 1])
-        keep = live.unsqueeze(-1).expand([rows, spec.Hkv, spec.topk, spec.block_size]).reshape(token.shape)
-        keep = keep & (token < limit)
+        st = paddle.where(repeat, paddle.full_like(st, -1), st)
+        token, keep = block_tokens(st, self.limit[b, i0:i1].reshape([rows, 1, 1]), spec.block_size)
         return paddle.where(keep, token, paddle.zeros_like(token)), keep
 
 
