@@ -5,7 +5,9 @@
                                        [--markdown [FILE]]
 
 Shapes: ``gqa`` = Hq 32 / Hkv 4, d 128 (issue 20's GQA shape), ``mqa64`` = Hq 64 / Hkv 1, d 128 (one
-query per row tile); bf16, one document, causal, 16 blocks of 64 per query shared by the heads.
+query per row tile), ``mla64`` / ``mla64_448`` = the absorbed-MLA latent (v=None), Hq 64 over one latent
+row per key, Dk 576 / Dv 512 and Dk 512 / Dv 448 (forward only: its backward is not on the CuTe path);
+bf16, one document, causal, 16 blocks of 64 per query shared by the heads.
 Selections (torch, on the GPU): ``local`` = the diagonal block plus 15 earlier blocks shared by the
 64 queries of a block (neighbouring rows pick the same blocks, as trained selections do), ``random``
 = the diagonal block plus 15 earlier blocks drawn per query (the union stress case).
@@ -23,7 +25,8 @@ alternating windows for --rounds rounds; median and min-max of the window median
     idx_b2i_plan_fwd  blocks_to_indices + indexed plan + indexed forward (what the token path costs per layer)
     idx_fwd_bwd       blocks_to_indices + indexed plan + forward + dQ + dK/dV (issue 20's baseline)
 
-TFLOPs/s count the selected pairs only: 4 * S * Hq * keys * D forward, x 3.5 for forward + backward,
+TFLOPs/s count the selected pairs only: 2 * S * Hq * keys * (Dk + Dv) forward (QK^T and PV; 4 * S * Hq *
+keys * D at Dk = Dv = D), x 3.5 for forward + backward,
 keys = the distinct visible keys of each row (16 x 64 less the diagonal block's cut). The
 block-sparse plan is built on the host by the numpy planner of tests/oracles/block_sparse.py (not
 timed; production builds it with Paddle ops once per selection and reuses it across layers).
@@ -41,8 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _timing import RunInfo, add_method_args, bench_windows, fmt_spread, method_from_args, timer_from_args, write_markdown  # noqa: E402
 
-BS, TOPK, D = 64, 16, 128
-SHAPES = {"gqa": (32, 4), "mqa64": (64, 1)}
+BS, TOPK = 64, 16
+#: name: (Hq, Hkv, Dk, Dv, latent)
+SHAPES = {"gqa": (32, 4, 128, 128, False), "mqa64": (64, 1, 128, 128, False), "mla64": (64, 1, 576, 512, True),
+          "mla64_448": (64, 1, 512, 448, True)}
 
 
 def parse_len(text: str) -> int:
@@ -68,29 +73,37 @@ def selection(torch, seqlen: int, kind: str, seed: int = 0):
     return ids, keys
 
 
-def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str, min_segs=()):
+def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=()):
     from cute_kernels.block_sparse.launch import (bwd_config, dkdv_workspace_shapes, fwd_config, run_bwd_dkdv,
                                                   run_bwd_dq, run_fwd)
     from tests.oracles import block_sparse as orc
 
+    hq, hkv, dk_, dv_, latent = shape
     torch.manual_seed(0)
-    q = torch.randn(1, seqlen, hq, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, seqlen, hkv, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, seqlen, hkv, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, seqlen, hq, dk_, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, seqlen, hkv, dk_, device="cuda", dtype=torch.bfloat16)
+    v = None if latent else torch.randn(1, seqlen, hkv, dv_, device="cuda", dtype=torch.bfloat16)
     ids, keys = selection(torch, seqlen, kind)
     plan = {n: torch.from_numpy(a).cuda()
             for n, a in orc.plan_arrays(ids.cpu().numpy(), BS, hq // hkv).items()}
-    out = torch.empty_like(q)
-    dout = torch.randn_like(q)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bcfg = bwd_config(q, k, v, per_kv_head=False)
+    out = torch.empty(1, seqlen, hq, dv_, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(1, hq, seqlen, device="cuda")
-    cfg = fwd_config(q, k, v, per_kv_head=False, has_sink=False)
-    scale = D ** -0.5
+    cfg = fwd_config(q, k, v, per_kv_head=False, has_sink=False, latent_dv=dv_ if latent else None)
+    scale = dk_ ** -0.5
 
     def bs_fwd():
         run_fwd(cfg, q, k, v, plan["tile_start"], plan["tile_mask"], plan["tile_count"], plan["q_limit"], None,
                 out, lse, scale)
+
+    stats = {"keys_per_row": float(keys.mean()), "tile_blocks": float(plan["tile_count"].float().mean()),
+             "flops": 2.0 * seqlen * hq * float(keys.mean()) * (dk_ + dv_)}
+    if latent:  # forward only (no CuTe backward, no token path at these head dims)
+        bs_fwd()
+        torch.cuda.synchronize()
+        return {"bs_fwd": bs_fwd}, stats
+    dout = torch.randn_like(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bcfg = bwd_config(q, k, v, per_kv_head=False)
 
     delta = torch.empty(1, hq, seqlen, device="cuda")  # written by the dQ kernel
     shapes = dkdv_workspace_shapes(k, v, plan["key_start"])
@@ -122,8 +135,6 @@ def make_fns(torch, seqlen: int, hq: int, hkv: int, kind: str, min_segs=()):
     fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd, "bs_dq": bs_dq, "bs_dkdv": dkdv_with(None)}
     for n in min_segs:
         fns[f"bs_dkdv_L{n}"] = dkdv_with(n)
-    stats = {"keys_per_row": float(keys.mean()), "tile_blocks": float(plan["tile_count"].float().mean()),
-             "flops": 4.0 * seqlen * hq * float(keys.mean()) * D}
     from cute_kernels.indexed.config import GROUP_SIZES, window_queries
 
     if hq // hkv in GROUP_SIZES:
@@ -183,10 +194,9 @@ def main(argv=None):
     rows = []
     min_segs = [int(x) for x in args.dkdv_min_seg.split(",") if x]
     for shape in args.shapes.split(","):
-        hq, hkv = SHAPES[shape]
         for seqlen in (parse_len(x) for x in args.seqlens.split(",")):
             for kind in args.selections.split(","):
-                fns, st = make_fns(torch, seqlen, hq, hkv, kind, min_segs)
+                fns, st = make_fns(torch, seqlen, SHAPES[shape], kind, min_segs)
                 res = bench_windows(fns, rounds=args.rounds, timer=timer)
                 row = {"shape": shape, "S": seqlen, "selection": kind, **{k: round(v, 2) for k, v in st.items()}}
                 for name, s in res.items():
@@ -220,7 +230,7 @@ def main(argv=None):
                                         ratio("idx_b2i_plan_fwd"), cell("bs_fwd_bwd"), cell("idx_fwd_bwd"),
                                         ratio("idx_fwd_bwd"),
                                         f"{r.get('bs_dq_ms', '-')} / {r.get('bs_dkdv_ms', '-')}"]
-                                       + ([", ".join(f"{n}: {r[f'bs_dkdv_L{n}_ms']}" for n in min_segs)]
+                                       + ([", ".join(f"{n}: {r.get(f'bs_dkdv_L{n}_ms', '-')}" for n in min_segs)]
                                           if min_segs else [])) + " |")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,8 @@
 """CuTe backend of :func:`paddle_fa4.block_sparse_attention` (see ``docs/hysparse.md``).
 
-SM90 runs the block-sparse kernels of ``cute_kernels.block_sparse``. SM100 (10.0 / 10.3) has no
+SM90 runs the block-sparse kernels of ``cute_kernels.block_sparse`` (the absorbed-MLA latent, v=None,
+forward only: Dk 576 / Dv 512 and Dk 512 / Dv 448; a call that needs its gradient runs the reference
+under "auto"). SM100 (10.0 / 10.3) has no
 block-sparse kernel yet; there this backend takes the token path (Note [SM100 token path] below).
 
 Contract used by the PyLayer in ``paddle_fa4/block_sparse.py``:
@@ -128,11 +130,13 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
 
     plan = plan_for(spec, block_ids, cu_seqlens, plan)
     assert plan.window_queries == tile_queries(spec.group), "planner and kernel disagree on the row tile"
-    q, k, v = kernel_input(q), kernel_input(k), kernel_input(v)  # strided views: contiguous copies
+    q, k = kernel_input(q), kernel_input(k)  # strided views: contiguous copies
+    v = None if spec.latent else kernel_input(v)  # the latent: V is k's leading Dv columns
     sink = None if sink is None else kernel_input(sink, 4)
     out = paddle.empty([spec.B, spec.S, spec.Hq, spec.Dv], dtype=q.dtype, device=q.place)
     lse = paddle.empty([spec.B, spec.Hq, spec.S], dtype="float32", device=q.place)
-    cfg = fwd_config(q, k, v, per_kv_head=spec.per_kv_head, has_sink=sink is not None, arch=arch)
+    cfg = fwd_config(q, k, v, per_kv_head=spec.per_kv_head, has_sink=sink is not None, arch=arch,
+                     latent_dv=spec.Dv if spec.latent else None)
     a = kernel_arg
     run_fwd(cfg, a(q), a(k), a(v), a(plan.tile_start), a(plan.tile_mask), a(plan.tile_count), a(plan.q_limit),
             a(sink), a(out), a(lse), spec.scale)

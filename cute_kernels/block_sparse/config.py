@@ -19,6 +19,9 @@ TILE_M = 64
 #: The block size the kernels take (one block = one key tile = one TMA box).
 BLOCK_SIZE = 64
 HEAD_DIMS = (64, 128, 256)
+#: (Dk, Dv) of the absorbed-MLA latent (v=None, V = the leading Dv columns of K) the forward takes:
+#: kv_lora_rank 512 + rope 64, and 448 + 64 (PaddleFleet's two HySparse configs).
+LATENT_DIMS = ((576, 512), (512, 448))
 #: The backward kernels keep dK and dV (64 keys x D fp32) in one warpgroup's registers each: D <= 128.
 BWD_HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
@@ -45,6 +48,7 @@ class FwdConfig:
     group: int  # G = Hq // Hkv
     per_kv_head: bool  # ids [B, Hkv, S, topk] (set b * Hkv + h) vs [B, S, topk] (set b)
     has_sink: bool
+    latent: bool = False  # V = the leading head_dim_v columns of K (absorbed MLA); no v tensor
 
     @property
     def window_queries(self) -> int:
@@ -55,12 +59,19 @@ def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str
                        latent: bool = False, backward: bool = False) -> str | None:
     """Why the CuTe kernels (the forward, and with ``backward`` also the dQ and dK/dV kernels) cannot
     run this case, or None."""
-    if latent:
-        return "the absorbed-MLA latent (v=None) is not implemented on the CuTe path"
     if block_size != BLOCK_SIZE:
         return f"block_size {block_size} (the CuTe kernels take {BLOCK_SIZE})"
     if dtype not in DTYPES:
         return f"dtype {dtype} (supported: {DTYPES})"
+    if latent:
+        if (head_dim, head_dim_v) not in LATENT_DIMS:
+            return (f"the absorbed-MLA latent with Dk {head_dim} / Dv {head_dim_v} (the CuTe forward takes "
+                    f"(Dk, Dv) in {LATENT_DIMS})")
+        if group > TILE_M and group % TILE_M:
+            return f"{group} query heads per kv head (above 64 it must be a multiple of 64)"
+        if backward:
+            return "the backward of the absorbed-MLA latent (v=None) is not implemented on the CuTe path"
+        return None
     if head_dim not in HEAD_DIMS or head_dim_v != head_dim:
         return f"head dims Dk {head_dim} / Dv {head_dim_v} (supported: Dk == Dv in {HEAD_DIMS})"
     if group > TILE_M and group % TILE_M:

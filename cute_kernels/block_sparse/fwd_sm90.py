@@ -33,7 +33,8 @@ Blocks are visited in ascending start order whatever the order of the ids, so ou
 depend on it, and nothing is accumulated across CTAs: bitwise reproducible.
 
 Not supported (``config.unsupported_reason``): block_size != 64, Dk != Dv or Dk not in (64, 128,
-256), the absorbed-MLA latent (v=None), G > 64 not a multiple of 64.
+256), G > 64 not a multiple of 64. The absorbed-MLA latent (v=None, Dk 576 / 512) has its own
+kernel, ``fwd_latent_sm90.py``, built on this one.
 """
 
 from __future__ import annotations
@@ -161,6 +162,20 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         cute.copy(atom, tXgX, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
     @cute.jit
+    def load_q_rows(self, mQ, tma_atom_Q, rows, sQ_base, mbar_q, tile):
+        """The tile's Q rows: one (GC, Dk) box per tile query into its row slots of sQ, completing on
+        ``mbar_q`` (expected bytes announced first)."""
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, tile.nq * self.gc * self.dk * 2)
+        for j in cutlass.range(tile.nq, unroll=1):
+            dst = cute.make_tensor(cute.recast_ptr(sQ_base + j * self.gc * 64, rows.inner), rows.outer)
+            src = cute.local_tile(mQ[None, None, tile.q0 + j, tile.b], (self.gc, self.dk),
+                                  (tile.head0 // self.gc, 0))
+            tS, tG = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                           cute.group_modes(src, 0, 2))
+            cute.copy(tma_atom_Q, tG, tS, tma_bar_ptr=mbar_q)
+
+    @cute.jit
     def load(self, mQ, mK, mV, mTileStart, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, rows,
              sQ_base, mbar_q, pipeline_k, pipeline_v, tile):
         mK_cur = mK[None, None, tile.h, tile.b]  # (S, Dk)
@@ -170,15 +185,7 @@ class BlockSparseFwdSm90(BlockSparseSm90):
             # 1. K of the first block, then the tile's Q rows (one box per query, GC head rows).
             self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, tile.q0 // self.wq, 0], self.dk,
                             pipeline_k, kv_state)
-            if cute.arch.lane_idx() == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, tile.nq * self.gc * self.dk * 2)
-            for j in cutlass.range(tile.nq, unroll=1):
-                dst = cute.make_tensor(cute.recast_ptr(sQ_base + j * self.gc * 64, rows.inner), rows.outer)
-                src = cute.local_tile(mQ[None, None, tile.q0 + j, tile.b], (self.gc, self.dk),
-                                      (tile.head0 // self.gc, 0))
-                tS, tG = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                                               cute.group_modes(src, 0, 2))
-                cute.copy(tma_atom_Q, tG, tS, tma_bar_ptr=mbar_q)
+            self.load_q_rows(mQ, tma_atom_Q, rows, sQ_base, mbar_q, tile)
             # 2. K[n] with V[n - 1]: the consumer runs QK^T of block n next to PV of block n - 1.
             w = tile.q0 // self.wq
             for n in cutlass.range(1, tile.count, unroll=1):
@@ -378,7 +385,12 @@ class BlockSparseFwdSm90(BlockSparseSm90):
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid: Int32):
         self.store_rows(acc_O, mO, thr_mma_pv, self.dv, tile, rows_valid)
-        cO = cute.make_identity_tensor((TILE_M, self.dv))
+        self.store_lse(lse, mLSE, thr_mma_pv, self.dv, tile, rows_valid)
+
+    @cute.jit
+    def store_lse(self, lse, mLSE, thr_mma_pv, cols: cutlass.Constexpr, tile, rows_valid: Int32):
+        """Each real row's lse, from the lane holding its column 0 of the (64, cols) accumulator."""
+        cO = cute.make_identity_tensor((TILE_M, cols))
         tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cO))
         for r in cutlass.range_constexpr(2):
             row = tOcO_mn[r, 0][0]
@@ -386,9 +398,10 @@ class BlockSparseFwdSm90(BlockSparseSm90):
                 mLSE[tile.b, tile.head0 + row % self.gc, tile.q0 + row // self.gc] = lse[r]
 
     @cute.jit
-    def store_rows(self, acc, mX, thr_mma, cols: cutlass.Constexpr, tile, rows_valid: Int32):
+    def store_rows(self, acc, mX, thr_mma, cols: cutlass.Constexpr, tile, rows_valid: Int32,
+                   col0: cutlass.Constexpr = 0):
         """The fp32 accumulator (64 rows x cols) as 16-bit values into each real row's (query, head)
-        of ``mX [B, S, Hq, cols]``."""
+        of ``mX [B, S, Hq, >= col0 + cols]``, columns from ``col0`` on."""
         tXcX_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cols))))
         rX = cute.make_rmem_tensor_like(acc, self.dtype)
         convert_to_16bit(acc, rX)
@@ -398,4 +411,4 @@ class BlockSparseFwdSm90(BlockSparseSm90):
             if row < rows_valid:
                 gX = mX[tile.b, tile.q0 + row // self.gc, tile.head0 + row % self.gc, None]  # (cols,)
                 for c in cutlass.range_constexpr(cute.size(rX_mn, mode=[1])):
-                    gX[tXcX_mn[r, c][1]] = rX_mn[r, c]
+                    gX[col0 + tXcX_mn[r, c][1]] = rX_mn[r, c]

@@ -4,7 +4,8 @@ caller's current stream. Arguments were validated one layer up (``paddle_fa4/blo
 
 Tensors: q [B, S, Hq, Dk], k [B, S, Hkv, Dk], v [B, S, Hkv, Dv] (bf16 / fp16, contiguous); the plan's
 tile_start / tile_mask [NS, NQT, CAP], tile_count [NS, NQT], q_limit [B, S] (int32); sink [Hq]
-fp32 or None; out [B, S, Hq, Dv], lse [B, Hq, S] fp32 (every element written).
+fp32 or None; out [B, S, Hq, Dv], lse [B, Hq, S] fp32 (every element written). The absorbed-MLA
+latent (``FwdConfig.latent``, forward only): V is the leading Dv columns of k, v is None.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ from __future__ import annotations
 from cute_kernels import arch as _arch
 from cute_kernels.jit_cache import jit_cache
 
-from .config import BWD_HEAD_DIMS, DTYPES, HEAD_DIMS, BwdConfig, FwdConfig
+from .config import BWD_HEAD_DIMS, DTYPES, HEAD_DIMS, LATENT_DIMS, BwdConfig, FwdConfig
 
 
-def fwd_config(q, k, v, *, per_kv_head: bool, has_sink: bool, arch: int | None = None) -> FwdConfig:
+def fwd_config(q, k, v, *, per_kv_head: bool, has_sink: bool, arch: int | None = None,
+               latent_dv: int | None = None) -> FwdConfig:
+    """The config of a call; ``latent_dv``: the absorbed-MLA latent with V = k[..., :latent_dv] (v None)."""
     from cute_kernels.dtypes import dtype_name
 
     hq, hkv = int(q.shape[2]), int(k.shape[2])
+    latent = latent_dv is not None
     return FwdConfig(arch=_arch.kernel_arch(arch), dtype=dtype_name(q.dtype), head_dim=int(q.shape[3]),
-                     head_dim_v=int(v.shape[3]), group=hq // hkv, per_kv_head=per_kv_head, has_sink=has_sink)
+                     head_dim_v=int(latent_dv) if latent else int(v.shape[3]), group=hq // hkv,
+                     per_kv_head=per_kv_head, has_sink=has_sink, latent=latent)
 
 
 def _fwd_fakes(cfg: FwdConfig):
@@ -33,7 +38,7 @@ def _fwd_fakes(cfg: FwdConfig):
     b, s, hkv, ns, nqt, cap = (sym() for _ in range(6))
     hq = sym()
     return (fake_tensor(dt, (b, s, hq, cfg.head_dim)), fake_tensor(dt, (b, s, hkv, cfg.head_dim)),
-            fake_tensor(dt, (b, s, hkv, cfg.head_dim_v)),
+            fake_tensor(dt, (b, s, hkv, cfg.head_dim if cfg.latent else cfg.head_dim_v)),
             fake_tensor(i32, (ns, nqt, cap), align_bytes=4), fake_tensor(i32, (ns, nqt, cap), align_bytes=4),
             fake_tensor(i32, (ns, nqt), align_bytes=4), fake_tensor(i32, (b, s), align_bytes=4),
             fake_tensor(f32, (hq,), align_bytes=4) if cfg.has_sink else None,
@@ -49,17 +54,27 @@ def compile_fwd(cfg: FwdConfig):
 
     if _arch.family(cfg.arch) != 90:
         raise NotImplementedError(f"block_sparse_attention: no CuTe forward for arch {cfg.arch} yet (SM90 only)")
-    from .fwd_sm90 import BlockSparseFwdSm90
+    return cute.compile(_fwd_kernel(cfg)(cfg), *_fwd_fakes(cfg), fake_stream(), options=arch_options(cfg.arch))
 
-    return cute.compile(BlockSparseFwdSm90(cfg), *_fwd_fakes(cfg), fake_stream(), options=arch_options(cfg.arch))
+
+def _fwd_kernel(cfg: FwdConfig):
+    if cfg.latent:
+        from .fwd_latent_sm90 import BlockSparseLatentFwdSm90
+        return BlockSparseLatentFwdSm90
+    from .fwd_sm90 import BlockSparseFwdSm90
+    return BlockSparseFwdSm90
 
 
 def run_fwd(cfg: FwdConfig, q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse,
             softmax_scale: float) -> None:
-    """out and lse from a built plan (``paddle_fa4.block_sparse_plan`` or ``tests/oracles/block_sparse``)."""
+    """out and lse from a built plan (``paddle_fa4.block_sparse_plan`` or ``tests/oracles/block_sparse``);
+    with ``cfg.latent`` v is None (V = k's leading ``head_dim_v`` columns)."""
     assert (sink is None) == (not cfg.has_sink), "sink must match cfg.has_sink"
+    assert (v is None) == cfg.latent, "v is None exactly for the latent"
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
         return
+    if cfg.latent:
+        v = k  # the kernel reads V from K's shared memory; its v argument is k
     compile_fwd(cfg)(q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse, float(softmax_scale))
 
 
@@ -174,10 +189,14 @@ def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_
 def fwd_matrix(arch: int, full: bool = False):
     if _arch.family(arch) != 90:
         return []
+    latent = [FwdConfig(arch=arch, dtype=dt, head_dim=dk, head_dim_v=dv, group=g, per_kv_head=False, has_sink=sk,
+                        latent=True)
+              for dt in (DTYPES if full else ("bfloat16",)) for dk, dv in LATENT_DIMS
+              for g in ((16, 64, 128) if full else (64,)) for sk in ((False, True) if full else (True,))]
     if full:
         return [FwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk, has_sink=sk)
                 for dt in DTYPES for d in HEAD_DIMS for g in (1, 2, 8, 12, 64, 128) for pk in (False, True)
-                for sk in (False, True)]
+                for sk in (False, True)] + latent
     return [FwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=False,
                       has_sink=False),
             FwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=True,
@@ -187,7 +206,7 @@ def fwd_matrix(arch: int, full: bool = False):
             FwdConfig(arch=arch, dtype="float16", head_dim=256, head_dim_v=256, group=12, per_kv_head=False,
                       has_sink=True),
             FwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=128, per_kv_head=False,
-                      has_sink=True)]
+                      has_sink=True)] + latent
 
 
 def bwd_matrix(arch: int, full: bool = False):
@@ -213,8 +232,7 @@ def _dkdv_smem(cfg):
 
 
 def _fwd_smem(cfg):
-    from .fwd_sm90 import BlockSparseFwdSm90
-    return BlockSparseFwdSm90.smem_bytes(cfg)
+    return _fwd_kernel(cfg).smem_bytes(cfg)
 
 
 CHECKS = {

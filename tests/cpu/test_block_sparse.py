@@ -300,6 +300,13 @@ def test_cute_glue_refuses_what_it_does_not_cover():
     assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**dict(base, has_sink=True)),
                                                                needs_grad=False)
     assert "compute capability 120" in glue.unsupported_reason(120, BlockSparseSpec(**base), needs_grad=False)
+    # the absorbed-MLA latent: the two production (Dk, Dv), forward only
+    mla = dict(base, Hq=64, Hkv=1, Dk=576, Dv=512, latent=True, has_sink=True)
+    assert glue.unsupported_reason(90, BlockSparseSpec(**mla), needs_grad=False) is None
+    assert glue.unsupported_reason(90, BlockSparseSpec(**dict(mla, Dk=512, Dv=448)), needs_grad=False) is None
+    assert "backward of the absorbed-MLA latent" in glue.unsupported_reason(90, BlockSparseSpec(**mla),
+                                                                            needs_grad=True)
+    assert "Dk 576 / Dv 448" in glue.unsupported_reason(90, BlockSparseSpec(**dict(mla, Dv=448)), needs_grad=False)
     for over, fragment in ((dict(latent=True, Dv=64), "absorbed-MLA"), (dict(block_size=16), "block_size 16"),
                            (dict(Dv=64), "head dims"), (dict(dtype="float32"), "dtype"),
                            (dict(has_sink=True, scale=0.0), "softmax_scale 0")):
@@ -425,3 +432,34 @@ def test_sm100_token_path_without_work(S, topk, monkeypatch):
     dq, dk, dv, dsink = glue.backward(spec, q, k, v, ids, None, None, out, lse, dout, plan)
     assert out.shape == [1, S, 2, 8] and not out.numpy().any() and np.isneginf(lse.numpy()).all()
     assert dsink is None and not any(g.numpy().any() for g in (dq, dk, dv))
+
+
+@pytest.mark.parametrize("dk,dv", [(576, 512), (512, 448)])
+def test_sm90_latent_forward_glue(dk, dv, monkeypatch):
+    """The SM90 glue of the latent (v=None) forward hands the kernel k alone (v None), a latent config with
+    Dv = dv, an out of Dv columns and the plan it built; the kernel (stubbed here) is what the H200 tests
+    check against the oracle (tests/gpu/test_block_sparse.py, test_latent_forward_matches_oracle)."""
+    pytest.importorskip("cutlass")
+    from cute_kernels.block_sparse import launch
+    from paddle_fa4 import block_sparse_cute as glue
+
+    seen = {}
+
+    def fake_run_fwd(cfg, q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse, scale):
+        seen.update(cfg=cfg, v=v, k=list(k.shape), out=list(out.shape), lse=list(lse.shape), sink=sink is not None,
+                    count=tile_count.numpy().copy(), scale=scale)
+
+    monkeypatch.setattr(glue, "arch_of", lambda t: 90)
+    monkeypatch.setattr(launch, "run_fwd", fake_run_fwd)
+    c = _case(4, B=1, S=130, Hq=16, Hkv=1, Dk=dk, Dv=dv, topk=3, bs=64, latent=True, sink=True)
+    spec = _spec(c, "bfloat16")
+    assert spec.latent and glue.unsupported_reason(90, spec, needs_grad=False) is None
+    q, k = _t(c["q"], "bfloat16"), _t(c["k"], "bfloat16")
+    out, lse, plan = glue.forward(spec, q, k, None, _t(c["ids"], "int32"), None, _t(c["sink"]), None)
+    cfg = seen["cfg"]
+    assert cfg.latent and (cfg.head_dim, cfg.head_dim_v, cfg.group, cfg.has_sink) == (dk, dv, 16, True)
+    assert seen["v"] is None and seen["k"] == [1, 130, 1, dk] and seen["sink"]
+    assert seen["out"] == [1, 130, 16, dv] and out.shape == [1, 130, 16, dv] and seen["lse"] == [1, 16, 130]
+    assert seen["scale"] == pytest.approx(dk ** -0.5)
+    want = orc.plan_arrays(c["ids"], 64, 16, keys=False)["tile_count"]
+    assert np.array_equal(seen["count"], want)

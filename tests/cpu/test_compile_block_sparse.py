@@ -26,7 +26,10 @@ def test_registered_and_sm90_only():
     assert "cute_kernels.block_sparse.launch" in LAUNCH_MODULES
     assert set(CHECKS) == {"block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv"}
     assert fwd_matrix(100) == [] and bwd_matrix(100) == []
-    assert len(fwd_matrix(90, full=True)) == 2 * 3 * 6 * 2 * 2 and len(bwd_matrix(90, full=True)) == 2 * 2 * 6 * 2
+    # dtypes x head dims x groups x id layouts x sink, plus the latent: dtypes x (Dk, Dv) x groups x sink
+    assert len(fwd_matrix(90, full=True)) == 2 * 3 * 6 * 2 * 2 + 2 * 2 * 3 * 2
+    assert len(bwd_matrix(90, full=True)) == 2 * 2 * 6 * 2
+    assert sum(c.latent for c in fwd_matrix(90)) == 2
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 12, 16, 64, 128])
@@ -40,7 +43,9 @@ def test_row_tile_matches_planner(group):
 
 
 @pytest.mark.parametrize("kw, fragment", [
-    (dict(latent=True), "absorbed-MLA latent"),
+    (dict(latent=True), "absorbed-MLA latent with Dk 128 / Dv 128"),
+    (dict(latent=True, head_dim=576, head_dim_v=512, backward=True), "backward of the absorbed-MLA latent"),
+    (dict(latent=True, head_dim=576, head_dim_v=512, group=96), "multiple of 64"),
     (dict(block_size=32), "block_size 32"),
     (dict(head_dim=96, head_dim_v=96), "head dims"),
     (dict(head_dim_v=64), "head dims"),
@@ -53,6 +58,9 @@ def test_unsupported_reason_names_the_case(kw, fragment):
     args.update(kw)
     assert fragment in unsupported_reason(**args)
     assert unsupported_reason(head_dim=128, head_dim_v=128, group=8, dtype="bfloat16", block_size=64) is None
+    for dk, dv in ((576, 512), (512, 448)):
+        assert unsupported_reason(head_dim=dk, head_dim_v=dv, group=64, dtype="bfloat16", block_size=64,
+                                  latent=True) is None
 
 
 @pytest.mark.parametrize("bad", [0, -3])

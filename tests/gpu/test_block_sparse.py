@@ -32,15 +32,16 @@ LSE_TOL = 2e-3
 
 
 def make_case(seed, B, S, Hq, Hkv, D, topk, cu=None, per_kv=False, sink=False, causal=True, dtype=torch.bfloat16,
-              pad=0.2, dup=0.1):
+              pad=0.2, dup=0.1, latent_dv=None):
+    """``latent_dv``: the absorbed-MLA latent (v None, V = k[..., :latent_dv]); D is then Dk."""
     rng = np.random.default_rng(seed)
     ids = orc.random_ids(rng, B, S, topk, BS, causal, cu, heads=Hkv if per_kv else None, pad=pad, dup=dup)
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, S, Hq, D, device="cuda", generator=g).to(dtype)
     k = torch.randn(B, S, Hkv, D, device="cuda", generator=g).to(dtype)
-    v = torch.randn(B, S, Hkv, D, device="cuda", generator=g).to(dtype)
+    v = None if latent_dv else torch.randn(B, S, Hkv, D, device="cuda", generator=g).to(dtype)
     s = torch.randn(Hq, device="cuda", generator=g) if sink else None
-    return dict(ids=ids, q=q, k=k, v=v, sink=s, cu=cu, causal=causal, G=Hq // Hkv)
+    return dict(ids=ids, q=q, k=k, v=v, sink=s, cu=cu, causal=causal, G=Hq // Hkv, dv=latent_dv or D)
 
 
 def plan_tensors(c) -> dict:
@@ -54,9 +55,10 @@ def run(c, plan=None):
     plan = plan_tensors(c) if plan is None else plan
     q, k, v = c["q"], c["k"], c["v"]
     B, S, Hq, _ = q.shape
-    out = torch.full((B, S, Hq, v.shape[3]), float("nan"), dtype=q.dtype, device="cuda")  # poisoned
+    out = torch.full((B, S, Hq, c["dv"]), float("nan"), dtype=q.dtype, device="cuda")  # poisoned
     lse = torch.full((B, Hq, S), float("nan"), dtype=torch.float32, device="cuda")
-    cfg = fwd_config(q, k, v, per_kv_head=c["ids"].ndim == 4, has_sink=c["sink"] is not None)
+    cfg = fwd_config(q, k, v, per_kv_head=c["ids"].ndim == 4, has_sink=c["sink"] is not None,
+                     latent_dv=c["dv"] if v is None else None)
     run_fwd(cfg, q, k, v, plan["tile_start"], plan["tile_mask"], plan["tile_count"], plan["q_limit"], c["sink"],
             out, lse, q.shape[-1] ** -0.5)
     torch.cuda.synchronize()
@@ -66,14 +68,16 @@ def run(c, plan=None):
 def oracle(c):
     mask = orc.token_mask(c["ids"], BS, c["causal"], c["cu"])
     f = lambda t: t.double().cpu().numpy()  # noqa: E731
-    out, lse, _ = orc.attention(f(c["q"]), f(c["k"]), f(c["v"]), mask,
+    v = c["k"][..., :c["dv"]] if c["v"] is None else c["v"]
+    out, lse, _ = orc.attention(f(c["q"]), f(c["k"]), f(v), mask,
                                 sink=None if c["sink"] is None else f(c["sink"]))
     return out, lse
 
 
-def check(c):
+def check(c, want=None):
+    """out / lse of the kernel vs the oracle (``want``: its (out, lse), when the caller has them)."""
     out, lse = run(c)
-    want_out, want_lse = oracle(c)
+    want_out, want_lse = oracle(c) if want is None else want
     got = out.double().cpu().numpy()
     assert np.isfinite(got).all(), "out has non-finite values (an unwritten or NaN row)"
     rel = np.linalg.norm(got - want_out) / max(np.linalg.norm(want_out), 1e-30)
@@ -105,10 +109,42 @@ def test_forward_matches_oracle(kw):
     check(make_case(0, **kw))
 
 
-@pytest.mark.parametrize("sink", [False, True], ids=["memcheck-empty", "memcheck-empty-sink"])
-def test_empty_rows(sink):
+LATENT_CASES = [
+    pytest.param(dict(B=1, S=300, Hq=64, Hkv=1, D=576, latent_dv=512, topk=4, sink=True, cu=[0, 37, 200, 300]),
+                 id="mla576-g64-sink-docs"),
+    pytest.param(dict(B=2, S=200, Hq=128, Hkv=1, D=512, latent_dv=448, topk=3, causal=False, cu=[0, 90, 200]),
+                 id="mla512-g128-noncausal"),
+    pytest.param(dict(B=1, S=130, Hq=16, Hkv=1, D=576, latent_dv=512, topk=3, per_kv=True, dtype=torch.float16),
+                 id="mla576-g16-packed-perkv-fp16"),
+    pytest.param(dict(B=1, S=1024, Hq=64, Hkv=1, D=576, latent_dv=512, topk=16, sink=True, pad=0.05, dup=0.05),
+                 id="mla576-g64-topk16-s1024"),
+    pytest.param(dict(B=1, S=70, Hq=64, Hkv=1, D=512, latent_dv=448, topk=2, pad=0.4), id="memcheck-mla512"),
+]
+
+
+@pytest.mark.parametrize("kw", LATENT_CASES)
+def test_latent_forward_matches_oracle(kw):
+    """The absorbed-MLA latent kernel (fwd_latent_sm90.py): V = the leading Dv columns of k, the O columns
+    split over two warpgroups with P handed over through shared memory (Note [P hand-off]); the many-block
+    case runs 16 hand-offs per tile, so a missing or misordered barrier shows in WG 2's columns."""
+    c = make_case(11, **kw)
+    want_all = oracle(c)
+    out, lse = check(c, want_all)
+    for o, l_ in (run(c) for _ in range(2)):  # bitwise reproducible
+        assert torch.equal(o, out) and torch.equal(l_, lse)
+    want = want_all[0]
+    got = out.double().cpu().numpy()
+    for lo, hi in ((0, 256), (256, c["dv"])):  # each warpgroup's columns on their own
+        part = np.linalg.norm(got[..., lo:hi] - want[..., lo:hi]) / max(np.linalg.norm(want[..., lo:hi]), 1e-30)
+        assert part <= REL_TOL, f"columns {lo}:{hi} rel L2 {part:.3e}"
+
+
+@pytest.mark.parametrize("sink,latent", [(False, False), (True, False), (True, True)],
+                         ids=["memcheck-empty", "memcheck-empty-sink", "memcheck-empty-sink-mla"])
+def test_empty_rows(sink, latent):
     """All-padding rows and whole all-padding query tiles: out 0, lse -inf (the sink with a sink)."""
-    c = make_case(1, B=1, S=100, Hq=8, Hkv=1, D=64, topk=2, sink=sink)
+    dims = dict(D=576, latent_dv=512) if latent else dict(D=64)
+    c = make_case(1, B=1, S=100, Hq=8, Hkv=1, topk=2, sink=sink, **dims)
     c["ids"][0, 10:13] = -1
     c["ids"][0, 40:56] = -1  # G 8: tiles of 8 queries; 40..55 are two whole tiles
     assert orc.tile_queries(8) == 8 and not orc.plan_arrays(c["ids"], BS, 8, keys=False)["tile_count"][0, 5:7].any()

@@ -1,0 +1,336 @@
+"""BlockSparseLatentFwdSm90: the block-sparse forward for the absorbed-MLA latent on Hopper.
+
+    out[b, t, hq] = sum_c softmax_c(scale * q . k_c [, sink[hq]]) k_c[:Dv]     (V = the leading Dv columns of K)
+    lse[b, hq, t] = as in fwd_sm90.py
+
+PaddleFleet's sparse branch: MQA over one shared latent row per key (kv_lora_rank + rope = Dk 576 or
+512 columns, V = its first Dv = 512 or 448), up to 64 query heads per rank (128 as two head chunks).
+Rows, plan, block masks, online softmax, sink and empty-row rules are those of ``fwd_sm90.py``
+(this class inherits them); what changes is the width, which does not fit one warpgroup.
+
+One CTA per (query tile w, head chunk c, batch b), 384 threads:
+
+    WG 0, warp 0   producer: K of block 0, the tile's Q rows (one (GC, Dk) box per query), then
+                   K[n] per listed block: one (64, Dk) box of latent rows, which is K and V at
+                   once; 2 stages, each released when both consumers' PV on it completed
+    WG 1 ("S")     S = Q K^T over all Dk columns (wgmma, smem x smem), block masks, online softmax,
+                   O[:, :256] += P V[:, :256] (P from registers); the QK^T of block n is in flight
+                   while the PV of block n - 1 runs; hands P and the O rescale of each block to WG 2
+                   (Note [P hand-off]); sink, 1 / l and lse at the end
+    WG 2 ("V")     O[:, 256:Dv] = rescaled O + P V[:, 256:Dv] with P read from shared memory
+                   (wgmma, smem x smem); its columns of out at the end
+
+    producer ──K = V blocks, Q (mbarriers)──▶ WG 1 ──P, row rescale (sP, sScale, 2 named barriers)──▶ WG 2
+
+Note [latent split]. O is 64 x Dv fp32: 128 registers per thread per 256 columns, so Dv > 256 needs
+two warpgroups. Splitting the O columns and letting each warpgroup compute S itself would do the
+QK^T (the larger GEMM at Dk 576) twice; here S, the masks and the softmax run once, in WG 1, and
+WG 2 only rescales its O columns and runs its PV. Both warpgroups hold the same accumulator rows
+per thread index (m64 accumulators), so the rescale crosses as a plain (thread, row) array.
+
+Note [P hand-off]. sP holds one block's P (64 x 64 bf16, the wgmma K-major layout WG 2's PV reads
+as its A operand). WG 1 waits on P_EMPTY (WG 2's PV of the previous P has completed; WG 2 arrives
+once at the start), writes P (stmatrix from its accumulator layout) and its two row rescales,
+fences the stores for the wgmma's async proxy and arrives on P_FULL; WG 2 waits on P_FULL, reads the
+rescales, issues its PV and arrives on P_EMPTY when it completed. After the last block the same
+round carries 1 / l (no P). Every block is handed over in order, so WG 2's O sees exactly the
+sequence of rescales and P tiles WG 1's does: out is bitwise that of one warpgroup doing all columns
+with this arithmetic, whatever the timing.
+
+Shared memory at Dk 576: Q 72 KiB, two 72 KiB key stages, sP 8 KiB, sScale 1 KiB: 225 KiB of the 227.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from cute_kernels.common.softmax import OnlineSoftmax
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, transpose_view,
+                                       wgmma_smem_layout)
+
+from .common import THREADS_PER_WG, shared_storage, smem_tensors
+from .config import BLOCK_SIZE, TILE_M, FwdConfig
+from .fwd_sm90 import KV_STAGES, BlockSparseFwdSm90
+
+# setmaxnreg split: 128 * (24 + 2 * 240) = 64,512 of the SM's 65,536 registers (one CTA per SM).
+PRODUCER_REGS, CONSUMER_REGS = 24, 240
+#: Named barriers (0 is the CTA barrier), Note [P hand-off].
+P_FULL, P_EMPTY = 1, 2
+#: O columns of WG 1; WG 2 takes the other Dv - 256 (a multiple of 64: whole 64-column chunks).
+V_SPLIT = 256
+
+
+class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
+    def __init__(self, cfg: FwdConfig):
+        if not cfg.latent:
+            raise ValueError("BlockSparseLatentFwdSm90 is the latent (v=None) forward")
+        super().__init__(cfg)
+        self.dv_parts = (V_SPLIT, self.dv - V_SPLIT)
+        assert 0 < self.dv_parts[1] <= 256 and self.dv % 64 == 0 and self.dk % 64 == 0 and self.dk >= self.dv
+
+    @staticmethod
+    def smem_bytes(cfg: FwdConfig) -> int:
+        # the struct of common.shared_storage: barriers, then sScale (16-aligned), then the 1024-aligned
+        # buffers (each a multiple of 1024 bytes)
+        head = -(-(8 * (1 + 2 * KV_STAGES)) // 16) * 16 + 2 * THREADS_PER_WG * 4
+        q = TILE_M * cfg.head_dim * 2
+        k = BLOCK_SIZE * cfg.head_dim * 2 * KV_STAGES
+        p = TILE_M * BLOCK_SIZE * 2
+        return -(-head // 1024) * 1024 + q + k + p
+
+    MBARS = {"mbar_q": 1, "mbar_k": 2 * KV_STAGES}
+
+    # ------------------------------------------------------------------ host launch
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileStart: cute.Tensor,
+                 mTileMask: cute.Tensor, mTileCount: cute.Tensor, mQLimit: cute.Tensor, mSink,
+                 mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32, stream):
+        # mV is k itself (the launcher's contract for the latent); V is read from K's shared memory.
+        sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 1))
+        sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk, KV_STAGES))
+        sP_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.tile_n))
+        tma_atom_Q, tma_Q, rows = self.rows_tma(mQ, self.dk)
+        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        tma_atom_K, tma_K = self.kv_tma(mK, cute.select(sK_layout, mode=[0, 1]), self.dk)
+        self.v_layout(sK_layout, 0)  # trace-time checks: the V views are whole chunks of the key buffer
+        self.v_layout(sK_layout, 1)
+        self.shared_storage = shared_storage(self.dtype, self.MBARS, {"scale": (Float32, 2 * THREADS_PER_WG)},
+                                             sQ=sQ_layout, sK=sK_layout, sP=sP_layout)
+        assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
+        grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
+        self.kernel(tma_Q, tma_K, mTileStart, mTileMask, mTileCount, mQLimit, mSink, mO, mLSE, tma_atom_Q,
+                    tma_atom_K, sQ_layout, sK_layout, sP_layout, rows, softmax_scale).launch(
+            grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=1, preferred_smem_carveout=100)
+
+    def v_layout(self, sK_layout: cute.ComposedLayout, part: int):
+        """(first column, composed layout) of V part ``part`` (WG 1's or WG 2's O columns) over the key
+        stages: columns [c0, c0 + cols) of every (64, Dk) stage. c0 and cols are multiples of 64, i.e.
+        whole 64-column chunks of the wgmma layout (chunks are 64 x 64 elements, one after the other,
+        each its own swizzle atom), so the view is the (64, cols) wgmma layout ``64 * c0`` elements
+        further on, with the key buffer's stage stride. Checked against ``sK_layout`` at trace time."""
+        c0 = 0 if part == 0 else V_SPLIT
+        cols = self.dv_parts[part]
+        base = wgmma_smem_layout(self.dtype, (self.tile_n, cols))
+        stride = self.tile_n * self.dk
+        outer = cute.append(base.outer, cute.make_layout(KV_STAGES, stride=stride))
+        full = sK_layout.outer
+        assert cute.crd2idx((0, 0, 1), full) == stride, "key stage stride"
+        for r in (0, 1, 7, 8, 63):
+            for c in (0, 1, 63, 64, cols - 1):
+                for st in range(KV_STAGES):
+                    want = cute.crd2idx((r, c0 + c, st), full)
+                    assert want == c0 * self.tile_n + cute.crd2idx((r, c, st), outer), \
+                        f"V part {part} is not a sub-block of the key buffer at ({r}, {c}, {st})"
+        return c0, cute.make_composed_layout(base.inner, 0, outer)
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor,
+               mTileCount: cute.Tensor, mQLimit: cute.Tensor, mSink, mO: cute.Tensor, mLSE: cute.Tensor,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, rows: cute.ComposedLayout,
+               softmax_scale: Float32):
+        warp_idx, tidx, storage = self.allocate((tma_atom_Q, tma_atom_K))
+        mbar_q = storage.mbar_q.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar_q, 1)
+        cute.arch.mbarrier_init_fence()
+        # Both consumer warpgroups release every stage (V is K's buffer): 8 warps' arrivals.
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=KV_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * THREADS_PER_WG // 32),
+            tx_count=self.tx_bytes_k, defer_sync=False)
+        sQ, sK, sP = smem_tensors(storage, sQ=sQ_layout, sK=sK_layout, sP=sP_layout)
+        sScale = cute.make_tensor(storage.scale.data_ptr(),
+                                  cute.make_layout((THREADS_PER_WG, 2), stride=(1, THREADS_PER_WG)))
+        tile = self.tile_of(mQ, mK, mTileCount)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self.load_latent(mQ, mK, mTileStart, sK, tma_atom_Q, tma_atom_K, rows, storage.sQ.data_ptr(),
+                                 mbar_q, pipeline_k, tile)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctidx = tidx - THREADS_PER_WG
+            wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
+            sK_base = storage.sK.data_ptr()
+            if wg == 0:
+                self.consume_s(mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sK_base, sK_layout, sP,
+                               sScale, mbar_q, pipeline_k, tile, ctidx, softmax_scale)
+            else:
+                self.consume_v(mO, sK_base, sK_layout, sP, sScale, pipeline_k, tile, ctidx - THREADS_PER_WG)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load_latent(self, mQ, mK, mTileStart, sK, tma_atom_Q, tma_atom_K, rows, sQ_base, mbar_q, pipeline_k,
+                    tile):
+        mK_cur = mK[None, None, tile.h, tile.b]  # (S, Dk)
+        if tile.count > 0:
+            w = tile.q0 // self.wq
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+            self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, 0], self.dk, pipeline_k, kv_state)
+            self.load_q_rows(mQ, tma_atom_Q, rows, sQ_base, mbar_q, tile)
+            for n in cutlass.range(1, tile.count, unroll=1):
+                kv_state.advance()
+                self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, n], self.dk, pipeline_k, kv_state)
+
+    # ------------------------------------------------------------------ consumers
+    def v_operand(self, mma_slice, sK_base, sK_layout, part: int):
+        """The B fragment (.., .., k, stage) of V part ``part`` for a PV wgmma (read MN-major)."""
+        c0, layout = self.v_layout(sK_layout, part)
+        sV = cute.make_tensor(cute.recast_ptr(sK_base + c0 * self.tile_n, layout.inner), layout.outer)
+        return mma_slice.make_fragment_B(mma_slice.partition_B(transpose_view(sV)))
+
+    @cute.jit
+    def consume_s(self, mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sK_base, sK_layout, sP, sScale,
+                  mbar_q, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
+        """WG 1: S, masks, softmax, O[:, :256], the hand-off of P and the rescales; lse."""
+        dv0 = self.dv_parts[0]
+        tiled_mma_qk, tiled_mma_pv = self.row_mmas(dv0)
+        thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
+        wg_mma_qk = tiled_mma_qk.get_slice(0)
+        wg_mma_pv = tiled_mma_pv.get_slice(0)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ[None, None, 0]))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))  # (.., .., k, stage)
+        tOrVt = self.v_operand(wg_mma_pv, sK_base, sK_layout, 0)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((TILE_M, self.tile_n)))
+        acc_S_shape = wg_mma_qk.partition_shape_C((TILE_M, self.tile_n))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((TILE_M, dv0)), Float32)
+        acc_O_mn = acc_mn_view(acc_O)
+        acc_O.fill(0.0)
+        # P -> sP by stmatrix from the S accumulator's layout (Note [P hand-off]).
+        st_copy = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                         tiled_mma_qk)
+        thr_st = st_copy.get_slice(ctidx)
+        hand = SimpleNamespace(st_copy=st_copy, thr_st=thr_st, tPsP=thr_st.partition_D(sP), sScale=sScale,
+                               ctidx=ctidx)
+
+        softmax = OnlineSoftmax(softmax_scale * LOG2_E, 2, 4)
+        softmax.reset()
+        ctx = self.row_context(thr_mma_qk, mTileStart, mTileMask, mQLimit, tile)
+        ctx.softmax = softmax
+
+        if tile.count > 0:
+            self.mainloop_s(ctx, tile.count, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+                            acc_O_mn, acc_S_shape, pipeline_k, hand)
+
+        # 4. Sink, 1 / l (also to WG 2), lse; only the rows of real (query, head) pairs are written.
+        rows_valid = ctx.rows_valid
+        heads = [tile.head0 + ctx.row[r] % self.gc for r in range(2)]
+        keyless = None
+        if const_expr(self.cfg.has_sink):
+            keyless = self.fold_sink(softmax, mSink, heads, ctidx % 4 == 0)
+        row_scale, lse = softmax.finalize()
+        if const_expr(self.cfg.has_sink):
+            for r in cutlass.range_constexpr(2):
+                if keyless[r] != 0:
+                    lse[r] = mSink[heads[r]]
+        self.hand_over(hand, None, row_scale)
+        softmax.rescale(acc_O_mn, row_scale)
+        self.store_rows(acc_O, mO, thr_mma_pv, dv0, tile, rows_valid)
+        self.store_lse(lse, mLSE, thr_mma_pv, dv0, tile, rows_valid)
+
+    @cute.jit
+    def mainloop_s(self, ctx, count: Int32, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+                   acc_O_mn, acc_S_shape, pipeline_k, hand):
+        """WG 1's blocks in order: QK^T of block n in flight with PV of block n - 1; P and the rescales
+        of every block handed over (Note [P hand-off])."""
+        cute.arch.mbarrier_wait(mbar_q, 0)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        # 1. First block: QK^T alone.
+        meta = self.block_meta(ctx, 0)
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+        row_scale = self.process_scores(ctx, acc_S, meta, True)
+        convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+        self.hand_over(hand, tOrP, row_scale)
+        # 2. QK^T of block n in flight with PV of block n - 1.
+        for n in cutlass.range(1, count, unroll=1):
+            kv_state = self.overlap_step_s(ctx, n, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                                           acc_O, acc_O_mn, acc_S_shape, pipeline_k, hand)
+        # 3. PV of the last block.
+        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
+        pipeline_k.consumer_release(kv_state)
+
+    @cute.jit
+    def overlap_step_s(self, ctx, n: Int32, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+                       acc_O_mn, acc_S_shape, pipeline_k, hand):
+        """QK^T of block n in flight with PV of block n - 1 (then block n - 1's stage is free of WG 1);
+        softmax of block n, O rescale, hand-off of P(n)."""
+        v_state = kv_state.clone()
+        kv_state.advance()
+        meta = self.block_meta(ctx, n)
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
+        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+        warpgroup.wait_group(1)
+        row_scale = self.process_scores(ctx, acc_S, meta, False)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(v_state)
+        ctx.softmax.rescale(acc_O_mn, row_scale)
+        convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+        self.hand_over(hand, tOrP, row_scale)
+        return kv_state
+
+    @cute.jit
+    def hand_over(self, hand, tOrP, row_scale):
+        """Note [P hand-off], WG 1's side: P (unless None) and this thread's two row rescales."""
+        cute.arch.barrier(barrier_id=P_EMPTY, number_of_threads=2 * THREADS_PER_WG)
+        if const_expr(tOrP is not None):
+            cute.copy(hand.st_copy, hand.thr_st.retile(tOrP), hand.tPsP)
+        for r in cutlass.range_constexpr(2):
+            hand.sScale[hand.ctidx, r] = row_scale[r]
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=P_FULL, number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def take_over(self, sScale, ctidx: Int32, acc_O_mn):
+        """Note [P hand-off], WG 2's side: wait for the next hand-off and rescale O's rows by it."""
+        cute.arch.barrier(barrier_id=P_FULL, number_of_threads=2 * THREADS_PER_WG)
+        for r in cutlass.range_constexpr(2):
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * sScale[ctidx, r])
+
+    @cute.jit
+    def consume_v(self, mO, sK_base, sK_layout, sP, sScale, pipeline_k, tile, ctidx: Int32):
+        """WG 2: O[:, 256:Dv] from WG 1's P and rescales; its columns of out."""
+        dv1 = self.dv_parts[1]
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, dv1))  # A (P) from shared memory
+        thr_mma = tiled_mma.get_slice(ctidx)
+        wg_mma = tiled_mma.get_slice(0)
+        tOrP = wg_mma.make_fragment_A(wg_mma.partition_A(sP))
+        tOrVt = self.v_operand(wg_mma, sK_base, sK_layout, 1)
+        acc_O = cute.make_rmem_tensor(wg_mma.partition_shape_C((TILE_M, dv1)), Float32)
+        acc_O_mn = acc_mn_view(acc_O)
+        acc_O.fill(0.0)
+        cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=2 * THREADS_PER_WG)  # sP starts free
+        if tile.count > 0:
+            self.mainloop_v(tile.count, tiled_mma, tOrP, tOrVt, acc_O, acc_O_mn, sScale, pipeline_k, ctidx)
+        self.take_over(sScale, ctidx, acc_O_mn)  # 1 / l
+        self.store_rows(acc_O, mO, thr_mma, dv1, tile, tile.nq * self.gc, V_SPLIT)
+
+    @cute.jit
+    def mainloop_v(self, count: Int32, tiled_mma, tOrP, tOrVt, acc_O, acc_O_mn, sScale, pipeline_k, ctidx: Int32):
+        """WG 2's blocks in order: take the hand-off, PV from sP, free sP and the stage."""
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        for n in cutlass.range(count, unroll=1):
+            self.take_over(sScale, ctidx, acc_O_mn)
+            pipeline_k.consumer_wait(kv_state)
+            self.gemm(tiled_mma, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
+            cute.arch.barrier_arrive(barrier_id=P_EMPTY, number_of_threads=2 * THREADS_PER_WG)
+            pipeline_k.consumer_release(kv_state)
+            kv_state.advance()
