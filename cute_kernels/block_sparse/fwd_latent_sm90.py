@@ -14,9 +14,9 @@ One CTA per (query tile w, head chunk c, batch b), 384 threads:
                    K[n] per listed block: one (64, Dk) box of latent rows, which is K and V at
                    once; 2 stages, each released when both consumers' PV on it completed
     WG 1 ("S")     S = Q K^T over all Dk columns (wgmma, smem x smem), block masks, online softmax,
-                   O[:, :256] += P V[:, :256] (P from registers); the QK^T of block n is in flight
-                   while the PV of block n - 1 runs; hands P and the O rescale of each block to WG 2
-                   (Note [P hand-off]); sink, 1 / l and lse at the end
+                   hands P and the O rescale of each block to WG 2 (Note [P hand-off]), then
+                   O[:, :256] += P V[:, :256] (P from registers), issued ahead of the next block's
+                   QK^T (Note [latent schedule]); sink, 1 / l and lse at the end
     WG 2 ("V")     O[:, 256:Dv] = rescaled O + P V[:, 256:Dv] with P read from shared memory
                    (wgmma, smem x smem); its columns of out at the end
 
@@ -34,8 +34,17 @@ once at the start), writes P (stmatrix from its accumulator layout) and its two 
 fences the stores for the wgmma's async proxy and arrives on P_FULL; WG 2 waits on P_FULL, reads the
 rescales, issues its PV and arrives on P_EMPTY when it completed. After the last block the same
 round carries 1 / l (no P). Every block is handed over in order, so WG 2's O sees exactly the
-sequence of rescales and P tiles WG 1's does: out is bitwise that of one warpgroup doing all columns
-with this arithmetic, whatever the timing.
+sequence of rescales and P tiles WG 1's does, whatever the timing: out is bitwise reproducible.
+
+Note [latent schedule]. A key stage is K and V at once, so it is free only when both PVs on it have
+completed; with two stages (all that fits beside the 72 KiB of Q) block n + 1's load waits for block
+n - 1's PVs. WG 1 issues block n - 1's PV at the top of step n, ahead of block n's QK^T, so the stage
+is released a QK^T earlier than in fwd_sm90.py's order (QK^T first, the PV behind it), and it hands P
+over before rescaling its own O. Measured on the H200 against that order (docs/benchmarks.md, Run AE):
+1.01-1.02x, outputs bitwise equal -- the stage recycle was not what bounds this kernel (ncu of the first
+version: tensor pipe 53 % busy, 42 % of the warps' stall cycles at a barrier). (The PV is issued at the top of the next step, not at the end
+of this one: a wgmma still in flight at the loop's back-edge made ptxas serialize every wgmma of the
+kernel.)
 
 Shared memory at Dk 576: Q 72 KiB, two 72 KiB key stages, sP 8 KiB, sScale 1 KiB: 225 KiB of the 227.
 """
@@ -227,15 +236,7 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
 
         # 4. Sink, 1 / l (also to WG 2), lse; only the rows of real (query, head) pairs are written.
         rows_valid = ctx.rows_valid
-        heads = [tile.head0 + ctx.row[r] % self.gc for r in range(2)]
-        keyless = None
-        if const_expr(self.cfg.has_sink):
-            keyless = self.fold_sink(softmax, mSink, heads, ctidx % 4 == 0)
-        row_scale, lse = softmax.finalize()
-        if const_expr(self.cfg.has_sink):
-            for r in cutlass.range_constexpr(2):
-                if keyless[r] != 0:
-                    lse[r] = mSink[heads[r]]
+        row_scale, lse = self.finish_rows(softmax, mSink, tile, ctx.row, ctidx)
         self.hand_over(hand, None, row_scale)
         softmax.rescale(acc_O_mn, row_scale)
         self.store_rows(acc_O, mO, thr_mma_pv, dv0, tile, rows_valid)
@@ -244,11 +245,11 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
     @cute.jit
     def mainloop_s(self, ctx, count: Int32, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
                    acc_O_mn, acc_S_shape, pipeline_k, hand):
-        """WG 1's blocks in order: QK^T of block n in flight with PV of block n - 1; P and the rescales
-        of every block handed over (Note [P hand-off])."""
+        """WG 1's blocks in order (Note [latent schedule]): QK^T, softmax, hand-off of P and the rescales;
+        the block's PV is issued first thing in the next step, ahead of that step's QK^T."""
         cute.arch.mbarrier_wait(mbar_q, 0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-        # 1. First block: QK^T alone.
+        # 1. First block.
         meta = self.block_meta(ctx, 0)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipeline_k.consumer_wait(kv_state)
@@ -256,33 +257,34 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         row_scale = self.process_scores(ctx, acc_S, meta, True)
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
         self.hand_over(hand, tOrP, row_scale)
-        # 2. QK^T of block n in flight with PV of block n - 1.
+        # 2. The rest: PV of block n - 1, then QK^T of block n behind it.
         for n in cutlass.range(1, count, unroll=1):
-            kv_state = self.overlap_step_s(ctx, n, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                                           acc_O, acc_O_mn, acc_S_shape, pipeline_k, hand)
-        # 3. PV of the last block.
+            kv_state = self.step_s(ctx, n, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+                                   acc_O_mn, acc_S_shape, pipeline_k, hand)
+        # 3. The last block's PV.
         self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
         pipeline_k.consumer_release(kv_state)
 
     @cute.jit
-    def overlap_step_s(self, ctx, n: Int32, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
-                       acc_O_mn, acc_S_shape, pipeline_k, hand):
-        """QK^T of block n in flight with PV of block n - 1 (then block n - 1's stage is free of WG 1);
-        softmax of block n, O rescale, hand-off of P(n)."""
+    def step_s(self, ctx, n: Int32, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, acc_O_mn,
+               acc_S_shape, pipeline_k, hand):
+        """PV of block n - 1 (P(n - 1) handed over and in tOrP), QK^T of block n behind it, then block n's
+        softmax and hand-off. No wgmma is in flight across steps: ptxas serializes every wgmma of a
+        kernel whose accumulator crosses a loop back-edge in flight (a register move of it there)."""
         v_state = kv_state.clone()
         kv_state.advance()
         meta = self.block_meta(ctx, n)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         pipeline_k.consumer_wait(kv_state)
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
-        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
-        warpgroup.wait_group(1)
-        row_scale = self.process_scores(ctx, acc_S, meta, False)
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(1)  # PV of block n - 1 done: its stage is free of WG 1
         pipeline_k.consumer_release(v_state)
-        ctx.softmax.rescale(acc_O_mn, row_scale)
+        warpgroup.wait_group(0)
+        row_scale = self.process_scores(ctx, acc_S, meta, False)
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
-        self.hand_over(hand, tOrP, row_scale)
+        self.hand_over(hand, tOrP, row_scale)  # first: WG 2's PV starts while this WG rescales its O
+        ctx.softmax.rescale(acc_O_mn, row_scale)
         return kv_state
 
     @cute.jit

@@ -246,6 +246,13 @@ class BlockSparseFwdSm90(BlockSparseSm90):
                           acc_O_mn, acc_S_shape, pipeline_k, pipeline_v)
 
         # 4. Sink, O /= l, lse; only the rows of real (query, head) pairs are written.
+        row_scale, lse = self.finish_rows(softmax, mSink, tile, row, ctidx)
+        softmax.rescale(acc_O_mn, row_scale)
+        self.epilogue(acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid)
+
+    @cute.jit
+    def finish_rows(self, softmax: OnlineSoftmax, mSink, tile, row: list, ctidx: Int32):
+        """(O scale = 1 / l, lse) of this thread's two rows, the sink folded in (``fold_sink``)."""
         heads = [tile.head0 + row[r] % self.gc for r in range(2)]
         keyless = None
         if const_expr(self.cfg.has_sink):
@@ -257,8 +264,7 @@ class BlockSparseFwdSm90(BlockSparseSm90):
             for r in cutlass.range_constexpr(2):
                 if keyless[r] != 0:
                     lse[r] = mSink[heads[r]]
-        softmax.rescale(acc_O_mn, row_scale)
-        self.epilogue(acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid)
+        return row_scale, lse
 
     @cute.jit
     def row_context(self, thr_mma_qk, mTileStart, mTileMask, mQLimit, tile):
