@@ -41,9 +41,9 @@ completed; with two stages (all that fits beside the 72 KiB of Q) block n + 1's 
 n - 1's PVs. WG 1 issues block n - 1's PV at the top of step n, ahead of block n's QK^T, so the stage
 is released a QK^T earlier than in fwd_sm90.py's order (QK^T first, the PV behind it), and it hands P
 over before rescaling its own O. Measured on the H200 against that order (docs/benchmarks.md, Run AE):
-1.01-1.02x, outputs bitwise equal -- the stage recycle was not what bounds this kernel; the fixed cost per
-CTA is (about 6.9 us of Q / first-block loads, lone first QK^T and epilogue per CTA, ~18 % at 16 blocks per
-tile, Run AE3). (The PV is issued at the top of the next step, not at the end
+1.01-1.02x, outputs bitwise equal -- the stage recycle was not what bounds this kernel; a fixed cost per
+CTA is (about 6.9 us for the Q / first-block loads, the lone first QK^T and the epilogue: ~18 % of the time
+at 16 blocks per tile, Run AE3). (The PV is issued at the top of the next step, not at the end
 of this one: a wgmma still in flight at the loop's back-edge made ptxas serialize every wgmma of the
 kernel.)
 
