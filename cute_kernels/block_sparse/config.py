@@ -63,19 +63,17 @@ def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str
         return f"block_size {block_size} (the CuTe kernels take {BLOCK_SIZE})"
     if dtype not in DTYPES:
         return f"dtype {dtype} (supported: {DTYPES})"
+    if group > TILE_M and group % TILE_M:
+        return f"{group} query heads per kv head (above 64 it must be a multiple of 64)"
     if latent:
         if (head_dim, head_dim_v) not in LATENT_DIMS:
             return (f"the absorbed-MLA latent with Dk {head_dim} / Dv {head_dim_v} (the CuTe forward takes "
                     f"(Dk, Dv) in {LATENT_DIMS})")
-        if group > TILE_M and group % TILE_M:
-            return f"{group} query heads per kv head (above 64 it must be a multiple of 64)"
         if backward:
             return "the backward of the absorbed-MLA latent (v=None) is not implemented on the CuTe path"
         return None
     if head_dim not in HEAD_DIMS or head_dim_v != head_dim:
         return f"head dims Dk {head_dim} / Dv {head_dim_v} (supported: Dk == Dv in {HEAD_DIMS})"
-    if group > TILE_M and group % TILE_M:
-        return f"{group} query heads per kv head (above 64 it must be a multiple of 64)"
     if backward and head_dim not in BWD_HEAD_DIMS:
         return f"the backward at head dim {head_dim} (the CuTe backward takes {BWD_HEAD_DIMS})"
     return None
