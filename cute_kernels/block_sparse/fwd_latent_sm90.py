@@ -110,8 +110,6 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         tma_atom_Q, tma_Q, rows = self.rows_tma(mQ, self.dk)
         self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         tma_atom_K, tma_K = self.kv_tma(mK, cute.select(sK_layout, mode=[0, 1]), self.dk)
-        self.v_layout(sK_layout, 0)  # trace-time checks: the V views are whole chunks of the key buffer
-        self.v_layout(sK_layout, 1)
         self.shared_storage = shared_storage(self.dtype, self.MBARS, {"scale": (Float32, 2 * THREADS_PER_WG)},
                                              sQ=sQ_layout, sK=sK_layout, sP=sP_layout)
         assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
