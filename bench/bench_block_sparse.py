@@ -6,8 +6,8 @@
 
 Shapes: ``gqa`` = Hq 32 / Hkv 4, d 128 (issue 20's GQA shape), ``mqa64`` = Hq 64 / Hkv 1, d 128 (one
 query per row tile), ``mla64`` / ``mla64_448`` = the absorbed-MLA latent (v=None), Hq 64 over one latent
-row per key, Dk 576 / Dv 512 and Dk 512 / Dv 448 (forward only: its backward is not on the CuTe path);
-bf16, one document, causal, 16 blocks of 64 per query shared by the heads.
+row per key, Dk 576 / Dv 512 and Dk 512 / Dv 448 (its backward writes one combined latent gradient; no
+token path at these head dims); bf16, one document, causal, 16 blocks of 64 per query shared by the heads.
 Selections (torch, on the GPU): ``local`` = the diagonal block plus 15 earlier blocks shared by the
 64 queries of a block (neighbouring rows pick the same blocks, as trained selections do), ``random``
 = the diagonal block plus 15 earlier blocks drawn per query (the union stress case).
@@ -97,11 +97,10 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=()):
 
     stats = {"keys_per_row": float(keys.mean()), "tile_blocks": float(plan["tile_count"].float().mean()),
              "flops": 2.0 * seqlen * hq * float(keys.mean()) * (dk_ + dv_)}
-    if latent:  # forward only (no CuTe backward, no token path at these head dims)
-        return _warmed({"bs_fwd": bs_fwd}, torch), stats
-    dout = torch.randn_like(q)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bcfg = bwd_config(q, k, v, per_kv_head=False)
+    dout = torch.randn_like(out)
+    # the latent: dk is the combined latent gradient, no v / dv (and no token path at these head dims)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), None if latent else torch.empty_like(v)
+    bcfg = bwd_config(q, k, v, per_kv_head=False, latent_dv=dv_ if latent else None)
 
     delta = torch.empty(1, hq, seqlen, device="cuda")  # written by the dQ kernel
     shapes = dkdv_workspace_shapes(k, v, plan["key_start"])
@@ -112,11 +111,12 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=()):
         run_bwd_dq(bcfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
                    plan["q_limit"], dq, scale)
         dk.zero_()
-        dv.zero_()
+        if dv is not None:
+            dv.zero_()
         ws["seg_sem"].zero_()
         run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
                      plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
-                     ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale)
+                     ws["dk_part"], ws.get("dv_part"), ws["seg_sem"], scale)
 
     def bs_dq():  # the two backward kernels alone (out / lse / delta of the bs_fwd_bwd run below)
         run_bwd_dq(bcfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
@@ -127,7 +127,7 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=()):
             ws["seg_sem"].zero_()
             run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
                          plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk,
-                         dv, ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale, min_segment_pairs=min_seg)
+                         dv, ws["dk_part"], ws.get("dv_part"), ws["seg_sem"], scale, min_segment_pairs=min_seg)
         return fn
 
     fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd, "bs_dq": bs_dq, "bs_dkdv": dkdv_with(None)}

@@ -1,9 +1,9 @@
 """CuTe backend of :func:`paddle_fa4.block_sparse_attention` (see ``docs/hysparse.md``).
 
-SM90 runs the block-sparse kernels of ``cute_kernels.block_sparse`` (the absorbed-MLA latent, v=None,
-forward only: Dk 576 / Dv 512 and Dk 512 / Dv 448; a call that needs its gradient runs the reference
-under "auto"). SM100 (10.0 / 10.3) has no
-block-sparse kernel yet; there this backend takes the token path (Note [SM100 token path] below).
+SM90 runs the block-sparse kernels of ``cute_kernels.block_sparse`` (also the absorbed-MLA latent, v=None,
+Dk 576 / Dv 512 and Dk 512 / Dv 448, forward and backward: one combined latent gradient). SM100 (10.0 /
+10.3) has no block-sparse kernel yet; there this backend takes the token path (Note [SM100 token path]
+below).
 
 Contract used by the PyLayer in ``paddle_fa4/block_sparse.py``:
 
@@ -158,12 +158,14 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
 
     from cute_kernels.block_sparse.launch import bwd_config, dkdv_workspace_shapes, run_bwd_dkdv, run_bwd_dq
 
-    q, k, v, out, dout = (kernel_input(t) for t in (q, k, v, out, dout))
+    q, k, out, dout = (kernel_input(t) for t in (q, k, out, dout))
+    v = None if spec.latent else kernel_input(v)  # the latent: V is k's leading Dv columns, one gradient in dk
     delta = paddle.empty([q.shape[0], q.shape[2], q.shape[1]], dtype="float32", device=q.place)  # rowsum(dout*out)
     dq = paddle.empty(q.shape, dtype=q.dtype, device=q.place)
     dk = paddle.zeros(k.shape, dtype=k.dtype, device=k.place)  # keys no query selects stay 0
-    dv = paddle.zeros(v.shape, dtype=v.dtype, device=v.place)
-    cfg = bwd_config(q, k, v, per_kv_head=spec.per_kv_head, arch=arch_of(q))
+    dv = None if v is None else paddle.zeros(v.shape, dtype=v.dtype, device=v.place)
+    cfg = bwd_config(q, k, v, per_kv_head=spec.per_kv_head, arch=arch_of(q),
+                     latent_dv=spec.Dv if spec.latent else None)
     ws = {name: (paddle.zeros if zero else paddle.empty)(shape, dtype=dtype, device=q.place)
           for name, (shape, dtype, zero) in dkdv_workspace_shapes(k, v, plan.key_start).items()}
     a = kernel_arg
@@ -171,7 +173,7 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
                a(plan.tile_count), a(plan.q_limit), a(dq), spec.scale)
     run_bwd_dkdv(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_mask), a(plan.q_limit),
                  a(plan.key_start), a(plan.key_end), a(plan.key_count), a(plan.key_ptr), a(plan.key_tile),
-                 a(plan.key_slot), a(dk), a(dv), a(ws["dk_part"]), a(ws["dv_part"]), a(ws["seg_sem"]), spec.scale)
+                 a(plan.key_slot), a(dk), a(dv), a(ws["dk_part"]), a(ws.get("dv_part")), a(ws["seg_sem"]), spec.scale)
     dsink = None
     if sink is not None:  # lse includes the sink, so it is finite on every row
         p_sink = paddle.exp(sink.astype("float32").reshape([1, -1, 1]) - lse)

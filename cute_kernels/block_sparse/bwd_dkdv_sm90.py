@@ -112,6 +112,11 @@ def regs(head_dim: int) -> tuple[int, int]:
 
 
 class BlockSparseBwdDKDVSm90(BlockSparseSm90):
+    #: Q / dO row stages and row producer warps of ``load`` / ``load_rows`` (the latent kernel, bwd_dkv_latent_sm90.py,
+    #: has room for one stage and walks it with one row warp).
+    stages = STAGES
+    row_warps = ROW_WARPS
+
     @staticmethod
     def smem_bytes(cfg: BwdConfig) -> int:
         rows = STAGES * TILE_M * (cfg.head_dim + cfg.head_dim_v) * 2
@@ -157,16 +162,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         # (row, lse | delta, stage) and (row, stage): Note [row facts in shared memory]
         sRowF = cute.make_tensor(storage.row_f.data_ptr(), cute.make_layout((TILE_M, 2, STAGES)))
         sRowLim = cute.make_tensor(storage.row_lim.data_ptr(), cute.make_layout((TILE_M, STAGES)))
-        # Idle rows (past WQ * GC) are never loaded: zero them once (0 * row must stay 0).
-        used = self.wq * self.gc
-        if const_expr(used < TILE_M):
-            for i in cutlass.range(tidx, (TILE_M - used) * self.dk * STAGES, 3 * THREADS_PER_WG):
-                sQ[used + i % (TILE_M - used), (i // (TILE_M - used)) % self.dk,
-                   i // ((TILE_M - used) * self.dk)] = self.dtype(0.0)
-            for i in cutlass.range(tidx, (TILE_M - used) * self.dv * STAGES, 3 * THREADS_PER_WG):
-                sdO[used + i % (TILE_M - used), (i // (TILE_M - used)) % self.dv,
-                    i // ((TILE_M - used) * self.dv)] = self.dtype(0.0)
-            cute.arch.fence_view_async_shared()
+        self.zero_idle_rows(sQ, sdO, tidx)
         mbar_kv = storage.mbar_kv.data_ptr()
         if tidx == 0:
             cute.arch.mbarrier_init(mbar_kv, 1)
@@ -179,18 +175,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             barrier_storage=storage.mbar_rows.data_ptr(), num_stages=STAGES, producer_group=producer,
             consumer_group=consumers, tx_count=self.tx_bytes_rows, defer_sync=False)
 
-        x, h, b = cute.arch.block_idx()
-        r, seg = x // SEGMENTS, x % SEGMENTS
-        s = b
-        if const_expr(self.cfg.per_kv_head):
-            s = b * mK.shape[2] + h
-        kcap = mKeyStart.shape[1]
-        # Note [key block segments]: this CTA's pairs of key block r.
-        p0, p1 = mKeyPtr[s * kcap + r], mKeyPtr[s * kcap + r + 1]
-        seg_len, nseg = segment_split(p1 - p0, min_seg)
-        blk = SimpleNamespace(s=s, r=r, h=h, b=b, seqlen=mQ.shape[2], live=r < mKeyCount[s] and seg < nseg,
-                              start=mKeyStart[s, r], end=mKeyEnd[s, r], p0=p0 + seg * seg_len,
-                              p1=cutlass.min(p1, p0 + (seg + 1) * seg_len), seg=seg, nseg=nseg)
+        blk = self.key_block(mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg)
         if blk.live:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(regs(self.dk)[0])
@@ -205,23 +190,53 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                 self.consume(outs, sQ, sdO, sK, sV, sRowF, sRowLim, mbar_kv, pipeline_rows, blk, warp_idx // 4 - 1,
                              tidx % THREADS_PER_WG, softmax_scale, storage.sQ.data_ptr())
 
+    @cute.jit
+    def zero_idle_rows(self, sQ, sdO, tidx: Int32):
+        """Idle rows (past WQ * GC) are never loaded: zero them in every stage once (0 * row must stay 0)."""
+        used = self.wq * self.gc
+        if const_expr(used < TILE_M):
+            for i in cutlass.range(tidx, (TILE_M - used) * self.dk * self.stages, 3 * THREADS_PER_WG):
+                sQ[used + i % (TILE_M - used), (i // (TILE_M - used)) % self.dk,
+                   i // ((TILE_M - used) * self.dk)] = self.dtype(0.0)
+            for i in cutlass.range(tidx, (TILE_M - used) * self.dv * self.stages, 3 * THREADS_PER_WG):
+                sdO[used + i % (TILE_M - used), (i // (TILE_M - used)) % self.dv,
+                    i // ((TILE_M - used) * self.dv)] = self.dtype(0.0)
+            cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def key_block(self, mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg: Int32):
+        """This CTA's key block (index set s, block r, kv head h, batch b), its rows [start, end) and its
+        segment's pairs [p0, p1) (Note [key block segments]); ``live``: the CTA has work."""
+        x, h, b = cute.arch.block_idx()
+        r, seg = x // SEGMENTS, x % SEGMENTS
+        s = b
+        if const_expr(self.cfg.per_kv_head):
+            s = b * mK.shape[2] + h
+        kcap = mKeyStart.shape[1]
+        p0, p1 = mKeyPtr[s * kcap + r], mKeyPtr[s * kcap + r + 1]
+        seg_len, nseg = segment_split(p1 - p0, min_seg)
+        return SimpleNamespace(s=s, r=r, h=h, b=b, seqlen=mQ.shape[2], live=r < mKeyCount[s] and seg < nseg,
+                               start=mKeyStart[s, r], end=mKeyEnd[s, r], p0=p0 + seg * seg_len,
+                               p1=cutlass.min(p1, p0 + (seg + 1) * seg_len), seg=seg, nseg=nseg)
+
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load(self, mQ, mdO, mK, mV, mKeyTile, sK, sV, atoms, rows_q, rows_do, sQ_base, sdO_base, mbar_kv,
              pipeline_rows, blk):
         tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V = atoms
-        # 1. K and V of the block, once.
+        # 1. K and V of the block, once (mV None: the latent, whose V is K's leading columns).
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.tx_bytes_kv)
         for atom, mX, sX, d in ((tma_atom_K, mK, sK, self.dk), (tma_atom_V, mV, sV, self.dv)):
-            gX = cute.local_tile(cute.domain_offset((blk.start, 0), mX[None, None, blk.h, blk.b]), (self.tile_n, d),
-                                 (0, 0))
-            tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                               cute.group_modes(gX, 0, 2))
-            cute.copy(atom, tXgX, tXsX, tma_bar_ptr=mbar_kv)
+            if const_expr(mX is not None):
+                gX = cute.local_tile(cute.domain_offset((blk.start, 0), mX[None, None, blk.h, blk.b]),
+                                     (self.tile_n, d), (0, 0))
+                tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                                   cute.group_modes(gX, 0, 2))
+                cute.copy(atom, tXgX, tXsX, tma_bar_ptr=mbar_kv)
         # 2. Per (pair, head chunk): the tile's Q and dO rows into the next stage. The next step's query
         # tile is loaded one step ahead (its latency stood in every step; Note [row facts in shared memory]).
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         n = (blk.p1 - blk.p0) * self.chunks
         tile = mKeyTile[blk.p0]
         for i in cutlass.range(n, unroll=1):
@@ -245,16 +260,16 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
     @cute.jit
     def load_rows(self, mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, sRowF, sRowLim, pipeline_rows, blk,
                   wr: Int32):
-        """Row producer warp ``wr`` (0..ROW_WARPS-1, warps 1..ROW_WARPS): steps wr, wr + ROW_WARPS, ...: each lane's
+        """Row producer warp ``wr`` (0..R-1, warps 1..R, R = ``row_warps``): steps wr, wr + R, ...: each lane's
         two tile rows' facts into the step's stage (Note [row facts in shared memory]); rows that do not count
         (idle rows past WQ * GC, queries past S, queries that did not select the block) get lim 0 and
-        lse = delta = 0 (finite: 0 * delta stays 0). The warps take turns, so ROW_WARPS steps' chains of
+        lse = delta = 0 (finite: 0 * delta stays 0). The warps take turns, so R steps' chains of
         global round trips are in flight at once."""
         lane = cute.arch.lane_idx()
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for _ in cutlass.range(wr, unroll=1):
             state.advance()
-        for i in cutlass.range(wr, (blk.p1 - blk.p0) * self.chunks, ROW_WARPS, unroll=1):
+        for i in cutlass.range(wr, (blk.p1 - blk.p0) * self.chunks, self.row_warps, unroll=1):
             p = blk.p0 + i // self.chunks
             w = mKeyTile[p]
             bits = mTileMask[blk.s, w, mKeySlot[p]]
@@ -275,7 +290,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(pipeline_rows.producer_get_barrier(state))
-            for _ in cutlass.range_constexpr(ROW_WARPS):
+            for _ in cutlass.range_constexpr(self.row_warps):
                 state.advance()
 
     # ------------------------------------------------------------------ consumers
@@ -437,9 +452,9 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                 acc_mn[k, c] = p if keep else Float32(0.0)
 
     @cute.jit
-    def store_keys(self, ctx, acc, mX, thr_mma, cols: cutlass.Constexpr, scale: Float32):
-        """acc * scale (64 keys x cols) as rows [start, end) of ``mX [B, S, Hkv, cols]`` (16-bit, or the fp32
-        segment partials)."""
+    def store_keys(self, ctx, acc, mX, thr_mma, cols: cutlass.Constexpr, scale: Float32, col0: cutlass.Constexpr = 0):
+        """acc * scale (64 keys x cols) as rows [start, end), columns [col0, col0 + cols) of ``mX [B, S, Hkv, *]``
+        (16-bit, or the fp32 segment partials)."""
         blk = ctx.blk
         acc_mn = acc_mn_view(acc)
         for k in cutlass.range_constexpr(2):
@@ -455,12 +470,15 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             key = blk.start + tXcX_mn[k, 0][0]
             if key < blk.end:
                 gX = mX[blk.b, key, blk.h, None]
+                if const_expr(col0 != 0):
+                    gX = cute.domain_offset((col0,), gX)
                 for c in cutlass.range_constexpr(cute.size(rX_mn, mode=[1])):
                     gX[tXcX_mn[k, c][1]] = rX_mn[k, c]
 
     @cute.jit
-    def add_keys(self, ctx, acc, mXpart, thr_mma, cols: cutlass.Constexpr):
-        """acc += rows [start, end) of the fp32 segment partial ``mXpart [B, S, Hkv, cols]`` (same elements)."""
+    def add_keys(self, ctx, acc, mXpart, thr_mma, cols: cutlass.Constexpr, col0: cutlass.Constexpr = 0):
+        """acc += rows [start, end), columns [col0, col0 + cols) of the fp32 segment partial ``mXpart [B, S, Hkv, *]``
+        (the elements ``store_keys`` wrote)."""
         blk = ctx.blk
         acc_mn = acc_mn_view(acc)
         tXcX_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, cols))))
@@ -468,5 +486,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             key = blk.start + tXcX_mn[k, 0][0]
             if key < blk.end:
                 gX = mXpart[blk.b, key, blk.h, None]
+                if const_expr(col0 != 0):
+                    gX = cute.domain_offset((col0,), gX)
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                     acc_mn[k, c] = acc_mn[k, c] + gX[tXcX_mn[k, c][1]]

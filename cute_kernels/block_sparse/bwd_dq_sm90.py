@@ -98,23 +98,27 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
             # 1. K and V of the first block, then the tile's Q and dO rows.
             self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, 0], self.dk, pipeline_k, kv_state)
             self.load_block(tma_atom_V, mV_cur, sV, mTileStart[tile.s, w, 0], self.dv, pipeline_v, kv_state)
-            if cute.arch.lane_idx() == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, tile.nq * self.gc * (self.dk + self.dv) * 2)
-            for j in cutlass.range(tile.nq, unroll=1):
-                for atom, mX, base, box, d in ((tma_atom_Q, mQ, sQ_base, rows_q, self.dk),
-                                               (tma_atom_dO, mdO, sdO_base, rows_do, self.dv)):
-                    dst = cute.make_tensor(cute.recast_ptr(base + j * self.gc * 64, box.inner), box.outer)
-                    src = cute.local_tile(mX[None, None, tile.q0 + j, tile.b], (self.gc, d),
-                                          (tile.head0 // self.gc, 0))
-                    tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                                                   cute.group_modes(src, 0, 2))
-                    cute.copy(atom, tG, tS, tma_bar_ptr=mbar_q)
+            self.load_q_do_rows(mQ, mdO, tma_atom_Q, tma_atom_dO, rows_q, rows_do, sQ_base, sdO_base, mbar_q, tile)
             # 2. K[n] and V[n] of the other blocks.
             for n in cutlass.range(1, tile.count, unroll=1):
                 kv_state.advance()
                 start = mTileStart[tile.s, w, n]
                 self.load_block(tma_atom_K, mK_cur, sK, start, self.dk, pipeline_k, kv_state)
                 self.load_block(tma_atom_V, mV_cur, sV, start, self.dv, pipeline_v, kv_state)
+
+    @cute.jit
+    def load_q_do_rows(self, mQ, mdO, tma_atom_Q, tma_atom_dO, rows_q, rows_do, sQ_base, sdO_base, mbar_q, tile):
+        """The tile's Q and dO rows (one (GC, D) box per tile query each) completing on ``mbar_q``."""
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, tile.nq * self.gc * (self.dk + self.dv) * 2)
+        for j in cutlass.range(tile.nq, unroll=1):
+            for atom, mX, base, box, d in ((tma_atom_Q, mQ, sQ_base, rows_q, self.dk),
+                                           (tma_atom_dO, mdO, sdO_base, rows_do, self.dv)):
+                dst = cute.make_tensor(cute.recast_ptr(base + j * self.gc * 64, box.inner), box.outer)
+                src = cute.local_tile(mX[None, None, tile.q0 + j, tile.b], (self.gc, d), (tile.head0 // self.gc, 0))
+                tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                               cute.group_modes(src, 0, 2))
+                cute.copy(atom, tG, tS, tma_bar_ptr=mbar_q)
 
     # ------------------------------------------------------------------ consumer
     @cute.jit
@@ -135,6 +139,22 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((TILE_M, self.dk)), Float32)
         acc_dQ.fill(0.0)
         ctx = self.row_context(thr_mma_s, mTileStart, mTileMask, mQLimit, tile)
+        self.row_stats(ctx, mO, mdOg, mLSE, mDelta, tile, ctidx, softmax_scale)
+        if tile.count > 0:
+            cute.arch.mbarrier_wait(mbar_q, 0)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+            for n in cutlass.range(tile.count, unroll=1):
+                self.dq_step(ctx, n, kv_state, tiled_mma_s, tiled_mma_dq, tSrQ, tSrdO, tSrK, tSrV, tQrKt, tQrdS,
+                             acc_dQ, acc_S_shape, pipeline_k, pipeline_v)
+                kv_state.advance()
+        acc_dQ_mn = acc_mn_view(acc_dQ)
+        for r in cutlass.range_constexpr(2):
+            acc_dQ_mn[r, None].store(acc_dQ_mn[r, None].load() * softmax_scale)
+        self.store_rows(acc_dQ, mdQ, thr_mma_dq, self.dk, tile, ctx.rows_valid)
+
+    @cute.jit
+    def row_stats(self, ctx, mO, mdOg, mLSE, mDelta, tile, ctidx: Int32, softmax_scale: Float32):
+        """ctx.lse_log2 / ctx.delta / ctx.scale_log2 of this thread's two rows; delta also to ``mDelta``."""
         # per row: lse (log2 units; +inf where P must be 0) and delta = rowsum(dO * O), summed by the 4
         # lanes that hold the row (lane % 4 takes columns [quarter * Dv / 4, ...)) and stored by one
         lse_log2 = cute.make_rmem_tensor((2,), Float32)
@@ -167,17 +187,6 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         ctx.lse_log2 = lse_log2
         ctx.delta = delta
         ctx.scale_log2 = softmax_scale * LOG2_E
-        if tile.count > 0:
-            cute.arch.mbarrier_wait(mbar_q, 0)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-            for n in cutlass.range(tile.count, unroll=1):
-                self.dq_step(ctx, n, kv_state, tiled_mma_s, tiled_mma_dq, tSrQ, tSrdO, tSrK, tSrV, tQrKt, tQrdS,
-                             acc_dQ, acc_S_shape, pipeline_k, pipeline_v)
-                kv_state.advance()
-        acc_dQ_mn = acc_mn_view(acc_dQ)
-        for r in cutlass.range_constexpr(2):
-            acc_dQ_mn[r, None].store(acc_dQ_mn[r, None].load() * softmax_scale)
-        self.store_rows(acc_dQ, mdQ, thr_mma_dq, self.dk, tile, ctx.rows_valid)
 
     @cute.jit
     def dq_step(self, ctx, n: Int32, kv_state, tiled_mma_s, tiled_mma_dq, tSrQ, tSrdO, tSrK, tSrV, tQrKt, tQrdS,

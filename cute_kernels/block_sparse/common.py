@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import Int64
 from cutlass.cute.nvgpu import cpasync
 
-from cute_kernels.common.utils import select_modes, wgmma_smem_layout
+from cute_kernels.common.utils import select_modes, transpose_view, wgmma_smem_layout
 from cute_kernels.dtypes import cutlass_dtype
 from cute_kernels.indexed.bwd_dkdv_sm90 import IndexedBwdDKDVSm90
 
@@ -61,6 +61,37 @@ class BlockSparseSm90:
         """(atom, TMA tensor) loading one (64, d) key block of the [B, S, H, d] tensor into ``layout``."""
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), select_modes(mX, (1, 3, 2, 0)),
                                            layout, (self.tile_n, d), 1)
+
+    def key_columns(self, sK_layout: cute.ComposedLayout, c0: int, cols: int, stages: int, d: int | None = None):
+        """Composed layout of columns [c0, c0 + cols) of every stage of a (64, d) key buffer of ``sK_layout``
+        (``stages`` stages, d default Dk); the view starts ``64 * c0`` elements into the buffer. c0 and cols
+        are multiples of 64: whole 64-column chunks of the wgmma layout (64 x 64 elements, one after the
+        other, each its own swizzle atom), so the view is the (64, cols) wgmma layout with the buffer's stage
+        stride. Checked against ``sK_layout`` at trace time (the latent kernels read V, and the dQ / dK
+        column splits, this way)."""
+        d = self.dk if d is None else d
+        assert c0 % 64 == 0 and cols % 64 == 0 and c0 + cols <= d, (c0, cols, d)
+        base = wgmma_smem_layout(self.dtype, (self.tile_n, cols))
+        stride = self.tile_n * d
+        outer = cute.append(base.outer, cute.make_layout(stages, stride=stride))
+        full = sK_layout.outer
+        if stages > 1:
+            assert cute.crd2idx((0, 0, 1), full) == stride, "key stage stride"
+        for r in (0, 1, 7, 8, 63):
+            for c in sorted({0, 1, 63, 64, cols - 1} & set(range(cols))):
+                for st in range(stages):
+                    want = cute.crd2idx((r, c0 + c, st), full)
+                    assert want == c0 * self.tile_n + cute.crd2idx((r, c, st), outer), \
+                        f"columns [{c0}, {c0 + cols}) are not a sub-block of the key buffer at ({r}, {c}, {st})"
+        return cute.make_composed_layout(base.inner, 0, outer)
+
+    def key_columns_operand(self, mma_slice, sK_base, sK_layout, c0: int, cols: int, stages: int, d: int | None = None):
+        """The B fragment (.., .., k, stage) of columns [c0, c0 + cols) (``key_columns``) of a (64, d) buffer for
+        a GEMM whose K dimension runs over the buffer's 64 rows (P V and dS K over keys; P^T dO and dS^T Q over
+        tile rows), read MN-major."""
+        layout = self.key_columns(sK_layout, c0, cols, stages, d)
+        sX = cute.make_tensor(cute.recast_ptr(sK_base + c0 * self.tile_n, layout.inner), layout.outer)
+        return mma_slice.make_fragment_B(mma_slice.partition_B(transpose_view(sX)))
 
     @cute.jit
     def allocate(self, atoms: tuple):

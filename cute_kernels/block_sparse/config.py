@@ -20,7 +20,7 @@ TILE_M = 64
 BLOCK_SIZE = 64
 HEAD_DIMS = (64, 128, 256)
 #: (Dk, Dv) of the absorbed-MLA latent (v=None, V = the leading Dv columns of K) the forward takes:
-#: kv_lora_rank 512 + rope 64, and 448 + 64 (PaddleFleet's two HySparse configs).
+#: kv_lora_rank 512 + rope 64, and 448 + 64 (PaddleFleet's two HySparse configs); forward and backward.
 LATENT_DIMS = ((576, 512), (512, 448))
 #: The backward kernels keep dK and dV (64 keys x D fp32) in one warpgroup's registers each: D <= 128.
 BWD_HEAD_DIMS = (64, 128)
@@ -57,8 +57,8 @@ class FwdConfig:
 
 def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str, block_size: int,
                        latent: bool = False, backward: bool = False) -> str | None:
-    """Why the CuTe kernels (the forward, and with ``backward`` also the dQ and dK/dV kernels) cannot
-    run this case, or None."""
+    """Why the CuTe kernels (the forward, and with ``backward`` also the dQ and dK/dV kernels; for the latent
+    the latent dQ and combined dK kernels) cannot run this case, or None."""
     if block_size != BLOCK_SIZE:
         return f"block_size {block_size} (the CuTe kernels take {BLOCK_SIZE})"
     if dtype not in DTYPES:
@@ -69,8 +69,6 @@ def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str
         if (head_dim, head_dim_v) not in LATENT_DIMS:
             return (f"the absorbed-MLA latent with Dk {head_dim} / Dv {head_dim_v} (the CuTe forward takes "
                     f"(Dk, Dv) in {LATENT_DIMS})")
-        if backward:
-            return "the backward of the absorbed-MLA latent (v=None) is not implemented on the CuTe path"
         return None
     if head_dim not in HEAD_DIMS or head_dim_v != head_dim:
         return f"head dims Dk {head_dim} / Dv {head_dim_v} (supported: Dk == Dv in {HEAD_DIMS})"
@@ -90,6 +88,7 @@ class BwdConfig:
     head_dim_v: int
     group: int
     per_kv_head: bool
+    latent: bool = False  # V = the leading head_dim_v columns of K; one combined dK gradient (no v / dv)
 
     @property
     def window_queries(self) -> int:

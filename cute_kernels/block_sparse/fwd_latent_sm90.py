@@ -63,8 +63,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common.softmax import OnlineSoftmax
-from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, transpose_view,
-                                       wgmma_smem_layout)
+from cute_kernels.common.utils import LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, wgmma_smem_layout
 
 from .common import THREADS_PER_WG, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, TILE_M, FwdConfig
@@ -118,27 +117,6 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
                     tma_atom_K, sQ_layout, sK_layout, sP_layout, rows, softmax_scale).launch(
             grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1, preferred_smem_carveout=100)
-
-    def v_layout(self, sK_layout: cute.ComposedLayout, part: int):
-        """(first column, composed layout) of V part ``part`` (WG 1's or WG 2's O columns) over the key
-        stages: columns [c0, c0 + cols) of every (64, Dk) stage. c0 and cols are multiples of 64, i.e.
-        whole 64-column chunks of the wgmma layout (chunks are 64 x 64 elements, one after the other,
-        each its own swizzle atom), so the view is the (64, cols) wgmma layout ``64 * c0`` elements
-        further on, with the key buffer's stage stride. Checked against ``sK_layout`` at trace time."""
-        c0 = 0 if part == 0 else V_SPLIT
-        cols = self.dv_parts[part]
-        base = wgmma_smem_layout(self.dtype, (self.tile_n, cols))
-        stride = self.tile_n * self.dk
-        outer = cute.append(base.outer, cute.make_layout(KV_STAGES, stride=stride))
-        full = sK_layout.outer
-        assert cute.crd2idx((0, 0, 1), full) == stride, "key stage stride"
-        for r in (0, 1, 7, 8, 63):
-            for c in (0, 1, 63, 64, cols - 1):
-                for st in range(KV_STAGES):
-                    want = cute.crd2idx((r, c0 + c, st), full)
-                    assert want == c0 * self.tile_n + cute.crd2idx((r, c, st), outer), \
-                        f"V part {part} is not a sub-block of the key buffer at ({r}, {c}, {st})"
-        return c0, cute.make_composed_layout(base.inner, 0, outer)
 
     # ------------------------------------------------------------------ device
     @cute.kernel
@@ -194,10 +172,9 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
 
     # ------------------------------------------------------------------ consumers
     def v_operand(self, mma_slice, sK_base, sK_layout, part: int):
-        """The B fragment (.., .., k, stage) of V part ``part`` for a PV wgmma (read MN-major)."""
-        c0, layout = self.v_layout(sK_layout, part)
-        sV = cute.make_tensor(cute.recast_ptr(sK_base + c0 * self.tile_n, layout.inner), layout.outer)
-        return mma_slice.make_fragment_B(mma_slice.partition_B(transpose_view(sV)))
+        """The B fragment (.., .., k, stage) of V part ``part`` (WG 1's or WG 2's O columns) for a PV wgmma."""
+        c0 = 0 if part == 0 else V_SPLIT
+        return self.key_columns_operand(mma_slice, sK_base, sK_layout, c0, self.dv_parts[part], KV_STAGES)
 
     @cute.jit
     def consume_s(self, mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sK_base, sK_layout, sP, sScale,

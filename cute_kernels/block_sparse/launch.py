@@ -5,7 +5,8 @@ caller's current stream. Arguments were validated one layer up (``paddle_fa4/blo
 Tensors: q [B, S, Hq, Dk], k [B, S, Hkv, Dk], v [B, S, Hkv, Dv] (bf16 / fp16, contiguous); the plan's
 tile_start / tile_mask [NS, NQT, CAP], tile_count [NS, NQT], q_limit [B, S] (int32); sink [Hq]
 fp32 or None; out [B, S, Hq, Dv], lse [B, Hq, S] fp32 (every element written). The absorbed-MLA
-latent (``FwdConfig.latent``, forward only): V is the leading Dv columns of k, v is None.
+latent (``FwdConfig.latent`` / ``BwdConfig.latent``): V is the leading Dv columns of k, v is None, and the
+backward writes one combined key gradient dkv [B, S, Hkv, Dk] (dk's place; no dv).
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ def run_fwd(cfg: FwdConfig, q, k, v, tile_start, tile_mask, tile_count, q_limit,
     compile_fwd(cfg)(q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse, float(softmax_scale))
 
 
-def bwd_config(q, k, v, *, per_kv_head: bool, arch: int | None = None) -> BwdConfig:
-    f = fwd_config(q, k, v, per_kv_head=per_kv_head, has_sink=False, arch=arch)
+def bwd_config(q, k, v, *, per_kv_head: bool, arch: int | None = None, latent_dv: int | None = None) -> BwdConfig:
+    f = fwd_config(q, k, v, per_kv_head=per_kv_head, has_sink=False, arch=arch, latent_dv=latent_dv)
     return BwdConfig(arch=f.arch, dtype=f.dtype, head_dim=f.head_dim, head_dim_v=f.head_dim_v, group=f.group,
-                     per_kv_head=per_kv_head)
+                     per_kv_head=per_kv_head, latent=f.latent)
 
 
 @jit_cache
@@ -94,19 +95,23 @@ def compile_bwd_dq(cfg: BwdConfig):
 
     if _arch.family(cfg.arch) != 90:
         raise NotImplementedError(f"block_sparse_attention: no CuTe backward for arch {cfg.arch} yet (SM90 only)")
-    from .bwd_dq_sm90 import BlockSparseBwdDQSm90
-
     dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
     b, s, hq, hkv, ns, nqt, cap = (sym() for _ in range(7))
     q = fake_tensor(dt, (b, s, hq, cfg.head_dim))
     kv = lambda d: fake_tensor(dt, (b, s, hkv, d))  # noqa: E731
     rows = lambda: fake_tensor(f32, (b, hq, s), align_bytes=4)  # noqa: E731
     ints = lambda *shape: fake_tensor(i32, shape, align_bytes=4)  # noqa: E731
-    return cute.compile(BlockSparseBwdDQSm90(cfg), q, kv(cfg.head_dim), kv(cfg.head_dim_v),
-                        fake_tensor(dt, (b, s, hq, cfg.head_dim_v)), fake_tensor(dt, (b, s, hq, cfg.head_dim_v)),
-                        rows(), rows(), ints(ns, nqt, cap),
-                        ints(ns, nqt, cap), ints(ns, nqt), ints(b, s), fake_tensor(dt, (b, s, hq, cfg.head_dim)),
-                        f32(1.0), fake_stream(), options=arch_options(cfg.arch))
+    o = lambda: fake_tensor(dt, (b, s, hq, cfg.head_dim_v))  # noqa: E731
+    plan = (ints(ns, nqt, cap), ints(ns, nqt, cap), ints(ns, nqt), ints(b, s))
+    if cfg.latent:
+        from .bwd_dq_latent_sm90 import BlockSparseLatentBwdDQSm90
+        return cute.compile(BlockSparseLatentBwdDQSm90(cfg), q, kv(cfg.head_dim), o(), o(), rows(), rows(), *plan,
+                            fake_tensor(dt, (b, s, hq, cfg.head_dim)), f32(1.0), fake_stream(),
+                            options=arch_options(cfg.arch))
+    from .bwd_dq_sm90 import BlockSparseBwdDQSm90
+    return cute.compile(BlockSparseBwdDQSm90(cfg), q, kv(cfg.head_dim), kv(cfg.head_dim_v), o(), o(), rows(), rows(),
+                        *plan, fake_tensor(dt, (b, s, hq, cfg.head_dim)), f32(1.0), fake_stream(),
+                        options=arch_options(cfg.arch))
 
 
 @jit_cache
@@ -119,28 +124,35 @@ def compile_bwd_dkdv(cfg: BwdConfig):
 
     if _arch.family(cfg.arch) != 90:
         raise NotImplementedError(f"block_sparse_attention: no CuTe backward for arch {cfg.arch} yet (SM90 only)")
-    from .bwd_dkdv_sm90 import BlockSparseBwdDKDVSm90
-
     dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
     b, s, hq, hkv, ns, nqt, cap, kcap, kp, np_ = (sym() for _ in range(10))
     kv = lambda d: fake_tensor(dt, (b, s, hkv, d))  # noqa: E731
     rows = lambda: fake_tensor(f32, (b, hq, s), align_bytes=4)  # noqa: E731
     ints = lambda *shape: fake_tensor(i32, shape, align_bytes=4)  # noqa: E731
-    return cute.compile(BlockSparseBwdDKDVSm90(cfg), fake_tensor(dt, (b, s, hq, cfg.head_dim)), kv(cfg.head_dim),
-                        kv(cfg.head_dim_v), fake_tensor(dt, (b, s, hq, cfg.head_dim_v)), rows(), rows(),
-                        ints(ns, nqt, cap), ints(b, s), ints(ns, kcap), ints(ns, kcap), ints(ns), ints(kp),
-                        ints(np_), ints(np_), kv(cfg.head_dim), kv(cfg.head_dim_v),
-                        fake_tensor(f32, (b, s, hkv, cfg.head_dim)), fake_tensor(f32, (b, s, hkv, cfg.head_dim_v)),
+    part = lambda d: fake_tensor(f32, (b, s, hkv, d))  # noqa: E731
+    q, do = fake_tensor(dt, (b, s, hq, cfg.head_dim)), fake_tensor(dt, (b, s, hq, cfg.head_dim_v))
+    plan = (ints(ns, nqt, cap), ints(b, s), ints(ns, kcap), ints(ns, kcap), ints(ns), ints(kp), ints(np_), ints(np_))
+    if cfg.latent:
+        from .bwd_dkv_latent_sm90 import BlockSparseLatentBwdDKVSm90
+        return cute.compile(BlockSparseLatentBwdDKVSm90(cfg), q, kv(cfg.head_dim), do, rows(), rows(), *plan,
+                            kv(cfg.head_dim), part(cfg.head_dim), ints(ns, kcap, hkv), f32(1.0), i32(1),
+                            fake_stream(), options=arch_options(cfg.arch))
+    from .bwd_dkdv_sm90 import BlockSparseBwdDKDVSm90
+    return cute.compile(BlockSparseBwdDKDVSm90(cfg), q, kv(cfg.head_dim), kv(cfg.head_dim_v), do, rows(), rows(),
+                        *plan, kv(cfg.head_dim), kv(cfg.head_dim_v), part(cfg.head_dim), part(cfg.head_dim_v),
                         ints(ns, kcap, hkv), f32(1.0), i32(1), fake_stream(), options=arch_options(cfg.arch))
 
 
 def dkdv_workspace_shapes(k, v, key_start) -> dict:
     """``{name: (shape, dtype, zero)}`` of the dK/dV kernel's workspace (Note [key block segments] in
-    bwd_dkdv_sm90.py): fp32 partials shaped like k / v (no init) and the turn counters, zero-filled."""
+    bwd_dkdv_sm90.py): fp32 partials shaped like k / v (no init; the latent, v None: k's only) and the turn
+    counters, zero-filled."""
     b, s, hkv = (int(x) for x in k.shape[:3])
-    return {"dk_part": ([b, s, hkv, int(k.shape[3])], "float32", False),
-            "dv_part": ([b, s, hkv, int(v.shape[3])], "float32", False),
-            "seg_sem": ([int(key_start.shape[0]), int(key_start.shape[1]), hkv], "int32", True)}
+    shapes = {"dk_part": ([b, s, hkv, int(k.shape[3])], "float32", False)}
+    if v is not None:
+        shapes["dv_part"] = ([b, s, hkv, int(v.shape[3])], "float32", False)
+    shapes["seg_sem"] = ([int(key_start.shape[0]), int(key_start.shape[1]), hkv], "int32", True)
+    return shapes
 
 
 #: Default shortest segment of a key block's (query tile, slot) pairs (Note [key block segments] in
@@ -163,25 +175,35 @@ def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, 
     """dk, dv of the selected key blocks' rows; the caller passes them zero-filled (keys no query
     selects are not written) and the workspace of ``dkdv_workspace_shapes``. ``min_segment_pairs``: the
     shortest segment a heavily listed key block is split into (default ``default_min_segment_pairs``);
-    it changes the summation order of dK / dV (each value is bitwise reproducible), not their meaning."""
+    it changes the summation order of dK / dV (each value is bitwise reproducible), not their meaning.
+    With ``cfg.latent`` v, dv and dv_part are None and dk is the combined latent gradient [B, S, Hkv, Dk]."""
+    if min_segment_pairs is not None and int(min_segment_pairs) < 1:
+        raise ValueError(f"min_segment_pairs must be >= 1, got {min_segment_pairs}")
+    assert (v is None) == cfg.latent and (dv is None) == cfg.latent and (dv_part is None) == cfg.latent, \
+        "v, dv and dv_part are None exactly for the latent"
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0 or int(key_start.shape[1]) == 0:
         return
     if min_segment_pairs is None:
         min_segment_pairs = default_min_segment_pairs(int(q.shape[0]), int(k.shape[2]), int(key_start.shape[1]))
-    if int(min_segment_pairs) < 1:
-        raise ValueError(f"min_segment_pairs must be >= 1, got {min_segment_pairs}")
-    compile_bwd_dkdv(cfg)(q, k, v, dout, lse, delta, tile_mask, q_limit, key_start, key_end, key_count, key_ptr,
-                          key_tile, key_slot, dk, dv, dk_part, dv_part, seg_sem, float(softmax_scale),
+    plan = (tile_mask, q_limit, key_start, key_end, key_count, key_ptr, key_tile, key_slot)
+    if cfg.latent:
+        compile_bwd_dkdv(cfg)(q, k, dout, lse, delta, *plan, dk, dk_part, seg_sem, float(softmax_scale),
+                              int(min_segment_pairs))
+        return
+    compile_bwd_dkdv(cfg)(q, k, v, dout, lse, delta, *plan, dk, dv, dk_part, dv_part, seg_sem, float(softmax_scale),
                           int(min_segment_pairs))
 
 
 def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
                softmax_scale: float) -> None:
     """dq (every element written) from the forward's out and lse; also writes ``delta = rowsum(dout * out)``
-    [B, Hq, S] fp32 (every element), which ``run_bwd_dkdv`` and the sink gradient read."""
+    [B, Hq, S] fp32 (every element), which ``run_bwd_dkdv`` and the sink gradient read. With ``cfg.latent``
+    v is None (V = k's leading ``head_dim_v`` columns)."""
+    assert (v is None) == cfg.latent, "v is None exactly for the latent"
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
         return
-    compile_bwd_dq(cfg)(q, k, v, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
+    kv = (k,) if cfg.latent else (k, v)
+    compile_bwd_dq(cfg)(q, *kv, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
                         float(softmax_scale))
 
 
@@ -212,21 +234,30 @@ def fwd_matrix(arch: int, full: bool = False):
 def bwd_matrix(arch: int, full: bool = False):
     if _arch.family(arch) != 90:
         return []
+    latent = [BwdConfig(arch=arch, dtype=dt, head_dim=dk, head_dim_v=dv, group=g, per_kv_head=pk, latent=True)
+              for dt in (DTYPES if full else ("bfloat16",)) for dk, dv in LATENT_DIMS
+              for g in ((16, 64, 128) if full else (64,)) for pk in ((False, True) if full else (False,))]
     if full:
         return [BwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk)
-                for dt in DTYPES for d in BWD_HEAD_DIMS for g in (1, 2, 8, 12, 64, 128) for pk in (False, True)]
+                for dt in DTYPES for d in BWD_HEAD_DIMS for g in (1, 2, 8, 12, 64, 128) for pk in (False, True)] + latent
     return [BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=True),
             BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=128, per_kv_head=False),
             BwdConfig(arch=arch, dtype="float16", head_dim=128, head_dim_v=128, group=12, per_kv_head=False),
-            BwdConfig(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, group=1, per_kv_head=False)]
+            BwdConfig(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, group=1, per_kv_head=False)] + latent
 
 
 def _dq_smem(cfg):
+    if cfg.latent:
+        from .bwd_dq_latent_sm90 import BlockSparseLatentBwdDQSm90
+        return BlockSparseLatentBwdDQSm90.smem_bytes(cfg)
     from .bwd_dq_sm90 import BlockSparseBwdDQSm90
     return BlockSparseBwdDQSm90.smem_bytes(cfg)
 
 
 def _dkdv_smem(cfg):
+    if cfg.latent:
+        from .bwd_dkv_latent_sm90 import BlockSparseLatentBwdDKVSm90
+        return BlockSparseLatentBwdDKVSm90.smem_bytes(cfg)
     from .bwd_dkdv_sm90 import BlockSparseBwdDKDVSm90
     return BlockSparseBwdDKDVSm90.smem_bytes(cfg)
 

@@ -108,7 +108,8 @@ def test_bench_block_sparse_dry(tmp_path):
                            "--shapes", "gqa,mqa64,mla64", "--dkdv-min-seg", "64,256")
     rows = out["rows"]
     assert [(r["shape"], r["S"]) for r in rows] == [("gqa", 16384), ("mqa64", 16384), ("mla64", 16384)]
-    assert "bs_fwd_ms" in rows[2] and "bs_fwd_bwd_ms" not in rows[2]  # the latent: forward only
+    assert "bs_fwd_ms" in rows[2] and "bs_fwd_bwd_ms" in rows[2]  # the latent: forward and backward
+    assert "idx_fwd_bwd_ms" not in rows[2]  # no token path at the latent's head dims
     names = {n for n, _ in windows}
     assert {"bs_fwd", "bs_fwd_bwd", "bs_dq", "bs_dkdv", "bs_dkdv_L64", "bs_dkdv_L256"} <= names
     assert "idx_fwd_bwd_ms" in rows[0] and "idx_fwd_bwd_ms" not in rows[1]  # the token path: GQA only

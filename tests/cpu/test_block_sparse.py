@@ -300,12 +300,11 @@ def test_cute_glue_refuses_what_it_does_not_cover():
     assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**dict(base, has_sink=True)),
                                                                needs_grad=False)
     assert "compute capability 120" in glue.unsupported_reason(120, BlockSparseSpec(**base), needs_grad=False)
-    # the absorbed-MLA latent: the two production (Dk, Dv), forward only
+    # the absorbed-MLA latent: the two production (Dk, Dv), forward and backward
     mla = dict(base, Hq=64, Hkv=1, Dk=576, Dv=512, latent=True, has_sink=True)
-    assert glue.unsupported_reason(90, BlockSparseSpec(**mla), needs_grad=False) is None
-    assert glue.unsupported_reason(90, BlockSparseSpec(**dict(mla, Dk=512, Dv=448)), needs_grad=False) is None
-    assert "backward of the absorbed-MLA latent" in glue.unsupported_reason(90, BlockSparseSpec(**mla),
-                                                                            needs_grad=True)
+    for grad in (False, True):
+        assert glue.unsupported_reason(90, BlockSparseSpec(**mla), needs_grad=grad) is None
+        assert glue.unsupported_reason(90, BlockSparseSpec(**dict(mla, Dk=512, Dv=448)), needs_grad=grad) is None
     assert "Dk 576 / Dv 448" in glue.unsupported_reason(90, BlockSparseSpec(**dict(mla, Dv=448)), needs_grad=False)
     for over, fragment in ((dict(latent=True, Dv=64), "absorbed-MLA"), (dict(block_size=16), "block_size 16"),
                            (dict(Dv=64), "head dims"), (dict(dtype="float32"), "dtype"),
@@ -463,3 +462,50 @@ def test_sm90_latent_forward_glue(dk, dv, monkeypatch):
     assert seen["scale"] == pytest.approx(dk ** -0.5)
     want = orc.plan_arrays(c["ids"], 64, 16, keys=False)["tile_count"]
     assert np.array_equal(seen["count"], want)
+
+
+@pytest.mark.parametrize("dk,dv", [(576, 512), (512, 448)])
+def test_sm90_latent_backward_glue(dk, dv, monkeypatch):
+    """The SM90 glue of the latent backward hands both kernels k alone (v, dv and the dv partial None), a
+    latent config with Dv = dv, and returns the combined gradient in dk's place (dv None) with the sink
+    gradient; the kernels (stubbed here) are checked against the oracle on the H200
+    (tests/gpu/test_block_sparse.py, test_latent_backward_matches_oracle)."""
+    pytest.importorskip("cutlass")
+    from cute_kernels.block_sparse import launch
+    from paddle_fa4 import block_sparse_cute as glue
+
+    seen = {}
+
+    def fake_dq(cfg, q, k, v, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq, scale):
+        seen.update(dq_cfg=cfg, dq_v=v, dout=list(dout.shape), dq=list(dq.shape))
+        delta.fill_(0.5)
+
+    def fake_dkdv(cfg, q, k, v, dout, lse, delta, *plan_and_outs):
+        dkv, dvv, dk_part, dv_part, seg_sem, scale = plan_and_outs[8:]
+        seen.update(kv_cfg=cfg, kv_v=v, dkv=list(dkv.shape), dvv=dvv, dk_part=list(dk_part.shape), dv_part=dv_part)
+
+    monkeypatch.setattr(glue, "arch_of", lambda t: 90)
+    monkeypatch.setattr(launch, "run_bwd_dq", fake_dq)
+    monkeypatch.setattr(launch, "run_bwd_dkdv", fake_dkdv)
+    c = _case(5, B=1, S=130, Hq=16, Hkv=1, Dk=dk, Dv=dv, topk=3, bs=64, latent=True, sink=True)
+    spec = _spec(c, "bfloat16")
+    assert glue.unsupported_reason(90, spec, needs_grad=True) is None
+    q, k = _t(c["q"], "bfloat16"), _t(c["k"], "bfloat16")
+    from paddle_fa4.block_sparse_planner import build_plan
+
+    plan = build_plan(_t(c["ids"], "int32"), heads_per_kv=16, block_size=64, causal=True, cu_seqlens=None)
+    out = paddle.zeros([1, 130, 16, dv], dtype="bfloat16")
+    lse = paddle.zeros([1, 16, 130], dtype="float32")
+    dout = _t(c["dout"], "bfloat16")
+    dq, dkv, dvv, dsink = glue.backward(spec, q, k, None, _t(c["ids"], "int32"), None, _t(c["sink"]), out, lse, dout,
+                                        plan)
+    for key in ("dq_cfg", "kv_cfg"):
+        cfg = seen[key]
+        assert cfg.latent and (cfg.head_dim, cfg.head_dim_v, cfg.group) == (dk, dv, 16)
+    assert seen["dq_v"] is None and seen["kv_v"] is None and seen["dvv"] is None and seen["dv_part"] is None
+    assert seen["dout"] == [1, 130, 16, dv] and seen["dq"] == [1, 130, 16, dk]
+    assert seen["dkv"] == [1, 130, 1, dk] and seen["dk_part"] == [1, 130, 1, dk]
+    assert dvv is None and list(dkv.shape) == [1, 130, 1, dk] and list(dq.shape) == [1, 130, 16, dk]
+    # dsink = -sum exp(sink - lse) * delta, with lse 0 and delta 0.5 from the stubbed dQ kernel
+    want = -0.5 * 130 * np.exp(c["sink"])
+    np.testing.assert_allclose(dsink.numpy(), want, rtol=1e-5)

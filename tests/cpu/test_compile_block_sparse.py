@@ -28,7 +28,8 @@ def test_registered_and_sm90_only():
     assert fwd_matrix(100) == [] and bwd_matrix(100) == []
     # dtypes x head dims x groups x id layouts x sink, plus the latent: dtypes x (Dk, Dv) x groups x sink
     assert len(fwd_matrix(90, full=True)) == 2 * 3 * 6 * 2 * 2 + 2 * 2 * 3 * 2
-    assert len(bwd_matrix(90, full=True)) == 2 * 2 * 6 * 2
+    assert len(bwd_matrix(90, full=True)) == 2 * 2 * 6 * 2 + 2 * 2 * 3 * 2
+    assert sum(c.latent for c in bwd_matrix(90)) == 2
     assert sum(c.latent for c in fwd_matrix(90)) == 2
 
 
@@ -44,7 +45,6 @@ def test_row_tile_matches_planner(group):
 
 @pytest.mark.parametrize("kw, fragment", [
     (dict(latent=True), "absorbed-MLA latent with Dk 128 / Dv 128"),
-    (dict(latent=True, head_dim=576, head_dim_v=512, backward=True), "backward of the absorbed-MLA latent"),
     (dict(latent=True, head_dim=576, head_dim_v=512, group=96), "multiple of 64"),
     (dict(block_size=32), "block_size 32"),
     (dict(head_dim=96, head_dim_v=96), "head dims"),
@@ -59,8 +59,9 @@ def test_unsupported_reason_names_the_case(kw, fragment):
     assert fragment in unsupported_reason(**args)
     assert unsupported_reason(head_dim=128, head_dim_v=128, group=8, dtype="bfloat16", block_size=64) is None
     for dk, dv in ((576, 512), (512, 448)):
-        assert unsupported_reason(head_dim=dk, head_dim_v=dv, group=64, dtype="bfloat16", block_size=64,
-                                  latent=True) is None
+        for backward in (False, True):
+            assert unsupported_reason(head_dim=dk, head_dim_v=dv, group=64, dtype="bfloat16", block_size=64,
+                                      latent=True, backward=backward) is None
 
 
 @pytest.mark.parametrize("bad", [0, -3])

@@ -196,15 +196,17 @@ def run_bwd(c, dout, min_segment_pairs=None):
     pn = orc.plan_arrays(c["ids"], BS, c["G"], c["causal"], c["cu"])
     p = {n: torch.from_numpy(a).cuda() for n, a in pn.items()}
     out, lse = run(c, p)
-    q, k, v = c["q"], c["k"], c["v"]
+    q, k, v = c["q"], c["k"], c["v"]  # the latent: v None, dk the combined gradient, dv None
     want_delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
     delta = torch.full(want_delta.shape, float("nan"), device="cuda")  # written by the dQ kernel, every entry
     dq = torch.full_like(q, float("nan"))
     # the caller's zero fill, except the rows the dK/dV kernel must write (NaN: every one written)
     written = torch.from_numpy(listed_key_rows(pn, *k.shape[:3])).cuda()
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    dk[written], dv[written] = float("nan"), float("nan")
-    cfg = bwd_config(q, k, v, per_kv_head=c["ids"].ndim == 4)
+    dk, dv = torch.zeros_like(k), None if v is None else torch.zeros_like(v)
+    dk[written] = float("nan")
+    if dv is not None:
+        dv[written] = float("nan")
+    cfg = bwd_config(q, k, v, per_kv_head=c["ids"].ndim == 4, latent_dv=c["dv"] if v is None else None)
     scale = q.shape[-1] ** -0.5
     run_bwd_dq(cfg, q, k, v, out, dout, lse, delta, p["tile_start"], p["tile_mask"], p["tile_count"], p["q_limit"],
                dq, scale)
@@ -212,7 +214,7 @@ def run_bwd(c, dout, min_segment_pairs=None):
     ws = {n: (torch.zeros if zero else torch.empty)(shape, dtype=getattr(torch, dt), device="cuda")
           for n, (shape, dt, zero) in dkdv_workspace_shapes(k, v, p["key_start"]).items()}
     run_bwd_dkdv(cfg, q, k, v, dout, lse, delta, p["tile_mask"], p["q_limit"], p["key_start"], p["key_end"],
-                 p["key_count"], p["key_ptr"], p["key_tile"], p["key_slot"], dk, dv, ws["dk_part"], ws["dv_part"],
+                 p["key_count"], p["key_ptr"], p["key_tile"], p["key_slot"], dk, dv, ws["dk_part"], ws.get("dv_part"),
                  ws["seg_sem"], scale, min_segment_pairs=min_segment_pairs)
     dsink = None if c["sink"] is None else -(torch.exp(c["sink"][None, :, None] - lse) * delta).sum((0, 2))
     torch.cuda.synchronize()
@@ -307,3 +309,43 @@ def test_backward_key_block_segments(kw, min_seg):
     want = orc.gradients(f(c["q"]), f(c["k"]), f(c["v"]), mask, f(dout), sink=None)
     for name, got, w in zip(("dq", "dk", "dv"), runs[0][:3], want):
         assert _rel(got, w) <= GRAD_TOL, f"{name} rel L2 {_rel(got, w):.3e}"
+
+
+LATENT_BWD_CASES = [
+    pytest.param(dict(B=1, S=300, Hq=64, Hkv=1, D=576, latent_dv=512, topk=4, sink=True, cu=[0, 37, 200, 300]),
+                 id="mla576-g64-sink-docs"),
+    pytest.param(dict(B=2, S=200, Hq=128, Hkv=1, D=512, latent_dv=448, topk=3, causal=False, cu=[0, 90, 200]),
+                 id="mla512-g128-noncausal"),
+    pytest.param(dict(B=1, S=130, Hq=16, Hkv=1, D=576, latent_dv=512, topk=3, per_kv=True, dtype=torch.float16),
+                 id="mla576-g16-packed-perkv-fp16"),
+    pytest.param(dict(B=1, S=70, Hq=64, Hkv=1, D=512, latent_dv=448, topk=2, pad=0.4), id="memcheck-bwd-mla512"),
+]
+
+
+@pytest.mark.parametrize("min_seg", [None, 7], ids=["default", "short-segments"])
+@pytest.mark.parametrize("kw", LATENT_BWD_CASES)
+def test_latent_backward_matches_oracle(kw, min_seg):
+    """The latent backward (bwd_dq_latent_sm90.py: dS handed from the S warpgroup to the one that owns the other
+    dq columns; bwd_dkv_latent_sm90.py: one combined gradient dkv = dk + [dv, 0]): dq, dkv, dsink vs the fp64
+    oracle, each warpgroup's columns on their own, every listed key row written (NaN-poisoned), bitwise equal
+    over 2 runs; ``short-segments`` splits the busy key blocks over several CTAs (Note [key block segments])."""
+    c = make_case(12, **kw)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    dout = torch.randn(c["q"].shape[:3] + (c["dv"],), device="cuda", generator=g).to(c["q"].dtype)
+    runs = [run_bwd(c, dout, min_seg) for _ in range(2)]
+    dq, dkv, dv, dsink = runs[0]
+    assert dv is None
+    assert all(torch.equal(a, b) for a, b in zip(runs[1][:2], runs[0][:2]))
+    mask = orc.token_mask(c["ids"], BS, c["causal"], c["cu"])
+    f = lambda t: t.double().cpu().numpy()  # noqa: E731
+    want = orc.gradients(f(c["q"]), f(c["k"]), None, mask, f(dout), sink=None if c["sink"] is None else f(c["sink"]),
+                         latent_dv=c["dv"])
+    assert want[2] is None
+    for name, got, w in zip(("dq", "dkv", "dsink"), (dq, dkv, dsink), (want[0], want[1], want[3])):
+        if w is not None:
+            assert _rel(got, w) <= GRAD_TOL, f"{name} rel L2 {_rel(got, w):.3e}"
+    dk_cols = [(0, 128), (128, c["dv"]), (c["dv"], c["k"].shape[3])]
+    for name, got, w, cols in (("dq", dq, want[0], [(0, 192), (192, c["q"].shape[3])]), ("dkv", dkv, want[1], dk_cols)):
+        for lo, hi in cols:
+            r = _rel(got[..., lo:hi], w[..., lo:hi])
+            assert r <= GRAD_TOL, f"{name} columns {lo}:{hi} rel L2 {r:.3e}"

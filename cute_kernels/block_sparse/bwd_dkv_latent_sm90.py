@@ -1,0 +1,368 @@
+"""BlockSparseLatentBwdDKVSm90: Hopper key-side backward of block-sparse attention over the absorbed-MLA latent.
+
+    dkv[key, c] = sum_rows P[row, key] dO[row, c]  (c < Dv)  +  scale * sum_rows dS[row, key] q[row, c]  (c < Dk)
+
+K is one latent tensor ``k [B, S, Hkv, Dk]`` and V its leading Dv columns (``config.LATENT_DIMS``: (576, 512),
+(512, 448)), so dK and dV land in the same columns and the kernel writes their sum, one 16-bit ``dkv``
+[B, S, Hkv, Dk]. P, dS, the plan, the rows, the masks, the segments and the determinism are those of
+``bwd_dkdv_sm90.py`` (this class inherits its producer, row, mask and key-store methods); what changes is
+the width, which does not fit one warpgroup (Note [latent key split]), and that there is one output.
+
+One CTA per (segment of selected key block r of index set s, kv head h, batch b), 384 threads:
+
+    WG 0, warp 0   producer: the (64, Dk) latent rows of the block once (K, and V as their leading Dv
+                   columns), then per step (pair x head chunk) the tile's Q and dO rows (one TMA box of GC
+                   head rows per tile query each) into the one row stage (Note [one row stage])
+    WG 0, warp 1   row producer: the step's 64 rows' lse (log2 units), delta and key limit into the stage
+                   (Note [row facts in shared memory] in bwd_dkdv_sm90.py), walking the steps in order
+    WG 1 ("A")     S^T = K Q^T and dP^T = V dO^T (wgmma m64n64, keys as M, smem x smem), P^T, dS^T =
+                   P^T (dP^T - delta) * scale; hands P^T and dS^T to WG 2 (Note [dS hand-off]); then its
+                   columns: dkv[:, :128] += P^T dO[:, :128] + dS^T Q[:, :128] and dkv[:, Dv:] += dS^T Q[:, Dv:]
+                   (A from registers)
+    WG 2 ("B")     dkv[:, 128:Dv] += P^T dO[:, 128:Dv] + dS^T Q[:, 128:Dv] in pieces of <= 192 columns
+                   (smem x smem)
+
+    producer ──K once, Q/dO rows, row facts (1 stage, mbarriers)──▶ WG 1, WG 2
+                                   WG 1 ──P^T, dS^T (sPt, sdSt, 2 named barriers)──▶ WG 2
+
+Note [latent key split]: the dkv partial of 64 keys is 64 x Dk fp32, 288 registers per thread at Dk 576:
+two warpgroups. S^T and dP^T (the larger GEMMs, Dk and Dv deep) run once, in WG 1, which also keeps the
+columns it can feed from registers (P^T and dS^T are the A operands straight from its accumulators,
+Note [keys as the M dimension] in indexed/bwd_dkdv_sm90.py); WG 2 reads them from shared memory. WG 1
+holds S^T, dP^T, P^T and dS^T (96 registers) beside 192 dkv columns ([0, 128) and the rope columns
+[Dv, Dk)), WG 2 holds the other Dv - 128 (384 or 320 columns, 192 / 160 registers) as two accumulators of
+N <= 192 (wgmma N <= 256, and each piece a whole number of 64-column chunks, so that its B operands are
+sub-views of sQ / sdO: ``columns_operand``, checked at trace time). The two warpgroups own
+disjoint columns, so each adds and stores its own (segments included): no exchange between them.
+
+Note [dS hand-off]: sPt and sdSt hold one step's P^T and dS^T (64 keys x 64 rows, 16-bit, the wgmma K-major
+layout of WG 2's A operand). WG 1 waits on DsEmpty (WG 2's GEMMs of the previous step have completed; not
+at the first step), writes both by stmatrix from its accumulator layout, fences them for the wgmma's async
+proxy and arrives on DsFull; WG 2 waits on DsFull, issues its GEMMs, waits for them and arrives on
+DsEmpty (not after its last step: every arrival is waited for, none is pending at exit). dS^T leaves WG 1
+already scaled by ``softmax_scale``: the P^T dO and dS^T Q terms then share one accumulator and one store.
+Each warpgroup sums its columns over the steps in the plan's order: bitwise reproducible, as before.
+
+Note [one row stage]: shared memory holds the block's latent rows (72 KiB at Dk 576), one stage of Q and dO
+rows (72 + 64 KiB) and sPt / sdSt (16 KiB): 225 KiB of the 227 (below), no room for a second stage. So a
+step's loads start when both warpgroups released the previous step, and one row warp walks the steps in
+order (the two-warp parity argument of Note [row warps and parity waits] holds for 4 stages only; one
+producer walking in order never runs a round ahead). Both warpgroups release the stage (8 warps' arrivals)
+once their GEMMs on it completed. No wgmma is in flight across a loop back-edge (ptxas would serialize
+every wgmma of the kernel).
+
+Segments (Note [key block segments] in bwd_dkdv_sm90.py) as there: fp32 partials in ``dkv_part``
+[B, S, Hkv, Dk], turn counters ``seg_sem`` [NS, KCAP, Hkv] (zeroed by the caller); keys no query selects
+are not written (the caller zero-fills ``dkv``).
+
+Shared memory at (Dk, Dv) = (576, 512): barriers and row facts 1 KiB, Q 72 KiB, dO 64 KiB, K 72 KiB,
+sPt + sdSt 16 KiB = 230,400 B of the 232,448 (205,824 B at (512, 448)).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, ld_acquire_gpu,
+                                       red_release_add_gpu, sm90_thread0_cols, wgmma_smem_layout)
+
+from .bwd_dkdv_sm90 import SEGMENTS, BlockSparseBwdDKDVSm90
+from .common import THREADS_PER_WG, shared_storage, smem_tensors
+from .config import BLOCK_SIZE, LATENT_DIMS, TILE_M, BwdConfig
+
+# setmaxnreg split: 128 * (40 + 2 * 232) = 64,512 of the SM's 65,536 registers (one CTA per SM). Not the
+# 24 / 240 of bwd_dkdv_sm90.py: with one row stage the stage index is a constant 0, and the compiler hoists
+# the producer loops' shared-memory addresses (TMA destinations, barriers) out of the loops into registers
+# (seen in the PTX of bwd_dkdv_sm90.py built with one stage, whose producer then spilled too). Here the
+# producer warps spilled 60 B at 24 registers, and 116 B at 32 with G 16 (four queries per tile); the
+# consumers spill at 224 and fit in 232.
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+#: Q / dO row stages (Note [one row stage]).
+ROW_STAGES = 1
+#: dkv columns [0, A_COLS) of WG 1 (besides [Dv, Dk)); WG 2 takes [A_COLS, Dv) in pieces of <= B_PIECE
+#: columns (Note [latent key split]).
+A_COLS = 128
+B_PIECE = 192
+
+
+class LatentBarrier(IntEnum):
+    """Named barrier ids (0 is __syncthreads); each meets both consumer warpgroups."""
+
+    Reduce = 1  # the segment turn (Note [key block segments])
+    DsFull = 2  # P^T and dS^T of the step are in sPt / sdSt (Note [dS hand-off])
+    DsEmpty = 3  # WG 2's GEMMs on them completed
+
+
+BARRIER_THREADS = 2 * THREADS_PER_WG
+
+
+class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
+    stages = ROW_STAGES
+    row_warps = 1
+
+    def __init__(self, cfg: BwdConfig):
+        if not cfg.latent:
+            raise ValueError("BlockSparseLatentBwdDKVSm90 is the latent (v=None) dK/dV kernel")
+        super().__init__(cfg)
+        if (self.dk, self.dv) not in LATENT_DIMS:
+            raise ValueError(f"latent head dims (Dk {self.dk}, Dv {self.dv}) not in {LATENT_DIMS}")
+        # WG 2's (first column, width) pieces of [A_COLS, Dv): 192 + 192 at Dv 512, 192 + 128 at Dv 448.
+        self.b_parts = tuple((c, min(B_PIECE, self.dv - c)) for c in range(A_COLS, self.dv, B_PIECE))
+        assert all(c % 64 == 0 and w % 64 == 0 for c, w in self.b_parts) and (self.dk - self.dv) % 64 == 0
+
+    @staticmethod
+    def smem_bytes(cfg: BwdConfig) -> int:
+        # the struct of common.shared_storage: barriers, then the row facts (16-aligned), then the
+        # 1024-aligned buffers (each a multiple of 1024 bytes)
+        head = -(-(8 * (1 + 2 * ROW_STAGES)) // 16) * 16 + 12 * TILE_M * ROW_STAGES
+        rows = ROW_STAGES * TILE_M * (cfg.head_dim + cfg.head_dim_v) * 2
+        keys = BLOCK_SIZE * cfg.head_dim * 2
+        hand = 2 * BLOCK_SIZE * TILE_M * 2
+        return -(-head // 1024) * 1024 + rows + keys + hand
+
+    # ------------------------------------------------------------------ host launch
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                 mTileMask: cute.Tensor, mQLimit: cute.Tensor, mKeyStart: cute.Tensor, mKeyEnd: cute.Tensor,
+                 mKeyCount: cute.Tensor, mKeyPtr: cute.Tensor, mKeyTile: cute.Tensor, mKeySlot: cute.Tensor,
+                 mdKV: cute.Tensor, mdKVpart: cute.Tensor, mSegSem: cute.Tensor, softmax_scale: Float32,
+                 min_seg: Int32, stream):
+        sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, ROW_STAGES))
+        sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, ROW_STAGES))
+        sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk))
+        sPt_layout = wgmma_smem_layout(self.dtype, (self.tile_n, TILE_M))  # (keys, rows): K-major A of keys x N x rows
+        tma_atom_Q, tma_Q, rows_q = self.rows_tma(mQ, self.dk)
+        tma_atom_dO, tma_dO, rows_do = self.rows_tma(mdO, self.dv)
+        tma_atom_K, tma_K = self.kv_tma(mK, sK_layout, self.dk)
+        self.tx_bytes_kv = self.tile_n * self.dk * 2
+        self.tx_bytes_rows = self.wq * self.gc * (self.dk + self.dv) * 2
+        words = {"row_f": (Float32, 2 * TILE_M * ROW_STAGES), "row_lim": (Int32, TILE_M * ROW_STAGES)}
+        self.shared_storage = shared_storage(self.dtype, {"mbar_kv": 1, "mbar_rows": 2 * ROW_STAGES}, words,
+                                             sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sPt=sPt_layout,
+                                             sdSt=sPt_layout)
+        assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
+        grid = (mKeyStart.shape[1] * SEGMENTS, mK.shape[2], mQ.shape[0])
+        plan = (mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot)
+        self.kernel(tma_Q, tma_dO, tma_K, mLSE, mDelta, plan, (mdKV, mdKVpart, mSegSem),
+                    (tma_atom_Q, tma_atom_dO, tma_atom_K), sQ_layout, sdO_layout, sK_layout, sPt_layout, rows_q,
+                    rows_do, softmax_scale, min_seg).launch(
+            grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=1, preferred_smem_carveout=100)
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+               plan: tuple, outs: tuple, atoms: tuple, sQ_layout: cute.ComposedLayout,
+               sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sPt_layout: cute.ComposedLayout,
+               rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout, softmax_scale: Float32, min_seg: Int32):
+        mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
+        warp_idx, tidx, storage = self.allocate(atoms)
+        sQ, sdO, sK, sPt, sdSt = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sPt=sPt_layout,
+                                              sdSt=sPt_layout)
+        # (row, lse | delta, stage) and (row, stage): Note [row facts in shared memory]
+        sRowF = cute.make_tensor(storage.row_f.data_ptr(), cute.make_layout((TILE_M, 2, ROW_STAGES)))
+        sRowLim = cute.make_tensor(storage.row_lim.data_ptr(), cute.make_layout((TILE_M, ROW_STAGES)))
+        self.zero_idle_rows(sQ, sdO, tidx)
+        mbar_kv = storage.mbar_kv.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar_kv, 1)
+        cute.arch.mbarrier_init_fence()
+        # Full barrier: the TMA warp's arrive-and-expect-tx and the row warp's arrival; empty barrier: both
+        # consumer warpgroups (8 warps' arrivals, Note [one row stage]).
+        pipeline_rows = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_rows.data_ptr(), num_stages=ROW_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * THREADS_PER_WG // 32),
+            tx_count=self.tx_bytes_rows, defer_sync=False)
+        blk = self.key_block(mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg)
+        if blk.live:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp_idx == 0:
+                    tma_atom_Q, tma_atom_dO, tma_atom_K = atoms
+                    self.load(mQ, mdO, mK, None, mKeyTile, sK, None, (tma_atom_Q, tma_atom_dO, tma_atom_K, None),
+                              rows_q, rows_do, storage.sQ.data_ptr(), storage.sdO.data_ptr(), mbar_kv, pipeline_rows,
+                              blk)
+                elif warp_idx == 1:
+                    self.load_rows(mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, sRowF, sRowLim,
+                                   pipeline_rows, blk, warp_idx - 1)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                ctidx = tidx % THREADS_PER_WG
+                bufs = SimpleNamespace(q=(storage.sQ.data_ptr(), sQ_layout, self.dk),
+                                       do=(storage.sdO.data_ptr(), sdO_layout, self.dv))
+                if warp_idx < 8:
+                    self.consume_a(outs, bufs, sQ, sdO, sK, sPt, sdSt, sRowF, sRowLim, mbar_kv, pipeline_rows, blk,
+                                   ctidx, softmax_scale)
+                else:
+                    self.consume_b(outs, bufs, sPt, sdSt, pipeline_rows, blk, ctidx)
+
+    # ------------------------------------------------------------------ consumers
+    def columns_operand(self, mma_slice, buf, c0: int, cols: int):
+        """The B fragment (.., .., k) of columns [c0, c0 + cols) of the row stage ``buf`` = (base, layout, d)
+        (sQ or sdO) for a GEMM whose K dimension runs over the tile rows, read MN-major (``key_columns``:
+        whole 64-column chunks, checked against the buffer's layout at trace time)."""
+        base, layout, d = buf
+        return self.key_columns_operand(mma_slice, base, layout, c0, cols, 1, d)[None, None, None, 0]
+
+    @cute.jit
+    def consume_a(self, outs, bufs, sQ, sdO, sK, sPt, sdSt, sRowF, sRowLim, mbar_kv, pipeline_rows, blk,
+                  ctidx: Int32, softmax_scale: Float32):
+        """WG 1: per step S^T, dP^T, P^T, dS^T, the hand-off to WG 2 (Note [dS hand-off]) and dkv columns
+        [0, A_COLS) and [Dv, Dk) with P^T / dS^T from registers; then those columns' segment sum."""
+        dr = self.dk - self.dv  # the rope columns [Dv, Dk)
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, TILE_M))
+        mma_lo, mma_hi = self._mma_rs(A_COLS), self._mma_rs(dr)
+        thr_s = mma_s.get_slice(ctidx)
+        wg_s, wg_lo, wg_hi = mma_s.get_slice(0), mma_lo.get_slice(0), mma_hi.get_slice(0)
+        tSrK = wg_s.make_fragment_A(wg_s.partition_A(sK))  # (.., .., Dk / 16); V = its first Dv / 16 k-blocks
+        tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ[None, None, 0]))
+        tSrdO = wg_s.make_fragment_B(wg_s.partition_B(sdO[None, None, 0]))
+        tLrdOt = self.columns_operand(wg_lo, bufs.do, 0, A_COLS)
+        tLrQt = self.columns_operand(wg_lo, bufs.q, 0, A_COLS)
+        tHrQt = self.columns_operand(wg_hi, bufs.q, self.dv, dr)
+        # P^T and dS^T as the 16-bit A operand (keys x rows): its layout does not depend on N (lo and hi)
+        tLrP = wg_lo.make_fragment_A(wg_lo.partition_shape_A((self.tile_n, TILE_M)))
+        tLrdS = wg_lo.make_fragment_A(wg_lo.partition_shape_A((self.tile_n, TILE_M)))
+        acc_shape = wg_s.partition_shape_C((self.tile_n, TILE_M))
+        acc_lo = cute.make_rmem_tensor(wg_lo.partition_shape_C((self.tile_n, A_COLS)), Float32)
+        acc_hi = cute.make_rmem_tensor(wg_hi.partition_shape_C((self.tile_n, dr)), Float32)
+        acc_lo.fill(0.0)
+        acc_hi.fill(0.0)
+        # P^T, dS^T -> sPt, sdSt by stmatrix from the S^T accumulator's layout (Note [dS hand-off]).
+        st_copy = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                         mma_s)
+        thr_st = st_copy.get_slice(ctidx)
+        tPsP, tPsdS = thr_st.partition_D(sPt), thr_st.partition_D(sdSt)
+        tScS_mn = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_n, TILE_M))))
+        ctx = SimpleNamespace(key=[tScS_mn[i, 0][0] for i in range(2)], thr_col=tScS_mn[0, 0][1],
+                              cols=sm90_thread0_cols(TILE_M), scale_log2=softmax_scale * LOG2_E,
+                              sRowF=sRowF, sRowLim=sRowLim, blk=blk)
+        cute.arch.mbarrier_wait(mbar_kv, 0)
+        n = (blk.p1 - blk.p0) * self.chunks
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ROW_STAGES)
+        for j in cutlass.range(n, unroll=1):
+            acc_S = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
+            # 1. Wait for the step's rows; S^T = K Q^T (Dk deep) and dP^T = V dO^T (Dv deep).
+            pipeline_rows.consumer_wait(state)
+            self.gemm(mma_s, acc_S, tSrK, tSrQ, True, -1)
+            self.gemm_k(mma_s, acc_dP, tSrK, tSrdO, self.dv // 16)
+            col = self.columns(ctx, 0)  # while the two GEMMs run
+            warpgroup.wait_group(1)
+            # 2. P^T; dkv[:, :A_COLS] += P^T dO runs while dS^T is formed.
+            acc_S_mn = acc_mn_view(acc_S)
+            self.probs(ctx, acc_S_mn, col)
+            convert_to_16bit(acc_as_operand_a(acc_S), tLrP)
+            self.gemm(mma_lo, acc_lo, tLrP, tLrdOt, False, -1)
+            delta = self.deltas(ctx, 0)
+            warpgroup.wait_group(1)  # dP^T done
+            # 3. dS^T = P^T (dP^T - delta), scaled (Note [dS hand-off]).
+            acc_dP_mn = acc_mn_view(acc_dP)
+            for k in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    acc_dP_mn[k, c] = (acc_S_mn[k, c] * softmax_scale) * (acc_dP_mn[k, c] - delta[c])
+            convert_to_16bit(acc_as_operand_a(acc_dP), tLrdS)
+            # 4. Hand P^T and dS^T to WG 2.
+            if j > 0:
+                cute.arch.barrier(barrier_id=int(LatentBarrier.DsEmpty), number_of_threads=BARRIER_THREADS)
+            cute.copy(st_copy, thr_st.retile(tLrP), tPsP)
+            cute.copy(st_copy, thr_st.retile(tLrdS), tPsdS)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=int(LatentBarrier.DsFull), number_of_threads=BARRIER_THREADS)
+            # 5. dkv[:, :A_COLS] += dS^T Q, dkv[:, Dv:] += dS^T Q; the stage is free of WG 1 once they completed.
+            self.gemm(mma_lo, acc_lo, tLrdS, tLrQt, False, -1)
+            self.gemm(mma_hi, acc_hi, tLrdS, tHrQt, False, 0)
+            pipeline_rows.consumer_release(state)
+            state.advance()
+        self.write_keys(ctx, ((acc_lo, mma_lo.get_slice(ctidx), A_COLS, 0),
+                              (acc_hi, mma_hi.get_slice(ctidx), dr, self.dv)), outs, True, ctidx)
+
+    @cute.jit
+    def consume_b(self, outs, bufs, sPt, sdSt, pipeline_rows, blk, ctidx: Int32):
+        """WG 2: per step dkv[:, A_COLS:Dv] += P^T dO + dS^T Q with P^T / dS^T from WG 1 (Note [dS hand-off]),
+        one accumulator per piece of ``b_parts``; then those columns' segment sum."""
+        parts = []
+        for c0, cols in self.b_parts:
+            mma = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+                atom_layout_mnk=(1, 1, 1), tiler_mn=(64, cols))  # A (P^T, dS^T) from shared memory
+            wg = mma.get_slice(0)
+            acc = cute.make_rmem_tensor(wg.partition_shape_C((self.tile_n, cols)), Float32)
+            acc.fill(0.0)
+            parts.append(SimpleNamespace(
+                mma=mma, acc=acc, c0=c0, cols=cols, tBrP=wg.make_fragment_A(wg.partition_A(sPt)),
+                tBrdS=wg.make_fragment_A(wg.partition_A(sdSt)), tBrdOt=self.columns_operand(wg, bufs.do, c0, cols),
+                tBrQt=self.columns_operand(wg, bufs.q, c0, cols)))
+        n = (blk.p1 - blk.p0) * self.chunks
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ROW_STAGES)
+        for j in cutlass.range(n, unroll=1):
+            # 1. The step's rows (already complete once WG 1 handed over), then P^T and dS^T.
+            pipeline_rows.consumer_wait(state)
+            cute.arch.barrier(barrier_id=int(LatentBarrier.DsFull), number_of_threads=BARRIER_THREADS)
+            # 2. The GEMMs; sPt / sdSt and the stage are free of WG 2 once they completed.
+            for i, p in enumerate(parts):
+                self.gemm(p.mma, p.acc, p.tBrP, p.tBrdOt, False, -1)
+                self.gemm(p.mma, p.acc, p.tBrdS, p.tBrQt, False, 0 if i == len(parts) - 1 else -1)
+            if j < n - 1:
+                cute.arch.barrier_arrive(barrier_id=int(LatentBarrier.DsEmpty), number_of_threads=BARRIER_THREADS)
+            pipeline_rows.consumer_release(state)
+            state.advance()
+        ctx = SimpleNamespace(blk=blk)
+        self.write_keys(ctx, tuple((p.acc, p.mma.get_slice(ctidx), p.cols, p.c0) for p in parts), outs, False, ctidx)
+
+    @cute.jit
+    def gemm_k(self, tiled_mma, acc, tCrA, tCrB, k_blocks: cutlass.Constexpr):
+        """acc = A B over the first ``k_blocks`` k-blocks of A (V as K's leading columns), one wgmma group."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(k_blocks):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def write_keys(self, ctx, parts: tuple, outs: tuple, lead: cutlass.Constexpr, ctidx: Int32):
+        """This warpgroup's dkv columns ``parts`` ((acc, thread MMA slice, cols, first column) each): stored, or
+        with segments (Note [key block segments]) added to the previous segments' fp32 sum in turn; ``lead``:
+        this warpgroup's thread 0 takes the turn for the CTA."""
+        mdKV, mdKVpart, mSegSem = outs
+        blk = ctx.blk
+        if blk.nseg == 1:
+            for acc, thr, cols, c0 in parts:
+                self.store_keys(ctx, acc, mdKV, thr, cols, Float32(1.0), c0)
+        else:
+            sem_addr = (mSegSem.iterator + cute.crd2idx((blk.s, blk.r, blk.h), mSegSem.layout)).toint()
+            if const_expr(lead):
+                if ctidx == 0:
+                    cur = ld_acquire_gpu(sem_addr)
+                    while cur != blk.seg:
+                        cur = ld_acquire_gpu(sem_addr)
+            cute.arch.barrier(barrier_id=int(LatentBarrier.Reduce), number_of_threads=BARRIER_THREADS)
+            cute.arch.fence_acq_rel_gpu()
+            if blk.seg > 0:
+                for acc, thr, cols, c0 in parts:
+                    self.add_keys(ctx, acc, mdKVpart, thr, cols, c0)
+            if blk.seg == blk.nseg - 1:
+                for acc, thr, cols, c0 in parts:
+                    self.store_keys(ctx, acc, mdKV, thr, cols, Float32(1.0), c0)
+            else:
+                for acc, thr, cols, c0 in parts:
+                    self.store_keys(ctx, acc, mdKVpart, thr, cols, Float32(1.0), c0)
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier(barrier_id=int(LatentBarrier.Reduce), number_of_threads=BARRIER_THREADS)
+                if const_expr(lead):
+                    if ctidx == 0:
+                        red_release_add_gpu(sem_addr, Int32(1))

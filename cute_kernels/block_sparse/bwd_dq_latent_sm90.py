@@ -1,0 +1,244 @@
+"""BlockSparseLatentBwdDQSm90: the block-sparse dQ for the absorbed-MLA latent on Hopper, query-major.
+
+    P   = exp(scale * q . k_c - lse),   dS = P * (dO . k_c[:Dv] - delta),   delta = rowsum(dO * O)
+    dq  = scale * sum_c dS k_c                                             (V = the leading Dv columns of K)
+
+Rows, plan, block masks, lse / delta rules and the delta output are those of ``bwd_dq_sm90.py`` (this
+class inherits them); what changes is the width: dq is 64 x Dk fp32 (288 registers per thread at Dk 576),
+so two warpgroups share its columns (Note [latent dQ split]).
+
+One CTA per (query tile w, head chunk c, batch b), 384 threads:
+
+    WG 0, warp 0   producer: K of block 0 (one (64, Dk) box: K and V at once), the tile's Q and dO rows
+                   (one (GC, D) box per tile query each), then K[n] per listed block; one key stage
+                   (Note [one key stage])
+    WG 1 ("dS")    per block: S = Q K^T (Dk) and dP = dO V^T (V = K's first Dv columns: the first Dv / 16
+                   k-blocks of the same K operand), masks, P from lse, dS; hands dS (bf16) to WG 2 through
+                   sdS (Note [dS hand-off]); dq[:, :192] += dS K[:, :192] (A = dS from registers)
+    WG 2           dq[:, 192:Dk] += dS K[:, 192:Dk] with dS read from sdS (smem x smem), in pieces of <= 192
+                   columns (576: 192 + 192, 512: 192 + 128)
+
+    producer ──K blocks, Q, dO (mbarriers)──▶ WG 1 ──dS (sdS, 2 named barriers)──▶ WG 2 ──▶ dq columns
+
+Note [latent dQ split]. S and dP are the larger GEMMs (Dk + Dv deep against Dk wide for dq) and need the
+rows' lse and delta: they run once, in WG 1, which then keeps the fewest dq columns (192: 96 accumulator
+registers next to S, dP and the bf16 dS); WG 2 only multiplies. The column views of K are whole 64-column
+chunks of its wgmma layout (``key_columns``, checked at trace time).
+
+Note [dS hand-off]. As the latent forward's Note [P hand-off]: WG 1 waits on DS_EMPTY (WG 2's dq GEMMs
+on the previous dS have completed; WG 2 arrives once at the start and after every block but the last),
+writes dS by stmatrix from the S accumulator's layout, fences for the async proxy and arrives on DS_FULL.
+Every block's dS is handed over in order and each warpgroup sums its own columns in the plan's block
+order: dq is bitwise reproducible.
+
+Note [one key stage]. Q (72 KiB at Dk 576) and dO (64 KiB) stay for the whole tile, so one 72 KiB key
+stage and sdS fill the 227 KiB: block n + 1 is loaded when both warpgroups' GEMMs on block n completed,
+so the load latency is not hidden behind compute.
+
+Shared memory at Dk 576: Q 72 KiB, dO 64 KiB, K 72 KiB, sdS 8 KiB: 217 KiB of the 227.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from cute_kernels.common.utils import acc_as_operand_a, acc_mn_view, convert_to_16bit, wgmma_smem_layout
+
+from .bwd_dq_sm90 import BlockSparseBwdDQSm90
+from .common import THREADS_PER_WG, shared_storage, smem_tensors
+from .config import BLOCK_SIZE, TILE_M, BwdConfig
+
+# setmaxnreg split: 128 * (40 + 2 * 232) = 64,512 of the SM's 65,536 registers (one CTA per SM); the producer
+# spilled in 24 (G 128, G 16 with per-kv-head ids).
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+#: Named barriers (0 is the CTA barrier), Note [dS hand-off].
+DS_FULL, DS_EMPTY = 1, 2
+#: dq columns of WG 1 (Note [latent dQ split]); WG 2's pieces are at most this wide.
+DQ_SPLIT = 192
+
+
+def column_pieces(c0: int, c1: int, width: int = DQ_SPLIT) -> tuple:
+    """(first column, columns) pieces of [c0, c1), each ``width`` wide but the last."""
+    return tuple((c, min(width, c1 - c)) for c in range(c0, c1, width))
+
+
+class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
+    def __init__(self, cfg: BwdConfig):
+        if not cfg.latent:
+            raise ValueError("BlockSparseLatentBwdDQSm90 is the latent (v=None) dQ")
+        super().__init__(cfg)
+        self.parts = column_pieces(DQ_SPLIT, self.dk)
+        assert self.dk % 64 == 0 and self.dv % 64 == 0 and self.dv <= self.dk and len(self.parts) == 2
+
+    @staticmethod
+    def smem_bytes(cfg: BwdConfig) -> int:
+        # common.shared_storage's struct: 3 barriers, then four 1024-aligned buffers (multiples of 1024 bytes)
+        return 1024 + (TILE_M * (2 * cfg.head_dim + cfg.head_dim_v) + TILE_M * BLOCK_SIZE) * 2
+
+    # ------------------------------------------------------------------ host launch
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor,
+                 mQLimit: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream):
+        sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, 1))
+        sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, 1))
+        sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk, 1))
+        sdS_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.tile_n))
+        tma_atom_Q, tma_Q, rows_q = self.rows_tma(mQ, self.dk)
+        tma_atom_dO, tma_dO, rows_do = self.rows_tma(mdO, self.dv)
+        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        tma_atom_K, tma_K = self.kv_tma(mK, cute.select(sK_layout, mode=[0, 1]), self.dk)
+        self.shared_storage = shared_storage(self.dtype, {"mbar_q": 1, "mbar_k": 2}, sQ=sQ_layout, sdO=sdO_layout,
+                                             sK=sK_layout, sdS=sdS_layout)
+        assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
+        grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
+        atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K)
+        self.kernel(tma_Q, tma_dO, tma_K, mO, mdO, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, mdQ,
+                    atoms, sQ_layout, sdO_layout, sK_layout, sdS_layout, rows_q, rows_do, softmax_scale).launch(
+            grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=1, preferred_smem_carveout=100)
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mO: cute.Tensor, mdOg: cute.Tensor,
+               mLSE: cute.Tensor, mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor,
+               mTileCount: cute.Tensor, mQLimit: cute.Tensor, mdQ: cute.Tensor, atoms: tuple,
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout,
+               softmax_scale: Float32):
+        warp_idx, tidx, storage = self.allocate(atoms)
+        mbar_q = storage.mbar_q.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar_q, 1)
+        cute.arch.mbarrier_init_fence()
+        # Both consumer warpgroups release the key stage (8 warps' arrivals).
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * THREADS_PER_WG // 32),
+            tx_count=self.tx_bytes_k, defer_sync=False)
+        sQ, sdO, sK, sdS = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sdS=sdS_layout)
+        tile = self.tile_of(mQ, mK, mTileCount)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self.load_latent_bwd(mQ, mdO, mK, mTileStart, sK, atoms, rows_q, rows_do, storage.sQ.data_ptr(),
+                                     storage.sdO.data_ptr(), mbar_q, pipeline_k, tile)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctidx = tidx - THREADS_PER_WG
+            wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
+            if wg == 0:
+                self.consume_ds(mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK,
+                                storage.sK.data_ptr(), sK_layout, sdS, mbar_q, pipeline_k, tile, ctidx, softmax_scale)
+            else:
+                self.consume_cols(mdQ, storage.sK.data_ptr(), sK_layout, sdS, pipeline_k, tile,
+                                  ctidx - THREADS_PER_WG, softmax_scale)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load_latent_bwd(self, mQ, mdO, mK, mTileStart, sK, atoms, rows_q, rows_do, sQ_base, sdO_base, mbar_q,
+                        pipeline_k, tile):
+        tma_atom_Q, tma_atom_dO, tma_atom_K = atoms
+        mK_cur = mK[None, None, tile.h, tile.b]  # (S, Dk)
+        if tile.count > 0:
+            w = tile.q0 // self.wq
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, 0], self.dk, pipeline_k, kv_state)
+            self.load_q_do_rows(mQ, mdO, tma_atom_Q, tma_atom_dO, rows_q, rows_do, sQ_base, sdO_base, mbar_q, tile)
+            for n in cutlass.range(1, tile.count, unroll=1):
+                kv_state.advance()
+                self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, n], self.dk, pipeline_k, kv_state)
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def consume_ds(self, mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sK_base,
+                   sK_layout, sdS, mbar_q, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
+        """WG 1: delta, S, dP, P, dS per block, the hand-off of dS, dq[:, :DQ_SPLIT]."""
+        tiled_mma_s, tiled_mma_dq = self.row_mmas(DQ_SPLIT)
+        thr_mma_s = tiled_mma_s.get_slice(ctidx)
+        thr_mma_dq = tiled_mma_dq.get_slice(ctidx)
+        wg_s = tiled_mma_s.get_slice(0)
+        wg_dq = tiled_mma_dq.get_slice(0)
+        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ[None, None, 0]))
+        tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO[None, None, 0]))
+        # k-blocks over all Dk columns; the dP GEMM runs over the first Dv / 16 of them (its A has that many)
+        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))  # (.., .., k, stage)
+        tQrKt = self.key_columns_operand(wg_dq, sK_base, sK_layout, 0, DQ_SPLIT, 1)
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_shape_A((TILE_M, self.tile_n)))
+        acc_S_shape = wg_s.partition_shape_C((TILE_M, self.tile_n))
+        acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((TILE_M, DQ_SPLIT)), Float32)
+        acc_dQ.fill(0.0)
+        st_copy = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                         tiled_mma_s)
+        thr_st = st_copy.get_slice(ctidx)
+        tDsdS = thr_st.partition_D(sdS)
+        ctx = self.row_context(thr_mma_s, mTileStart, mTileMask, mQLimit, tile)
+        self.row_stats(ctx, mO, mdOg, mLSE, mDelta, tile, ctidx, softmax_scale)
+        if tile.count > 0:
+            cute.arch.mbarrier_wait(mbar_q, 0)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            for n in cutlass.range(tile.count, unroll=1):
+                meta = self.block_meta(ctx, n)
+                acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+                acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+                pipeline_k.consumer_wait(kv_state)
+                self.gemm(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
+                self.gemm(tiled_mma_s, acc_dP, tSrdO, tSrK[None, None, None, kv_state.index], True, 0)
+                acc_S_mn = acc_mn_view(acc_S)
+                acc_dP_mn = acc_mn_view(acc_dP)
+                self.mask_block(ctx, acc_S_mn, meta)
+                for r in cutlass.range_constexpr(2):
+                    p = cute.math.exp2(acc_S_mn[r, None].load() * ctx.scale_log2 - ctx.lse_log2[r], fastmath=True)
+                    acc_S_mn[r, None].store(p * (acc_dP_mn[r, None].load() - ctx.delta[r]))  # dS
+                convert_to_16bit(acc_as_operand_a(acc_S), tQrdS)
+                # Note [dS hand-off]
+                cute.arch.barrier(barrier_id=DS_EMPTY, number_of_threads=2 * THREADS_PER_WG)
+                cute.copy(st_copy, thr_st.retile(tQrdS), tDsdS)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=DS_FULL, number_of_threads=2 * THREADS_PER_WG)
+                self.gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt[None, None, None, kv_state.index], False, 0)
+                pipeline_k.consumer_release(kv_state)
+                kv_state.advance()
+        acc_dQ_mn = acc_mn_view(acc_dQ)
+        for r in cutlass.range_constexpr(2):
+            acc_dQ_mn[r, None].store(acc_dQ_mn[r, None].load() * softmax_scale)
+        self.store_rows(acc_dQ, mdQ, thr_mma_dq, DQ_SPLIT, tile, ctx.rows_valid)
+
+    @cute.jit
+    def consume_cols(self, mdQ, sK_base, sK_layout, sdS, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
+        """WG 2: dq[:, DQ_SPLIT:Dk] from WG 1's dS, in ``self.parts``."""
+        (c0, w0), (c1, w1) = self.parts
+        mmas = [sm90_utils.make_trivial_tiled_mma(
+                    self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+                    atom_layout_mnk=(1, 1, 1), tiler_mn=(64, w)) for w in (w0, w1)]  # A (dS) from shared memory
+        wgs = [m.get_slice(0) for m in mmas]
+        tA = [s.make_fragment_A(s.partition_A(sdS)) for s in wgs]
+        tB = [self.key_columns_operand(s, sK_base, sK_layout, c, w, 1) for s, (c, w) in zip(wgs, self.parts)]
+        accs = [cute.make_rmem_tensor(s.partition_shape_C((TILE_M, w)), Float32) for s, w in zip(wgs, (w0, w1))]
+        for acc in accs:
+            acc.fill(0.0)
+        cute.arch.barrier_arrive(barrier_id=DS_EMPTY, number_of_threads=2 * THREADS_PER_WG)  # sdS starts free
+        if tile.count > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            for n in cutlass.range(tile.count, unroll=1):
+                cute.arch.barrier(barrier_id=DS_FULL, number_of_threads=2 * THREADS_PER_WG)
+                pipeline_k.consumer_wait(kv_state)
+                self.gemm(mmas[0], accs[0], tA[0], tB[0][None, None, None, kv_state.index], False, -1)
+                self.gemm(mmas[1], accs[1], tA[1], tB[1][None, None, None, kv_state.index], False, 0)
+                if n + 1 < tile.count:
+                    cute.arch.barrier_arrive(barrier_id=DS_EMPTY, number_of_threads=2 * THREADS_PER_WG)
+                pipeline_k.consumer_release(kv_state)
+                kv_state.advance()
+        for i in cutlass.range_constexpr(2):
+            acc_mn = acc_mn_view(accs[i])
+            for r in cutlass.range_constexpr(2):
+                acc_mn[r, None].store(acc_mn[r, None].load() * softmax_scale)
+            self.store_rows(accs[i], mdQ, mmas[i].get_slice(ctidx), self.parts[i][1], tile, tile.nq * self.gc,
+                            self.parts[i][0])
