@@ -116,6 +116,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
     #: has room for one stage and walks it with one row warp).
     stages = STAGES
     row_warps = ROW_WARPS
+    rows_unrolled = True  # load_rows: both of a lane's rows at once (False: one after the other)
 
     @staticmethod
     def smem_bytes(cfg: BwdConfig) -> int:
@@ -275,23 +276,34 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             bits = mTileMask[blk.s, w, mKeySlot[p]]
             head0 = blk.h * self.cfg.group + (i % self.chunks) * self.gc
             pipeline_rows.sync_object_empty.wait(state.index, state.phase)  # Note [row warps and parity waits]
-            for rr in cutlass.range_constexpr(TILE_M // 32):
-                row = lane + 32 * rr
-                qi = row // self.gc
-                q = w * self.wq + qi
-                t = cutlass.min(q, blk.seqlen - 1)
-                head = head0 + row - qi * self.gc  # < h * G + G also for idle rows: every load in bounds
-                live = row < self.wq * self.gc and q < blk.seqlen
-                live = live and ((bits >> qi) & 1) != 0
-                limit = cutlass.min(cutlass.max(mQLimit[blk.b, t] - blk.start, 0), self.tile_n)
-                sRowLim[row, state.index] = limit if live else Int32(0)
-                sRowF[row, 0, state.index] = mLSE[blk.b, head, t] * LOG2_E if live else Float32(0.0)
-                sRowF[row, 1, state.index] = mDelta[blk.b, head, t] if live else Float32(0.0)
+            if const_expr(self.rows_unrolled):
+                for rr in cutlass.range_constexpr(TILE_M // 32):
+                    self.row_facts(mLSE, mDelta, mQLimit, sRowF, sRowLim, blk, lane + 32 * rr, w, bits, head0,
+                                   state.index)
+            else:  # one row at a time: fewer registers (the latent kernel's producer warps)
+                for rr in cutlass.range(TILE_M // 32, unroll=1):
+                    self.row_facts(mLSE, mDelta, mQLimit, sRowF, sRowLim, blk, lane + 32 * rr, w, bits, head0,
+                                   state.index)
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(pipeline_rows.producer_get_barrier(state))
             for _ in cutlass.range_constexpr(self.row_warps):
                 state.advance()
+
+    @cute.jit
+    def row_facts(self, mLSE, mDelta, mQLimit, sRowF, sRowLim, blk, row: Int32, w: Int32, bits: Int32, head0: Int32,
+                  stage: Int32):
+        """Tile row ``row``'s facts (``load_rows``) into ``stage``."""
+        qi = row // self.gc
+        q = w * self.wq + qi
+        t = cutlass.min(q, blk.seqlen - 1)
+        head = head0 + row - qi * self.gc  # < h * G + G also for idle rows: every load in bounds
+        live = row < self.wq * self.gc and q < blk.seqlen
+        live = live and ((bits >> qi) & 1) != 0
+        limit = cutlass.min(cutlass.max(mQLimit[blk.b, t] - blk.start, 0), self.tile_n)
+        sRowLim[row, stage] = limit if live else Int32(0)
+        sRowF[row, 0, stage] = mLSE[blk.b, head, t] * LOG2_E if live else Float32(0.0)
+        sRowF[row, 1, stage] = mDelta[blk.b, head, t] if live else Float32(0.0)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit

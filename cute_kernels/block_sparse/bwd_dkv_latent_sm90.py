@@ -76,15 +76,16 @@ from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, co
                                        red_release_add_gpu, sm90_thread0_cols, wgmma_smem_layout)
 
 from .bwd_dkdv_sm90 import SEGMENTS, BlockSparseBwdDKDVSm90
-from .common import THREADS_PER_WG, shared_storage, smem_tensors
+from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, LATENT_DIMS, TILE_M, BwdConfig
 
-# setmaxnreg split: 128 * (40 + 2 * 232) = 64,512 of the SM's 65,536 registers (one CTA per SM). Not the
-# 24 / 240 of bwd_dkdv_sm90.py: with one row stage the stage index is a constant 0, and the compiler hoists
-# the producer loops' shared-memory addresses (TMA destinations, barriers) out of the loops into registers
-# (seen in the PTX of bwd_dkdv_sm90.py built with one stage, whose producer then spilled too). Here the
-# producer warps spilled 60 B at 24 registers, and 116 B at 32 with G 16 (four queries per tile); the
-# consumers spill at 224 and fit in 232.
+# setmaxnreg split: 128 * (40 + 2 * 232) = 64,512, the registers a 384-thread launch holds (168 per thread;
+# an increase past that never returns: Run AG3 hung at 48 / 232). Not the 24 / 240 of bwd_dkdv_sm90.py: with one
+# row stage the stage index is a constant 0, and the compiler hoists the producer loops' shared-memory addresses
+# (TMA destinations, barriers) out of the loops into registers (seen in the PTX of bwd_dkdv_sm90.py built with one
+# stage, whose producer then spilled too). Here the producer warps spilled 60 B at 24 registers and 116 B at 32
+# with G 16; at 40, 60-64 B with per-kv-head ids (G 16 at Dk 576, G 128 at 512) until the row warp took its two
+# rows one after the other there (``rows_unrolled``); the consumers spill at 224 and fit in 232.
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 #: Q / dO row stages (Note [one row stage]).
 ROW_STAGES = 1
@@ -113,6 +114,9 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         if not cfg.latent:
             raise ValueError("BlockSparseLatentBwdDKVSm90 is the latent (v=None) dK/dV kernel")
         super().__init__(cfg)
+        # load_rows one row at a time with per-kv-head ids (the producer's registers, above)
+        self.rows_unrolled = not cfg.per_kv_head
+        check_setmaxnreg(PRODUCER_REGS, CONSUMER_REGS, 2)
         if (self.dk, self.dv) not in LATENT_DIMS:
             raise ValueError(f"latent head dims (Dk {self.dk}, Dv {self.dv}) not in {LATENT_DIMS}")
         # WG 2's (first column, width) pieces of [A_COLS, Dv): 192 + 192 at Dv 512, 192 + 128 at Dv 448.

@@ -51,7 +51,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_kernels.common.utils import acc_as_operand_a, acc_mn_view, convert_to_16bit, wgmma_smem_layout
 
 from .bwd_dq_sm90 import BlockSparseBwdDQSm90
-from .common import THREADS_PER_WG, shared_storage, smem_tensors
+from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
 # setmaxnreg split: 128 * (40 + 2 * 232) = 64,512 of the SM's 65,536 registers (one CTA per SM); the producer
@@ -74,6 +74,7 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
             raise ValueError("BlockSparseLatentBwdDQSm90 is the latent (v=None) dQ")
         super().__init__(cfg)
         self.parts = column_pieces(DQ_SPLIT, self.dk)
+        check_setmaxnreg(PRODUCER_REGS, CONSUMER_REGS, 2)
         assert self.dk % 64 == 0 and self.dv % 64 == 0 and self.dv <= self.dk and len(self.parts) == 2
 
     @staticmethod

@@ -19,6 +19,16 @@ from .config import BLOCK_SIZE, TILE_M, head_chunk
 THREADS_PER_WG = 128
 
 
+def check_setmaxnreg(producer: int, consumer: int, consumer_wgs: int) -> None:
+    """A setmaxnreg split for one producer and ``consumer_wgs`` consumer warpgroups at one CTA per SM: the
+    launch gives each thread floor(65,536 / threads) registers rounded down to 8 (168 at 384 threads), and an
+    increase past what the CTA holds waits forever, so producer + n * consumer <= (1 + n) * that."""
+    per_thread = min(255, 65536 // (THREADS_PER_WG * (1 + consumer_wgs))) // 8 * 8
+    assert producer % 8 == 0 and consumer % 8 == 0 and 24 <= producer <= consumer <= 256, (producer, consumer)
+    assert producer + consumer_wgs * consumer <= (1 + consumer_wgs) * per_thread, \
+        f"setmaxnreg {producer} / {consumer} x {consumer_wgs} exceeds the {per_thread} registers per thread launched"
+
+
 def shared_storage(dtype, mbars: dict, words: dict | None = None, **layouts):
     """The struct of ``mbars`` (name: count of Int64 barriers), then ``words`` (name: (Float32 / Int32,
     count), 16-aligned), then one 1024-aligned buffer per layout."""

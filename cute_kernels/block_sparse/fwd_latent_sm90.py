@@ -65,7 +65,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_kernels.common.softmax import OnlineSoftmax
 from cute_kernels.common.utils import LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, wgmma_smem_layout
 
-from .common import THREADS_PER_WG, shared_storage, smem_tensors
+from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, TILE_M, FwdConfig
 from .fwd_sm90 import KV_STAGES, BlockSparseFwdSm90
 
@@ -83,6 +83,7 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
             raise ValueError("BlockSparseLatentFwdSm90 is the latent (v=None) forward")
         super().__init__(cfg)
         self.dv_parts = (V_SPLIT, self.dv - V_SPLIT)
+        check_setmaxnreg(PRODUCER_REGS, CONSUMER_REGS, 2)
         assert 0 < self.dv_parts[1] <= 256 and self.dv % 64 == 0 and self.dk % 64 == 0 and self.dk >= self.dv
 
     @staticmethod
