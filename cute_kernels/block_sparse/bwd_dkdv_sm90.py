@@ -160,9 +160,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
         warp_idx, tidx, storage = self.allocate(atoms)
         sQ, sdO, sK, sV = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
-        # (row, lse | delta, stage) and (row, stage): Note [row facts in shared memory]
-        sRowF = cute.make_tensor(storage.row_f.data_ptr(), cute.make_layout((TILE_M, 2, STAGES)))
-        sRowLim = cute.make_tensor(storage.row_lim.data_ptr(), cute.make_layout((TILE_M, STAGES)))
+        sRowF, sRowLim = self.row_fact_tensors(storage)
         self.zero_idle_rows(sQ, sdO, tidx)
         mbar_kv = storage.mbar_kv.data_ptr()
         if tidx == 0:
@@ -190,6 +188,12 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                 cute.arch.setmaxregister_increase(regs(self.dk)[1])
                 self.consume(outs, sQ, sdO, sK, sV, sRowF, sRowLim, mbar_kv, pipeline_rows, blk, warp_idx // 4 - 1,
                              tidx % THREADS_PER_WG, softmax_scale, storage.sQ.data_ptr())
+
+    def row_fact_tensors(self, storage):
+        """(row, lse | delta, stage) and (row, stage) views of the row-fact words (Note [row facts in shared
+        memory])."""
+        return (cute.make_tensor(storage.row_f.data_ptr(), cute.make_layout((TILE_M, 2, self.stages))),
+                cute.make_tensor(storage.row_lim.data_ptr(), cute.make_layout((TILE_M, self.stages))))
 
     @cute.jit
     def zero_idle_rows(self, sQ, sdO, tidx: Int32):

@@ -76,7 +76,7 @@ from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, co
                                        red_release_add_gpu, sm90_thread0_cols, wgmma_smem_layout)
 
 from .bwd_dkdv_sm90 import SEGMENTS, BlockSparseBwdDKDVSm90
-from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors
+from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors, two_wg_pipeline
 from .config import BLOCK_SIZE, LATENT_DIMS, TILE_M, BwdConfig
 
 # setmaxnreg split: 128 * (40 + 2 * 232) = 64,512, the registers a 384-thread launch holds (168 per thread;
@@ -172,9 +172,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         warp_idx, tidx, storage = self.allocate(atoms)
         sQ, sdO, sK, sPt, sdSt = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sPt=sPt_layout,
                                               sdSt=sPt_layout)
-        # (row, lse | delta, stage) and (row, stage): Note [row facts in shared memory]
-        sRowF = cute.make_tensor(storage.row_f.data_ptr(), cute.make_layout((TILE_M, 2, ROW_STAGES)))
-        sRowLim = cute.make_tensor(storage.row_lim.data_ptr(), cute.make_layout((TILE_M, ROW_STAGES)))
+        sRowF, sRowLim = self.row_fact_tensors(storage)
         self.zero_idle_rows(sQ, sdO, tidx)
         mbar_kv = storage.mbar_kv.data_ptr()
         if tidx == 0:
@@ -182,11 +180,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         cute.arch.mbarrier_init_fence()
         # Full barrier: the TMA warp's arrive-and-expect-tx and the row warp's arrival; empty barrier: both
         # consumer warpgroups (8 warps' arrivals, Note [one row stage]).
-        pipeline_rows = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_rows.data_ptr(), num_stages=ROW_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * THREADS_PER_WG // 32),
-            tx_count=self.tx_bytes_rows, defer_sync=False)
+        pipeline_rows = two_wg_pipeline(storage.mbar_rows.data_ptr(), ROW_STAGES, 2, self.tx_bytes_rows)
         blk = self.key_block(mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg)
         if blk.live:
             if warp_idx < 4:

@@ -51,7 +51,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_kernels.common.utils import acc_as_operand_a, acc_mn_view, convert_to_16bit, wgmma_smem_layout
 
 from .bwd_dq_sm90 import BlockSparseBwdDQSm90
-from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors
+from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors, two_wg_pipeline
 from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
 # setmaxnreg split: 128 * (40 + 2 * 232) = 64,512 of the SM's 65,536 registers (one CTA per SM); the producer
@@ -119,11 +119,7 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
             cute.arch.mbarrier_init(mbar_q, 1)
         cute.arch.mbarrier_init_fence()
         # Both consumer warpgroups release the key stage (8 warps' arrivals).
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * THREADS_PER_WG // 32),
-            tx_count=self.tx_bytes_k, defer_sync=False)
+        pipeline_k = two_wg_pipeline(storage.mbar_k.data_ptr(), 1, 1, self.tx_bytes_k)
         sQ, sdO, sK, sdS = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sdS=sdS_layout)
         tile = self.tile_of(mQ, mK, mTileCount)
         if warp_idx < 4:

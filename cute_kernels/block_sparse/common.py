@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int64
 from cutlass.cute.nvgpu import cpasync
 
@@ -27,6 +28,17 @@ def check_setmaxnreg(producer: int, consumer: int, consumer_wgs: int) -> None:
     assert producer % 8 == 0 and consumer % 8 == 0 and 24 <= producer <= consumer <= 256, (producer, consumer)
     assert producer + consumer_wgs * consumer <= (1 + consumer_wgs) * per_thread, \
         f"setmaxnreg {producer} / {consumer} x {consumer_wgs} exceeds the {per_thread} registers per thread launched"
+
+
+def two_wg_pipeline(barrier_storage, num_stages: int, producers: int, tx_count: int):
+    """A TMA pipeline whose stages ``producers`` arrivals fill (the TMA thread's, plus a row warp's) and both
+    consumer warpgroups release (8 warps' arrivals): the latent kernels, whose two consumer warpgroups read
+    every stage."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier_storage, num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * THREADS_PER_WG // 32),
+        tx_count=tx_count, defer_sync=False)
 
 
 def shared_storage(dtype, mbars: dict, words: dict | None = None, **layouts):

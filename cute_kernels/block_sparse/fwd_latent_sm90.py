@@ -65,7 +65,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_kernels.common.softmax import OnlineSoftmax
 from cute_kernels.common.utils import LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, wgmma_smem_layout
 
-from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors
+from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors, two_wg_pipeline
 from .config import BLOCK_SIZE, TILE_M, FwdConfig
 from .fwd_sm90 import KV_STAGES, BlockSparseFwdSm90
 
@@ -132,11 +132,7 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
             cute.arch.mbarrier_init(mbar_q, 1)
         cute.arch.mbarrier_init_fence()
         # Both consumer warpgroups release every stage (V is K's buffer): 8 warps' arrivals.
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=KV_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * THREADS_PER_WG // 32),
-            tx_count=self.tx_bytes_k, defer_sync=False)
+        pipeline_k = two_wg_pipeline(storage.mbar_k.data_ptr(), KV_STAGES, 1, self.tx_bytes_k)
         sQ, sK, sP = smem_tensors(storage, sQ=sQ_layout, sK=sK_layout, sP=sP_layout)
         sScale = cute.make_tensor(storage.scale.data_ptr(),
                                   cute.make_layout((THREADS_PER_WG, 2), stride=(1, THREADS_PER_WG)))
