@@ -336,10 +336,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((self.tile_n, self.dv)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
-        tScS_mn = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_n, TILE_M))))
-        ctx = SimpleNamespace(key=[tScS_mn[i, 0][0] for i in range(2)], thr_col=tScS_mn[0, 0][1],
-                              cols=sm90_thread0_cols(TILE_M), scale_log2=softmax_scale * LOG2_E,
-                              sRowF=sRowF, sRowLim=sRowLim, blk=blk)
+        ctx = self.key_context(thr_s, sRowF, sRowLim, blk, softmax_scale)
         cute.arch.mbarrier_wait(mbar_kv, 0)
         n = (blk.p1 - blk.p0) * self.chunks
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
@@ -421,6 +418,14 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                 cute.arch.barrier(barrier_id=REDUCE_BARRIER, number_of_threads=2 * THREADS_PER_WG)
                 if wg == 0 and ctidx == 0:
                     red_release_add_gpu(sem_addr, Int32(1))
+
+    def key_context(self, thr_s, sRowF, sRowLim, blk, softmax_scale: Float32):
+        """This thread's two keys (rows of S^T), its first column and column offsets, the scale and the row facts
+        of a consumer's steps."""
+        tScS_mn = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_n, TILE_M))))
+        return SimpleNamespace(key=[tScS_mn[i, 0][0] for i in range(2)], thr_col=tScS_mn[0, 0][1],
+                               cols=sm90_thread0_cols(TILE_M), scale_log2=softmax_scale * LOG2_E,
+                               sRowF=sRowF, sRowLim=sRowLim, blk=blk)
 
     def _mma_rs(self, cols: int):
         return sm90_utils.make_trivial_tiled_mma(

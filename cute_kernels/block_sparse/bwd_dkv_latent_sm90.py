@@ -72,8 +72,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, ld_acquire_gpu,
-                                       red_release_add_gpu, sm90_thread0_cols, wgmma_smem_layout)
+from cute_kernels.common.utils import (acc_as_operand_a, acc_mn_view, convert_to_16bit, ld_acquire_gpu,
+                                       red_release_add_gpu, wgmma_smem_layout)
 
 from .bwd_dkdv_sm90 import SEGMENTS, BlockSparseBwdDKDVSm90
 from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors, two_wg_pipeline
@@ -243,10 +243,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
                                          mma_s)
         thr_st = st_copy.get_slice(ctidx)
         tPsP, tPsdS = thr_st.partition_D(sPt), thr_st.partition_D(sdSt)
-        tScS_mn = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_n, TILE_M))))
-        ctx = SimpleNamespace(key=[tScS_mn[i, 0][0] for i in range(2)], thr_col=tScS_mn[0, 0][1],
-                              cols=sm90_thread0_cols(TILE_M), scale_log2=softmax_scale * LOG2_E,
-                              sRowF=sRowF, sRowLim=sRowLim, blk=blk)
+        ctx = self.key_context(thr_s, sRowF, sRowLim, blk, softmax_scale)
         cute.arch.mbarrier_wait(mbar_kv, 0)
         n = (blk.p1 - blk.p0) * self.chunks
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ROW_STAGES)
