@@ -160,12 +160,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
         warp_idx, tidx, storage = self.allocate(atoms)
         sQ, sdO, sK, sV = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
-        sRowF, sRowLim = self.row_fact_tensors(storage)
-        self.zero_idle_rows(sQ, sdO, tidx)
-        mbar_kv = storage.mbar_kv.data_ptr()
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar_kv, 1)
-        cute.arch.mbarrier_init_fence()
+        sRowF, sRowLim, mbar_kv = self.prepare_rows(storage, sQ, sdO, tidx)
         # Full barrier: the TMA warp's arrive-and-expect-tx and the row producer's arrival (Note [row facts
         # in shared memory]).
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2)
@@ -188,6 +183,18 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                 cute.arch.setmaxregister_increase(regs(self.dk)[1])
                 self.consume(outs, sQ, sdO, sK, sV, sRowF, sRowLim, mbar_kv, pipeline_rows, blk, warp_idx // 4 - 1,
                              tidx % THREADS_PER_WG, softmax_scale, storage.sQ.data_ptr())
+
+    @cute.jit
+    def prepare_rows(self, storage, sQ, sdO, tidx: Int32):
+        """The row-fact views (``row_fact_tensors``), the idle rows zeroed (``zero_idle_rows``) and the key block's
+        barrier (one arrival) initialised: (sRowF, sRowLim, mbar_kv)."""
+        sRowF, sRowLim = self.row_fact_tensors(storage)
+        self.zero_idle_rows(sQ, sdO, tidx)
+        mbar_kv = storage.mbar_kv.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar_kv, 1)
+        cute.arch.mbarrier_init_fence()
+        return sRowF, sRowLim, mbar_kv
 
     def row_fact_tensors(self, storage):
         """(row, lse | delta, stage) and (row, stage) views of the row-fact words (Note [row facts in shared

@@ -172,12 +172,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         warp_idx, tidx, storage = self.allocate(atoms)
         sQ, sdO, sK, sPt, sdSt = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sPt=sPt_layout,
                                               sdSt=sPt_layout)
-        sRowF, sRowLim = self.row_fact_tensors(storage)
-        self.zero_idle_rows(sQ, sdO, tidx)
-        mbar_kv = storage.mbar_kv.data_ptr()
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar_kv, 1)
-        cute.arch.mbarrier_init_fence()
+        sRowF, sRowLim, mbar_kv = self.prepare_rows(storage, sQ, sdO, tidx)
         # Full barrier: the TMA warp's arrive-and-expect-tx and the row warp's arrival; empty barrier: both
         # consumer warpgroups (8 warps' arrivals, Note [one row stage]).
         pipeline_rows = two_wg_pipeline(storage.mbar_rows.data_ptr(), ROW_STAGES, 2, self.tx_bytes_rows)

@@ -158,15 +158,9 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
     def consume_ds(self, mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sK_base,
                    sK_layout, sdS, mbar_q, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
         """WG 1: delta, S, dP, P, dS per block, the hand-off of dS, dq[:, :DQ_SPLIT]."""
-        tiled_mma_s, tiled_mma_dq = self.row_mmas(DQ_SPLIT)
-        thr_mma_s = tiled_mma_s.get_slice(ctidx)
-        thr_mma_dq = tiled_mma_dq.get_slice(ctidx)
-        wg_s = tiled_mma_s.get_slice(0)
-        wg_dq = tiled_mma_dq.get_slice(0)
-        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ[None, None, 0]))
-        tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO[None, None, 0]))
-        # k-blocks over all Dk columns; the dP GEMM runs over the first Dv / 16 of them (its A has that many)
-        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))  # (.., .., k, stage)
+        # tSrK's k-blocks run over all Dk columns; the dP GEMM takes the first Dv / 16 (its A has that many)
+        tiled_mma_s, tiled_mma_dq, thr_mma_s, thr_mma_dq, wg_s, wg_dq, tSrQ, tSrdO, tSrK = self.s_operands(
+            DQ_SPLIT, sQ, sdO, sK, ctidx)
         tQrKt = self.key_columns_operand(wg_dq, sK_base, sK_layout, 0, DQ_SPLIT, 1)
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_shape_A((TILE_M, self.tile_n)))
         acc_S_shape = wg_s.partition_shape_C((TILE_M, self.tile_n))

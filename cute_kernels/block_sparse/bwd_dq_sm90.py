@@ -124,14 +124,8 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
     @cute.jit
     def consume_dq(self, mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
                    pipeline_v, tile, ctidx: Int32, softmax_scale: Float32):
-        tiled_mma_s, tiled_mma_dq = self.row_mmas(self.dk)
-        thr_mma_s = tiled_mma_s.get_slice(ctidx)
-        thr_mma_dq = tiled_mma_dq.get_slice(ctidx)
-        wg_s = tiled_mma_s.get_slice(0)
-        wg_dq = tiled_mma_dq.get_slice(0)
-        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ[None, None, 0]))
-        tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO[None, None, 0]))
-        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))  # (.., .., k, stage)
+        tiled_mma_s, tiled_mma_dq, thr_mma_s, thr_mma_dq, wg_s, wg_dq, tSrQ, tSrdO, tSrK = self.s_operands(
+            self.dk, sQ, sdO, sK, ctidx)
         tSrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_shape_A((TILE_M, self.tile_n)))
@@ -151,6 +145,16 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         for r in cutlass.range_constexpr(2):
             acc_dQ_mn[r, None].store(acc_dQ_mn[r, None].load() * softmax_scale)
         self.store_rows(acc_dQ, mdQ, thr_mma_dq, self.dk, tile, ctx.rows_valid)
+
+    def s_operands(self, dq_cols: int, sQ, sdO, sK, ctidx: Int32):
+        """The S / dP wgmma and the dq one (``row_mmas(dq_cols)``), their thread and warpgroup slices, and the S /
+        dP operands: Q and dO (A, smem) and K (B, (.., .., k, stage))."""
+        tiled_mma_s, tiled_mma_dq = self.row_mmas(dq_cols)
+        wg_s = tiled_mma_s.get_slice(0)
+        return (tiled_mma_s, tiled_mma_dq, tiled_mma_s.get_slice(ctidx), tiled_mma_dq.get_slice(ctidx), wg_s,
+                tiled_mma_dq.get_slice(0), wg_s.make_fragment_A(wg_s.partition_A(sQ[None, None, 0])),
+                wg_s.make_fragment_A(wg_s.partition_A(sdO[None, None, 0])),
+                wg_s.make_fragment_B(wg_s.partition_B(sK)))
 
     @cute.jit
     def row_stats(self, ctx, mO, mdOg, mLSE, mDelta, tile, ctidx: Int32, softmax_scale: Float32):
