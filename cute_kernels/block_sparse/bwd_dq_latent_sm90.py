@@ -48,7 +48,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_kernels.common.utils import acc_as_operand_a, acc_mn_view, convert_to_16bit, wgmma_smem_layout
+from cute_kernels.common.utils import acc_mn_view, wgmma_smem_layout
 
 from .bwd_dq_sm90 import BlockSparseBwdDQSm90
 from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors, two_wg_pipeline
@@ -182,13 +182,7 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
                 pipeline_k.consumer_wait(kv_state)
                 self.gemm(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
                 self.gemm(tiled_mma_s, acc_dP, tSrdO, tSrK[None, None, None, kv_state.index], True, 0)
-                acc_S_mn = acc_mn_view(acc_S)
-                acc_dP_mn = acc_mn_view(acc_dP)
-                self.mask_block(ctx, acc_S_mn, meta)
-                for r in cutlass.range_constexpr(2):
-                    p = cute.math.exp2(acc_S_mn[r, None].load() * ctx.scale_log2 - ctx.lse_log2[r], fastmath=True)
-                    acc_S_mn[r, None].store(p * (acc_dP_mn[r, None].load() - ctx.delta[r]))  # dS
-                convert_to_16bit(acc_as_operand_a(acc_S), tQrdS)
+                self.scores_to_ds(ctx, acc_S, acc_dP, meta, tQrdS)
                 # Note [dS hand-off]
                 cute.arch.barrier(barrier_id=DS_EMPTY, number_of_threads=2 * THREADS_PER_WG)
                 cute.copy(st_copy, thr_st.retile(tQrdS), tDsdS)

@@ -193,6 +193,18 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         ctx.scale_log2 = softmax_scale * LOG2_E
 
     @cute.jit
+    def scores_to_ds(self, ctx, acc_S, acc_dP, meta, tQrdS):
+        """Block masks on S, P = exp2(S scale log2e - lse), dS = P (dP - delta), as 16-bit into ``tQrdS`` (the dq
+        GEMM's A operand)."""
+        acc_S_mn = acc_mn_view(acc_S)
+        acc_dP_mn = acc_mn_view(acc_dP)
+        self.mask_block(ctx, acc_S_mn, meta)
+        for r in cutlass.range_constexpr(2):
+            p = cute.math.exp2(acc_S_mn[r, None].load() * ctx.scale_log2 - ctx.lse_log2[r], fastmath=True)
+            acc_S_mn[r, None].store(p * (acc_dP_mn[r, None].load() - ctx.delta[r]))  # dS
+        convert_to_16bit(acc_as_operand_a(acc_S), tQrdS)
+
+    @cute.jit
     def dq_step(self, ctx, n: Int32, kv_state, tiled_mma_s, tiled_mma_dq, tSrQ, tSrdO, tSrK, tSrV, tQrKt, tQrdS,
                 acc_dQ, acc_S_shape, pipeline_k, pipeline_v):
         """Block n: S and dP in flight together, then P, dS and dQ += dS K."""
@@ -204,12 +216,6 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         pipeline_v.consumer_wait(kv_state)
         self.gemm(tiled_mma_s, acc_dP, tSrdO, tSrV[None, None, None, kv_state.index], True, 0)
         pipeline_v.consumer_release(kv_state)
-        acc_S_mn = acc_mn_view(acc_S)
-        acc_dP_mn = acc_mn_view(acc_dP)
-        self.mask_block(ctx, acc_S_mn, meta)
-        for r in cutlass.range_constexpr(2):
-            p = cute.math.exp2(acc_S_mn[r, None].load() * ctx.scale_log2 - ctx.lse_log2[r], fastmath=True)
-            acc_S_mn[r, None].store(p * (acc_dP_mn[r, None].load() - ctx.delta[r]))  # dS
-        convert_to_16bit(acc_as_operand_a(acc_S), tQrdS)
+        self.scores_to_ds(ctx, acc_S, acc_dP, meta, tQrdS)
         self.gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt[None, None, None, kv_state.index], False, 0)
         pipeline_k.consumer_release(kv_state)
