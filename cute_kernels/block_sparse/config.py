@@ -67,7 +67,7 @@ def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str
         return f"{group} query heads per kv head (above 64 it must be a multiple of 64)"
     if latent:
         if (head_dim, head_dim_v) not in LATENT_DIMS:
-            return (f"the absorbed-MLA latent with Dk {head_dim} / Dv {head_dim_v} (the CuTe forward takes "
+            return (f"the absorbed-MLA latent with Dk {head_dim} / Dv {head_dim_v} (the CuTe kernels take "
                     f"(Dk, Dv) in {LATENT_DIMS})")
         return None
     if head_dim not in HEAD_DIMS or head_dim_v != head_dim:
