@@ -96,3 +96,19 @@ def test_dkdv_segment_split_covers_every_pair_once():
             assert (nseg - 1) * seg_len < n <= nseg * seg_len, (n, min_seg, seg_len, nseg)  # each one non-empty
             assert seg_len <= max(-(-n // SEGMENTS), min_seg), (n, min_seg, seg_len)
             assert nseg == -(-n // max(-(-n // SEGMENTS), min_seg)), (n, min_seg)  # as many as before balancing
+
+
+def test_latent_register_splits_fit_the_launch():
+    """setmaxnreg splits of the three latent kernels (384 threads, one CTA per SM) stay within the 168 registers per
+    thread the launch holds: 48 / 232 did not (producer + 2 x consumer = 512 > 504) and hung on the H200 (Run AG3,
+    docs/benchmarks.md), which ``check_setmaxnreg`` now refuses at trace time."""
+    pytest.importorskip("cutlass")
+    from cute_kernels.block_sparse import bwd_dkv_latent_sm90, bwd_dq_latent_sm90, fwd_latent_sm90
+    from cute_kernels.block_sparse.common import check_setmaxnreg
+
+    for mod in (fwd_latent_sm90, bwd_dq_latent_sm90, bwd_dkv_latent_sm90):
+        check_setmaxnreg(mod.PRODUCER_REGS, mod.CONSUMER_REGS, 2)
+        assert mod.PRODUCER_REGS + 2 * mod.CONSUMER_REGS <= 3 * 168
+    with pytest.raises(AssertionError, match="exceeds the 168 registers"):
+        check_setmaxnreg(48, 232, 2)
+    check_setmaxnreg(24, 240, 2)
