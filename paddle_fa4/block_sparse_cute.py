@@ -52,8 +52,16 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
 # sm_100a / sm_103a; repeated blocks are repeated tokens, which indexed attention counts once). As slow
 # as the token path the SM90 kernels replace, and the rows take B * S * topk * block_size int32
 # (Hkv times that for per-kv-head ids), but on the GPU's kernels instead of the reference backend.
-# Covered: Dk == Dv, no sink, v given, and what the indexed kernels take; the rest runs the reference
-# under "auto".
+# Covered: Dk == Dv, v given, and what the indexed kernels take; the rest runs the reference under "auto".
+# A sink is folded in around the indexed kernels (Note [sink on the token path]).
+#
+# Note [sink on the token path]: the sink is one more column of each row's softmax with logit sink[h] and
+# no value, so with the indexed forward's (out, lse) over the keys alone, lse' = logaddexp(lse, sink[h])
+# and out' = out * exp(lse - lse') (a row without keys: lse' = sink exactly, out' = 0). The indexed backward
+# recomputes P from the lse it is given and takes delta = rowsum(dout * out) from the out it is given, so
+# handed (out', lse') it differentiates the softmax with the sink, as the SM90 kernels do ("lse includes
+# the sink"); dsink = -sum exp(sink - lse') delta, with delta from Paddle ops. out' is rounded twice to
+# 16 bits (the kernel's out, then the rescale): at most one more rounding step than the SM90 kernel.
 
 
 class _TokenPlan:
@@ -67,8 +75,6 @@ class _TokenPlan:
 def _token_path_reason(arch: int, spec) -> str | None:
     if spec.latent:
         return f"the absorbed-MLA latent (v=None) on compute capability {arch} (SM100: token path only)"
-    if spec.has_sink:
-        return f"a sink on compute capability {arch} (SM100: token path only, indexed attention has no sink)"
     if spec.Dk != spec.Dv:
         return f"Dk {spec.Dk} != Dv {spec.Dv} on compute capability {arch} (SM100: token path only)"
     from ._cute import indexed as indexed_glue
@@ -100,18 +106,41 @@ def token_rows(spec, block_ids, cu_seqlens):
     return paddle.where(keep, token, paddle.full_like(token, -1)).astype("int32")
 
 
-def _token_forward(spec, q, k, v, block_ids, cu_seqlens):
+def _token_forward(spec, q, k, v, block_ids, cu_seqlens, sink):
     from ._cute import indexed as indexed_glue
 
-    if spec.B * spec.S * spec.Hq == 0 or spec.topk == 0:  # no work: zeros / -inf (the reference's rule)
+    if spec.B * spec.S * spec.Hq == 0 or spec.topk == 0:  # no work: zeros / -inf or the sink (the reference's rule)
         from . import block_sparse_ref
 
-        out, lse, _ = block_sparse_ref.forward(spec, q, k, v, block_ids, cu_seqlens, None)
+        out, lse, _ = block_sparse_ref.forward(spec, q, k, v, block_ids, cu_seqlens, sink)
         return out, lse, _TokenPlan(None, None, None)
     tokens = token_rows(spec, block_ids, cu_seqlens)
     ispec = _indexed_spec(spec)
     out, lse, iplan = indexed_glue.forward(ispec, q, k, v, tokens, None)
+    if sink is not None:
+        out, lse = _fold_sink(out, lse, sink)
     return out, lse, _TokenPlan(tokens, ispec, iplan)
+
+
+def _fold_sink(out, lse, sink):
+    """Note [sink on the token path]: (out', lse') of the softmax with the sink column from the keys' (out, lse);
+    out [B, S, Hq, Dv], lse [B, Hq, S] fp32, sink [Hq]."""
+    import paddle
+
+    s = sink.astype("float32").reshape([1, -1, 1])
+    m = paddle.maximum(lse, s)  # finite: the sink is
+    lse2 = m + paddle.log(paddle.exp(lse - m) + paddle.exp(s - m))
+    keep = paddle.exp(lse - lse2).transpose([0, 2, 1]).unsqueeze(-1)  # [B, S, Hq, 1]; 0 for a row without keys
+    return (out.astype("float32") * keep).astype(out.dtype), lse2
+
+
+def _token_sink_grad(sink, out, lse, dout):
+    """dsink = -sum_{b, s} exp(sink - lse') rowsum(dout * out') (out', lse' with the sink folded in)."""
+    import paddle
+
+    delta = (dout.astype("float32") * out.astype("float32")).sum(axis=-1).transpose([0, 2, 1])  # [B, Hq, S]
+    p_sink = paddle.exp(sink.astype("float32").reshape([1, -1, 1]) - lse)
+    return -(p_sink * delta).sum(axis=[0, 2])
 
 
 def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
@@ -121,7 +150,7 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
 
     arch = arch_of(q)
     if family(arch) == 100:  # Note [SM100 token path]; a given block-sparse plan is not needed there
-        return _token_forward(spec, q, k, v, block_ids, cu_seqlens)
+        return _token_forward(spec, q, k, v, block_ids, cu_seqlens, sink)
 
     from cute_kernels.block_sparse.config import tile_queries
     from cute_kernels.block_sparse.launch import fwd_config, run_fwd
@@ -147,14 +176,15 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
     import paddle
 
     if isinstance(plan, _TokenPlan):  # Note [SM100 token path]
-        if plan.ispec is None:  # no work: zero gradients
+        if plan.ispec is None:  # no work: zero gradients (and the sink's, from its rows)
             from . import block_sparse_ref
 
-            return block_sparse_ref.backward(spec, q, k, v, block_ids, cu_seqlens, None, out, lse, dout)
+            return block_sparse_ref.backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout)
         from ._cute import indexed as indexed_glue
 
+        # out / lse have the sink folded in (Note [sink on the token path])
         dq, dk, dv = indexed_glue.backward(plan.ispec, q, k, v, out, lse, dout, plan.iplan)
-        return dq, dk, dv, None
+        return dq, dk, dv, None if sink is None else _token_sink_grad(sink, out, lse, dout)
 
     from cute_kernels.block_sparse.launch import bwd_config, dkdv_workspace_shapes, run_bwd_dkdv, run_bwd_dq
 

@@ -295,9 +295,10 @@ def test_cute_glue_refuses_what_it_does_not_cover():
     assert "backward at head dim 256" in glue.unsupported_reason(
         90, BlockSparseSpec(**dict(base, Dk=256, Dv=256)), needs_grad=True)
     assert glue.unsupported_reason(90, BlockSparseSpec(**dict(base, Dk=256, Dv=256)), needs_grad=False) is None
-    # SM100: the token path (Note [SM100 token path]); it has no sink; no kernel at all for 12.0
+    # SM100: the token path (Note [SM100 token path]), sinks folded in around it; no kernel at all for 12.0
     assert glue.unsupported_reason(100, BlockSparseSpec(**base), needs_grad=True) is None
-    assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**dict(base, has_sink=True)),
+    assert glue.unsupported_reason(100, BlockSparseSpec(**dict(base, has_sink=True)), needs_grad=True) is None
+    assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**dict(mla_base(base))),
                                                                needs_grad=False)
     assert "compute capability 120" in glue.unsupported_reason(120, BlockSparseSpec(**base), needs_grad=False)
     # the absorbed-MLA latent: the two production (Dk, Dv), forward and backward
@@ -348,6 +349,11 @@ def test_peaked_rows_bf16():
 # SM100: the CuTe backend's token path (Note [SM100 token path] in paddle_fa4/block_sparse_cute.py)
 
 
+def mla_base(base):
+    """The latent (v=None) variant of a spec dict: the SM100 token path refuses it by name."""
+    return dict(base, Hq=64, Hkv=1, Dk=576, Dv=512, latent=True)
+
+
 def _spec(c, dtype="float32"):
     from paddle_fa4 import block_sparse as bs_mod
 
@@ -359,7 +365,7 @@ def _spec(c, dtype="float32"):
 
 
 @pytest.mark.parametrize("case,fragment", [
-    (dict(sink=True), "sink"), (dict(latent=True, Dv=8), "latent"),
+    (dict(latent=True, Dv=8), "latent"),
     (dict(Dv=8), "Dk 16 != Dv 8"), (dict(Hq=8, Hkv=1, Dk=20, Dv=20), "SM100 token path"),
 ])
 def test_sm100_token_path_names_what_it_does_not_cover(case, fragment):
@@ -374,20 +380,26 @@ def test_sm100_token_path_names_what_it_does_not_cover(case, fragment):
     ok = _case(0, B=1, S=48, Hq=4, Hkv=2, Dk=64, Dv=64, topk=3, bs=16)
     assert glue.unsupported_reason(100, _spec(ok, "bfloat16"), True) is None
     assert glue.unsupported_reason(103, _spec(ok, "bfloat16"), True) is None
+    sunk = _case(0, B=1, S=48, Hq=4, Hkv=2, Dk=64, Dv=64, topk=3, bs=16, sink=True)  # folded in around it
+    assert glue.unsupported_reason(100, _spec(sunk, "bfloat16"), True) is None
     docs = _case(0, B=1, S=48, Hq=4, Hkv=2, Dk=64, Dv=64, topk=3, bs=16, cu=[0, 20, 48])
     assert glue.unsupported_reason(100, _spec(docs, "bfloat16"), True) is None
     assert "bf16" in glue.unsupported_reason(100, _spec(ok), True)  # float32: the indexed kernels' dtype
     assert "compute capability 120" in glue.unsupported_reason(120, _spec(ok, "bfloat16"), True)
 
 
-@pytest.mark.parametrize("per_kv,causal,cu", [(False, True, None), (True, True, None), (False, False, None),
-                                              (False, True, [0, 37, 70]), (True, False, [[0, 19, 70], [0, 1, 70]])],
+@pytest.mark.parametrize("per_kv,causal,cu,sink", [(False, True, None, False), (True, True, None, False),
+                                                   (False, False, None, False), (False, True, [0, 37, 70], False),
+                                                   (True, False, [[0, 19, 70], [0, 1, 70]], False),
+                                                   (False, True, [0, 37, 70], True), (True, False, None, True)],
                          ids=["shared-causal", "per-kv-causal", "shared-noncausal", "docs-bos37",
-                              "per-kv-noncausal-2d-docs"])
-def test_sm100_token_path_matches_the_reference(per_kv, causal, cu, monkeypatch):
+                              "per-kv-noncausal-2d-docs", "docs-bos37-sink", "per-kv-noncausal-sink"])
+def test_sm100_token_path_matches_the_reference(per_kv, causal, cu, sink, monkeypatch):
     """The SM100 forward / backward glue with the indexed kernels replaced by the indexed reference: ids ->
     token rows (the glue's own Paddle ops) -> indexed attention gives the block-sparse reference's out,
-    lse and gradients (the token rule with documents at bos % 16 != 0, layouts, per-kv-head ids, the plan)."""
+    lse and gradients (the token rule with documents at bos % 16 != 0, layouts, per-kv-head ids, the plan);
+    with a sink folded in around it (Note [sink on the token path]: out, lse, dq / dk / dv and dsink, also
+    for the rows padding leaves without keys)."""
     from paddle_fa4 import block_sparse_cute as glue
     from paddle_fa4 import block_sparse_ref
     from paddle_fa4._cute import indexed as indexed_glue
@@ -399,19 +411,26 @@ def test_sm100_token_path_matches_the_reference(per_kv, causal, cu, monkeypatch)
     monkeypatch.setattr(indexed_glue, "backward", lambda sp, q, k, v, out, lse, dout, plan:
                         ref_indexed.backward(sp, q, k, v, out, lse, dout, plan[1]))
     c = _case(7, B=2, S=70, Hq=4, Hkv=2, Dk=16, Dv=16, topk=3, bs=16, causal=causal, per_kv=per_kv, pad=0.3, dup=0.3,
-              cu=cu)
+              cu=cu, sink=sink)
+    if sink:
+        c["ids"][0, ..., 5:9, :] = -1  # rows without keys: lse = sink, out 0
     spec = _spec(c)
     q, k, v, ids, dout = _t(c["q"]), _t(c["k"]), _t(c["v"]), _t(c["ids"], "int32"), _t(c["dout"])
     cu_t = None if cu is None else _t(cu, "int32")
-    out, lse, plan = glue.forward(spec, q, k, v, ids, cu_t, None, None)
+    s_t = _t(c["sink"]) if sink else None
+    out, lse, plan = glue.forward(spec, q, k, v, ids, cu_t, s_t, None)
     assert isinstance(plan, glue._TokenPlan)
     assert plan.tokens.shape == ([2, 2, 70, 48] if per_kv else [2, 70, 48])
-    want_out, want_lse, _ = block_sparse_ref.forward(spec, q, k, v, ids, cu_t, None)
-    grads = glue.backward(spec, q, k, v, ids, cu_t, None, out, lse, dout, plan)
-    want = block_sparse_ref.backward(spec, q, k, v, ids, cu_t, None, want_out, want_lse, dout)
-    assert grads[3] is None and want[3] is None
-    for name, a, b in (("out", out, want_out), ("lse", lse, want_lse), ("dq", grads[0], want[0]),
-                       ("dk", grads[1], want[1]), ("dv", grads[2], want[2])):
+    want_out, want_lse, _ = block_sparse_ref.forward(spec, q, k, v, ids, cu_t, s_t)
+    grads = glue.backward(spec, q, k, v, ids, cu_t, s_t, out, lse, dout, plan)
+    want = block_sparse_ref.backward(spec, q, k, v, ids, cu_t, s_t, want_out, want_lse, dout)
+    assert (grads[3] is None and want[3] is None) if not sink else (grads[3] is not None and want[3] is not None)
+    if sink:  # exactly the sink, and out 0, on the rows without keys
+        assert np.array_equal(lse.numpy()[0][:, 5:9], np.broadcast_to(c["sink"][:, None], (4, 4)))
+        assert not out.numpy()[0, 5:9].any()
+    named = [("out", out, want_out), ("lse", lse, want_lse), ("dq", grads[0], want[0]), ("dk", grads[1], want[1]),
+             ("dv", grads[2], want[2])] + ([("dsink", grads[3], want[3])] if sink else [])
+    for name, a, b in named:
         _close(name, a.numpy(), b.numpy(), atol=1e-5, rtol=1e-5)
 
 

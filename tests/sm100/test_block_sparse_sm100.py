@@ -7,8 +7,8 @@ The token path lives in the Paddle glue, so this file needs Paddle with CUDA on 
 (``PADDLE_FA4_SM100_FRAMEWORK=reference`` dry-runs the same checks on the CPU against the reference
 backend: it checks the tests, not the kernels). out / lse / dq / dk / dv against the fp64 oracle over the
 expanded token mask (tests/oracles/block_sparse.py), bf16, GQA and per-kv-head ids, -1 padding and
-repeated ids, S not a multiple of 64, documents at bos % 64 != 0, causal and not; backend="cute" must not fall back; bitwise equal
-over two runs. Nothing here has been run on a Blackwell GPU: none was available when it was written.
+repeated ids, S not a multiple of 64, documents at bos % 64 != 0, causal and not, a learnable sink; backend="cute" must not
+fall back; bitwise equal over two runs. Nothing here has been run on a Blackwell GPU: none was available when it was written.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _rel(a, b):
     return float(np.linalg.norm(a[fin] - b[fin]) / max(np.linalg.norm(b[fin]), 1e-30))
 
 
-def _run(paddle, c, ids, cu):
+def _run(paddle, c, ids, cu, sink=None):
     import paddle_fa4
 
     place = "cpu" if DRY else "gpu"
@@ -47,16 +47,21 @@ def _run(paddle, c, ids, cu):
         t = paddle.to_tensor(c[name], place=place).astype("bfloat16")
         t.stop_gradient = False
         leaf.append(t)
+    sink_t = None
+    if sink is not None:
+        sink_t = paddle.to_tensor(sink, place=place)
+        sink_t.stop_gradient = False
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback to the reference backend warns: not allowed here
         cu_t = None if cu is None else paddle.to_tensor(np.asarray(cu, np.int32), place=place)
         out, lse = paddle_fa4.block_sparse_attention(*leaf, paddle.to_tensor(ids, place=place), block_size=64,
-                                                     causal=c["causal"], cu_seqlens=cu_t, return_lse=True,
+                                                     causal=c["causal"], cu_seqlens=cu_t, sink=sink_t, return_lse=True,
                                                      backend="reference" if DRY else "cute")
     dout = paddle.to_tensor(c["dout"], place=place).astype("bfloat16")
     paddle.autograd.backward([out], [dout])
     f32 = lambda t: t.astype("float32").numpy()  # noqa: E731
-    return f32(out), lse.numpy(), f32(leaf[0].grad), f32(leaf[1].grad), f32(leaf[2].grad)
+    got = (f32(out), lse.numpy(), f32(leaf[0].grad), f32(leaf[1].grad), f32(leaf[2].grad))
+    return got if sink is None else got + (sink_t.grad.numpy(),)
 
 
 @pytest.mark.parametrize("cu", [None, [0, 37, 300]], ids=["one-doc", "docs-bos37"])
@@ -81,4 +86,31 @@ def test_token_path_matches_oracle(per_kv, causal, cu):
     fin = np.isfinite(lse)
     assert _rel(got[0], out) <= OUT_TOL and np.abs(got[1][fin] - lse[fin]).max() <= 2e-3
     for name, g, w in (("dq", got[2], dq), ("dk", got[3], dk), ("dv", got[4], dv)):
+        assert _rel(g, w) <= GRAD_TOL, (name, _rel(g, w))
+
+
+def test_token_path_with_sink_matches_oracle():
+    """A learnable sink folded in around the token path (Note [sink on the token path] in
+    paddle_fa4/block_sparse_cute.py): out / lse / dq / dk / dv / dsink against the fp64 oracle, rows without keys
+    (lse = the sink), documents, bitwise over two runs."""
+    paddle = pytest.importorskip("paddle")
+    rng = np.random.default_rng(12)
+    b, s, hq, hkv, d, cu = 1, 300, 16, 2, 128, [0, 37, 300]
+    ids = orc.random_ids(rng, b, s, 4, 64, True, cu, pad=0.2, dup=0.2)
+    ids[0, 50:60] = -1  # rows without keys
+    bf = lambda a: paddle.to_tensor(a.astype(np.float32)).astype("bfloat16").astype("float32").numpy()  # noqa: E731
+    c = dict(q=bf(rng.standard_normal((b, s, hq, d))), k=bf(rng.standard_normal((b, s, hkv, d))),
+             v=bf(rng.standard_normal((b, s, hkv, d))), dout=bf(rng.standard_normal((b, s, hq, d))), causal=True)
+    sink = rng.standard_normal(hq).astype(np.float32)
+    got = _run(paddle, c, ids, cu, sink)
+    again = _run(paddle, c, ids, cu, sink)
+    for a, a2 in zip(got, again):
+        assert np.array_equal(a, a2, equal_nan=True)  # bitwise over two runs
+    mask = orc.token_mask(ids, 64, True, np.asarray(cu))
+    out, lse, _ = orc.attention(c["q"], c["k"], c["v"], mask, sink=sink.astype(np.float64))
+    dq, dk, dv, dsink = orc.gradients(c["q"], c["k"], c["v"], mask, c["dout"], sink=sink.astype(np.float64))
+    assert np.isfinite(got[1]).all() and np.abs(got[1] - lse).max() <= 2e-3
+    assert np.allclose(got[1][0][:, 50:60], sink[:, None]) and not got[0][0, 50:60].any()
+    assert _rel(got[0], out) <= OUT_TOL
+    for name, g, w in (("dq", got[2], dq), ("dk", got[3], dk), ("dv", got[4], dv), ("dsink", got[5], dsink)):
         assert _rel(g, w) <= GRAD_TOL, (name, _rel(g, w))
