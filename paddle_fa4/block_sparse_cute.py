@@ -134,13 +134,19 @@ def _fold_sink(out, lse, sink):
     return (out.astype("float32") * keep).astype(out.dtype), lse2
 
 
-def _token_sink_grad(sink, out, lse, dout):
-    """dsink = -sum_{b, s} exp(sink - lse') rowsum(dout * out') (out', lse' with the sink folded in)."""
+def _sink_grad(sink, lse, delta):
+    """dsink[h] = -sum_{b, s} exp(sink[h] - lse) delta, lse [B, Hq, S] with the sink in it (finite on every row),
+    delta = rowsum(dout * out) [B, Hq, S]."""
     import paddle
 
-    delta = (dout.astype("float32") * out.astype("float32")).sum(axis=-1).transpose([0, 2, 1])  # [B, Hq, S]
     p_sink = paddle.exp(sink.astype("float32").reshape([1, -1, 1]) - lse)
     return -(p_sink * delta).sum(axis=[0, 2])
+
+
+def _token_sink_grad(sink, out, lse, dout):
+    """``_sink_grad`` with delta from Paddle ops (out', lse' with the sink folded in)."""
+    delta = (dout.astype("float32") * out.astype("float32")).sum(axis=-1).transpose([0, 2, 1])  # [B, Hq, S]
+    return _sink_grad(sink, lse, delta)
 
 
 def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
@@ -204,8 +210,4 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
     run_bwd_dkdv(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_mask), a(plan.q_limit),
                  a(plan.key_start), a(plan.key_end), a(plan.key_count), a(plan.key_ptr), a(plan.key_tile),
                  a(plan.key_slot), a(dk), a(dv), a(ws["dk_part"]), a(ws.get("dv_part")), a(ws["seg_sem"]), spec.scale)
-    dsink = None
-    if sink is not None:  # lse includes the sink, so it is finite on every row
-        p_sink = paddle.exp(sink.astype("float32").reshape([1, -1, 1]) - lse)
-        dsink = -(p_sink * delta).sum(axis=[0, 2])
-    return dq, dk, dv, dsink
+    return dq, dk, dv, None if sink is None else _sink_grad(sink, lse, delta)
