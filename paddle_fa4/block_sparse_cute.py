@@ -60,7 +60,7 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
 # and out' = out * exp(lse - lse') (a row without keys: lse' = sink exactly, out' = 0). The indexed backward
 # recomputes P from the lse it is given and takes delta = rowsum(dout * out) from the out it is given, so
 # handed (out', lse') it differentiates the softmax with the sink, as the SM90 kernels do ("lse includes
-# the sink"); dsink = -sum exp(sink - lse') delta, with delta from Paddle ops. out' is rounded twice to
+# the sink"); dsink = -sum exp(sink - lse') delta, with the indexed dQ kernel's delta. out' is rounded twice to
 # 16 bits (the kernel's out, then the rescale): at most one more rounding step than the SM90 kernel.
 
 
@@ -143,12 +143,6 @@ def _sink_grad(sink, lse, delta):
     return -(p_sink * delta).sum(axis=[0, 2])
 
 
-def _token_sink_grad(sink, out, lse, dout):
-    """``_sink_grad`` with delta from Paddle ops (out', lse' with the sink folded in)."""
-    delta = (dout.astype("float32") * out.astype("float32")).sum(axis=-1).transpose([0, 2, 1])  # [B, Hq, S]
-    return _sink_grad(sink, lse, delta)
-
-
 def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
     import paddle
 
@@ -188,9 +182,11 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
             return block_sparse_ref.backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout)
         from ._cute import indexed as indexed_glue
 
-        # out / lse have the sink folded in (Note [sink on the token path])
-        dq, dk, dv = indexed_glue.backward(plan.ispec, q, k, v, out, lse, dout, plan.iplan)
-        return dq, dk, dv, None if sink is None else _token_sink_grad(sink, out, lse, dout)
+        if sink is None:
+            return indexed_glue.backward(plan.ispec, q, k, v, out, lse, dout, plan.iplan) + (None,)
+        # out / lse have the sink folded in (Note [sink on the token path]); delta from the dQ kernel
+        dq, dk, dv, delta = indexed_glue.backward(plan.ispec, q, k, v, out, lse, dout, plan.iplan, return_delta=True)
+        return dq, dk, dv, _sink_grad(sink, lse, delta)
 
     from cute_kernels.block_sparse.launch import bwd_config, dkdv_workspace_shapes, run_bwd_dkdv, run_bwd_dq
 

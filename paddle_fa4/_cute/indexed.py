@@ -107,7 +107,9 @@ def forward(spec, q, k, v, indices, plan):
     return out, lse, plan
 
 
-def backward(spec, q, k, v, out, lse, dout, plan):
+def backward(spec, q, k, v, out, lse, dout, plan, return_delta: bool = False):
+    """(dq, dk, dv), and with ``return_delta`` also the dQ kernel's ``delta = rowsum(dout * out)`` [B, Hq, Lq]
+    fp32 (every row written; the block-sparse token path's sink gradient reads it)."""
     import paddle
 
     q, k, v, out, dout = (kernel_input(t) for t in (q, k, v, out, dout))
@@ -119,4 +121,4 @@ def backward(spec, q, k, v, out, lse, dout, plan):
     _launch().run_bwd(_config(spec, q), a(q), a(k), a(v), a(out), a(dout), a(lse), a(plan.win_key),
                       a(plan.win_mask), a(plan.win_count), a(plan.tile_ptr), a(plan.tile_win),
                       a(plan.tile_start), a(dq), a(dk), a(dv), a(delta), spec.scale)
-    return dq, dk, dv
+    return (dq, dk, dv, delta) if return_delta else (dq, dk, dv)

@@ -408,8 +408,12 @@ def test_sm100_token_path_matches_the_reference(per_kv, causal, cu, sink, monkey
     monkeypatch.setattr(glue, "arch_of", lambda t: 100)
     monkeypatch.setattr(indexed_glue, "forward", lambda sp, q, k, v, idx, plan: ref_indexed.forward(sp, q, k, v, idx)[:2]
                         + (("indexed plan", idx),))
-    monkeypatch.setattr(indexed_glue, "backward", lambda sp, q, k, v, out, lse, dout, plan:
-                        ref_indexed.backward(sp, q, k, v, out, lse, dout, plan[1]))
+    def fake_backward(sp, q, k, v, out, lse, dout, plan, return_delta=False):  # delta: what the dQ kernel writes
+        grads = tuple(ref_indexed.backward(sp, q, k, v, out, lse, dout, plan[1]))
+        delta = (dout.astype("float32") * out.astype("float32")).sum(axis=-1).transpose([0, 2, 1])
+        return grads + (delta,) if return_delta else grads
+
+    monkeypatch.setattr(indexed_glue, "backward", fake_backward)
     c = _case(7, B=2, S=70, Hq=4, Hkv=2, Dk=16, Dv=16, topk=3, bs=16, causal=causal, per_kv=per_kv, pad=0.3, dup=0.3,
               cu=cu, sink=sink)
     if sink:
