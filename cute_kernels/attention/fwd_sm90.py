@@ -59,6 +59,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common import block_logit as bl
 from cute_kernels.common.mask import apply_mask
@@ -77,8 +78,10 @@ THREADS_PER_WG = 128
 # setmaxnreg split (producer WG, each consumer WG) by consumer-WG count: 128 * (p + num_wg * c) stays within
 # the 65,536 registers of the SM (one CTA per SM).
 REGS = {2: (24, 240), 3: (32, 160)}
-# Named barrier ids (0 is __syncthreads): consumer WG w waits on WG_SCHEDULER_BARRIER + w.
+# Named barrier ids (0 is __syncthreads): consumer WG w waits on WG_SCHEDULER_BARRIER + w; the consumers
+# meet on O_STAGED_BARRIER before one thread TMA-stores the staged O tile (Note [staged O epilogue]).
 WG_SCHEDULER_BARRIER = 1
+O_STAGED_BARRIER = 4
 
 
 def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
@@ -197,6 +200,14 @@ class FlashFwdSm90:
             g2s, mKt, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             g2s, mVt, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdimv), 1)
+        # Note [staged O epilogue]: O goes through Q's buffer and one TMA store (not with varlen: a box
+        # would run into the next sequence's rows).
+        tma_atom_O = None
+        if const_expr(not varlen):
+            sO_layout = self._smem_layout(self.tile_m, self.hdimv, None)
+            tma_atom_O, mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
+                                                         select_modes(mO, order), sO_layout,
+                                                         (self.tile_m, self.hdimv))
         self.tx_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
@@ -211,7 +222,7 @@ class FlashFwdSm90:
             num_heads = mQ.shape[2]
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), num_heads, batch)
         self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
-                    tma_atom_Q, tma_atom_K, tma_atom_V, sQ_layout, sK_layout, sV_layout,
+                    tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, sQ_layout, sK_layout, sV_layout,
                     softmax_scale, softcap, window_left, window_right,
                     mQt.shape[0], mKt.shape[0]).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=self.shared_storage.size_in_bytes(),
@@ -222,7 +233,7 @@ class FlashFwdSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               tma_atom_O, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, softmax_scale: Float32, softcap: Float32,
                window_left: Int32, window_right: Int32, seqlen_q_static: Int32, seqlen_k_static: Int32):
         cfg = self.cfg
@@ -231,6 +242,8 @@ class FlashFwdSm90:
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(tma_atom_O is not None):
+                cpasync.prefetch_descriptor(tma_atom_O)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -249,6 +262,10 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = None
+        if const_expr(tma_atom_O is not None):
+            sO_layout = self._smem_layout(self.tile_m, self.hdimv, None)
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         # Work tile: causal/window tiles are launched heaviest (last query tile) first.
         bidx, head_idx, batch_idx = cute.arch.block_idx()
@@ -276,7 +293,7 @@ class FlashFwdSm90:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                              seqlen, tiles, left, right, m_tile, head_idx, batch_idx, tidx - THREADS_PER_WG,
-                             softmax_scale, softcap)
+                             softmax_scale, softcap, tma_atom_O, sO)
 
     # ------------------------------------------------------------------ producer
     def _batch_view(self, t: cute.Tensor, offset, batch_idx, varlen: bool):
@@ -369,7 +386,8 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                 seqlen: SeqlenInfo, tiles: TileRange, left: Int32, right: Int32, m_tile: Int32,
-                head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32):
+                head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32,
+                tma_atom_O, sO):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         lane = ctidx % 32
@@ -493,7 +511,8 @@ class FlashFwdSm90:
         # 4. Epilogue: O /= l, lse; rows past seqlen_q are not written.
         row_scale, lse = softmax.finalize()
         softmax.rescale(acc_O_mn, row_scale)
-        self.epilogue(acc_O, lse, mO, mLSE, seqlen, thr_mma_pv, m_tile, head_idx, batch_idx)
+        self.epilogue(acc_O, lse, mO, mLSE, seqlen, tiled_mma_pv, thr_mma_pv, m_tile, head_idx, batch_idx,
+                      ctidx, tma_atom_O, sO)
 
     @cute.jit
     def overlap_step(self, n_tile: Int32, masked: cutlass.Constexpr, kv_state, tiled_mma_qk, tiled_mma_pv,
@@ -586,27 +605,62 @@ class FlashFwdSm90:
                        ctx.bl_limit, ctx.bl_scale)
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, m_tile: Int32,
-                 head_idx: Int32, batch_idx: Int32):
+    def epilogue(self, acc_O, lse, mO, mLSE, seqlen: SeqlenInfo, tiled_mma_pv, thr_mma_pv, m_tile: Int32,
+                 head_idx: Int32, batch_idx: Int32, ctidx: Int32, tma_atom_O, sO):
+        """O (already divided by the row sums) in q's dtype and lse to global memory; rows past
+        seqlen_q are not written.
+
+        Note [staged O epilogue]: without varlen the consumers write O into Q's shared-memory buffer
+        (stmatrix, the buffer's swizzled layout for (tile_m, head_dim_v)) and one thread stores the tile
+        with one TMA box, which clips the rows past the sequence; storing the wgmma fragments straight
+        to global memory takes 4-byte pieces spread over 8 rows per warp instruction. Q's buffer is
+        free: every consumer's last QK^T has completed (wait_group(0) in the key-tile loop). With
+        head_dim == head_dim_v each WG writes exactly the entries of its own 64 Q rows (same layout), so
+        the WGs need to meet only before the store; with (192, 128) the layouts differ and they also
+        meet before writing. Varlen keeps the direct stores (a box would cross into the next sequence).
+        """
         cfg = self.cfg
         if const_expr(cfg.varlen):
             mO_cur = cute.domain_offset((seqlen.offset_q, 0, 0), mO)[None, head_idx, None]
             mLSE_cur = cute.domain_offset((0, seqlen.offset_q), mLSE)[head_idx, None]
         else:
-            mO_cur = mO[batch_idx, None, head_idx, None]
             mLSE_cur = mLSE[batch_idx, head_idx, None]
-        gO = cute.local_tile(mO_cur, (self.tile_m, self.hdimv), (m_tile, 0))
-        tOgO_mn = acc_mn_view(thr_mma_pv.partition_C(gO))
         cO = cute.make_identity_tensor((self.tile_m, self.hdimv))
         tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cO))
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         convert_to_16bit(acc_O, rO)
         rO_mn = acc_mn_view(rO)
         m_start = m_tile * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
-            row = m_start + tOcO_mn[r, 0][0]
-            if row < seqlen.seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
-                    tOgO_mn[r, c] = rO_mn[r, c]
-                if tOcO_mn[0, 0][1] == 0:
-                    mLSE_cur[row] = lse[r]
+        n_consumers = self.num_wg * THREADS_PER_WG
+        if const_expr(tma_atom_O is not None):
+            if const_expr(self.hdim != self.hdimv):
+                cute.arch.barrier(barrier_id=O_STAGED_BARRIER, number_of_threads=n_consumers)
+            st_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+            st_copy = cute.make_tiled_copy_C(st_atom, tiled_mma_pv)
+            thr_st = st_copy.get_slice(ctidx)
+            cute.copy(st_copy, thr_st.retile(rO), thr_st.partition_D(sO))
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=O_STAGED_BARRIER, number_of_threads=n_consumers)
+            if ctidx == 0:
+                gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (self.tile_m, self.hdimv), (m_tile, 0))
+                tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                cute.copy(tma_atom_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+            if tOcO_mn[0, 0][1] == 0:
+                for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+                    row = m_start + tOcO_mn[r, 0][0]
+                    if row < seqlen.seqlen_q:
+                        mLSE_cur[row] = lse[r]
+            if ctidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem is read before the CTA exits
+        else:
+            gO = cute.local_tile(mO_cur, (self.tile_m, self.hdimv), (m_tile, 0))
+            tOgO_mn = acc_mn_view(thr_mma_pv.partition_C(gO))
+            for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+                row = m_start + tOcO_mn[r, 0][0]
+                if row < seqlen.seqlen_q:
+                    for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
+                        tOgO_mn[r, c] = rO_mn[r, c]
+                    if tOcO_mn[0, 0][1] == 0:
+                        mLSE_cur[row] = lse[r]
