@@ -19,7 +19,8 @@ num_wg = 3 consumer warpgroups at head_dim <= 64 (tile 192 x 128, as FA4 b36 doe
                   (intra-warpgroup overlap); the WGs take turns issuing wgmma (named barriers, round
                   robin: WG w waits on its barrier, issues, arrives on WG (w + 1) % num_wg's)
 
-    load ──K,V (mbarrier pipelines)──▶ WG1/WG2 ──▶ O, lse, block_logit (plain stores)
+    load ──K,V (mbarrier pipelines)──▶ WG1/WG2 ──▶ O (staged in Q's buffer, one TMA store; Note [staged O
+                                                     epilogue]), lse, block_logit (plain stores)
 
 Not supported (``unsupported_reason``): other head dims, head_dim != head_dim_v except (192, 128),
 pack_gqa.
