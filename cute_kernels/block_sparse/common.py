@@ -68,15 +68,15 @@ class BlockSparseSm90:
         self.wq = cfg.window_queries
         self.tile_n = BLOCK_SIZE
 
-    def rows_tma(self, mX: cute.Tensor, d: int, stages=None):
-        """(atom, TMA tensor, row box) loading one (GC, d) box per tile query from the [B, S, H, d] tensor;
-        the box of the indexed dK/dV kernel, laid out as stage 0 of ``stages`` (default: 2 stages of
-        the (TILE_M, d) wgmma layout, as that kernel checks its stage layout)."""
+    def rows_tma(self, mX: cute.Tensor, d: int, stages=None, store: bool = False):
+        """(atom, TMA tensor, row box) loading (``store``: storing) one (GC, d) box per tile query from (to) the
+        [B, S, H, d] tensor; the box of the indexed dK/dV kernel, laid out as stage 0 of ``stages`` (default: 2
+        stages of the (TILE_M, d) wgmma layout, as that kernel checks its stage layout)."""
         if stages is None:
             stages = wgmma_smem_layout(self.dtype, (TILE_M, d, 2))
         box = IndexedBwdDKDVSm90.row_box(SimpleNamespace(g=self.gc, d=d), stages)
-        atom, tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), select_modes(mX, (2, 3, 1, 0)),
-                                                box, (self.gc, d))
+        op = cpasync.CopyBulkTensorTileS2GOp() if store else cpasync.CopyBulkTensorTileG2SOp()
+        atom, tma = cpasync.make_tiled_tma_atom(op, select_modes(mX, (2, 3, 1, 0)), box, (self.gc, d))
         return atom, tma, box
 
     def kv_tma(self, mX: cute.Tensor, layout, d: int):

@@ -16,9 +16,10 @@ One CTA per (query tile w, head chunk c, batch b), 384 threads:
     WG 1 ("S")     S = Q K^T over all Dk columns (wgmma, smem x smem), block masks, online softmax,
                    hands P and the O rescale of each block to WG 2 (Note [P hand-off]), then
                    O[:, :256] += P V[:, :256] (P from registers), issued ahead of the next block's
-                   QK^T (Note [latent schedule]); sink, 1 / l and lse at the end
+                   QK^T (Note [latent schedule]); sink, 1 / l and lse at the end, its O columns
+                   staged in Q's buffer, then the TMA stores of out (Note [staged latent O])
     WG 2 ("V")     O[:, 256:Dv] = rescaled O + P V[:, 256:Dv] with P read from shared memory
-                   (wgmma, smem x smem); its columns of out at the end
+                   (wgmma, smem x smem); its O columns staged in Q's buffer at the end
 
     producer ──K = V blocks, Q (mbarriers)──▶ WG 1 ──P, row rescale (sP, sScale, 2 named barriers)──▶ WG 2
 
@@ -47,6 +48,14 @@ at 16 blocks per tile, Run AE3). (The PV is issued at the top of the next step, 
 of this one: a wgmma still in flight at the loop's back-edge made ptxas serialize every wgmma of the
 kernel.)
 
+Note [staged latent O]. At the end each warpgroup writes its O columns (q's dtype) into Q's buffer by
+stmatrix, in that buffer's own (64, Dk) wgmma layout: Q is free once WG 1's last QK^T has completed,
+and WG 2 writes only after WG 1's last hand-off, which follows it. Both meet on O_STAGED (WG 2
+arrives, WG 1 waits) and one thread of WG 1 stores one (GC, Dv) box per real query of the tile
+(the row-slot box the Q rows were loaded with, rows_tma), so padding rows past the sequence are never
+written. Before, each thread stored its fragments with 4-byte stores (128 per thread at Dv 512), part of
+the fixed cost per CTA of Note [latent schedule].
+
 Shared memory at Dk 576: Q 72 KiB, two 72 KiB key stages, sP 8 KiB, sScale 1 KiB: 225 KiB of the 227.
 """
 
@@ -59,7 +68,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common.softmax import OnlineSoftmax
@@ -71,8 +80,8 @@ from .fwd_sm90 import KV_STAGES, BlockSparseFwdSm90
 
 # setmaxnreg split: 128 * (24 + 2 * 240) = 64,512 of the SM's 65,536 registers (one CTA per SM).
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
-#: Named barriers (0 is the CTA barrier), Note [P hand-off].
-P_FULL, P_EMPTY = 1, 2
+#: Named barriers (0 is the CTA barrier), Note [P hand-off]; O_STAGED: Note [staged latent O].
+P_FULL, P_EMPTY, O_STAGED = 1, 2, 3
 #: O columns of WG 1; WG 2 takes the other Dv - 256 (a multiple of 64: whole 64-column chunks).
 V_SPLIT = 256
 
@@ -110,12 +119,13 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         tma_atom_Q, tma_Q, rows = self.rows_tma(mQ, self.dk)
         self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         tma_atom_K, tma_K = self.kv_tma(mK, cute.select(sK_layout, mode=[0, 1]), self.dk)
+        tma_atom_O, tma_O, rows_o = self.rows_tma(mO, self.dv, store=True)
         self.shared_storage = shared_storage(self.dtype, self.MBARS, {"scale": (Float32, 2 * THREADS_PER_WG)},
                                              sQ=sQ_layout, sK=sK_layout, sP=sP_layout)
         assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
-        self.kernel(tma_Q, tma_K, mTileStart, mTileMask, mTileCount, mQLimit, mSink, mO, mLSE, tma_atom_Q,
-                    tma_atom_K, sQ_layout, sK_layout, sP_layout, rows, softmax_scale).launch(
+        self.kernel(tma_Q, tma_K, mTileStart, mTileMask, mTileCount, mQLimit, mSink, tma_O, mLSE, tma_atom_Q,
+                    tma_atom_K, tma_atom_O, sQ_layout, sK_layout, sP_layout, rows, rows_o, softmax_scale).launch(
             grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1, preferred_smem_carveout=100)
 
@@ -123,10 +133,10 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor,
                mTileCount: cute.Tensor, mQLimit: cute.Tensor, mSink, mO: cute.Tensor, mLSE: cute.Tensor,
-               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, rows: cute.ComposedLayout,
-               softmax_scale: Float32):
-        warp_idx, tidx, storage = self.allocate((tma_atom_Q, tma_atom_K))
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+               rows: cute.ComposedLayout, rows_o: cute.ComposedLayout, softmax_scale: Float32):
+        warp_idx, tidx, storage = self.allocate((tma_atom_Q, tma_atom_K, tma_atom_O))
         mbar_q = storage.mbar_q.data_ptr()
         if tidx == 0:
             cute.arch.mbarrier_init(mbar_q, 1)
@@ -147,11 +157,13 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
             ctidx = tidx - THREADS_PER_WG
             wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
             sK_base = storage.sK.data_ptr()
+            out = SimpleNamespace(mO=mO, atom=tma_atom_O, rows=rows_o, sQ_base=storage.sQ.data_ptr(),
+                                  sQ_layout=sQ_layout)
             if wg == 0:
-                self.consume_s(mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sK_base, sK_layout, sP,
+                self.consume_s(mTileStart, mTileMask, mQLimit, mSink, out, mLSE, sQ, sK, sK_base, sK_layout, sP,
                                sScale, mbar_q, pipeline_k, tile, ctidx, softmax_scale)
             else:
-                self.consume_v(mO, sK_base, sK_layout, sP, sScale, pipeline_k, tile, ctidx - THREADS_PER_WG)
+                self.consume_v(out, sK_base, sK_layout, sP, sScale, pipeline_k, tile, ctidx - THREADS_PER_WG)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -174,7 +186,7 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         return self.key_columns_operand(mma_slice, sK_base, sK_layout, c0, self.dv_parts[part], KV_STAGES)
 
     @cute.jit
-    def consume_s(self, mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sK_base, sK_layout, sP, sScale,
+    def consume_s(self, mTileStart, mTileMask, mQLimit, mSink, out, mLSE, sQ, sK, sK_base, sK_layout, sP, sScale,
                   mbar_q, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
         """WG 1: S, masks, softmax, O[:, :256], the hand-off of P and the rescales; lse."""
         dv0 = self.dv_parts[0]
@@ -212,8 +224,33 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         row_scale, lse = self.finish_rows(softmax, mSink, tile, ctx.row, ctidx)
         self.hand_over(hand, None, row_scale)
         softmax.rescale(acc_O_mn, row_scale)
-        self.store_rows(acc_O, mO, thr_mma_pv, dv0, tile, rows_valid)
+        self.stage_o(acc_O, out, tiled_mma_pv, ctidx, 0, dv0)
         self.store_lse(lse, mLSE, thr_mma_pv, dv0, tile, rows_valid)
+        cute.arch.barrier(barrier_id=O_STAGED, number_of_threads=2 * THREADS_PER_WG)
+        if ctidx == 0:
+            for j in cutlass.range(tile.nq, unroll=1):
+                src = cute.make_tensor(cute.recast_ptr(out.sQ_base + j * self.gc * 64, out.rows.inner), out.rows.outer)
+                dst = cute.local_tile(out.mO[None, None, tile.q0 + j, tile.b], (self.gc, self.dv),
+                                      (tile.head0 // self.gc, 0))
+                tS, tG = cpasync.tma_partition(out.atom, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
+                                               cute.group_modes(dst, 0, 2))
+                cute.copy(out.atom, tS, tG)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem is read before the CTA exits
+
+    @cute.jit
+    def stage_o(self, acc_O, out, tiled_mma, ctidx: Int32, c0: cutlass.Constexpr, cols: cutlass.Constexpr):
+        """Note [staged latent O]: this WG's O columns [c0, c0 + cols) in q's dtype into Q's buffer (stmatrix, its
+        swizzled (64, Dk) layout), fenced for the TMA store."""
+        r16 = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        convert_to_16bit(acc_O, r16)
+        layout = self.key_columns(out.sQ_layout, c0, cols, 1)
+        sO = cute.make_tensor(cute.recast_ptr(out.sQ_base + c0 * TILE_M, layout.inner), layout.outer)[None, None, 0]
+        st_copy = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                         tiled_mma)
+        thr_st = st_copy.get_slice(ctidx)
+        cute.copy(st_copy, thr_st.retile(r16), thr_st.partition_D(sO))
+        cute.arch.fence_view_async_shared()
 
     @cute.jit
     def mainloop_s(self, ctx, count: Int32, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
@@ -279,13 +316,12 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
             acc_O_mn[r, None].store(acc_O_mn[r, None].load() * sScale[ctidx, r])
 
     @cute.jit
-    def consume_v(self, mO, sK_base, sK_layout, sP, sScale, pipeline_k, tile, ctidx: Int32):
+    def consume_v(self, out, sK_base, sK_layout, sP, sScale, pipeline_k, tile, ctidx: Int32):
         """WG 2: O[:, 256:Dv] from WG 1's P and rescales; its columns of out."""
         dv1 = self.dv_parts[1]
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(64, dv1))  # A (P) from shared memory
-        thr_mma = tiled_mma.get_slice(ctidx)
         wg_mma = tiled_mma.get_slice(0)
         tOrP = wg_mma.make_fragment_A(wg_mma.partition_A(sP))
         tOrVt = self.v_operand(wg_mma, sK_base, sK_layout, 1)
@@ -296,7 +332,8 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         if tile.count > 0:
             self.mainloop_v(tile.count, tiled_mma, tOrP, tOrVt, acc_O, acc_O_mn, sScale, pipeline_k, ctidx)
         self.take_over(sScale, ctidx, acc_O_mn)  # 1 / l
-        self.store_rows(acc_O, mO, thr_mma, dv1, tile, tile.nq * self.gc, V_SPLIT)
+        self.stage_o(acc_O, out, tiled_mma, ctidx, V_SPLIT, dv1)
+        cute.arch.barrier_arrive(barrier_id=O_STAGED, number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit
     def mainloop_v(self, count: Int32, tiled_mma, tOrP, tOrVt, acc_O, acc_O_mn, sScale, pipeline_k, ctidx: Int32):
