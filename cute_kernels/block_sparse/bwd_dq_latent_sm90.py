@@ -18,7 +18,8 @@ One CTA per (query tile w, head chunk c, batch b), 384 threads:
     WG 2           dq[:, 192:Dk] += dS K[:, 192:Dk] with dS read from sdS (smem x smem), in pieces of <= 192
                    columns (576: 192 + 192, 512: 192 + 128)
 
-    producer ──K blocks, Q, dO (mbarriers)──▶ WG 1 ──dS (sdS, 2 named barriers)──▶ WG 2 ──▶ dq columns
+    producer ──K blocks, Q, dO (mbarriers)──▶ WG 1 ──dS (sdS, 2 named barriers)──▶ WG 2
+    both: their dq columns staged in Q's buffer, then WG 1's first thread stores the tile (Note [staged dq])
 
 Note [latent dQ split]. S and dP are the larger GEMMs (Dk + Dv deep against Dk wide for dq) and need the
 rows' lse and delta: they run once, in WG 1, which then keeps the fewest dq columns (192: 96 accumulator
@@ -31,6 +32,11 @@ writes dS by stmatrix from the S accumulator's layout, fences for the async prox
 Every block's dS is handed over in order and each warpgroup sums its own columns in the plan's block
 order: dq is bitwise reproducible.
 
+Note [staged dq]. As the latent forward's Note [staged latent O]: at the end each warpgroup writes its dq
+columns (scaled, q's dtype) into Q's buffer (Q is free: WG 1's last S GEMM completed before its last dS
+hand-off, and WG 2 writes only after its GEMMs on that dS), WG 2 arrives on DQ_STAGED, WG 1 waits there and
+its first thread stores one (GC, Dk) box per real query of the tile by TMA.
+
 Note [one key stage]. Q (72 KiB at Dk 576) and dO (64 KiB) stay for the whole tile, so one 72 KiB key
 stage and sdS fill the 227 KiB: block n + 1 is loaded when both warpgroups' GEMMs on block n completed,
 so the load latency is not hidden behind compute.
@@ -39,6 +45,8 @@ Shared memory at Dk 576: Q 72 KiB, dO 64 KiB, K 72 KiB, sdS 8 KiB: 217 KiB of th
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
@@ -57,8 +65,8 @@ from .config import BLOCK_SIZE, TILE_M, BwdConfig
 # setmaxnreg split: 128 * (40 + 2 * 232) = 64,512 of the SM's 65,536 registers (one CTA per SM); the producer
 # spilled in 24 (G 128, G 16 with per-kv-head ids).
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
-#: Named barriers (0 is the CTA barrier), Note [dS hand-off].
-DS_FULL, DS_EMPTY = 1, 2
+#: Named barriers (0 is the CTA barrier), Note [dS hand-off]; DQ_STAGED: Note [staged dq].
+DS_FULL, DS_EMPTY, DQ_STAGED = 1, 2, 3
 #: dq columns of WG 1 (Note [latent dQ split]); WG 2's pieces are at most this wide.
 DQ_SPLIT = 192
 
@@ -95,13 +103,15 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         tma_atom_dO, tma_dO, rows_do = self.rows_tma(mdO, self.dv)
         self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         tma_atom_K, tma_K = self.kv_tma(mK, cute.select(sK_layout, mode=[0, 1]), self.dk)
+        tma_atom_dQ, tma_dQ, rows_dq = self.rows_tma(mdQ, self.dk, store=True)
         self.shared_storage = shared_storage(self.dtype, {"mbar_q": 1, "mbar_k": 2}, sQ=sQ_layout, sdO=sdO_layout,
                                              sK=sK_layout, sdS=sdS_layout)
         assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
-        atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K)
-        self.kernel(tma_Q, tma_dO, tma_K, mO, mdO, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, mdQ,
-                    atoms, sQ_layout, sdO_layout, sK_layout, sdS_layout, rows_q, rows_do, softmax_scale).launch(
+        atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_dQ)
+        self.kernel(tma_Q, tma_dO, tma_K, mO, mdO, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, tma_dQ,
+                    atoms, sQ_layout, sdO_layout, sK_layout, sdS_layout, rows_q, rows_do, rows_dq,
+                    softmax_scale).launch(
             grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1, preferred_smem_carveout=100)
 
@@ -112,7 +122,7 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
                mTileCount: cute.Tensor, mQLimit: cute.Tensor, mdQ: cute.Tensor, atoms: tuple,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout,
-               softmax_scale: Float32):
+               rows_dq: cute.ComposedLayout, softmax_scale: Float32):
         warp_idx, tidx, storage = self.allocate(atoms)
         mbar_q = storage.mbar_q.data_ptr()
         if tidx == 0:
@@ -131,18 +141,20 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctidx = tidx - THREADS_PER_WG
             wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
+            out = SimpleNamespace(mdQ=mdQ, atom=atoms[3], rows=rows_dq, sQ_base=storage.sQ.data_ptr(),
+                                  sQ_layout=sQ_layout)
             if wg == 0:
-                self.consume_ds(mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK,
+                self.consume_ds(mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, out, sQ, sdO, sK,
                                 storage.sK.data_ptr(), sK_layout, sdS, mbar_q, pipeline_k, tile, ctidx, softmax_scale)
             else:
-                self.consume_cols(mdQ, storage.sK.data_ptr(), sK_layout, sdS, pipeline_k, tile,
+                self.consume_cols(out, storage.sK.data_ptr(), sK_layout, sdS, pipeline_k, tile,
                                   ctidx - THREADS_PER_WG, softmax_scale)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load_latent_bwd(self, mQ, mdO, mK, mTileStart, sK, atoms, rows_q, rows_do, sQ_base, sdO_base, mbar_q,
                         pipeline_k, tile):
-        tma_atom_Q, tma_atom_dO, tma_atom_K = atoms
+        tma_atom_Q, tma_atom_dO, tma_atom_K = atoms[:3]
         mK_cur = mK[None, None, tile.h, tile.b]  # (S, Dk)
         if tile.count > 0:
             w = tile.q0 // self.wq
@@ -155,7 +167,7 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume_ds(self, mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sK_base,
+    def consume_ds(self, mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, out, sQ, sdO, sK, sK_base,
                    sK_layout, sdS, mbar_q, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
         """WG 1: delta, S, dP, P, dS per block, the hand-off of dS, dq[:, :DQ_SPLIT]."""
         # tSrK's k-blocks run over all Dk columns; the dP GEMM takes the first Dv / 16 (its A has that many)
@@ -194,10 +206,14 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         acc_dQ_mn = acc_mn_view(acc_dQ)
         for r in cutlass.range_constexpr(2):
             acc_dQ_mn[r, None].store(acc_dQ_mn[r, None].load() * softmax_scale)
-        self.store_rows(acc_dQ, mdQ, thr_mma_dq, DQ_SPLIT, tile, ctx.rows_valid)
+        # Note [staged dq]
+        self.stage_columns(acc_dQ, out.sQ_base, out.sQ_layout, tiled_mma_dq, ctidx, 0, DQ_SPLIT)
+        cute.arch.barrier(barrier_id=DQ_STAGED, number_of_threads=2 * THREADS_PER_WG)
+        if ctidx == 0:
+            self.store_row_boxes(out.atom, out.rows, out.mdQ, out.sQ_base, tile, self.dk)
 
     @cute.jit
-    def consume_cols(self, mdQ, sK_base, sK_layout, sdS, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
+    def consume_cols(self, out, sK_base, sK_layout, sdS, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
         """WG 2: dq[:, DQ_SPLIT:Dk] from WG 1's dS, in ``self.parts``."""
         (c0, w0), (c1, w1) = self.parts
         mmas = [sm90_utils.make_trivial_tiled_mma(
@@ -225,5 +241,6 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
             acc_mn = acc_mn_view(accs[i])
             for r in cutlass.range_constexpr(2):
                 acc_mn[r, None].store(acc_mn[r, None].load() * softmax_scale)
-            self.store_rows(accs[i], mdQ, mmas[i].get_slice(ctidx), self.parts[i][1], tile, tile.nq * self.gc,
-                            self.parts[i][0])
+            self.stage_columns(accs[i], out.sQ_base, out.sQ_layout, mmas[i], ctidx, self.parts[i][0],
+                               self.parts[i][1])
+        cute.arch.barrier_arrive(barrier_id=DQ_STAGED, number_of_threads=2 * THREADS_PER_WG)

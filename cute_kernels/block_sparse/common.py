@@ -8,10 +8,12 @@ from types import SimpleNamespace
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int64
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
+from cutlass.tensor_utils import LayoutEnum
 
-from cute_kernels.common.utils import select_modes, transpose_view, wgmma_smem_layout
+from cute_kernels.common.utils import convert_to_16bit, select_modes, transpose_view, wgmma_smem_layout
 from cute_kernels.dtypes import cutlass_dtype
 from cute_kernels.indexed.bwd_dkdv_sm90 import IndexedBwdDKDVSm90
 
@@ -114,6 +116,37 @@ class BlockSparseSm90:
         layout = self.key_columns(sK_layout, c0, cols, stages, d)
         sX = cute.make_tensor(cute.recast_ptr(sK_base + c0 * self.tile_n, layout.inner), layout.outer)
         return mma_slice.make_fragment_B(mma_slice.partition_B(transpose_view(sX)))
+
+    @cute.jit
+    def stage_columns(self, acc, sX_base, sX_layout, tiled_mma, ctidx: Int32, c0: cutlass.Constexpr,
+                      cols: cutlass.Constexpr):
+        """The fp32 accumulator (64 rows x ``cols``) in q's dtype into columns [c0, c0 + cols) of a (64, d)
+        buffer of ``sX_layout`` (``key_columns``' view; stmatrix from the accumulator's layout), fenced for
+        a TMA store (Note [staged latent O] in fwd_latent_sm90.py)."""
+        r16 = cute.make_rmem_tensor_like(acc, self.dtype)
+        convert_to_16bit(acc, r16)
+        d = cute.size(sX_layout.outer, mode=[1])
+        layout = self.key_columns(sX_layout, c0, cols, 1, d)
+        sX = cute.make_tensor(cute.recast_ptr(sX_base + c0 * TILE_M, layout.inner), layout.outer)[None, None, 0]
+        st_copy = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                         tiled_mma)
+        thr_st = st_copy.get_slice(ctidx)
+        cute.copy(st_copy, thr_st.retile(r16), thr_st.partition_D(sX))
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def store_row_boxes(self, atom, rows, mX, sX_base, tile, d: cutlass.Constexpr):
+        """The staged tile to ``mX`` (``rows_tma(.., store=True)``'s TMA tensor): one (GC, d) box per real
+        query of the tile, from its row slots (so padding rows are never written); waits until the
+        boxes have been read, so the CTA may exit. One thread."""
+        for j in cutlass.range(tile.nq, unroll=1):
+            src = cute.make_tensor(cute.recast_ptr(sX_base + j * self.gc * 64, rows.inner), rows.outer)
+            dst = cute.local_tile(mX[None, None, tile.q0 + j, tile.b], (self.gc, d), (tile.head0 // self.gc, 0))
+            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
+                                           cute.group_modes(dst, 0, 2))
+            cute.copy(atom, tS, tG)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def allocate(self, atoms: tuple):

@@ -68,7 +68,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common.softmax import OnlineSoftmax
@@ -224,33 +224,11 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         row_scale, lse = self.finish_rows(softmax, mSink, tile, ctx.row, ctidx)
         self.hand_over(hand, None, row_scale)
         softmax.rescale(acc_O_mn, row_scale)
-        self.stage_o(acc_O, out, tiled_mma_pv, ctidx, 0, dv0)
+        self.stage_columns(acc_O, out.sQ_base, out.sQ_layout, tiled_mma_pv, ctidx, 0, dv0)
         self.store_lse(lse, mLSE, thr_mma_pv, dv0, tile, rows_valid)
         cute.arch.barrier(barrier_id=O_STAGED, number_of_threads=2 * THREADS_PER_WG)
         if ctidx == 0:
-            for j in cutlass.range(tile.nq, unroll=1):
-                src = cute.make_tensor(cute.recast_ptr(out.sQ_base + j * self.gc * 64, out.rows.inner), out.rows.outer)
-                dst = cute.local_tile(out.mO[None, None, tile.q0 + j, tile.b], (self.gc, self.dv),
-                                      (tile.head0 // self.gc, 0))
-                tS, tG = cpasync.tma_partition(out.atom, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
-                                               cute.group_modes(dst, 0, 2))
-                cute.copy(out.atom, tS, tG)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem is read before the CTA exits
-
-    @cute.jit
-    def stage_o(self, acc_O, out, tiled_mma, ctidx: Int32, c0: cutlass.Constexpr, cols: cutlass.Constexpr):
-        """Note [staged latent O]: this WG's O columns [c0, c0 + cols) in q's dtype into Q's buffer (stmatrix, its
-        swizzled (64, Dk) layout), fenced for the TMA store."""
-        r16 = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        convert_to_16bit(acc_O, r16)
-        layout = self.key_columns(out.sQ_layout, c0, cols, 1)
-        sO = cute.make_tensor(cute.recast_ptr(out.sQ_base + c0 * TILE_M, layout.inner), layout.outer)[None, None, 0]
-        st_copy = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
-                                         tiled_mma)
-        thr_st = st_copy.get_slice(ctidx)
-        cute.copy(st_copy, thr_st.retile(r16), thr_st.partition_D(sO))
-        cute.arch.fence_view_async_shared()
+            self.store_row_boxes(out.atom, out.rows, out.mO, out.sQ_base, tile, self.dv)
 
     @cute.jit
     def mainloop_s(self, ctx, count: Int32, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
@@ -332,7 +310,7 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         if tile.count > 0:
             self.mainloop_v(tile.count, tiled_mma, tOrP, tOrVt, acc_O, acc_O_mn, sScale, pipeline_k, ctidx)
         self.take_over(sScale, ctidx, acc_O_mn)  # 1 / l
-        self.stage_o(acc_O, out, tiled_mma, ctidx, V_SPLIT, dv1)
+        self.stage_columns(acc_O, out.sQ_base, out.sQ_layout, tiled_mma, ctidx, V_SPLIT, dv1)
         cute.arch.barrier_arrive(barrier_id=O_STAGED, number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit

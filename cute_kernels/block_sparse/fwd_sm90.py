@@ -16,8 +16,9 @@ One CTA per (query tile w, kv head h x head chunk c, batch b), 256 threads:
     WG 1           consumer, 64 rows: S = Q K^T (wgmma, smem x smem), masks (below), online softmax
                    (common/softmax.py), O += P V (P from registers); the QK^T of block n is in
                    flight while the PV of block n-1 runs (intra-warpgroup overlap, as the dense
-                   forward attention/fwd_sm90.py); sink folded in before the epilogue; O, lse by
-                   plain stores to each row's (query, head)
+                   forward attention/fwd_sm90.py); sink folded in before the epilogue; O staged in
+                   Q's buffer and stored by TMA, one box per tile query (Note [staged O] at
+                   ``epilogue``); lse by plain stores to each row's (query, head)
 
     producer ──K,V (mbarrier pipelines), Q (one mbarrier)──▶ consumer ──▶ out, lse
 
@@ -59,6 +60,8 @@ from .config import BLOCK_SIZE, TILE_M, FwdConfig
 KV_STAGES = 2
 # setmaxnreg split; 128 * (24 + 232) = 32K registers per CTA, so two CTAs fit an SM (D <= 128).
 PRODUCER_REGS, CONSUMER_REGS = 24, 232
+#: Named barrier of the consumer warpgroup before the O store (Note [staged O]; 0 is the CTA barrier).
+O_STAGED_WG = 1
 
 
 class BlockSparseFwdSm90(BlockSparseSm90):
@@ -81,10 +84,11 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         sV_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dv, KV_STAGES))
         tma_atom_Q, tma_Q, rows = self.rows_tma(mQ, self.dk)  # stage 0 of its layout is laid out as sQ
         (tma_atom_K, tma_K), (tma_atom_V, tma_V) = self.kv_tmas(mK, mV, sK_layout, sV_layout)
+        tma_atom_O, tma_O, rows_o = self.rows_tma(mO, self.dv, store=True)  # Note [staged O]
         self.shared_storage = shared_storage(self.dtype, self.MBARS, sQ=sQ_layout, sK=sK_layout, sV=sV_layout)
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
-        self.kernel(tma_Q, tma_K, tma_V, mTileStart, mTileMask, mTileCount, mQLimit, mSink, mO, mLSE,
-                    tma_atom_Q, tma_atom_K, tma_atom_V, sQ_layout, sK_layout, sV_layout, rows,
+        self.kernel(tma_Q, tma_K, tma_V, mTileStart, mTileMask, mTileCount, mQLimit, mSink, tma_O, mLSE,
+                    tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, sQ_layout, sK_layout, sV_layout, rows, rows_o,
                     softmax_scale).launch(grid=grid, block=[2 * THREADS_PER_WG, 1, 1],
                                           smem=self.shared_storage.size_in_bytes(), stream=stream,
                                           min_blocks_per_mp=2 if self.dk <= 128 else 1,
@@ -95,9 +99,11 @@ class BlockSparseFwdSm90(BlockSparseSm90):
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileStart: cute.Tensor,
                mTileMask: cute.Tensor, mTileCount: cute.Tensor, mQLimit: cute.Tensor, mSink,
                mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
-               tma_atom_V: cute.CopyAtom, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, rows: cute.ComposedLayout, softmax_scale: Float32):
-        warp_idx, tidx, storage, mbar_q, pipeline_k, pipeline_v = self.prologue((tma_atom_Q, tma_atom_K, tma_atom_V))
+               tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, rows: cute.ComposedLayout,
+               rows_o: cute.ComposedLayout, softmax_scale: Float32):
+        warp_idx, tidx, storage, mbar_q, pipeline_k, pipeline_v = self.prologue(
+            (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O))
         sQ, sK, sV = smem_tensors(storage, sQ=sQ_layout, sK=sK_layout, sV=sV_layout)
 
         tile = self.tile_of(mQ, mK, mTileCount)
@@ -108,7 +114,9 @@ class BlockSparseFwdSm90(BlockSparseSm90):
                           storage.sQ.data_ptr(), mbar_q, pipeline_k, pipeline_v, tile)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
+            out = SimpleNamespace(mO=mO, atom=tma_atom_O, rows=rows_o, sQ_base=storage.sQ.data_ptr(),
+                                  sQ_layout=sQ_layout)
+            self.consume(mTileStart, mTileMask, mQLimit, mSink, out, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
                          pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
 
     def kv_tmas(self, mK, mV, sK_layout, sV_layout):
@@ -217,7 +225,7 @@ class BlockSparseFwdSm90(BlockSparseSm90):
                     atom_layout_mnk=(1, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM))
 
     @cute.jit
-    def consume(self, mTileStart, mTileMask, mQLimit, mSink, mO, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
+    def consume(self, mTileStart, mTileMask, mQLimit, mSink, out, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
                 pipeline_v, tile, ctidx: Int32, softmax_scale: Float32):
         tiled_mma_qk, tiled_mma_pv = self.row_mmas(self.dv)
         thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
@@ -248,7 +256,7 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         # 4. Sink, O /= l, lse; only the rows of real (query, head) pairs are written.
         row_scale, lse = self.finish_rows(softmax, mSink, tile, row, ctidx)
         softmax.rescale(acc_O_mn, row_scale)
-        self.epilogue(acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid)
+        self.epilogue(acc_O, lse, out, mLSE, tiled_mma_pv, thr_mma_pv, tile, rows_valid, ctidx)
 
     @cute.jit
     def finish_rows(self, softmax: OnlineSoftmax, mSink, tile, row: list, ctidx: Int32):
@@ -389,8 +397,14 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         return keyless
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, thr_mma_pv, tile, rows_valid: Int32):
-        self.store_rows(acc_O, mO, thr_mma_pv, self.dv, tile, rows_valid)
+    def epilogue(self, acc_O, lse, out, mLSE, tiled_mma_pv, thr_mma_pv, tile, rows_valid: Int32, ctidx: Int32):
+        """Note [staged O]: O (q's dtype) into Q's buffer (free: the last QK^T has completed), then one TMA box
+        per real query of the tile from the first thread (``store_row_boxes``; idle rows are never written);
+        lse by plain stores meanwhile. As the latent forward's Note [staged latent O]."""
+        self.stage_columns(acc_O, out.sQ_base, out.sQ_layout, tiled_mma_pv, ctidx, 0, self.dv)
+        cute.arch.barrier(barrier_id=O_STAGED_WG, number_of_threads=THREADS_PER_WG)
+        if ctidx == 0:
+            self.store_row_boxes(out.atom, out.rows, out.mO, out.sQ_base, tile, self.dv)
         self.store_lse(lse, mLSE, thr_mma_pv, self.dv, tile, rows_valid)
 
     @cute.jit
