@@ -17,7 +17,11 @@ Reported: microseconds per call, median and minimum of ``--repeats`` timings of 
 calls.
 Rows: ``fwd`` (no autograd), ``fwd_bl`` (with block_logit), ``fwd_grad`` (inputs need gradients: the
 PyLayer records the call), ``bwd_op`` (the public ``flash_attn_bwd``), ``step`` (``fwd_grad`` + the
-autograd backward of ``out.sum()``), ``dlpack`` (``__dlpack__`` of the 8 tensors a forward launch takes).
+autograd backward of ``out.sum()``), ``dlpack`` (``__dlpack__`` of the 8 tensors a forward launch takes);
+``block_sparse_attention`` (2 query heads over 1 kv head, 2 blocks of 64 per query): ``bs_plan``
+(``block_sparse_plan``, once per selection), ``bs_fwd`` (d 128, ``plan=`` given), ``bs_step`` (inputs need
+gradients + ``paddle.grad``), ``bs_latent_fwd`` / ``bs_latent_step`` (the absorbed-MLA latent, Dk 576 / Dv
+512, ``v=None``).
 """
 
 from __future__ import annotations
@@ -48,12 +52,16 @@ def stubbed_launch(arch: int = 90):
     import paddle_fa4.backend as backend
     from cute_kernels.attention import bwd_launch, launch
 
+    from cute_kernels.block_sparse import launch as bs_launch
+
     saved = [(bridge, "tensor_arch"), (backend, "tensor_arch"), (launch, "compile_fwd"),
-             (bwd_launch, "compile_bwd_main"), (bwd_launch, "compile_bwd_pre"), (bwd_launch, "compile_bwd_post")]
+             (bwd_launch, "compile_bwd_main"), (bwd_launch, "compile_bwd_pre"), (bwd_launch, "compile_bwd_post"),
+             (bs_launch, "compile_fwd"), (bs_launch, "compile_bwd_dq"), (bs_launch, "compile_bwd_dkdv")]
     old = [getattr(mod, name) for mod, name in saved]
     bridge.tensor_arch = backend.tensor_arch = lambda t: arch
     launch.compile_fwd = lambda cfg, sm_count=None, trace=False: _noop
     bwd_launch.compile_bwd_main = bwd_launch.compile_bwd_pre = bwd_launch.compile_bwd_post = lambda cfg, *a, **k: _noop
+    bs_launch.compile_fwd = bs_launch.compile_bwd_dq = bs_launch.compile_bwd_dkdv = lambda cfg, *a, **k: _noop
     try:
         yield
     finally:
@@ -87,7 +95,35 @@ def make_calls(paddle, pf):
         o = pf.flash_attn_fwd(qg, kg, vg, causal=True, backend="cute")[0]
         o.backward(dout)
 
+    # block_sparse_attention, as tiny as the rows above (S 128, 2 query heads over 1 kv head, 2 blocks of 64
+    # per query; ``plan=`` given, as the N sparse layers sharing a selection pass it): GQA d 128, and the
+    # absorbed-MLA latent (v=None) at Dk 576 / Dv 512. Tiny, so that the CPU's own arithmetic in Paddle ops
+    # (queued kernels on a GPU) stays small next to the Python.
+    hq, hkv, topk = 2, 1, 2
+    ids = paddle.randint(0, s // 64, [b, s, topk], dtype="int32")
+    bq, bk, bv = t(b, s, hq, d), t(b, s, hkv, d), t(b, s, hkv, d)
+    bqg, bkg, bvg = t(b, s, hq, d, grad=True), t(b, s, hkv, d, grad=True), t(b, s, hkv, d, grad=True)
+    plan = pf.block_sparse_plan(ids, heads_per_kv=hq // hkv)
+    lq, lk = t(b, s, hq, 576), t(b, s, hkv, 576)
+    lqg, lkg = t(b, s, hq, 576, grad=True), t(b, s, hkv, 576, grad=True)
+    bdout, ldout = t(b, s, hq, d), t(b, s, hq, 512)
+
+    # paddle.grad, not .backward(): on CPU tensors the autograd engine's accumulation into .grad across the
+    # timed calls is a real CPU add (ms at these sizes), which on a GPU would be one queued kernel
+    def bs_step():
+        o = pf.block_sparse_attention(bqg, bkg, bvg, ids, plan=plan, backend="cute")
+        paddle.grad([o], [bqg, bkg, bvg], [bdout])
+
+    def bs_latent_step():
+        o = pf.block_sparse_attention(lqg, lkg, None, ids, dv=512, plan=plan, backend="cute")
+        paddle.grad([o], [lqg, lkg], [ldout])
+
     return {
+        "bs_plan": lambda: pf.block_sparse_plan(ids, heads_per_kv=hq // hkv),
+        "bs_fwd": lambda: pf.block_sparse_attention(bq, bk, bv, ids, plan=plan, backend="cute"),
+        "bs_step": bs_step,
+        "bs_latent_fwd": lambda: pf.block_sparse_attention(lq, lk, None, ids, dv=512, plan=plan, backend="cute"),
+        "bs_latent_step": bs_latent_step,
         "fwd": lambda: pf.flash_attn_fwd(q, k, v, causal=True, backend="cute"),
         "fwd_bl": lambda: pf.flash_attn_fwd(q, k, v, causal=True, block_size=64, return_block_logit=True,
                                             backend="cute"),
