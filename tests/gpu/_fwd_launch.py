@@ -19,10 +19,12 @@ def make_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
 
 
 def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=0, fill=None, scale=None,
-             cu_q=None, cu_k=None, max_sq=None, max_sk=None, bl_offset=0):
+             cu_q=None, cu_k=None, max_sq=None, max_sk=None, bl_offset=0, out_tail=0):
     """One forward through ``run_fwd``; block_logit (block_size > 0) starts filled with ``fill``
     (default SENTINEL) so unwritten entries show. ``bl_offset`` > 0: block_logit is a contiguous view
     starting that many fp32 into a larger SENTINEL-filled storage (an under-aligned buffer; the skipped head must stay untouched).
+    ``out_tail`` > 0 (batch 1, not varlen): out is the contiguous head of a SENTINEL-filled storage with that
+    many more elements behind it (the caller checks they stay untouched).
     Returns (out, lse, block_logit or None)."""
     from cute_kernels.attention.launch import fwd_config, run_fwd
 
@@ -32,7 +34,13 @@ def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     has_window = tuple(window) != (-1, -1)
     cfg = fwd_config(90, q.dtype, d, dv, hq // hkv, causal, has_window, softcap > 0, block_size, varlen)
-    out = torch.empty(*q.shape[:-1], dv, device=q.device, dtype=q.dtype)
+    out_shape = (*q.shape[:-1], dv)
+    if out_tail:
+        assert cu_q is None and q.shape[0] == 1, "out_tail: batch 1, not varlen (out must stay contiguous)"
+        out = torch.full((math.prod(out_shape) + out_tail,), SENTINEL, device=q.device, dtype=q.dtype)
+        out = out[:math.prod(out_shape)].view(out_shape)
+    else:
+        out = torch.empty(out_shape, device=q.device, dtype=q.dtype)
     if varlen:
         total_q = q.shape[0]
         lse = torch.empty(hq, total_q, device=q.device, dtype=torch.float32)

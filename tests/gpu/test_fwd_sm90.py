@@ -206,6 +206,20 @@ def test_sentinel_buffer_fully_overwritten(case):
     assert torch.equal(a, c) and torch.equal(bnan, c)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_out_rows_past_the_sequence_untouched(d):
+    """Note [staged O epilogue]: the last query tile's TMA box reaches past Sq (130 = 128 + 2 rows; 192-row
+    tiles at d 64); it must be clipped at the tensor's extent. out is the head of a larger SENTINEL storage:
+    what follows it stays untouched and out equals a plainly allocated one's."""
+    q, k, v = make_qkv(1, 130, 130, 2, 2, d, seed=14)
+    ref, lse_ref, _ = run_ours(q, k, v, causal=True)
+    tail = 192 * 2 * d  # one tile of rows past the end
+    got, lse, _ = run_ours(q, k, v, causal=True, out_tail=tail)
+    assert torch.equal(got, ref) and torch.equal(lse, lse_ref)
+    storage = torch.empty(0, device=got.device, dtype=got.dtype).set_(got.untyped_storage())
+    assert bool((storage[got.numel():] == SENTINEL).all()), "the O store wrote past the sequence"
+
+
 @pytest.mark.parametrize("offset", [1, 2, 3], ids=lambda o: f"offset{o}")
 @pytest.mark.parametrize("case", ["causal", "window"])
 def test_underaligned_block_logit_buffer(case, offset):
