@@ -109,7 +109,7 @@ from cute_kernels.common.tile_range import (QueryTileRange, first_key_tile, head
                                              normalize_window, swizzle_heads)
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
                                        ld_acquire_gpu, red_release_add_gpu, select_modes, sm90_thread0_cols,
-                                       transpose_view, wgmma_gemm, wgmma_smem_layout)
+                                       stage_acc_16bit, transpose_view, wgmma_gemm, wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 
 from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, HEAD_DIMS, KV_SEM_KEYS, BwdConfig, group_split
@@ -757,10 +757,7 @@ class FlashBwdSm90:
                 acc[i] = acc[i] * scale
         r16 = cute.make_rmem_tensor_like(acc, self.dtype)
         convert_to_16bit(acc, r16)
-        st_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
-        st_copy = cute.make_tiled_copy_C(st_atom, mma_dkv)
-        thr_st = st_copy.get_slice(tid)
-        cute.copy(st_copy, thr_st.retile(r16), thr_st.partition_D(sX_w))
+        stage_acc_16bit(r16, mma_dkv, tid, sX_w)
 
     # ------------------------------------------------------------------ consumers, wide schedule (d > 128)
     @cute.jit

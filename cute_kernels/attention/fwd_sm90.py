@@ -60,7 +60,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.common import block_logit as bl
 from cute_kernels.common.mask import apply_mask
@@ -68,8 +67,8 @@ from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import OnlineSoftmax, softcap_logit
 from cute_kernels.common.tile_range import TileRange, normalize_window
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
-                                       select_modes, sm90_thread0_cols, transpose_view, wgmma_gemm,
-                                       wgmma_smem_layout)
+                                       select_modes, sm90_thread0_cols, stage_acc_16bit, transpose_view,
+                                       wgmma_gemm, wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 
 from .config import FwdConfig
@@ -636,10 +635,7 @@ class FlashFwdSm90:
         if const_expr(tma_atom_O is not None):
             if const_expr(self.hdim != self.hdimv):
                 cute.arch.barrier(barrier_id=O_STAGED_BARRIER, number_of_threads=n_consumers)
-            st_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
-            st_copy = cute.make_tiled_copy_C(st_atom, tiled_mma_pv)
-            thr_st = st_copy.get_slice(ctidx)
-            cute.copy(st_copy, thr_st.retile(rO), thr_st.partition_D(sO))
+            stage_acc_16bit(rO, tiled_mma_pv, ctidx, sO)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=O_STAGED_BARRIER, number_of_threads=n_consumers)
             if ctidx == 0:

@@ -8,12 +8,11 @@ from types import SimpleNamespace
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
-from cutlass.tensor_utils import LayoutEnum
 
-from cute_kernels.common.utils import convert_to_16bit, select_modes, transpose_view, wgmma_smem_layout
+from cute_kernels.common.utils import (convert_to_16bit, select_modes, stage_acc_16bit, transpose_view,
+                                       wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 from cute_kernels.indexed.bwd_dkdv_sm90 import IndexedBwdDKDVSm90
 
@@ -128,10 +127,7 @@ class BlockSparseSm90:
         d = cute.size(sX_layout.outer, mode=[1])
         layout = self.key_columns(sX_layout, c0, cols, 1, d)
         sX = cute.make_tensor(cute.recast_ptr(sX_base + c0 * TILE_M, layout.inner), layout.outer)[None, None, 0]
-        st_copy = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
-                                         tiled_mma)
-        thr_st = st_copy.get_slice(ctidx)
-        cute.copy(st_copy, thr_st.retile(r16), thr_st.partition_D(sX))
+        stage_acc_16bit(r16, tiled_mma, ctidx, sX)
         cute.arch.fence_view_async_shared()
 
     @cute.jit

@@ -138,6 +138,18 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
         dst_i32[i] = _cvt_pack2(src[2 * i], src[2 * i + 1], to_bf16)
 
 
+@cute.jit
+def stage_acc_16bit(r16: cute.Tensor, tiled_mma: cute.TiledMma, tidx: Int32, sX: cute.Tensor):
+    """A wgmma accumulator of ``tiled_mma`` already converted to 16 bits (``convert_to_16bit``; this thread's
+    ``tidx`` slice) into the shared-memory tile ``sX`` (stmatrix from the accumulator's layout, in ``sX``'s own
+    swizzled layout): the staging step of the epilogues that then store the tile by TMA. The caller fences
+    and synchronises."""
+    st_copy = cute.make_tiled_copy_C(
+        sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, r16.element_type, Float32), tiled_mma)
+    thr_st = st_copy.get_slice(tidx)
+    cute.copy(st_copy, thr_st.retile(r16), thr_st.partition_D(sX))
+
+
 @dsl_user_op
 def ld_acquire_gpu(addr, *, loc=None, ip=None) -> Int32:
     """``ld.acquire.gpu`` of the int32 at global address ``addr`` (an Int64): a turn counter's read."""
