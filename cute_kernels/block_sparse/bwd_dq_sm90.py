@@ -24,6 +24,8 @@ the caller does).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -36,7 +38,7 @@ from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, co
 
 from .common import shared_storage, smem_tensors
 from .config import TILE_M
-from .fwd_sm90 import CONSUMER_REGS, KV_STAGES, PRODUCER_REGS, THREADS_PER_WG, BlockSparseFwdSm90
+from .fwd_sm90 import CONSUMER_REGS, KV_STAGES, O_STAGED_WG, PRODUCER_REGS, THREADS_PER_WG, BlockSparseFwdSm90
 
 
 class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
@@ -57,12 +59,14 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         tma_atom_Q, tma_Q, rows_q = self.rows_tma(mQ, self.dk)
         tma_atom_dO, tma_dO, rows_do = self.rows_tma(mdO, self.dv)
         (tma_atom_K, tma_K), (tma_atom_V, tma_V) = self.kv_tmas(mK, mV, sK_layout, sV_layout)
+        tma_atom_dQ, tma_dQ, rows_dq = self.rows_tma(mdQ, self.dk, store=True)  # Note [staged O] (fwd_sm90.py)
         self.shared_storage = shared_storage(self.dtype, self.MBARS, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout,
                                              sV=sV_layout)
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
-        atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V)
-        self.kernel(tma_Q, tma_dO, tma_K, tma_V, mO, mdO, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, mdQ,
-                    atoms, sQ_layout, sdO_layout, sK_layout, sV_layout, rows_q, rows_do, softmax_scale).launch(
+        atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_dQ)
+        self.kernel(tma_Q, tma_dO, tma_K, tma_V, mO, mdO, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit,
+                    tma_dQ, atoms, sQ_layout, sdO_layout, sK_layout, sV_layout, rows_q, rows_do, rows_dq,
+                    softmax_scale).launch(
             grid=grid, block=[2 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=2 if self.dk <= 64 else 1, preferred_smem_carveout=100)
 
@@ -71,7 +75,8 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
                mdOg: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor,
                mQLimit: cute.Tensor, mdQ: cute.Tensor, atoms: tuple, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout, softmax_scale: Float32):
+               rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout, rows_dq: cute.ComposedLayout,
+               softmax_scale: Float32):
         warp_idx, tidx, storage, mbar_q, pipeline_k, pipeline_v = self.prologue(atoms)
         sQ, sdO, sK, sV = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
         tile = self.tile_of(mQ, mK, mTileCount)
@@ -82,14 +87,16 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
                               storage.sdO.data_ptr(), mbar_q, pipeline_k, pipeline_v, tile)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume_dq(mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
-                            pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
+            out = SimpleNamespace(mdQ=mdQ, atom=atoms[4], rows=rows_dq, sQ_base=storage.sQ.data_ptr(),
+                                  sQ_layout=sQ_layout)
+            self.consume_dq(mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, out, sQ, sdO, sK, sV, mbar_q,
+                            pipeline_k, pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load_bwd(self, mQ, mdO, mK, mV, mTileStart, sK, sV, atoms, rows_q, rows_do, sQ_base, sdO_base, mbar_q,
                  pipeline_k, pipeline_v, tile):
-        tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V = atoms
+        tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V = atoms[:4]
         mK_cur = mK[None, None, tile.h, tile.b]  # (S, Dk)
         mV_cur = mV[None, None, tile.h, tile.b]  # (S, Dv)
         w = tile.q0 // self.wq
@@ -122,8 +129,8 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
 
     # ------------------------------------------------------------------ consumer
     @cute.jit
-    def consume_dq(self, mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, mdQ, sQ, sdO, sK, sV, mbar_q, pipeline_k,
-                   pipeline_v, tile, ctidx: Int32, softmax_scale: Float32):
+    def consume_dq(self, mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, out, sQ, sdO, sK, sV, mbar_q,
+                   pipeline_k, pipeline_v, tile, ctidx: Int32, softmax_scale: Float32):
         tiled_mma_s, tiled_mma_dq, thr_mma_s, thr_mma_dq, wg_s, wg_dq, tSrQ, tSrdO, tSrK = self.s_operands(
             self.dk, sQ, sdO, sK, ctidx)
         tSrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
@@ -144,7 +151,11 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         acc_dQ_mn = acc_mn_view(acc_dQ)
         for r in cutlass.range_constexpr(2):
             acc_dQ_mn[r, None].store(acc_dQ_mn[r, None].load() * softmax_scale)
-        self.store_rows(acc_dQ, mdQ, thr_mma_dq, self.dk, tile, ctx.rows_valid)
+        # dq staged in Q's buffer (free: every S GEMM has completed) and stored by TMA, one box per tile query
+        self.stage_columns(acc_dQ, out.sQ_base, out.sQ_layout, tiled_mma_dq, ctidx, 0, self.dk)
+        cute.arch.barrier(barrier_id=O_STAGED_WG, number_of_threads=THREADS_PER_WG)
+        if ctidx == 0:
+            self.store_row_boxes(out.atom, out.rows, out.mdQ, out.sQ_base, tile, self.dk)
 
     def s_operands(self, dq_cols: int, sQ, sdO, sK, ctidx: Int32):
         """The S / dP wgmma and the dq one (``row_mmas(dq_cols)``), their thread and warpgroup slices, and the S /

@@ -416,19 +416,3 @@ class BlockSparseFwdSm90(BlockSparseSm90):
             row = tOcO_mn[r, 0][0]
             if row < rows_valid and tOcO_mn[0, 0][1] == 0:
                 mLSE[tile.b, tile.head0 + row % self.gc, tile.q0 + row // self.gc] = lse[r]
-
-    @cute.jit
-    def store_rows(self, acc, mX, thr_mma, cols: cutlass.Constexpr, tile, rows_valid: Int32,
-                   col0: cutlass.Constexpr = 0):
-        """The fp32 accumulator (64 rows x cols) as 16-bit values into each real row's (query, head)
-        of ``mX [B, S, Hq, >= col0 + cols]``, columns from ``col0`` on."""
-        tXcX_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, cols))))
-        rX = cute.make_rmem_tensor_like(acc, self.dtype)
-        convert_to_16bit(acc, rX)
-        rX_mn = acc_mn_view(rX)
-        for r in cutlass.range_constexpr(cute.size(rX_mn, mode=[0])):
-            row = tXcX_mn[r, 0][0]
-            if row < rows_valid:
-                gX = mX[tile.b, tile.q0 + row // self.gc, tile.head0 + row % self.gc, None]  # (cols,)
-                for c in cutlass.range_constexpr(cute.size(rX_mn, mode=[1])):
-                    gX[col0 + tXcX_mn[r, c][1]] = rX_mn[r, c]
