@@ -162,7 +162,7 @@ def plan_for(spec: BlockSparseSpec, block_ids, cu_seqlens, plan) -> BlockSparseP
     """``plan`` (checked to fit) or a new one for this call."""
     if plan is None:
         return build_plan(block_ids, heads_per_kv=spec.group, block_size=spec.block_size, causal=spec.causal,
-                          cu_seqlens=cu_seqlens)
+                          cu_seqlens=cu_seqlens, head_dim_v=spec.Dv)
     return plan
 
 

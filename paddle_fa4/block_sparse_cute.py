@@ -2,8 +2,9 @@
 
 SM90 runs the block-sparse kernels of ``cute_kernels.block_sparse`` (also the absorbed-MLA latent, v=None,
 Dk 576 / Dv 512 and Dk 512 / Dv 448, forward and backward: one combined latent gradient). SM100 (10.0 /
-10.3) has no block-sparse kernel yet; there this backend takes the token path (Note [SM100 token path]
-below).
+10.3) runs the block-sparse tcgen05 forward (``fwd_sm100.py``; compile-verified, never run here: no
+Blackwell GPU) and takes the token path for the backward and for what that forward does not take, the
+latent among it (Note [SM100 token path] below).
 
 Contract used by the PyLayer in ``paddle_fa4/block_sparse.py``:
 
@@ -35,7 +36,9 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
     from cute_kernels.arch import family
 
     if family(arch) == 100:
-        return _token_path_reason(arch, spec)
+        if _sm100_kernel_reason(spec) is None and not needs_grad:
+            return None
+        return _token_path_reason(arch, spec)  # the backward (and a forward the kernel does not take)
     if family(arch) != 90:
         return f"no CuTe block-sparse kernel for compute capability {arch}"
     if spec.has_sink and spec.scale == 0.0:
@@ -62,6 +65,18 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
 # handed (out', lse') it differentiates the softmax with the sink, as the SM90 kernels do ("lse includes
 # the sink"); dsink = -sum exp(sink - lse') delta, with the indexed dQ kernel's delta. out' is rounded twice to
 # 16 bits (the kernel's out, then the rescale): at most one more rounding step than the SM90 kernel.
+
+
+def _sm100_kernel_reason(spec) -> str | None:
+    """Why the SM100 block-sparse forward kernel does not take ``spec`` (then the token path does), or None."""
+    from cute_kernels.block_sparse.config import unsupported_reason as kernel_reason
+
+    if spec.latent:
+        return "the absorbed-MLA latent (v=None) has no SM100 kernel"
+    if spec.has_sink and spec.scale == 0.0:
+        return "softmax_scale 0 with a sink (the kernel folds the sink in units of the scale)"
+    return kernel_reason(head_dim=spec.Dk, head_dim_v=spec.Dv, group=spec.group, dtype=spec.dtype,
+                         block_size=spec.block_size)
 
 
 class _TokenPlan:
@@ -122,6 +137,18 @@ def _token_forward(spec, q, k, v, block_ids, cu_seqlens, sink):
     return out, lse, _TokenPlan(tokens, ispec, iplan)
 
 
+def _token_plan(spec, q, block_ids, cu_seqlens):
+    """The token rows and indexed plan of the SM100 backward (Note [SM100 token path]) after the block-sparse
+    forward kernel; None members for a call with no work."""
+    from ._cute import indexed as indexed_glue
+
+    if spec.B * spec.S * spec.Hq == 0 or spec.topk == 0:
+        return _TokenPlan(None, None, None)
+    tokens = token_rows(spec, block_ids, cu_seqlens)
+    ispec = _indexed_spec(spec)
+    return _TokenPlan(tokens, ispec, indexed_glue._plan_for(ispec, kernel_input(tokens, 4), None))
+
+
 def _fold_sink(out, lse, sink):
     """Note [sink on the token path]: (out', lse') of the softmax with the sink column from the keys' (out, lse);
     out [B, S, Hq, Dv], lse [B, Hq, S] fp32, sink [Hq]."""
@@ -149,7 +176,8 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
     from cute_kernels.arch import family
 
     arch = arch_of(q)
-    if family(arch) == 100:  # Note [SM100 token path]; a given block-sparse plan is not needed there
+    if family(arch) == 100 and _sm100_kernel_reason(spec) is not None:
+        # Note [SM100 token path]; a given block-sparse plan is not needed there
         return _token_forward(spec, q, k, v, block_ids, cu_seqlens, sink)
 
     from cute_kernels.block_sparse.config import tile_queries
@@ -158,7 +186,11 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
     from .block_sparse import plan_for
 
     plan = plan_for(spec, block_ids, cu_seqlens, plan)
-    assert plan.window_queries == tile_queries(spec.group), "planner and kernel disagree on the row tile"
+    want = tile_queries(spec.group, arch, spec.Dv)
+    if plan.window_queries != want:
+        raise ValueError(f"{OP}: plan tiles {plan.window_queries} queries, the kernel of this GPU (compute "
+                         f"capability {arch}, Dv {spec.Dv}) takes {want}: build it on this GPU with "
+                         f"block_sparse_plan(..., head_dim_v={spec.Dv})")
     q, k = kernel_input(q), kernel_input(k)  # strided views: contiguous copies
     v = None if spec.latent else kernel_input(v)  # the latent: V is k's leading Dv columns
     sink = None if sink is None else kernel_input(sink, 4)
@@ -175,6 +207,11 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
 def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
     import paddle
 
+    from cute_kernels.arch import family
+
+    if not isinstance(plan, _TokenPlan) and family(arch_of(q)) == 100:
+        # the SM100 forward kernel ran (its out / lse include the sink); the backward takes the token path
+        plan = _token_plan(spec, q, block_ids, cu_seqlens)
     if isinstance(plan, _TokenPlan):  # Note [SM100 token path]
         if plan.ispec is None:  # no work: zero gradients (and the sink's, from its rows)
             from . import block_sparse_ref

@@ -36,9 +36,17 @@ OP = "block_sparse_plan"
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
-def tile_queries(heads_per_kv: int) -> int:
-    """Queries per query tile: indexed attention's ``window_queries(G)`` (``min(64 // G, 32)``), and
-    one query for ``G >= 64`` (MQA with many heads: one query's heads fill the MMA rows)."""
+def tile_queries(heads_per_kv: int, arch: int | None = None, head_dim_v: int = 128) -> int:
+    """Queries per query tile. SM90 (and any place without an SM100 GPU, ``arch`` None): indexed attention's
+    ``window_queries(G)`` (``min(64 // G, 32)``), one query for ``G >= 64`` (MQA with many heads: one
+    query's heads fill the MMA rows). SM100 (``arch`` 100 / 103): the Q stages of that forward kernel
+    (``cute_kernels.block_sparse.config.tile_queries``; ``head_dim_v`` > 128 takes one stage), the same
+    rule written here so that a CPU-only install needs no cutlass."""
+    if arch is not None and arch // 10 == 10:
+        gc = min(heads_per_kv, 64)
+        per_stage = 128 // gc
+        stages = 2 if head_dim_v <= 128 and per_stage < 32 else 1
+        return min(stages * per_stage, 32)
     return window_queries(min(heads_per_kv, 64))
 
 
@@ -86,7 +94,7 @@ class BlockSparsePlan:
 
 @dynamic_only("block_sparse_plan")
 def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, causal: bool = True,
-                      cu_seqlens=None, name: Optional[str] = None) -> BlockSparsePlan:
+                      cu_seqlens=None, head_dim_v: int = 128, name: Optional[str] = None) -> BlockSparsePlan:
     r"""Build the plan :func:`block_sparse_attention` uses for ``block_ids`` (reusable via ``plan=``).
 
     Built with Paddle tensor ops on the ids' place (it reads a few sizes back to the host); a
@@ -102,6 +110,8 @@ def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, cau
         cu_seqlens (Tensor, optional): int32 document boundaries along S, ``[n + 1]`` (the same for
             every batch row) or ``[B, n + 1]``: starts at 0, non-decreasing, ends at S. None: one
             document per row.
+        head_dim_v (int): the value head dim of the calls the plan serves. Only an SM100 GPU reads
+            it (its forward tiles queries by it: one Q stage above 128); default 128.
         name (str|None, optional): Name for the operation. Default: None.
 
     Returns:
@@ -129,8 +139,9 @@ def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, cau
     b, s = block_ids.shape[0], block_ids.shape[-2]
     check_cu_seqlens(OP, cu_seqlens, b, s, block_ids)
     check_ids(OP, block_ids, cu_seqlens, block_size)
+    head_dim_v = V.check_int(OP, "head_dim_v", head_dim_v, low=1)
     return build_plan(block_ids, heads_per_kv=heads_per_kv, block_size=block_size, causal=causal,
-                      cu_seqlens=cu_seqlens)
+                      cu_seqlens=cu_seqlens, head_dim_v=head_dim_v)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,9 +265,13 @@ def block_tokens(start, limit, block_size: int):
 # builder
 
 
-def build_plan(block_ids, *, heads_per_kv: int, block_size: int, causal: bool, cu_seqlens) -> BlockSparsePlan:
-    """The plan of validated arguments (Paddle tensor ops, any place)."""
+def build_plan(block_ids, *, heads_per_kv: int, block_size: int, causal: bool, cu_seqlens,
+               head_dim_v: int = 128) -> BlockSparsePlan:
+    """The plan of validated arguments (Paddle tensor ops, any place); its query tile is that of the
+    ids' GPU (``tile_queries``)."""
     import paddle
+
+    from .backend import tensor_arch
 
     per_kv_head = block_ids.ndim == 4
     shape = list(block_ids.shape)
@@ -270,7 +285,8 @@ def build_plan(block_ids, *, heads_per_kv: int, block_size: int, causal: bool, c
         limit = query_limits(bos, eos, causal)
         starts = block_starts(block_ids, bos, limit, block_size).astype("int32").reshape([sets, seqlen, topk])
         union = reference_plan(starts, num_sets=sets, num_queries=seqlen, width=topk, kv_len=seqlen,
-                               heads_per_kv=min(heads_per_kv, 64), per_kv_head=per_kv_head)
+                               heads_per_kv=min(heads_per_kv, 64), per_kv_head=per_kv_head,
+                               window=tile_queries(heads_per_kv, tensor_arch(block_ids), head_dim_v))
         keys = _key_transpose(union.win_key, union.win_count, eos, sets, batch, seqlen, kcap, block_size)
     return BlockSparsePlan(batch=batch, num_sets=sets, num_queries=seqlen, topk=topk, block_size=block_size,
                            heads_per_kv=heads_per_kv, per_kv_head=per_kv_head, causal=causal, num_docs=ndoc,

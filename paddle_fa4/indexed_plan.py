@@ -145,11 +145,13 @@ def indexed_attention_plan(indices, *, kv_len: int, heads_per_kv: int, backend: 
 
 
 def reference_plan(indices, *, num_sets: int, num_queries: int, width: int, kv_len: int,
-                   heads_per_kv: int, per_kv_head: bool) -> IndexedAttentionPlan:
-    """The plan of ``indices [S, Lq, W]`` with Paddle tensor ops (sort/unique based), on any place."""
+                   heads_per_kv: int, per_kv_head: bool, window: int | None = None) -> IndexedAttentionPlan:
+    """The plan of ``indices [S, Lq, W]`` with Paddle tensor ops (sort/unique based), on any place;
+    ``window``: queries per window (at most 32, one mask bit each), default ``window_queries(heads_per_kv)``."""
     import paddle
 
-    wq = window_queries(heads_per_kv)
+    wq = window_queries(heads_per_kv) if window is None else int(window)
+    assert 1 <= wq <= 32, wq
     shapes = plan_shapes(num_sets, num_queries, width, kv_len, wq)
     nw, cap = shapes["win_key"][1], shapes["win_key"][2]
     nt = -(-kv_len // KEY_TILE)

@@ -307,6 +307,44 @@ class FlashFwdSm100:
         """Dynamic shared memory of the launch (an upper bound, see ``_smem_bytes``), in bytes."""
         return _smem_bytes(cfg.head_dim, _q_stage(cfg), _kv_stage(cfg))
 
+    def mmas_and_layouts(self):
+        """(tiled MMA of S = Q K^T, of O += P V, and the sQ / sK / sV / tP layouts): one Q stage is a 128 x Dk
+        K-major tile, a K/V ring buffer a 128-key tile (V MN-major), P the 16-bit TMEM operand of PV."""
+        cta_group = tcgen05.CtaGroup.ONE
+        mma_tiler_qk = (TILE_M, TILE_N, self.head_dim)
+        mma_tiler_pv = (TILE_M, self.head_dim_v, TILE_N)
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, cta_group, mma_tiler_qk[:2])
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, cta_group, mma_tiler_pv[:2], tcgen05.OperandSource.TMEM)
+
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, self.q_stage)
+        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, self.kv_stage)
+        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, self.kv_stage)
+        if const_expr(self.head_dim_v != self.head_dim):
+            # K and V tiles take turns in the same ring buffers: V's buffers use K's (larger) stride.
+            outer = sV_layout.outer
+            k_stride = sK_layout.outer.stride[-1]
+            sV_layout = cute.make_composed_layout(
+                sV_layout.inner, 0, cute.make_layout((*outer.shape[:-1], self.kv_stage),
+                                                     stride=(*outer.stride[:-1], k_stride)))
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
+        return tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout
+
+    def storage_struct(self, sQ_layout, sK_layout):
+        """The shared-storage struct: barriers, the TMEM address, row stats, sQ and the K/V ring."""
+        q_stage, kv_stage = self.q_stage, self.kv_stage
+        fields = {f"bar_{name}": cute.struct.MemRange[Int64, 2 * n]
+                  for name, n in (("q", q_stage), ("kv", kv_stage), ("s", q_stage), ("scale", q_stage),
+                                  ("o", q_stage), ("stats", q_stage))}
+        fields["tmem_holding"] = Int32
+        fields.update({name: cute.struct.MemRange[Float32, q_stage * TILE_M] for name in ("sScale", "sRowSum", "sRowMax")})
+        fields.update({name: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+                       for name, layout in (("sQ", sQ_layout), ("sK", sK_layout))})
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     # ------------------------------------------------------------------ host (jit) side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -330,28 +368,10 @@ class FlashFwdSm100:
             bl_modes = [1, 2, 0] if const_expr(varlen) else [2, 3, 1, 0]
             mBlockLogit = cute.make_tensor(mBlockLogit.iterator, cute.select(mBlockLogit.layout, mode=bl_modes))
 
-        cta_group = tcgen05.CtaGroup.ONE
+        tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout = self.mmas_and_layouts()
         mma_tiler_qk = (TILE_M, TILE_N, self.head_dim)
         mma_tiler_pv = (TILE_M, self.head_dim_v, TILE_N)
-        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, cta_group, mma_tiler_qk[:2])
-        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, cta_group, mma_tiler_pv[:2], tcgen05.OperandSource.TMEM)
-
-        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, self.q_stage)
-        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, self.kv_stage)
-        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, self.kv_stage)
-        if const_expr(self.head_dim_v != self.head_dim):
-            # K and V tiles take turns in the same ring buffers: V's buffers use K's (larger) stride.
-            outer = sV_layout.outer
-            k_stride = sK_layout.outer.stride[-1]
-            sV_layout = cute.make_composed_layout(
-                sV_layout.inner, 0, cute.make_layout((*outer.shape[:-1], self.kv_stage),
-                                                     stride=(*outer.stride[:-1], k_stride)))
-        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
-
+        cta_group = tcgen05.CtaGroup.ONE
         tma_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         cluster_vmnk = (1, 1, 1, 1)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
@@ -364,24 +384,7 @@ class FlashFwdSm100:
         self.k_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
         self.v_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
 
-        q_stage, kv_stage = self.q_stage, self.kv_stage
-
-        @cute.struct
-        class SharedStorage:
-            bar_q: cute.struct.MemRange[Int64, 2 * q_stage]
-            bar_kv: cute.struct.MemRange[Int64, 2 * kv_stage]
-            bar_s: cute.struct.MemRange[Int64, 2 * q_stage]
-            bar_scale: cute.struct.MemRange[Int64, 2 * q_stage]
-            bar_o: cute.struct.MemRange[Int64, 2 * q_stage]
-            bar_stats: cute.struct.MemRange[Int64, 2 * q_stage]
-            tmem_holding: Int32
-            sScale: cute.struct.MemRange[Float32, q_stage * TILE_M]
-            sRowSum: cute.struct.MemRange[Float32, q_stage * TILE_M]
-            sRowMax: cute.struct.MemRange[Float32, q_stage * TILE_M]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.storage_struct(sQ_layout, sK_layout)
 
         # Scales: without softcap S stays raw q.k and the scale lives in the exp2 FMA; with softcap
         # the softmax warps turn S into the scaled logit first, so the exp2 scale is log2(e).
@@ -423,15 +426,27 @@ class FlashFwdSm100:
                scale_log2: Float32, softcap_in: Float32, softcap: Float32, logit_scale: Float32,
                window_left: Int32, window_right: Int32,
                num_m_tiles: Int32, num_heads: Int32, total_tiles: Int32, trace_addr):
+        sched = TileScheduler(self.cfg, self.tile_m_total, mCuSeqlensQ, mCuSeqlensK, mQ.shape[0], mK.shape[0],
+                              window_left, window_right, num_m_tiles, num_heads, total_tiles)
+        self.run_roles(tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout, sched, trace_addr,
+                       (tma_atom_Q, tma_atom_K, tma_atom_V), (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV),
+                       (mBlockLogit, scale_log2, softcap_in, softcap, logit_scale), (mO, mLSE, scale_log2))
+
+    @cute.jit
+    def run_roles(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+                  sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
+                  sched, trace_addr, atoms: tuple, load_args: tuple, softmax_args: tuple, correction_args: tuple):
+        """The CTA: shared storage, pipelines and TMEM, then each warp's role over ``sched``'s work tiles.
+        ``atoms`` are the TMA descriptors the load warp prefetches; ``*_args`` what ``load`` / ``softmax`` /
+        ``correction`` take beyond the shared pieces (a kernel built on this one passes its own)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         trace = None
         if const_expr(trace_addr is not None):
             trace = EdgeTrace(trace_addr, TRACE_EDGES)
 
         if warp_idx == _WARP_LOAD:
-            cpasync.prefetch_descriptor(tma_atom_Q)
-            cpasync.prefetch_descriptor(tma_atom_K)
-            cpasync.prefetch_descriptor(tma_atom_V)
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -479,9 +494,6 @@ class FlashFwdSm100:
         tStS = [cute.make_tensor(tmem_ptr + self.tmem_s_offset[i], tStS_layout) for i in range(self.q_stage)]
         tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o_offset[i], tOtO_layout) for i in range(self.q_stage)]
 
-        sched = TileScheduler(self.cfg, self.tile_m_total, mCuSeqlensQ, mCuSeqlensK, mQ.shape[0], mK.shape[0],
-                              window_left, window_right, num_m_tiles, num_heads, total_tiles)
-
         # One if/elif chain: the roles are sibling branches, so values only one role needs are not
         # live (and holding registers) inside another role's smaller setmaxnreg budget.
         regs_softmax, regs_softmax1, regs_correction, regs_other = REGS[self.q_stage]
@@ -496,9 +508,8 @@ class FlashFwdSm100:
             # ------------------------------------------------------------ SOFTMAX (one WG per Q stage)
             cute.arch.setmaxregister_increase(regs_softmax)
             stage = Int32(0) if const_expr(self.q_stage == 1) else warp_idx // 4
-            self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, mBlockLogit,
-                         tp_softmax["s"], tp_softmax["scale"], tp_softmax["stats"],
-                         scale_log2, softcap_in, softcap, logit_scale, sched)
+            self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, tp_softmax["s"], tp_softmax["scale"],
+                         tp_softmax["stats"], sched, softmax_args)
             if const_expr(trace is not None):
                 trace.done(stage)
         elif warp_idx < _WARPS_CORRECTION[0]:
@@ -511,8 +522,8 @@ class FlashFwdSm100:
                 cute.arch.setmaxregister_decrease(regs_correction)
             else:
                 cute.arch.setmaxregister_increase(regs_correction)
-            self.correction(thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, mO, mLSE, tp_correction["s"],
-                            tp_correction["scale"], tp_correction["o"], tp_correction["stats"], scale_log2, sched)
+            self.correction(thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, tp_correction["s"], tp_correction["scale"],
+                            tp_correction["o"], tp_correction["stats"], sched, correction_args)
             if const_expr(trace is not None):
                 trace.mark(2, "tmem_free", 0)
             tmem_free.arrive_and_wait()
@@ -530,8 +541,7 @@ class FlashFwdSm100:
         elif warp_idx == _WARP_LOAD:
             # ------------------------------------------------------------ LOAD
             cute.arch.setmaxregister_decrease(regs_other)
-            self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-                      sQ, sK, sV, tp_load["q"], tp_load["kv"], sched)
+            self.load(thr_mma_qk, thr_mma_pv, sQ, sK, sV, tp_load["q"], tp_load["kv"], sched, load_args)
             if const_expr(trace is not None):
                 trace.done(4)
         else:
@@ -540,8 +550,8 @@ class FlashFwdSm100:
 
     # ------------------------------------------------------------------ load warp
     @cute.jit
-    def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-             sQ, sK, sV, pipe_q, pipe_kv, sched: TileScheduler):
+    def load(self, thr_mma_qk, thr_mma_pv, sQ, sK, sV, pipe_q, pipe_kv, sched: TileScheduler, args: tuple):
+        tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV = args
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
         v_bytes = None if const_expr(self.head_dim_v == self.head_dim) else self.v_tile_bytes
@@ -700,30 +710,10 @@ class FlashFwdSm100:
 
     # ------------------------------------------------------------------ softmax warpgroups
     @cute.jit
-    def softmax(self, stage: Int32, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, mBlockLogit,
-                pipe_s, pipe_scale, pipe_stats, scale_log2: Float32, softcap_in: Float32, softcap: Float32,
-                logit_scale: Float32, sched: TileScheduler):
-        tidx = cute.arch.thread_idx()[0] % TILE_M  # = TMEM lane = query row in the Q stage tile
-        tSAcc = tStS[0][(None, None), 0, 0]  # (128, 128) fp32 in TMEM, stage 0 (offset added below)
-        t2r_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
-        thr_t2r = tcgen05.make_tmem_copy(t2r_atom, tSAcc).get_slice(tidx)
-        tStS_t2r = thr_t2r.partition_S(tSAcc)
-        cS = cute.make_identity_tensor((TILE_M, TILE_N))
-        tScS_t2r = thr_t2r.partition_D(thr_mma_qk.partition_C(cS)[(None, None), 0, 0])
-        # P (16-bit pairs as fp32 columns) over the upper half of S
-        p_cols = TILE_N * self.dtype.width // 32
-        tStP = cute.make_tensor(tSAcc.iterator + self.tmem_p_offset,
-                                cute.composition(tSAcc.layout, cute.make_layout((TILE_M, p_cols))))
-        r2t_atom = cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols // 4)), Float32)
-        thr_r2t = tcgen05.make_tmem_copy(r2t_atom, tStP).get_slice(tidx)
-        tStP_r2t = thr_r2t.partition_D(tStP)
-        tPcP = thr_r2t.partition_S(cute.make_identity_tensor((TILE_M, p_cols)))
-        stage_cols = stage * TILE_N  # TMEM column offset of S_stage
-        tStS_t2r = cute.make_tensor(tStS_t2r.iterator + stage_cols, tStS_t2r.layout)
-        tStP_r2t = cute.make_tensor(tStP_r2t.iterator + stage_cols, tStP_r2t.layout)
-        tmem = (thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP)
-
+    def softmax(self, stage: Int32, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_stats,
+                sched: TileScheduler, args: tuple):
+        mBlockLogit, scale_log2, softcap_in, softcap, logit_scale = args
+        tidx, tmem = self.softmax_tmem(stage, thr_mma_qk, tStS)
         s_state = _slot_state(self.q_stage, stage, producer=False)
         scale_state = _slot_state(self.q_stage, stage, producer=True)
         stats_state = _slot_state(self.q_stage, stage, producer=True)
@@ -766,6 +756,31 @@ class FlashFwdSm100:
                     blk.fill_unvisited_by_row(gBL, stage_rows, gBL.shape[1], block_lo, block_hi, tidx, TILE_M)
             work_idx = sched.next(work_idx)
 
+    def softmax_tmem(self, stage: Int32, thr_mma_qk, tStS):
+        """(thread's row = TMEM lane, the TMEM copies of one softmax thread: S load, P store, their
+        partitions) for Q stage ``stage``."""
+        tidx = cute.arch.thread_idx()[0] % TILE_M  # = TMEM lane = query row in the Q stage tile
+        tSAcc = tStS[0][(None, None), 0, 0]  # (128, 128) fp32 in TMEM, stage 0 (offset added below)
+        t2r_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+        thr_t2r = tcgen05.make_tmem_copy(t2r_atom, tSAcc).get_slice(tidx)
+        tStS_t2r = thr_t2r.partition_S(tSAcc)
+        cS = cute.make_identity_tensor((TILE_M, TILE_N))
+        tScS_t2r = thr_t2r.partition_D(thr_mma_qk.partition_C(cS)[(None, None), 0, 0])
+        # P (16-bit pairs as fp32 columns) over the upper half of S
+        p_cols = TILE_N * self.dtype.width // 32
+        tStP = cute.make_tensor(tSAcc.iterator + self.tmem_p_offset,
+                                cute.composition(tSAcc.layout, cute.make_layout((TILE_M, p_cols))))
+        r2t_atom = cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols // 4)), Float32)
+        thr_r2t = tcgen05.make_tmem_copy(r2t_atom, tStP).get_slice(tidx)
+        tStP_r2t = thr_r2t.partition_D(tStP)
+        tPcP = thr_r2t.partition_S(cute.make_identity_tensor((TILE_M, p_cols)))
+        stage_cols = stage * TILE_N  # TMEM column offset of S_stage
+        tStS_t2r = cute.make_tensor(tStS_t2r.iterator + stage_cols, tStS_t2r.layout)
+        tStP_r2t = cute.make_tensor(tStP_r2t.iterator + stage_cols, tStP_r2t.layout)
+        tmem = (thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP)
+        return tidx, tmem
+
     @cute.jit
     def softmax_step(self, step: Int32, need_mask, n_tile: Int32, tile: WorkTile, row: Int32,
                      row_max: Float32, row_sum: Float32, carry: cute.Tensor, gBL, stage: Int32, tmem,
@@ -783,13 +798,9 @@ class FlashFwdSm100:
         if const_expr(cfg.has_softcap):
             for k in cutlass.range_constexpr(n):
                 tSrS[k] = softcap_logit(tSrS[k], softcap_in, softcap)
-        # 3. mask (only key tiles crossing a limit). The 32x32b TMEM load gives each thread its row
-        #    in order: register k is key column k of the tile, the column list common/mask.py takes.
-        col0 = n_tile * TILE_N
+        # 3. mask (only key tiles crossing a limit)
         if need_mask:
-            apply_mask(cute.make_tensor(tSrS.iterator, cute.make_layout((1, n))), list(range(n)), [row], col0,
-                       tile.seqlen.seqlen_k, tile.seqlen.seqlen_k - tile.seqlen.seqlen_q, tile.left, tile.right,
-                       True, cfg.causal or cfg.has_window, cfg.has_window)
+            self.mask_scores(tSrS, n_tile, tile, row)
         # 4. block maxima and the tile max from the same fmax3 tree
         blocks = None
         if const_expr(cfg.has_block_logit):
@@ -852,6 +863,17 @@ class FlashFwdSm100:
         pipe_s.consumer_release(s_state)
         return row_max_use, row_sum * acc_scale + (sums[0] + sums[1])
 
+    @cute.jit
+    def mask_scores(self, tSrS: cute.Tensor, n_tile: Int32, tile: WorkTile, row: Int32):
+        """-inf on the keys of key tile ``n_tile`` that query ``row`` does not see (causal / window / past the
+        keys). The 32x32b TMEM load gives each thread its row in order: register k is key column k of the
+        tile, the column list common/mask.py takes."""
+        cfg = self.cfg
+        n = cute.size(tSrS)
+        apply_mask(cute.make_tensor(tSrS.iterator, cute.make_layout((1, n))), list(range(n)), [row], n_tile * TILE_N,
+                   tile.seqlen.seqlen_k, tile.seqlen.seqlen_k - tile.seqlen.seqlen_q, tile.left, tile.right,
+                   True, cfg.causal or cfg.has_window, cfg.has_window)
+
     # ------------------------------------------------------------------ block_logit
     @cute.jit
     def block_logit_rows(self, mBlockLogit, row0: Int32, head: Int32, batch: Int32):
@@ -862,8 +884,9 @@ class FlashFwdSm100:
 
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
-    def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, mO, mLSE,
-                   pipe_s, pipe_scale, pipe_o, pipe_stats, scale_log2: Float32, sched: TileScheduler):
+    def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_o, pipe_stats,
+                   sched: TileScheduler, args: tuple):
+        scale_log2 = args[-1]
         tidx = cute.arch.thread_idx()[0] % TILE_M
         dv = self.head_dim_v
         chunk = O_CHUNK
@@ -920,7 +943,7 @@ class FlashFwdSm100:
                         row_max = sRowMax[tidx, i]
                         pipe_stats.consumer_release(stats_state)
                         stats_state.advance()
-                    self.epilogue_row(tOt_t2r[i], mO, mLSE, row_sum, row_max, tile, row, scale_log2, num_chunks)
+                    self.epilogue_row(tOt_t2r[i], args, row_sum, row_max, tile, row, num_chunks)
                     if tile.has_keys:
                         pipe_o.consumer_release(o_state)  # after the TMEM loads completed
                         o_state.advance()
@@ -939,13 +962,13 @@ class FlashFwdSm100:
         cute.arch.fence_view_async_tmem_store()
 
     @cute.jit
-    def epilogue_row(self, t2r, mO, mLSE, row_sum: Float32, row_max: Float32, tile: WorkTile, row: Int32,
-                     scale_log2: Float32, num_chunks: cutlass.Constexpr):
+    def epilogue_row(self, t2r, args: tuple, row_sum: Float32, row_max: Float32, tile: WorkTile, row: Int32,
+                     num_chunks: cutlass.Constexpr):
         """O row = O_acc / row_sum, lse (OnlineSoftmax.finalize of the one row; 0 / -inf for a row with
         no visible key). The TMEM loads run in every thread of the warp (tcgen05.ld is warp-collective);
         only the global stores are predicated on the row being inside the sequence. Ends with
         tcgen05.wait::ld, so O may be overwritten after it returns."""
-        thr_t2r, tOt_src, rO_shape = t2r
+        mO, mLSE, scale_log2 = args
         final = OnlineSoftmax(scale_log2, 1, 1)
         final.row_sum[0] = row_sum
         final.row_max[0] = row_max
@@ -965,10 +988,18 @@ class FlashFwdSm100:
             gO_row = mO[row_g, None, tile.head]
         else:
             gO_row = mO[row_g, None, tile.head, tile.batch]
+        self.store_o_row(t2r, gO_row, inv_sum, tile.has_keys, row_ok, num_chunks)
+
+    @cute.jit
+    def store_o_row(self, t2r, gO_row: cute.Tensor, inv_sum: Float32, has_keys, row_ok, num_chunks: cutlass.Constexpr):
+        """One O row: TMEM (O_CHUNK columns per load, every lane: tcgen05.ld is warp-collective) times
+        ``inv_sum`` (zeros when the tile has no keys), in q's dtype to ``gO_row`` where ``row_ok``; ends with
+        tcgen05.wait::ld."""
+        thr_t2r, tOt_src, rO_shape = t2r
         for c in cutlass.range_constexpr(num_chunks):
             tOt_c = cute.make_tensor(tOt_src.iterator + c * O_CHUNK, tOt_src.layout)
             rO = cute.make_rmem_tensor(rO_shape, Float32)
-            if tile.has_keys:
+            if has_keys:
                 cute.copy(thr_t2r, tOt_c, rO)
                 for k in cutlass.range_constexpr(0, cute.size(rO), 2):
                     rO[k], rO[k + 1] = cute.arch.mul_packed_f32x2((rO[k], rO[k + 1]), (inv_sum, inv_sum))

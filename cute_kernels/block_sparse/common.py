@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from cute_kernels.common.utils import (convert_to_16bit, select_modes, stage_acc_16bit, transpose_view,
+from cute_kernels.common.utils import (LOG2_E, convert_to_16bit, select_modes, stage_acc_16bit, transpose_view,
                                        wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 from cute_kernels.indexed.bwd_dkdv_sm90 import IndexedBwdDKDVSm90
@@ -153,3 +153,18 @@ class BlockSparseSm90:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
         return warp_idx, tidx, cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+
+
+@cute.jit
+def fold_sink_row(row_max: Float32, row_sum: Float32, sink: Float32, scale_log2: Float32, lead):
+    """The sink column (logit ``sink``, natural log, not scaled) joins one row's online-softmax statistics
+    (``row_max`` in units of ``scale_log2``, ``row_sum`` relative to it); ``lead`` adds it (1) or not (0: a
+    row's other lanes, which hold partial sums). A row without keys gets max = sink and sum = lead (out 0).
+    Returns (max, sum, 1 if the row had no key else 0): the caller then sets lse = sink exactly, as
+    finalize's (m * scale_log2 + log2 1) * ln 2 with m = sink * log2(e) / scale_log2 rounds three times."""
+    sink_log2 = sink * LOG2_E
+    empty = row_max == -Float32.inf
+    extra = lead * cute.math.exp2(sink_log2 - (Float32(0.0) if empty else row_max) * scale_log2, fastmath=True)
+    new_sum = lead if empty else row_sum + extra
+    new_max = sink_log2 / scale_log2 if empty else row_max
+    return new_max, new_sum, Int32(1) if empty else Int32(0)

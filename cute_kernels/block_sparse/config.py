@@ -27,8 +27,27 @@ BWD_HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 
 
-def tile_queries(group: int) -> int:
-    """Queries per row tile (the plan's window): ``min(64 // G, 32)``, 1 for ``G >= 64``."""
+#: SM100 (fwd_sm100.py): rows of one Q stage (one TMEM lane each).
+SM100_STAGE_ROWS = 128
+
+
+def stage_queries_sm100(group: int) -> int:
+    """SM100: queries per Q stage, ``128 // GC`` (the stage's rows past ``QS * GC`` idle)."""
+    return SM100_STAGE_ROWS // head_chunk(group)
+
+
+def q_stages_sm100(group: int, head_dim_v: int) -> int:
+    """SM100: Q stages per row tile: 2 (ping-pong through the tensor core, as the dense forward) when
+    both fit TMEM (Dv <= 128) and a second stage gets queries of its own (the 32-query cap of the
+    mask word leaves it idle for G <= 4), else 1."""
+    return 2 if head_dim_v <= 128 and stage_queries_sm100(group) < 32 else 1
+
+
+def tile_queries(group: int, arch: int = 90, head_dim_v: int = 128) -> int:
+    """Queries per row tile (the plan's window). SM90: ``min(64 // G, 32)``, 1 for ``G >= 64``. SM100:
+    ``min(stages * QS, 32)`` (``q_stages_sm100``, ``stage_queries_sm100``)."""
+    if arch // 10 == 10:
+        return min(q_stages_sm100(group, head_dim_v) * stage_queries_sm100(group), 32)
     return min(TILE_M // min(group, TILE_M), 32)
 
 
@@ -52,7 +71,7 @@ class FwdConfig:
 
     @property
     def window_queries(self) -> int:
-        return tile_queries(self.group)
+        return tile_queries(self.group, self.arch, self.head_dim_v)
 
 
 def unsupported_reason(*, head_dim: int, head_dim_v: int, group: int, dtype: str, block_size: int,

@@ -54,7 +54,7 @@ from cute_kernels.common.softmax import OnlineSoftmax
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
                                        sm90_thread0_cols, transpose_view, wgmma_gemm, wgmma_smem_layout)
 
-from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage, smem_tensors
+from .common import THREADS_PER_WG, BlockSparseSm90, fold_sink_row, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, TILE_M, FwdConfig
 
 KV_STAGES = 2
@@ -379,21 +379,14 @@ class BlockSparseFwdSm90(BlockSparseSm90):
 
     @cute.jit
     def fold_sink(self, softmax: OnlineSoftmax, mSink: cute.Tensor, heads: list, leader):
-        """The sink column (logit ``sink[h]``, natural log, not scaled) joins each row's normaliser;
-        added once per row (the quad's first lane). A row without keys gets max = sink and sum 1
-        (out 0); returns the per-row flags (1: no key) the caller sets lse = sink by."""
+        """The sink column joins each of this thread's two rows (``fold_sink_row``), added once per row (the
+        quad's first lane); returns the per-row flags (1: no key) the caller sets lse = sink by."""
         row_max, row_sum = softmax.row_max, softmax.row_sum
         lead = Float32(1.0) if leader else Float32(0.0)
         keyless = cute.make_rmem_tensor((2,), Int32)
         for r in cutlass.range_constexpr(2):
-            sink_log2 = mSink[heads[r]] * LOG2_E
-            m = row_max[r]
-            empty = m == -Float32.inf
-            keyless[r] = Int32(1) if empty else Int32(0)
-            extra = lead * cute.math.exp2(sink_log2 - (Float32(0.0) if empty else m) * softmax.scale_log2,
-                                          fastmath=True)
-            row_sum[r] = lead if empty else row_sum[r] + extra
-            row_max[r] = sink_log2 / softmax.scale_log2 if empty else m
+            row_max[r], row_sum[r], keyless[r] = fold_sink_row(row_max[r], row_sum[r], mSink[heads[r]],
+                                                               softmax.scale_log2, lead)
         return keyless
 
     @cute.jit

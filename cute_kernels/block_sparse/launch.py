@@ -47,15 +47,32 @@ def _fwd_fakes(cfg: FwdConfig):
             f32(1.0))
 
 
+def compile_fwd(cfg: FwdConfig, sm_count: int | None = None):
+    """The forward of ``cfg``, compiled once. ``sm_count``: SMs of the device the SM100 persistent kernel
+    launches on (its grid; None = the target's default, compile-only builds); the SM90 kernel ignores it."""
+    if _arch.family(cfg.arch) != 100:
+        sm_count = None
+    elif sm_count is None:
+        sm_count = _arch.SM_COUNT_DEFAULT[cfg.arch]
+    return _compile_fwd(cfg, sm_count)
+
+
 @jit_cache
-def compile_fwd(cfg: FwdConfig):
+def _compile_fwd(cfg: FwdConfig, sm_count: int | None):
     import cutlass.cute as cute
 
     from cute_kernels.fake import arch_options, fake_stream
 
-    if _arch.family(cfg.arch) != 90:
-        raise NotImplementedError(f"block_sparse_attention: no CuTe forward for arch {cfg.arch} yet (SM90 only)")
-    return cute.compile(_fwd_kernel(cfg)(cfg), *_fwd_fakes(cfg), fake_stream(), options=arch_options(cfg.arch))
+    if _arch.family(cfg.arch) not in (90, 100):
+        raise NotImplementedError(f"block_sparse_attention: no CuTe forward for arch {cfg.arch}")
+    if _arch.family(cfg.arch) == 100:
+        if cfg.latent:
+            raise NotImplementedError("block_sparse_attention: no SM100 forward for the absorbed-MLA latent")
+        from .fwd_sm100 import BlockSparseFwdSm100
+        kernel = BlockSparseFwdSm100(cfg, sm_count=int(sm_count))
+    else:
+        kernel = _fwd_kernel(cfg)(cfg)
+    return cute.compile(kernel, *_fwd_fakes(cfg), fake_stream(), options=arch_options(cfg.arch))
 
 
 def _fwd_kernel(cfg: FwdConfig):
@@ -76,7 +93,8 @@ def run_fwd(cfg: FwdConfig, q, k, v, tile_start, tile_mask, tile_count, q_limit,
         return
     if cfg.latent:
         v = k  # the kernel reads V from K's shared memory; its v argument is k
-    compile_fwd(cfg)(q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse, float(softmax_scale))
+    sm_count = _arch.tensor_sm_count(q) if _arch.family(cfg.arch) == 100 else None
+    compile_fwd(cfg, sm_count)(q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse, float(softmax_scale))
 
 
 def bwd_config(q, k, v, *, per_kv_head: bool, arch: int | None = None, latent_dv: int | None = None) -> BwdConfig:
@@ -209,6 +227,11 @@ def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_
 
 # ---- configs compiled by ``python -m cute_kernels.check`` ----
 def fwd_matrix(arch: int, full: bool = False):
+    if _arch.family(arch) == 100:  # no latent there
+        return [FwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk, has_sink=sk)
+                for dt in (DTYPES if full else ("bfloat16",)) for d in HEAD_DIMS
+                for g in ((1, 2, 4, 8, 12, 16, 64, 128) if full else (1, 8, 12, 128))
+                for pk in ((False, True) if full else (False,)) for sk in ((False, True) if full else (True,))]
     if _arch.family(arch) != 90:
         return []
     latent = [FwdConfig(arch=arch, dtype=dt, head_dim=dk, head_dim_v=dv, group=g, per_kv_head=False, has_sink=sk,
@@ -263,6 +286,9 @@ def _dkdv_smem(cfg):
 
 
 def _fwd_smem(cfg):
+    if _arch.family(cfg.arch) == 100:
+        from .fwd_sm100 import BlockSparseFwdSm100
+        return BlockSparseFwdSm100.smem_bytes(cfg)
     return _fwd_kernel(cfg).smem_bytes(cfg)
 
 

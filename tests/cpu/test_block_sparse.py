@@ -456,6 +456,59 @@ def test_sm100_token_path_without_work(S, topk, monkeypatch):
     assert dsink is None and not any(g.numpy().any() for g in (dq, dk, dv))
 
 
+@pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
+def test_sm100_kernel_forward_then_token_backward(sink, monkeypatch):
+    """SM100 with a case the block-sparse tcgen05 forward takes (bf16, Dk = Dv = 64, block 64): the glue
+    builds the plan with SM100's query tile (G 8: 32 queries, two Q stages), hands the kernel (stubbed with
+    the reference here) an SM100 config, and the backward runs the token path from that forward's out / lse
+    (indexed kernels stubbed with the indexed reference): gradients as the block-sparse reference's. A plan
+    with another query tile (built on the CPU: the SM90 tile) is refused by name before any launch."""
+    pytest.importorskip("cutlass")
+    from cute_kernels.block_sparse import launch
+    from paddle_fa4 import backend as backend_mod
+    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4 import block_sparse_ref
+    from paddle_fa4._cute import indexed as indexed_glue
+    from paddle_fa4.block_sparse_planner import build_plan
+    from paddle_fa4.reference import indexed as ref_indexed
+
+    c = _case(5, B=1, S=150, Hq=8, Hkv=1, Dk=64, Dv=64, topk=3, bs=64, cu=[0, 37, 150], sink=sink)
+    spec = _spec(c, "bfloat16")
+    assert glue.unsupported_reason(100, spec, needs_grad=False) is None
+    assert glue.unsupported_reason(103, spec, needs_grad=True) is None  # backward: the token path
+    q, k, v, ids = tuple(_t(c[n], "bfloat16") for n in ("q", "k", "v")) + (_t(c["ids"], "int32"),)
+    cu_t, s_t, dout = _t(c["cu"], "int32"), _t(c["sink"]) if sink else None, _t(c["dout"], "bfloat16")
+    seen = {}
+
+    def fake_run_fwd(cfg, q_, k_, v_, tile_start, tile_mask, tile_count, q_limit, sink_, out, lse, scale):
+        seen.update(cfg=cfg, tiles=tile_count.shape)
+        o, l, _ = block_sparse_ref.forward(spec, q, k, v, ids, cu_t, s_t)
+        paddle.assign(o.astype(out.dtype), out)
+        paddle.assign(l, lse)
+
+    monkeypatch.setattr(glue, "arch_of", lambda t: 100)
+    monkeypatch.setattr(launch, "run_fwd", fake_run_fwd)
+    with pytest.raises(ValueError, match="head_dim_v=64"):  # a CPU-built plan tiles 8 queries
+        glue.forward(spec, q, k, v, ids, cu_t, s_t, build_plan(ids, heads_per_kv=8, block_size=64, causal=True,
+                                                               cu_seqlens=cu_t))
+    assert not seen
+    monkeypatch.setattr(backend_mod, "tensor_arch", lambda t: 100)  # the plan is built "on the GPU"
+    out, lse, plan = glue.forward(spec, q, k, v, ids, cu_t, s_t, None)
+    assert seen["cfg"].arch == 100 and seen["cfg"].window_queries == plan.window_queries == 32
+    assert seen["tiles"] == [1, 5] and seen["cfg"].has_sink == sink
+    monkeypatch.setattr(indexed_glue, "backward", lambda sp, q_, k_, v_, o, l, do, pl, return_delta=False: (
+        tuple(ref_indexed.backward(sp, q_, k_, v_, o, l, do, pl)) + (
+            (do.astype("float32") * o.astype("float32")).sum(axis=-1).transpose([0, 2, 1]),) if return_delta else
+        tuple(ref_indexed.backward(sp, q_, k_, v_, o, l, do, pl))))
+    monkeypatch.setattr(indexed_glue, "_plan_for", lambda sp, idx, pl: idx)  # the reference takes the rows
+    grads = glue.backward(spec, q, k, v, ids, cu_t, s_t, out, lse, dout, plan)
+    want = block_sparse_ref.backward(spec, q, k, v, ids, cu_t, s_t, out, lse, dout)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, want):
+        assert (a is None) == (b is None) == (name == "dsink" and not sink), name
+        if a is not None:
+            _close(name, a.astype("float32").numpy(), b.astype("float32").numpy(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dk,dv", [(576, 512), (512, 448)])
 def test_sm90_latent_forward_glue(dk, dv, monkeypatch):
     """The SM90 glue of the latent (v=None) forward hands the kernel k alone (v None), a latent config with

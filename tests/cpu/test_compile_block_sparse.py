@@ -1,6 +1,6 @@
 """The block-sparse forward, dQ and dK/dV kernels compile for sm_90a without a GPU (no spills, shared memory within the
-arch limit), is registered for ``python -m cute_kernels.check``, and its host-side rules agree with
-the Paddle planner's."""
+arch limit), the SM100 forward for sm_100a and sm_103a, are registered for ``python -m cute_kernels.check``, and their
+host-side rules agree with the Paddle planner's."""
 
 from __future__ import annotations
 
@@ -20,12 +20,21 @@ def test_check_cli_compiles_block_sparse_kernels(kernel, tmp_path):
     assert all(r["smem_bytes"] <= 232_448 for r in rows)
 
 
-def test_registered_and_sm90_only():
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_check_cli_compiles_sm100_forward(arch, tmp_path):
+    rows = run_check(tmp_path, arch, "block_sparse_fwd", timeout=3000)
+    assert len(rows) == len(fwd_matrix(100)) == 12 and all(0 < r["registers"] <= 255 for r in rows)
+    assert all(r["smem_bytes"] <= 232_448 for r in rows)
+
+
+def test_registered_sm90_and_sm100_forward():
     from cute_kernels.registry import LAUNCH_MODULES
 
     assert "cute_kernels.block_sparse.launch" in LAUNCH_MODULES
     assert set(CHECKS) == {"block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv"}
-    assert fwd_matrix(100) == [] and bwd_matrix(100) == []
+    assert bwd_matrix(100) == [] and not any(c.latent for c in fwd_matrix(100, full=True))
+    assert len(fwd_matrix(100, full=True)) == 2 * 3 * 8 * 2 * 2
     # dtypes x head dims x groups x id layouts x sink, plus the latent: dtypes x (Dk, Dv) x groups x sink
     assert len(fwd_matrix(90, full=True)) == 2 * 3 * 6 * 2 * 2 + 2 * 2 * 3 * 2
     assert len(bwd_matrix(90, full=True)) == 2 * 2 * 6 * 2 + 2 * 2 * 3 * 2
@@ -35,9 +44,20 @@ def test_registered_and_sm90_only():
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 12, 16, 64, 128])
 def test_row_tile_matches_planner(group):
+    from cute_kernels.block_sparse.config import q_stages_sm100, stage_queries_sm100
     from paddle_fa4.block_sparse_planner import tile_queries as planner_tile_queries
 
     assert tile_queries(group) == planner_tile_queries(group)
+    for arch in (100, 103):
+        for dv in (64, 128, 256):
+            wq = tile_queries(group, arch, dv)
+            assert wq == planner_tile_queries(group, arch, dv) <= 32
+            # the window's queries fill the kernel's Q stages in order: QS per stage, GC rows each
+            assert wq <= q_stages_sm100(group, dv) * stage_queries_sm100(group)
+            assert stage_queries_sm100(group) * head_chunk(group) <= 128
+            assert FwdConfig(arch=arch, dtype="bfloat16", head_dim=dv, head_dim_v=dv, group=group, per_kv_head=False,
+                             has_sink=False).window_queries == wq
+        assert q_stages_sm100(group, 256) == 1
     assert tile_queries(group) * head_chunk(group) <= 64 and group % head_chunk(group) == 0
     assert FwdConfig(arch=90, dtype="bfloat16", head_dim=128, head_dim_v=128, group=group, per_kv_head=False,
                      has_sink=False).window_queries == tile_queries(group)

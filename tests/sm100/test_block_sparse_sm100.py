@@ -1,14 +1,17 @@
-"""SM100 (Blackwell) block_sparse_attention through the CuTe backend's token path (Note [SM100 token path]
-in paddle_fa4/block_sparse_cute.py: token rows by the planner's rule + the indexed-attention kernels).
+"""SM100 (Blackwell) block_sparse_attention through the CuTe backend: the block-sparse tcgen05 forward
+(cute_kernels/block_sparse/fwd_sm100.py) and the token path for the backward (Note [SM100 token path] in
+paddle_fa4/block_sparse_cute.py: token rows by the planner's rule + the indexed-attention kernels).
 
     python -m pytest tests/sm100/test_block_sparse_sm100.py -q   # skips without Paddle on a CC 10.0 / 10.3 GPU
 
-The token path lives in the Paddle glue, so this file needs Paddle with CUDA on the Blackwell GPU
+The glue is Paddle's, so this file needs Paddle with CUDA on the Blackwell GPU
 (``PADDLE_FA4_SM100_FRAMEWORK=reference`` dry-runs the same checks on the CPU against the reference
 backend: it checks the tests, not the kernels). out / lse / dq / dk / dv against the fp64 oracle over the
 expanded token mask (tests/oracles/block_sparse.py), bf16, GQA and per-kv-head ids, -1 padding and
-repeated ids, S not a multiple of 64, documents at bos % 64 != 0, causal and not, a learnable sink; backend="cute" must not
-fall back; bitwise equal over two runs. Nothing here has been run on a Blackwell GPU: none was available when it was written.
+repeated ids, S not a multiple of 64, documents at bos % 64 != 0, causal and not, a learnable sink, the
+forward over head dims 64 / 128 / 256 and 1 / 8 / 12 / 128 query heads per kv head (one and two Q
+stages, stages past the tile's queries, an odd last block); backend="cute" must not fall back; bitwise
+equal over two runs. Nothing here has been run on a Blackwell GPU: none was available when it was written.
 """
 
 from __future__ import annotations
@@ -114,3 +117,37 @@ def test_token_path_with_sink_matches_oracle():
     assert _rel(got[0], out) <= OUT_TOL
     for name, g, w in (("dq", got[2], dq), ("dk", got[3], dk), ("dv", got[4], dv), ("dsink", got[5], dsink)):
         assert _rel(g, w) <= GRAD_TOL, (name, _rel(g, w))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (16, 2), (24, 2), (128, 1)], ids=["G1", "G8", "G12", "G128"])
+def test_forward_row_tiles_match_oracle(d, hq, hkv):
+    """The forward kernel's row tiles (Q stages of 128 // GC queries, one or two per tile, the 32-query
+    window, head chunks of 64 for G 128) and key steps of two blocks (odd counts: topk 3 of 64-token
+    blocks): out / lse against the fp64 oracle, bitwise over two runs; no gradient asked."""
+    paddle = pytest.importorskip("paddle")
+    import paddle_fa4
+
+    rng = np.random.default_rng(13 + d + hq)
+    b, s, causal, cu = 1, 200, True, [0, 45, 200]
+    ids = orc.random_ids(rng, b, s, 3, 64, causal, cu, pad=0.2, dup=0.2)
+    place = "cpu" if DRY else "gpu"
+    arrays = [rng.standard_normal((b, s, h, d)).astype(np.float32) for h in (hq, hkv, hkv)]
+    runs = []
+    for _ in range(2):
+        q, k, v = (paddle.to_tensor(a, place=place).astype("bfloat16") for a in arrays)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, lse = paddle_fa4.block_sparse_attention(
+                q, k, v, paddle.to_tensor(ids, place=place), block_size=64, causal=causal,
+                cu_seqlens=paddle.to_tensor(np.asarray(cu, np.int32), place=place), return_lse=True,
+                backend="reference" if DRY else "cute")
+        runs.append((out.astype("float32").numpy(), lse.numpy()))
+    assert all(np.array_equal(a, a2, equal_nan=True) for a, a2 in zip(runs[0], runs[1]))
+    bf = lambda a: paddle.to_tensor(a).astype("bfloat16").astype("float32").numpy()  # noqa: E731
+    mask = orc.token_mask(ids, 64, causal, np.asarray(cu))
+    want_out, want_lse, _ = orc.attention(*(bf(a) for a in arrays), mask)
+    got_out, got_lse = runs[0]
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    assert _rel(got_out, want_out) <= OUT_TOL and np.abs(got_lse[fin] - want_lse[fin]).max() <= 2e-3
