@@ -742,12 +742,7 @@ class FlashFwdSm100:
                         tidx)
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
-                # final row stats for the correction WG's epilogue
-                pipe_stats.producer_acquire(stats_state)
-                sRowSum[tidx, stage] = row_sum
-                sRowMax[tidx, stage] = row_max
-                pipe_stats.producer_commit(stats_state)
-                stats_state.advance(self.q_stage)
+                self.publish_row_stats(pipe_stats, stats_state, sRowSum, sRowMax, tidx, stage, row_sum, row_max)
             if const_expr(mBlockLogit is not None):
                 # see Note [block_logit of unvisited blocks]
                 if tile.has_rows:
@@ -755,6 +750,16 @@ class FlashFwdSm100:
                     stage_rows = cutlass.max(cutlass.min(tile.seqlen.seqlen_q - stage_row0, TILE_M), 0)
                     blk.fill_unvisited_by_row(gBL, stage_rows, gBL.shape[1], block_lo, block_hi, tidx, TILE_M)
             work_idx = sched.next(work_idx)
+
+    @cute.jit
+    def publish_row_stats(self, pipe_stats, stats_state, sRowSum, sRowMax, tidx: Int32, stage: Int32,
+                          row_sum: Float32, row_max: Float32):
+        """The row's final sum / max for the correction WG's epilogue (stats slot ``stage``); advances the state."""
+        pipe_stats.producer_acquire(stats_state)
+        sRowSum[tidx, stage] = row_sum
+        sRowMax[tidx, stage] = row_max
+        pipe_stats.producer_commit(stats_state)
+        stats_state.advance(self.q_stage)
 
     def softmax_tmem(self, stage: Int32, thr_mma_qk, tStS):
         """(thread's row = TMEM lane, the TMEM copies of one softmax thread: S load, P store, their

@@ -322,11 +322,7 @@ class BlockSparseFwdSm100(FlashFwdSm100):
                         Float32(1.0), tidx)
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
-                pipe_stats.producer_acquire(stats_state)
-                sRowSum[tidx, stage] = row_sum
-                sRowMax[tidx, stage] = row_max
-                pipe_stats.producer_commit(stats_state)
-                stats_state.advance(self.q_stage)
+                self.publish_row_stats(pipe_stats, stats_state, sRowSum, sRowMax, tidx, stage, row_sum, row_max)
             work_idx = sched.next(work_idx)
 
     @cute.jit
