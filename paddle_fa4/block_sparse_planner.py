@@ -98,7 +98,8 @@ def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, cau
     r"""Build the plan :func:`block_sparse_attention` uses for ``block_ids`` (reusable via ``plan=``).
 
     Built with Paddle tensor ops on the ids' place (it reads a few sizes back to the host); a
-    pure function of ``(block_ids, cu_seqlens, block_size, causal, heads_per_kv)``, so the N sparse
+    pure function of ``(block_ids, cu_seqlens, block_size, causal, heads_per_kv)`` and, for the query
+    tile, of the ids' GPU (and ``head_dim_v`` on SM100), so the N sparse
     layers sharing one selection can share one plan, and a recompute may rebuild it.
 
     Args:
