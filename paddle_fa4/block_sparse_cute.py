@@ -137,7 +137,7 @@ def _token_forward(spec, q, k, v, block_ids, cu_seqlens, sink):
     return out, lse, _TokenPlan(tokens, ispec, iplan)
 
 
-def _token_plan(spec, q, block_ids, cu_seqlens):
+def _token_plan(spec, block_ids, cu_seqlens):
     """The token rows and indexed plan of the SM100 backward (Note [SM100 token path]) after the block-sparse
     forward kernel; None members for a call with no work."""
     from ._cute import indexed as indexed_glue
@@ -211,7 +211,7 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
 
     if not isinstance(plan, _TokenPlan) and family(arch_of(q)) == 100:
         # the SM100 forward kernel ran (its out / lse include the sink); the backward takes the token path
-        plan = _token_plan(spec, q, block_ids, cu_seqlens)
+        plan = _token_plan(spec, block_ids, cu_seqlens)
     if isinstance(plan, _TokenPlan):  # Note [SM100 token path]
         if plan.ispec is None:  # no work: zero gradients (and the sink's, from its rows)
             from . import block_sparse_ref

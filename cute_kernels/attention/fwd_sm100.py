@@ -743,6 +743,7 @@ class FlashFwdSm100:
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
                 self.publish_row_stats(pipe_stats, stats_state, sRowSum, sRowMax, tidx, stage, row_sum, row_max)
+                stats_state.advance(self.q_stage)
             if const_expr(mBlockLogit is not None):
                 # see Note [block_logit of unvisited blocks]
                 if tile.has_rows:
@@ -754,12 +755,13 @@ class FlashFwdSm100:
     @cute.jit
     def publish_row_stats(self, pipe_stats, stats_state, sRowSum, sRowMax, tidx: Int32, stage: Int32,
                           row_sum: Float32, row_max: Float32):
-        """The row's final sum / max for the correction WG's epilogue (stats slot ``stage``); advances the state."""
+        """The row's final sum / max for the correction WG's epilogue (stats slot ``stage``). The caller
+        advances the state: a state advanced inside a nested jit function does not reach the caller's loop
+        (the stats phase then stayed at its first value: seen in the PTX, 2026-12-03)."""
         pipe_stats.producer_acquire(stats_state)
         sRowSum[tidx, stage] = row_sum
         sRowMax[tidx, stage] = row_max
         pipe_stats.producer_commit(stats_state)
-        stats_state.advance(self.q_stage)
 
     def softmax_tmem(self, stage: Int32, thr_mma_qk, tStS):
         """(thread's row = TMEM lane, the TMEM copies of one softmax thread: S load, P store, their

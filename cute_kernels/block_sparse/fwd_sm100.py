@@ -323,6 +323,7 @@ class BlockSparseFwdSm100(FlashFwdSm100):
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
                 self.publish_row_stats(pipe_stats, stats_state, sRowSum, sRowMax, tidx, stage, row_sum, row_max)
+                stats_state.advance(self.q_stage)
             work_idx = sched.next(work_idx)
 
     @cute.jit
