@@ -68,7 +68,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
                     tma_dQ, atoms, sQ_layout, sdO_layout, sK_layout, sV_layout, rows_q, rows_do, rows_dq,
                     softmax_scale).launch(
             grid=grid, block=[2 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
-            min_blocks_per_mp=2 if self.dk <= 64 else 1, preferred_smem_carveout=100)
+            min_blocks_per_mp=2 if self.dk <= 128 else 1, preferred_smem_carveout=100)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
