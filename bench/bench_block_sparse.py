@@ -2,7 +2,7 @@
 
     python bench/bench_block_sparse.py [--seqlens 16K,32K] [--selections local,random] [--shapes gqa,mqa64]
                                        [--window 0.5] [--rounds 3] [--no-flush] [--graph] [--json FILE]
-                                       [--markdown [FILE]]
+                                       [--markdown [FILE]] [--exact-delta]
 
 Shapes: ``gqa`` = Hq 32 / Hkv 4, d 128 (issue 20's GQA shape), ``mqa64`` = Hq 64 / Hkv 1, d 128 (one
 query per row tile), ``mla64`` / ``mla64_448`` = the absorbed-MLA latent (v=None), Hq 64 over one latent
@@ -21,6 +21,8 @@ alternating windows for --rounds rounds; median and min-max of the window median
     bs_dq, bs_dkdv    the dQ kernel, the dK/dV kernel alone (the breakdown of the backward; ms only)
     bs_dkdv_L<n>      the dK/dV kernel alone with shortest segment n (``--dkdv-min-seg n,...``; Note [key block
                       segments] in cute_kernels/block_sparse/bwd_dkdv_sm90.py), to size the default
+    bs_exact_dq, bs_exact_fwd_bwd  (``--exact-delta``) the dQ kernel, forward + backward with delta = rowsum(P dP)
+                      (Note [exact delta] in cute_kernels/block_sparse/bwd_dq_sm90.py)
     idx_fwd           indexed_attention forward over blocks_to_indices of the same selection (plan prebuilt)
     idx_b2i_plan_fwd  blocks_to_indices + indexed plan + indexed forward (what the token path costs per layer)
     idx_fwd_bwd       blocks_to_indices + indexed plan + forward + dQ + dK/dV (issue 20's baseline)
@@ -73,7 +75,7 @@ def selection(torch, seqlen: int, kind: str, seed: int = 0):
     return ids, keys
 
 
-def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=()):
+def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_delta=False):
     from cute_kernels.block_sparse.launch import (bwd_config, dkdv_workspace_shapes, fwd_config, run_bwd_dkdv,
                                                   run_bwd_dq, run_fwd)
     from tests.oracles import block_sparse as orc
@@ -131,6 +133,19 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=()):
         return fn
 
     fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd, "bs_dq": bs_dq, "bs_dkdv": dkdv_with(None)}
+    if exact_delta:
+        ecfg = bwd_config(q, k, v, per_kv_head=False, latent_dv=dv_ if latent else None, exact_delta=True)
+
+        def bs_exact_dq():
+            run_bwd_dq(ecfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"],
+                       plan["tile_count"], plan["q_limit"], dq, scale)
+
+        def bs_exact_fwd_bwd():
+            bs_fwd()
+            bs_exact_dq()
+            dkdv_with(None)()
+
+        fns.update(bs_exact_dq=bs_exact_dq, bs_exact_fwd_bwd=bs_exact_fwd_bwd)
     for n in min_segs:
         fns[f"bs_dkdv_L{n}"] = dkdv_with(n)
     from cute_kernels.indexed.config import GROUP_SIZES, window_queries
@@ -188,6 +203,7 @@ def main(argv=None):
     ap.add_argument("--selections", default="local,random")
     ap.add_argument("--shapes", default="gqa,mqa64")
     ap.add_argument("--dkdv-min-seg", default="", help="also time the dK/dV kernel with these shortest segments")
+    ap.add_argument("--exact-delta", action="store_true", help="also time the backward with exact_delta")
     add_method_args(ap)
     args = ap.parse_args(argv)
     import torch
@@ -199,7 +215,7 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         for seqlen in (parse_len(x) for x in args.seqlens.split(",")):
             for kind in args.selections.split(","):
-                fns, st = make_fns(torch, seqlen, SHAPES[shape], kind, min_segs)
+                fns, st = make_fns(torch, seqlen, SHAPES[shape], kind, min_segs, args.exact_delta)
                 res = bench_windows(fns, rounds=args.rounds, timer=timer)
                 row = {"shape": shape, "S": seqlen, "selection": kind, **{k: round(v, 2) for k, v in st.items()}}
                 for name, s in res.items():
@@ -207,10 +223,13 @@ def main(argv=None):
                     row[f"{name}_ms"] = round(s.median_ms, 4)
                     row[f"{name}_spread_ms"] = [round(s.lo_ms, 4), round(s.hi_ms, 4)]
                     row[f"{name}_tflops"] = round(flops / (s.median_ms * 1e-3) / 1e12, 1)
-                for other, ours in (("idx_fwd", "bs_fwd"), ("idx_b2i_plan_fwd", "bs_fwd"), ("idx_fwd_bwd", "bs_fwd_bwd")):
-                    if other in res:
+                for other, ours in (("idx_fwd", "bs_fwd"), ("idx_b2i_plan_fwd", "bs_fwd"), ("idx_fwd_bwd", "bs_fwd_bwd"),
+                                    ("bs_exact_fwd_bwd", "bs_fwd_bwd"), ("bs_exact_dq", "bs_dq"),
+                                    ("idx_fwd_bwd", "bs_exact_fwd_bwd")):
+                    if other in res and ours in res:
                         r = res.ratio(other, ours)
-                        row[f"speedup_vs_{other}"] = {"median": round(r.median, 3), "lo": round(r.lo, 3),
+                        row[f"speedup_{ours}_vs_{other}" if ours.startswith("bs_exact") or other.startswith("bs_exact")
+                            else f"speedup_vs_{other}"] = {"median": round(r.median, 3), "lo": round(r.lo, 3),
                                                       "hi": round(r.hi, 3)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)

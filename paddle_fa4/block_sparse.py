@@ -49,6 +49,7 @@ class BlockSparseSpec:
     scale: float
     dtype: str
     deterministic: bool
+    exact_delta: bool = False
 
     @property
     def group(self) -> int:
@@ -63,7 +64,7 @@ class BlockSparseSpec:
 @dynamic_only("block_sparse_attention")
 def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=None, causal=True,
                            cu_seqlens=None, sink=None, dv=None, return_lse=False, deterministic=True,
-                           plan=None, backend="auto"):
+                           exact_delta=False, plan=None, backend="auto"):
     r"""Attention of each query token over the key blocks selected for it, with autograd.
 
     Query ``t`` (document ``[bos, eos)``, from ``cu_seqlens``) attends, in query head ``h``, to the
@@ -99,6 +100,11 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
         return_lse (bool): also return ``lse``.
         deterministic (bool): every path is deterministic (no float atomics); kept for the FA4-style
             signature. Default True.
+        exact_delta (bool): the backward's ``delta`` (``dS = P (dP - delta)``) as ``rowsum(P dP)`` from the
+            recomputed fp32 ``P`` and ``dP`` instead of ``rowsum(dout * out)`` from the 16-bit ``out``:
+            accurate gradients on rows whose weight sits on one key (sinks; docs/api.md, "Gradients of
+            peaked rows") for two more GEMMs per block in the dQ kernel. The reference backend always
+            computes it so; SM100 (token-path backward) does not take it. Default False.
         plan (BlockSparsePlan, optional): from :func:`paddle_fa4.block_sparse_plan` for these
             ``block_ids`` / ``cu_seqlens`` / ``causal`` / ``block_size`` and ``Hq // Hkv``; built
             when None (the reference backend does not need one).
@@ -129,7 +135,7 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
             (paddle.Size([1, 80, 4, 32]), paddle.Size([1, 4, 80]))
     """
     spec = _validate(q, k, v, block_ids, block_size, softmax_scale, causal, cu_seqlens, sink, dv, return_lse,
-                     deterministic, plan)
+                     deterministic, plan, exact_delta)
     import paddle
 
     needs_grad = paddle.is_grad_enabled() and any(t is not None and not t.stop_gradient for t in (q, k, v, sink))
@@ -215,7 +221,7 @@ class _BlockSparseFn(PyLayer):
 
 
 def _validate(q, k, v, block_ids, block_size, softmax_scale, causal, cu_seqlens, sink, dv, return_lse,
-              deterministic, plan) -> BlockSparseSpec:
+              deterministic, plan, exact_delta=False) -> BlockSparseSpec:
     """Check every argument of :func:`block_sparse_attention` and return the call's spec."""
     for name, t in (("q", q), ("k", k), ("block_ids", block_ids)):
         V.check_tensor(OP, name, t)
@@ -262,12 +268,13 @@ def _validate(q, k, v, block_ids, block_size, softmax_scale, causal, cu_seqlens,
     V.check_bool(OP, "causal", causal)
     V.check_bool(OP, "return_lse", return_lse)
     V.check_bool(OP, "deterministic", deterministic)
+    V.check_bool(OP, "exact_delta", exact_delta)
     check_cu_seqlens(OP, cu_seqlens, b, s, block_ids)
     check_ids(OP, block_ids, cu_seqlens, block_size)
     spec = BlockSparseSpec(B=b, S=s, Hq=hq, Hkv=hkv, Dk=dk, Dv=dv, topk=topk, block_size=block_size,
                            per_kv_head=per_kv_head, latent=v is None, causal=causal, has_sink=sink is not None,
                            num_docs=num_docs(cu_seqlens), scale=float(scale), dtype=dtype,
-                           deterministic=deterministic)
+                           deterministic=deterministic, exact_delta=exact_delta)
     if plan is not None:
         if not isinstance(plan, BlockSparsePlan):
             raise TypeError(f"{OP}: plan must be a BlockSparsePlan from block_sparse_plan, got {type(plan).__name__}")

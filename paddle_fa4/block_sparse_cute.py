@@ -38,6 +38,9 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
     if family(arch) == 100:
         if _sm100_kernel_reason(spec) is None and not needs_grad:
             return None
+        if needs_grad and spec.exact_delta:
+            return (f"exact_delta=True on compute capability {arch} (the SM100 backward runs the token path, "
+                    "which takes delta from out)")
         return _token_path_reason(arch, spec)  # the backward (and a forward the kernel does not take)
     if family(arch) != 90:
         return f"no CuTe block-sparse kernel for compute capability {arch}"
@@ -229,12 +232,13 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
 
     q, k, out, dout = (kernel_input(t) for t in (q, k, out, dout))
     v = None if spec.latent else kernel_input(v)  # the latent: V is k's leading Dv columns, one gradient in dk
-    delta = paddle.empty([q.shape[0], q.shape[2], q.shape[1]], dtype="float32", device=q.place)  # rowsum(dout*out)
+    # rowsum(dout * out), or rowsum(P dP) with exact_delta (the dQ kernel writes every element)
+    delta = paddle.empty([q.shape[0], q.shape[2], q.shape[1]], dtype="float32", device=q.place)
     dq = paddle.empty(q.shape, dtype=q.dtype, device=q.place)
     dk = paddle.zeros(k.shape, dtype=k.dtype, device=k.place)  # keys no query selects stay 0
     dv = None if v is None else paddle.zeros(v.shape, dtype=v.dtype, device=v.place)
     cfg = bwd_config(q, k, v, per_kv_head=spec.per_kv_head, arch=arch_of(q),
-                     latent_dv=spec.Dv if spec.latent else None)
+                     latent_dv=spec.Dv if spec.latent else None, exact_delta=spec.exact_delta)
     ws = {name: (paddle.zeros if zero else paddle.empty)(shape, dtype=dtype, device=q.place)
           for name, (shape, dtype, zero) in dkdv_workspace_shapes(k, v, plan.key_start).items()}
     a = kernel_arg

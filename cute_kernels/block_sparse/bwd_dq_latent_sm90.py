@@ -3,6 +3,9 @@
     P   = exp(scale * q . k_c - lse),   dS = P * (dO . k_c[:Dv] - delta),   delta = rowsum(dO * O)
     dq  = scale * sum_c dS k_c                                             (V = the leading Dv columns of K)
 
+    (``exact_delta``: delta = sum_c P dP from a first sweep over the blocks, in WG 1; WG 2 only frees that
+    sweep's key stages: Note [exact delta] in bwd_dq_sm90.py)
+
 Rows, plan, block masks, lse / delta rules and the delta output are those of ``bwd_dq_sm90.py`` (this
 class inherits them); what changes is the width: dq is 64 x Dk fp32 (288 registers per thread at Dk 576),
 so two warpgroups share its columns (Note [latent dQ split]).
@@ -161,9 +164,12 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, 0], self.dk, pipeline_k, kv_state)
             self.load_q_do_rows(mQ, mdO, tma_atom_Q, tma_atom_dO, rows_q, rows_do, sQ_base, sdO_base, mbar_q, tile)
-            for n in cutlass.range(1, tile.count, unroll=1):
+            for n in cutlass.range(1, tile.count * self.sweeps, unroll=1):  # Note [exact delta]: twice
                 kv_state.advance()
-                self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, n], self.dk, pipeline_k, kv_state)
+                j = n
+                if cutlass.const_expr(self.sweeps == 2):
+                    j = n % tile.count
+                self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, j], self.dk, pipeline_k, kv_state)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -187,6 +193,12 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         if tile.count > 0:
             cute.arch.mbarrier_wait(mbar_q, 0)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            if cutlass.const_expr(self.sweeps == 2):  # Note [exact delta] (bwd_dq_sm90.py): the first sweep
+                for n in cutlass.range(tile.count, unroll=1):
+                    self.delta_step(ctx, n, kv_state, tiled_mma_s, tSrQ, tSrdO, tSrK, tSrK, acc_S_shape, pipeline_k,
+                                    None)
+                    kv_state.advance()
+                self.finish_delta(ctx)
             for n in cutlass.range(tile.count, unroll=1):
                 meta = self.block_meta(ctx, n)
                 acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
@@ -203,6 +215,8 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
                 self.gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt[None, None, None, kv_state.index], False, 0)
                 pipeline_k.consumer_release(kv_state)
                 kv_state.advance()
+        if cutlass.const_expr(self.sweeps == 2):
+            self.store_delta(ctx, mDelta, tile, ctidx)
         acc_dQ_mn = acc_mn_view(acc_dQ)
         for r in cutlass.range_constexpr(2):
             acc_dQ_mn[r, None].store(acc_dQ_mn[r, None].load() * softmax_scale)
@@ -228,6 +242,11 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         cute.arch.barrier_arrive(barrier_id=DS_EMPTY, number_of_threads=2 * THREADS_PER_WG)  # sdS starts free
         if tile.count > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            if cutlass.const_expr(self.sweeps == 2):  # the first sweep's key stages: WG 1 reads them, WG 2 frees them too
+                for n in cutlass.range(tile.count, unroll=1):
+                    pipeline_k.consumer_wait(kv_state)
+                    pipeline_k.consumer_release(kv_state)
+                    kv_state.advance()
             for n in cutlass.range(tile.count, unroll=1):
                 cute.arch.barrier(barrier_id=DS_FULL, number_of_threads=2 * THREADS_PER_WG)
                 pipeline_k.consumer_wait(kv_state)

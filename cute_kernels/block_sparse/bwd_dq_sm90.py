@@ -5,6 +5,9 @@
                                                             and written out for the dK/dV kernel)
     dq  = scale * sum_c dS k_c
 
+    exact delta (``BwdConfig.exact_delta``):  delta = sum_c P dP = rowsum(P * (dO V^T))  instead, from
+    this kernel's own fp32 P and dP (Note [exact delta])
+
 One CTA per row tile, as the forward (``fwd_sm90.py``, whose producer / row / mask methods this class
 inherits), 256 threads:
 
@@ -15,6 +18,14 @@ inherits), 256 threads:
                    per block: S = Q K^T and dP = dO V^T (wgmma, smem x smem), masks, P from lse,
                    dS, dQ += dS K (A = dS from registers, B = K read MN-major); dQ * scale stored
                    once to each row's (query, head)
+
+Note [exact delta]. ``rowsum(dO * O)`` equals ``sum_c P dP`` only in exact arithmetic: O was rounded to 16 bits
+and the forward's PV GEMM took 16-bit P, so on a row whose weight sits on one key (an attention sink, P ~
+0.99 and up) the error of delta exceeds dS = P (dP - delta) itself (docs/api.md, "Gradients of peaked rows":
+dq 36 % off at weight 0.995). With ``exact_delta`` the producer walks the tile's blocks twice: in the first
+sweep the consumer computes S and dP of every block, masks them as below, and sums P * dP per row (fp32, in
+block order: reproducible); the second sweep is the one described above with that delta, which is also what
+the dK / dV kernel reads. O is not read. Two more GEMMs per block (five instead of three).
 
 The blocks are visited in the plan's ascending order, so dq is bitwise reproducible. Rows with lse
 -inf (no key, no sink) and idle rows take lse = +inf: P = 0, dS = 0, dq = 0. ``lse`` includes the
@@ -42,6 +53,11 @@ from .fwd_sm90 import CONSUMER_REGS, KV_STAGES, O_STAGED_WG, PRODUCER_REGS, THRE
 
 
 class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
+    @property
+    def sweeps(self) -> int:
+        """Passes of the producer over a tile's blocks: 2 with ``exact_delta`` (Note [exact delta])."""
+        return 2 if self.cfg.exact_delta else 1
+
     @staticmethod
     def smem_bytes(cfg) -> int:
         rows = TILE_M * (cfg.head_dim + cfg.head_dim_v) * 2
@@ -106,10 +122,13 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
             self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, 0], self.dk, pipeline_k, kv_state)
             self.load_block(tma_atom_V, mV_cur, sV, mTileStart[tile.s, w, 0], self.dv, pipeline_v, kv_state)
             self.load_q_do_rows(mQ, mdO, tma_atom_Q, tma_atom_dO, rows_q, rows_do, sQ_base, sdO_base, mbar_q, tile)
-            # 2. K[n] and V[n] of the other blocks.
-            for n in cutlass.range(1, tile.count, unroll=1):
+            # 2. K[n] and V[n] of the other blocks (Note [exact delta]: every block twice)
+            for n in cutlass.range(1, tile.count * self.sweeps, unroll=1):
                 kv_state.advance()
-                start = mTileStart[tile.s, w, n]
+                j = n
+                if cutlass.const_expr(self.sweeps == 2):
+                    j = n % tile.count
+                start = mTileStart[tile.s, w, j]
                 self.load_block(tma_atom_K, mK_cur, sK, start, self.dk, pipeline_k, kv_state)
                 self.load_block(tma_atom_V, mV_cur, sV, start, self.dv, pipeline_v, kv_state)
 
@@ -144,10 +163,18 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         if tile.count > 0:
             cute.arch.mbarrier_wait(mbar_q, 0)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+            if cutlass.const_expr(self.sweeps == 2):  # Note [exact delta]: the first sweep
+                for n in cutlass.range(tile.count, unroll=1):
+                    self.delta_step(ctx, n, kv_state, tiled_mma_s, tSrQ, tSrdO, tSrK, tSrV, acc_S_shape,
+                                    pipeline_k, pipeline_v)
+                    kv_state.advance()
+                self.finish_delta(ctx)
             for n in cutlass.range(tile.count, unroll=1):
                 self.dq_step(ctx, n, kv_state, tiled_mma_s, tiled_mma_dq, tSrQ, tSrdO, tSrK, tSrV, tQrKt, tQrdS,
                              acc_dQ, acc_S_shape, pipeline_k, pipeline_v)
                 kv_state.advance()
+        if cutlass.const_expr(self.sweeps == 2):
+            self.store_delta(ctx, mDelta, tile, ctidx)
         acc_dQ_mn = acc_mn_view(acc_dQ)
         for r in cutlass.range_constexpr(2):
             acc_dQ_mn[r, None].store(acc_dQ_mn[r, None].load() * softmax_scale)
@@ -169,7 +196,8 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
 
     @cute.jit
     def row_stats(self, ctx, mO, mdOg, mLSE, mDelta, tile, ctidx: Int32, softmax_scale: Float32):
-        """ctx.lse_log2 / ctx.delta / ctx.scale_log2 of this thread's two rows; delta also to ``mDelta``."""
+        """ctx.lse_log2 / ctx.delta / ctx.scale_log2 of this thread's two rows; delta also to ``mDelta``. With
+        ``exact_delta`` delta starts at 0 and O is not read (Note [exact delta]: the first sweep sums it)."""
         # per row: lse (log2 units; +inf where P must be 0) and delta = rowsum(dO * O), summed by the 4
         # lanes that hold the row (lane % 4 takes columns [quarter * Dv / 4, ...)) and stored by one
         lse_log2 = cute.make_rmem_tensor((2,), Float32)
@@ -186,7 +214,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
             if ctx.row[r] < ctx.rows_valid:
                 v = mLSE[tile.b, head, t]
                 lse_log2[r] = Float32.inf if v == -Float32.inf else v * LOG2_E
-                for c in cutlass.range_constexpr(cols // 8):
+                for c in cutlass.range_constexpr(0 if self.sweeps == 2 else cols // 8):
                     coord = (tile.b, t, head, quarter * cols + c * 8)
                     ro = cute.make_rmem_tensor((8,), self.dtype)
                     rdo = cute.make_rmem_tensor((8,), self.dtype)
@@ -195,13 +223,60 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
                     prod = ro.load().to(Float32) * rdo.load().to(Float32)
                     for e in cutlass.range_constexpr(8):
                         part = part + prod[e]
-            delta[r] = row_allreduce(part, 4, lambda x, y: x + y)
-            if ctx.row[r] < ctx.rows_valid:
-                if quarter == 0:
-                    mDelta[tile.b, head, t] = delta[r]
+            if cutlass.const_expr(self.sweeps == 2):
+                delta[r] = part
+            else:
+                delta[r] = row_allreduce(part, 4, lambda x, y: x + y)
+                if ctx.row[r] < ctx.rows_valid:
+                    if quarter == 0:
+                        mDelta[tile.b, head, t] = delta[r]
         ctx.lse_log2 = lse_log2
         ctx.delta = delta
         ctx.scale_log2 = softmax_scale * LOG2_E
+
+    @cute.jit
+    def delta_step(self, ctx, n: Int32, kv_state, tiled_mma_s, tSrQ, tSrdO, tSrK, tSrV, acc_S_shape, pipeline_k,
+                   pipeline_v):
+        """Note [exact delta], block n of the first sweep: S and dP, the block masks, P, and this thread's
+        share of each row's sum P * dP added to ``ctx.delta``. ``pipeline_v`` None: V is in K's stage (the
+        latent; ``tSrV`` is then K's operand, whose first Dv / 16 k-blocks the dP GEMM takes)."""
+        meta = self.block_meta(ctx, n)
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.gemm(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
+        if cutlass.const_expr(pipeline_v is not None):
+            pipeline_v.consumer_wait(kv_state)
+        self.gemm(tiled_mma_s, acc_dP, tSrdO, tSrV[None, None, None, kv_state.index], True, 0)
+        pipeline_k.consumer_release(kv_state)
+        if cutlass.const_expr(pipeline_v is not None):
+            pipeline_v.consumer_release(kv_state)
+        self.add_delta(ctx, acc_S, acc_dP, meta)
+
+    @cute.jit
+    def add_delta(self, ctx, acc_S, acc_dP, meta):
+        """``ctx.delta[r] += sum_c P[r, c] dP[r, c]`` over this thread's columns (masked as ``scores_to_ds``)."""
+        acc_S_mn = acc_mn_view(acc_S)
+        acc_dP_mn = acc_mn_view(acc_dP)
+        self.mask_block(ctx, acc_S_mn, meta)
+        for r in cutlass.range_constexpr(2):
+            p = cute.math.exp2(acc_S_mn[r, None].load() * ctx.scale_log2 - ctx.lse_log2[r], fastmath=True)
+            pdp = p * acc_dP_mn[r, None].load()
+            ctx.delta[r] = ctx.delta[r] + pdp.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+    @cute.jit
+    def finish_delta(self, ctx):
+        """Note [exact delta]: each row's delta summed over the 4 lanes that hold its columns."""
+        for r in cutlass.range_constexpr(2):
+            ctx.delta[r] = row_allreduce(ctx.delta[r], 4, lambda x, y: x + y)
+
+    @cute.jit
+    def store_delta(self, ctx, mDelta, tile, ctidx: Int32):
+        """The exact delta of the tile's real rows to ``mDelta`` (0 for a tile without blocks)."""
+        for r in cutlass.range_constexpr(2):
+            if ctx.row[r] < ctx.rows_valid:
+                if ctidx % 4 == 0:
+                    mDelta[tile.b, tile.head0 + ctx.row[r] % self.gc, tile.q0 + ctx.row[r] // self.gc] = ctx.delta[r]
 
     @cute.jit
     def scores_to_ds(self, ctx, acc_S, acc_dP, meta, tQrdS):

@@ -108,6 +108,9 @@ class BwdConfig:
     group: int
     per_kv_head: bool
     latent: bool = False  # V = the leading head_dim_v columns of K; one combined dK gradient (no v / dv)
+    #: delta = rowsum(P dP) from the dQ kernel's own P and dP (a first sweep over the blocks) instead of
+    #: rowsum(dO * O): Note [exact delta] in bwd_dq_sm90.py. Only the dQ kernels' code changes.
+    exact_delta: bool = False
 
     @property
     def window_queries(self) -> int:

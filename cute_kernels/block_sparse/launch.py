@@ -11,6 +11,8 @@ backward writes one combined key gradient dkv [B, S, Hkv, Dk] (dk's place; no dv
 
 from __future__ import annotations
 
+import dataclasses
+
 from cute_kernels import arch as _arch
 from cute_kernels.jit_cache import jit_cache
 
@@ -97,10 +99,11 @@ def run_fwd(cfg: FwdConfig, q, k, v, tile_start, tile_mask, tile_count, q_limit,
     compile_fwd(cfg, sm_count)(q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse, float(softmax_scale))
 
 
-def bwd_config(q, k, v, *, per_kv_head: bool, arch: int | None = None, latent_dv: int | None = None) -> BwdConfig:
+def bwd_config(q, k, v, *, per_kv_head: bool, arch: int | None = None, latent_dv: int | None = None,
+               exact_delta: bool = False) -> BwdConfig:
     f = fwd_config(q, k, v, per_kv_head=per_kv_head, has_sink=False, arch=arch, latent_dv=latent_dv)
     return BwdConfig(arch=f.arch, dtype=f.dtype, head_dim=f.head_dim, head_dim_v=f.head_dim_v, group=f.group,
-                     per_kv_head=per_kv_head, latent=f.latent)
+                     per_kv_head=per_kv_head, latent=f.latent, exact_delta=bool(exact_delta))
 
 
 @jit_cache
@@ -203,6 +206,7 @@ def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, 
         return
     if min_segment_pairs is None:
         min_segment_pairs = default_min_segment_pairs(int(q.shape[0]), int(k.shape[2]), int(key_start.shape[1]))
+    cfg = dataclasses.replace(cfg, exact_delta=False)  # it changes the dQ kernel only: one dK / dV build
     plan = (tile_mask, q_limit, key_start, key_end, key_count, key_ptr, key_tile, key_slot)
     if cfg.latent:
         compile_bwd_dkdv(cfg)(q, k, dout, lse, delta, *plan, dk, dk_part, seg_sem, float(softmax_scale),
@@ -215,8 +219,9 @@ def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, 
 def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
                softmax_scale: float) -> None:
     """dq (every element written) from the forward's out and lse; also writes ``delta = rowsum(dout * out)``
-    [B, Hq, S] fp32 (every element), which ``run_bwd_dkdv`` and the sink gradient read. With ``cfg.latent``
-    v is None (V = k's leading ``head_dim_v`` columns)."""
+    [B, Hq, S] fp32 (every element), which ``run_bwd_dkdv`` and the sink gradient read; with
+    ``cfg.exact_delta`` delta = rowsum(P dP) instead (Note [exact delta] in bwd_dq_sm90.py; out is not read).
+    With ``cfg.latent`` v is None (V = k's leading ``head_dim_v`` columns)."""
     assert (v is None) == cfg.latent, "v is None exactly for the latent"
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
         return
@@ -269,6 +274,14 @@ def bwd_matrix(arch: int, full: bool = False):
             BwdConfig(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, group=1, per_kv_head=False)] + latent
 
 
+def dq_matrix(arch: int, full: bool = False):
+    """``bwd_matrix`` and the exact-delta variant of each of its dQ kernels (``--full``; by default those of
+    the GQA d 128 and the latent configs)."""
+    base = bwd_matrix(arch, full)
+    exact = [c for c in base if full or (c.head_dim == 128 and c.group == 8) or c.latent]
+    return base + [dataclasses.replace(c, exact_delta=True) for c in exact]
+
+
 def _dq_smem(cfg):
     if cfg.latent:
         from .bwd_dq_latent_sm90 import BlockSparseLatentBwdDQSm90
@@ -294,6 +307,6 @@ def _fwd_smem(cfg):
 
 CHECKS = {
     "block_sparse_fwd": (fwd_matrix, compile_fwd, _fwd_smem),
-    "block_sparse_bwd_dq": (bwd_matrix, compile_bwd_dq, _dq_smem),
+    "block_sparse_bwd_dq": (dq_matrix, compile_bwd_dq, _dq_smem),
     "block_sparse_bwd_dkdv": (bwd_matrix, compile_bwd_dkdv, _dkdv_smem),
 }

@@ -301,6 +301,11 @@ def test_cute_glue_refuses_what_it_does_not_cover():
     assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**dict(mla_base(base))),
                                                                needs_grad=False)
     assert "compute capability 120" in glue.unsupported_reason(120, BlockSparseSpec(**base), needs_grad=False)
+    # exact_delta: the SM90 dQ kernels take it; SM100's token-path backward does not (its forward does)
+    exact = BlockSparseSpec(**dict(base, exact_delta=True))
+    assert glue.unsupported_reason(90, exact, needs_grad=True) is None
+    assert "exact_delta" in glue.unsupported_reason(100, exact, needs_grad=True)
+    assert glue.unsupported_reason(100, exact, needs_grad=False) is None
     # the absorbed-MLA latent: the two production (Dk, Dv), forward and backward
     mla = dict(base, Hq=64, Hkv=1, Dk=576, Dv=512, latent=True, has_sink=True)
     for grad in (False, True):
@@ -577,7 +582,7 @@ def test_sm90_latent_backward_glue(dk, dv, monkeypatch):
                                         plan)
     for key in ("dq_cfg", "kv_cfg"):
         cfg = seen[key]
-        assert cfg.latent and (cfg.head_dim, cfg.head_dim_v, cfg.group) == (dk, dv, 16)
+        assert cfg.latent and (cfg.head_dim, cfg.head_dim_v, cfg.group) == (dk, dv, 16) and not cfg.exact_delta
     assert seen["dq_v"] is None and seen["kv_v"] is None and seen["dvv"] is None and seen["dv_part"] is None
     assert seen["dout"] == [1, 130, 16, dv] and seen["dq"] == [1, 130, 16, dk]
     assert seen["dkv"] == [1, 130, 1, dk] and seen["dk_part"] == [1, 130, 1, dk]
@@ -585,3 +590,32 @@ def test_sm90_latent_backward_glue(dk, dv, monkeypatch):
     # dsink = -sum exp(sink - lse) * delta, with lse 0 and delta 0.5 from the stubbed dQ kernel
     want = -0.5 * 130 * np.exp(c["sink"])
     np.testing.assert_allclose(dsink.numpy(), want, rtol=1e-5)
+
+
+def test_exact_delta_reaches_the_dq_kernel(monkeypatch):
+    """``exact_delta=True`` is validated (a bool), kept in the spec and handed to the SM90 dQ kernel's config
+    (the dK / dV launcher gets the same config; its compile key drops the flag, launch.run_bwd_dkdv). The
+    kernel's numerics on peaked rows: tests/gpu/test_block_sparse.py, test_exact_delta_on_peaked_rows."""
+    pytest.importorskip("cutlass")
+    from cute_kernels.block_sparse import launch
+    from paddle_fa4 import block_sparse as bs_mod
+    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4.block_sparse_planner import build_plan
+
+    c = _case(6, B=1, S=100, Hq=8, Hkv=2, Dk=64, Dv=64, topk=2, bs=64)
+    args = (_t(c["q"], "bfloat16"), _t(c["k"], "bfloat16"), _t(c["v"], "bfloat16"), _t(c["ids"], "int32"), 64, None,
+            True, None, None, None, True, True, None)
+    with pytest.raises(TypeError, match="exact_delta"):
+        bs_mod._validate(*args, exact_delta="yes")
+    seen = []
+    monkeypatch.setattr(glue, "arch_of", lambda t: 90)
+    monkeypatch.setattr(launch, "run_bwd_dq", lambda cfg, *a: (seen.append(cfg), a[6].fill_(0.0)))
+    monkeypatch.setattr(launch, "run_bwd_dkdv", lambda cfg, *a, **kw: None)
+    plan = build_plan(_t(c["ids"], "int32"), heads_per_kv=4, block_size=64, causal=True, cu_seqlens=None)
+    out = paddle.zeros([1, 100, 8, 64], dtype="bfloat16")
+    lse = paddle.zeros([1, 8, 100], dtype="float32")
+    for flag in (False, True):
+        spec = bs_mod._validate(*args, exact_delta=flag)
+        assert spec.exact_delta is flag
+        glue.backward(spec, args[0], args[1], args[2], args[3], None, None, out, lse, _t(c["dout"], "bfloat16"), plan)
+        assert seen[-1].exact_delta is flag
