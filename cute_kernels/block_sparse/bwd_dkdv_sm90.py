@@ -233,10 +233,9 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def load(self, mQ, mdO, mK, mV, mKeyTile, sK, sV, atoms, rows_q, rows_do, sQ_base, sdO_base, mbar_kv,
-             pipeline_rows, blk):
-        tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V = atoms
-        # 1. K and V of the block, once (mV None: the latent, whose V is K's leading columns).
+    def load_keys(self, mK, mV, tma_atom_K, tma_atom_V, sK, sV, mbar_kv, blk):
+        """K and V of the block, once, completing on ``mbar_kv`` (mV None: the latent, whose V is K's leading
+        columns)."""
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.tx_bytes_kv)
         for atom, mX, sX, d in ((tma_atom_K, mK, sK, self.dk), (tma_atom_V, mV, sV, self.dv)):
@@ -246,7 +245,13 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                 tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                                    cute.group_modes(gX, 0, 2))
                 cute.copy(atom, tXgX, tXsX, tma_bar_ptr=mbar_kv)
-        # 2. Per (pair, head chunk): the tile's Q and dO rows into the next stage. The next step's query
+
+    @cute.jit
+    def load(self, mQ, mdO, mK, mV, mKeyTile, sK, sV, atoms, rows_q, rows_do, sQ_base, sdO_base, mbar_kv,
+             pipeline_rows, blk):
+        tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V = atoms
+        self.load_keys(mK, mV, tma_atom_K, tma_atom_V, sK, sV, mbar_kv, blk)
+        # Per (pair, head chunk): the tile's Q and dO rows into the next stage. The next step's query
         # tile is loaded one step ahead (its latency stood in every step; Note [row facts in shared memory]).
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         n = (blk.p1 - blk.p0) * self.chunks
@@ -258,16 +263,24 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             pipeline_rows.producer_acquire(state)
             bar = pipeline_rows.producer_get_barrier(state)
             for j in cutlass.range(self.wq, unroll=1):
-                t = cutlass.min(q0 + j, blk.seqlen - 1)  # past S: the last query again (masked columns)
                 for atom, mX, base, box, d in ((tma_atom_Q, mQ, sQ_base, rows_q, self.dk),
                                                (tma_atom_dO, mdO, sdO_base, rows_do, self.dv)):
-                    off = state.index * (TILE_M * d) + j * self.gc * 64
-                    dst = cute.make_tensor(cute.recast_ptr(base + off, box.inner), box.outer)
-                    src = cute.local_tile(mX[None, None, t, blk.b], (self.gc, d), (head0 // self.gc, 0))
-                    tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                                                   cute.group_modes(src, 0, 2))
-                    cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+                    self.row_box(atom, mX, base, box, d, bar, state.index, q0, j, head0, blk)
             state.advance()
+
+    @cute.jit
+    def row_box(self, atom, mX, base, box, d: cutlass.Constexpr, bar, stage: Int32, q0: Int32, j: Int32, head0: Int32,
+                blk):
+        """TMA of tile query ``q0 + j``'s GC head rows of ``mX`` (Q or dO) into rows [j GC, j GC + GC) of ``stage``
+        of the buffer at ``base``, completing on ``bar``; a query past S loads the last one again (its columns
+        are masked)."""
+        t = cutlass.min(q0 + j, blk.seqlen - 1)
+        off = stage * (TILE_M * d) + j * self.gc * 64
+        dst = cute.make_tensor(cute.recast_ptr(base + off, box.inner), box.outer)
+        src = cute.local_tile(mX[None, None, t, blk.b], (self.gc, d), (head0 // self.gc, 0))
+        tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                       cute.group_modes(src, 0, 2))
+        cute.copy(atom, tG, tS, tma_bar_ptr=bar)
 
     @cute.jit
     def load_rows(self, mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, sRowF, sRowLim, pipeline_rows, blk,

@@ -11,18 +11,18 @@ the width, which does not fit one warpgroup (Note [latent key split]), and that 
 One CTA per (segment of selected key block r of index set s, kv head h, batch b), 384 threads:
 
     WG 0, warp 0   producer: the (64, Dk) latent rows of the block once (K, and V as their leading Dv
-                   columns), then per step (pair x head chunk) the tile's Q and dO rows (one TMA box of GC
-                   head rows per tile query each) into the one row stage (Note [one row stage])
-    WG 0, warp 1   row producer: the step's 64 rows' lse (log2 units), delta and key limit into the stage
-                   (Note [row facts in shared memory] in bwd_dkdv_sm90.py), walking the steps in order
-    WG 1 ("A")     S^T = K Q^T and dP^T = V dO^T (wgmma m64n64, keys as M, smem x smem), P^T, dS^T =
+                   columns), then per step (pair x head chunk) the tile's dO rows, then its Q rows (one TMA
+                   box of GC head rows per tile query each) into their one stage each (Note [one row stage])
+    WG 0, warp 1   row producer: the step's 64 rows' lse (log2 units), delta and key limit, which ride with
+                   dO (Note [row facts in shared memory] in bwd_dkdv_sm90.py), walking the steps in order
+    WG 1 ("A")     dP^T = V dO^T and S^T = K Q^T (wgmma m64n64, keys as M, smem x smem), P^T, dS^T =
                    P^T (dP^T - delta) * scale; hands P^T and dS^T to WG 2 (Note [dS hand-off]); then its
                    columns: dkv[:, :128] += P^T dO[:, :128] + dS^T Q[:, :128] and dkv[:, Dv:] += dS^T Q[:, Dv:]
                    (A from registers)
     WG 2 ("B")     dkv[:, 128:Dv] += P^T dO[:, 128:Dv] + dS^T Q[:, 128:Dv] in pieces of <= 192 columns
                    (smem x smem)
 
-    producer ──K once, Q/dO rows, row facts (1 stage, mbarriers)──▶ WG 1, WG 2
+    producer ──K once; dO rows + row facts, Q rows (1 stage each, mbarriers)──▶ WG 1, WG 2
                                    WG 1 ──P^T, dS^T (sPt, sdSt, 2 named barriers)──▶ WG 2
 
 Note [latent key split]: the dkv partial of 64 keys is 64 x Dk fp32, 288 registers per thread at Dk 576:
@@ -44,12 +44,22 @@ already scaled by ``softmax_scale``: the P^T dO and dS^T Q terms then share one 
 Each warpgroup sums its columns over the steps in the plan's order: bitwise reproducible, as before.
 
 Note [one row stage]: shared memory holds the block's latent rows (72 KiB at Dk 576), one stage of Q and dO
-rows (72 + 64 KiB) and sPt / sdSt (16 KiB): 225 KiB of the 227 (below), no room for a second stage. So a
-step's loads start when both warpgroups released the previous step, and one row warp walks the steps in
-order (the two-warp parity argument of Note [row warps and parity waits] holds for 4 stages only; one
-producer walking in order never runs a round ahead). Both warpgroups release the stage (8 warps' arrivals)
-once their GEMMs on it completed. No wgmma is in flight across a loop back-edge (ptxas would serialize
-every wgmma of the kernel).
+rows (72 + 64 KiB) and sPt / sdSt (16 KiB): 225 KiB of the 227 (below), no room for a second stage. So Q and
+dO have a pipeline each (one stage, both warpgroups release it: 8 warps' arrivals), released at their last
+read, and the GEMMs of a step are ordered to read dO early (Note [split row stages]). One row warp walks the
+steps in order (the two-warp parity argument of Note [row warps and parity waits] holds for 4 stages only; one
+producer walking in order never runs a round ahead). No wgmma is in flight across a loop back-edge (ptxas would
+serialize every wgmma of the kernel).
+
+Note [split row stages]: with one stage for Q and dO together (the first version) a step's 136 KiB of loads
+started only after both warpgroups' last GEMMs of the previous step and nothing overlapped them. dO is read by
+dP^T and the P^T dO GEMMs, Q by S^T and the dS^T Q GEMMs, so per step: WG 1 issues dP^T first (K and dO; Q of
+the step may still be loading), then S^T once Q is in; WG 2 issues all its P^T dO pieces before its dS^T Q
+pieces; each warpgroup waits for its P^T dO GEMMs (wgmma.wait_group with the dS^T Q groups still pending) and
+releases dO, then for the rest and releases Q. dO of step n + 1 (and its row facts, read by WG 1 before that
+release) loads while the dS^T Q GEMMs of step n run, Q of step n + 1 while dP^T of step n + 1 runs. Each
+accumulator still takes its terms in the first version's order (P^T dO, then dS^T Q, step by step): the same
+bits.
 
 Segments (Note [key block segments] in bwd_dkdv_sm90.py) as there: fp32 partials in ``dkv_part``
 [B, S, Hkv, Dk], turn counters ``seg_sem`` [NS, KCAP, Hkv] (zeroed by the caller); keys no query selects
@@ -127,7 +137,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
     def smem_bytes(cfg: BwdConfig) -> int:
         # the struct of common.shared_storage: barriers, then the row facts (16-aligned), then the
         # 1024-aligned buffers (each a multiple of 1024 bytes)
-        head = -(-(8 * (1 + 2 * ROW_STAGES)) // 16) * 16 + 12 * TILE_M * ROW_STAGES
+        head = -(-(8 * (1 + 4 * ROW_STAGES)) // 16) * 16 + 12 * TILE_M * ROW_STAGES
         rows = ROW_STAGES * TILE_M * (cfg.head_dim + cfg.head_dim_v) * 2
         keys = BLOCK_SIZE * cfg.head_dim * 2
         hand = 2 * BLOCK_SIZE * TILE_M * 2
@@ -148,9 +158,9 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         tma_atom_dO, tma_dO, rows_do = self.rows_tma(mdO, self.dv)
         tma_atom_K, tma_K = self.kv_tma(mK, sK_layout, self.dk)
         self.tx_bytes_kv = self.tile_n * self.dk * 2
-        self.tx_bytes_rows = self.wq * self.gc * (self.dk + self.dv) * 2
         words = {"row_f": (Float32, 2 * TILE_M * ROW_STAGES), "row_lim": (Int32, TILE_M * ROW_STAGES)}
-        self.shared_storage = shared_storage(self.dtype, {"mbar_kv": 1, "mbar_rows": 2 * ROW_STAGES}, words,
+        self.shared_storage = shared_storage(self.dtype, {"mbar_kv": 1, "mbar_do": 2 * ROW_STAGES,
+                                                          "mbar_q": 2 * ROW_STAGES}, words,
                                              sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sPt=sPt_layout,
                                              sdSt=sPt_layout)
         assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
@@ -173,31 +183,59 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         sQ, sdO, sK, sPt, sdSt = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sPt=sPt_layout,
                                               sdSt=sPt_layout)
         sRowF, sRowLim, mbar_kv = self.prepare_rows(storage, sQ, sdO, tidx)
-        # Full barrier: the TMA warp's arrive-and-expect-tx and the row warp's arrival; empty barrier: both
-        # consumer warpgroups (8 warps' arrivals, Note [one row stage]).
-        pipeline_rows = two_wg_pipeline(storage.mbar_rows.data_ptr(), ROW_STAGES, 2, self.tx_bytes_rows)
+        # Note [split row stages]. dO's full barrier: the TMA warp's arrive-and-expect-tx and the row warp's
+        # arrival (the row facts ride with dO); Q's: the TMA warp's; empty barriers: both consumer warpgroups (8
+        # warps' arrivals, Note [one row stage]).
+        rows = self.wq * self.gc * 2
+        pipeline_do = two_wg_pipeline(storage.mbar_do.data_ptr(), ROW_STAGES, 2, rows * self.dv)
+        pipeline_q = two_wg_pipeline(storage.mbar_q.data_ptr(), ROW_STAGES, 1, rows * self.dk)
         blk = self.key_block(mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg)
         if blk.live:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp_idx == 0:
-                    tma_atom_Q, tma_atom_dO, tma_atom_K = atoms
-                    self.load(mQ, mdO, mK, None, mKeyTile, sK, None, (tma_atom_Q, tma_atom_dO, tma_atom_K, None),
-                              rows_q, rows_do, storage.sQ.data_ptr(), storage.sdO.data_ptr(), mbar_kv, pipeline_rows,
-                              blk)
+                    self.load_split(mQ, mdO, mK, mKeyTile, sK, atoms, rows_q, rows_do, storage.sQ.data_ptr(),
+                                    storage.sdO.data_ptr(), mbar_kv, pipeline_q, pipeline_do, blk)
                 elif warp_idx == 1:
                     self.load_rows(mLSE, mDelta, mTileMask, mQLimit, mKeyTile, mKeySlot, sRowF, sRowLim,
-                                   pipeline_rows, blk, warp_idx - 1)
+                                   pipeline_do, blk, warp_idx - 1)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 ctidx = tidx % THREADS_PER_WG
                 bufs = SimpleNamespace(q=(storage.sQ.data_ptr(), sQ_layout, self.dk),
                                        do=(storage.sdO.data_ptr(), sdO_layout, self.dv))
                 if warp_idx < 8:
-                    self.consume_a(outs, bufs, sQ, sdO, sK, sPt, sdSt, sRowF, sRowLim, mbar_kv, pipeline_rows, blk,
-                                   ctidx, softmax_scale)
+                    self.consume_a(outs, bufs, sQ, sdO, sK, sPt, sdSt, sRowF, sRowLim, mbar_kv, (pipeline_q, pipeline_do),
+                                   blk, ctidx, softmax_scale)
                 else:
-                    self.consume_b(outs, bufs, sPt, sdSt, pipeline_rows, blk, ctidx)
+                    self.consume_b(outs, bufs, sPt, sdSt, (pipeline_q, pipeline_do), blk, ctidx)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load_split(self, mQ, mdO, mK, mKeyTile, sK, atoms, rows_q, rows_do, sQ_base, sdO_base, mbar_kv, pipeline_q,
+                   pipeline_do, blk):
+        """K once, then per step the tile's dO rows into dO's stage and its Q rows into Q's (Note [split row
+        stages]); the next step's query tile read one step ahead, as ``load``."""
+        tma_atom_Q, tma_atom_dO, tma_atom_K = atoms
+        self.load_keys(mK, None, tma_atom_K, None, sK, None, mbar_kv, blk)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ROW_STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ROW_STAGES)
+        n = (blk.p1 - blk.p0) * self.chunks
+        tile = mKeyTile[blk.p0]
+        for i in cutlass.range(n, unroll=1):
+            q0 = tile * self.wq
+            tile = mKeyTile[blk.p0 + cutlass.min(i + 1, n - 1) // self.chunks]
+            head0 = blk.h * self.cfg.group + (i % self.chunks) * self.gc
+            pipeline_do.producer_acquire(do_state)
+            bar = pipeline_do.producer_get_barrier(do_state)
+            for j in cutlass.range(self.wq, unroll=1):
+                self.row_box(tma_atom_dO, mdO, sdO_base, rows_do, self.dv, bar, do_state.index, q0, j, head0, blk)
+            do_state.advance()
+            pipeline_q.producer_acquire(q_state)
+            bar = pipeline_q.producer_get_barrier(q_state)
+            for j in cutlass.range(self.wq, unroll=1):
+                self.row_box(tma_atom_Q, mQ, sQ_base, rows_q, self.dk, bar, q_state.index, q0, j, head0, blk)
+            q_state.advance()
 
     # ------------------------------------------------------------------ consumers
     def columns_operand(self, mma_slice, buf, c0: int, cols: int):
@@ -208,7 +246,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         return self.key_columns_operand(mma_slice, base, layout, c0, cols, 1, d)[None, None, None, 0]
 
     @cute.jit
-    def consume_a(self, outs, bufs, sQ, sdO, sK, sPt, sdSt, sRowF, sRowLim, mbar_kv, pipeline_rows, blk,
+    def consume_a(self, outs, bufs, sQ, sdO, sK, sPt, sdSt, sRowF, sRowLim, mbar_kv, pipes, blk,
                   ctidx: Int32, softmax_scale: Float32):
         """WG 1: per step S^T, dP^T, P^T, dS^T, the hand-off to WG 2 (Note [dS hand-off]) and dkv columns
         [0, A_COLS) and [Dv, Dk) with P^T / dS^T from registers; then those columns' segment sum."""
@@ -240,24 +278,26 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         tPsP, tPsdS = thr_st.partition_D(sPt), thr_st.partition_D(sdSt)
         ctx = self.key_context(thr_s, sRowF, sRowLim, blk, softmax_scale)
         cute.arch.mbarrier_wait(mbar_kv, 0)
+        pipeline_q, pipeline_do = pipes
         n = (blk.p1 - blk.p0) * self.chunks
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ROW_STAGES)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ROW_STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ROW_STAGES)
         for j in cutlass.range(n, unroll=1):
             acc_S = cute.make_rmem_tensor(acc_shape, Float32)
             acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
-            # 1. Wait for the step's rows; S^T = K Q^T (Dk deep) and dP^T = V dO^T (Dv deep).
-            pipeline_rows.consumer_wait(state)
-            self.gemm(mma_s, acc_S, tSrK, tSrQ, True, -1)
+            # 1. dP^T = V dO^T (Dv deep) as soon as dO and the row facts are in, then S^T = K Q^T (Dk deep) once
+            # Q is (Note [split row stages]).
+            pipeline_do.consumer_wait(do_state)
             self.gemm_k(mma_s, acc_dP, tSrK, tSrdO, self.dv // 16)
-            col = self.columns(ctx, 0)  # while the two GEMMs run
-            warpgroup.wait_group(1)
+            col = self.columns(ctx, 0)  # while dP^T runs
+            pipeline_q.consumer_wait(q_state)
+            self.gemm(mma_s, acc_S, tSrK, tSrQ, True, 0)
             # 2. P^T; dkv[:, :A_COLS] += P^T dO runs while dS^T is formed.
             acc_S_mn = acc_mn_view(acc_S)
             self.probs(ctx, acc_S_mn, col)
             convert_to_16bit(acc_as_operand_a(acc_S), tLrP)
             self.gemm(mma_lo, acc_lo, tLrP, tLrdOt, False, -1)
             delta = self.deltas(ctx, 0)
-            warpgroup.wait_group(1)  # dP^T done
             # 3. dS^T = P^T (dP^T - delta), scaled (Note [dS hand-off]).
             acc_dP_mn = acc_mn_view(acc_dP)
             for k in cutlass.range_constexpr(2):
@@ -271,16 +311,20 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
             cute.copy(st_copy, thr_st.retile(tLrdS), tPsdS)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=int(LatentBarrier.DsFull), number_of_threads=BARRIER_THREADS)
-            # 5. dkv[:, :A_COLS] += dS^T Q, dkv[:, Dv:] += dS^T Q; the stage is free of WG 1 once they completed.
+            # 5. dkv[:, :A_COLS] += dS^T Q, dkv[:, Dv:] += dS^T Q; dO is free of WG 1 once P^T dO completed (the
+            # two dS^T Q groups may still run), Q once those did.
             self.gemm(mma_lo, acc_lo, tLrdS, tLrQt, False, -1)
-            self.gemm(mma_hi, acc_hi, tLrdS, tHrQt, False, 0)
-            pipeline_rows.consumer_release(state)
-            state.advance()
+            self.gemm(mma_hi, acc_hi, tLrdS, tHrQt, False, 2)
+            pipeline_do.consumer_release(do_state)
+            do_state.advance()
+            warpgroup.wait_group(0)
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
         self.write_keys(ctx, ((acc_lo, mma_lo.get_slice(ctidx), A_COLS, 0),
                               (acc_hi, mma_hi.get_slice(ctidx), dr, self.dv)), outs, True, ctidx)
 
     @cute.jit
-    def consume_b(self, outs, bufs, sPt, sdSt, pipeline_rows, blk, ctidx: Int32):
+    def consume_b(self, outs, bufs, sPt, sdSt, pipes, blk, ctidx: Int32):
         """WG 2: per step dkv[:, A_COLS:Dv] += P^T dO + dS^T Q with P^T / dS^T from WG 1 (Note [dS hand-off]),
         one accumulator per piece of ``b_parts``; then those columns' segment sum."""
         parts = []
@@ -295,20 +339,29 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
                 mma=mma, acc=acc, c0=c0, cols=cols, tBrP=wg.make_fragment_A(wg.partition_A(sPt)),
                 tBrdS=wg.make_fragment_A(wg.partition_A(sdSt)), tBrdOt=self.columns_operand(wg, bufs.do, c0, cols),
                 tBrQt=self.columns_operand(wg, bufs.q, c0, cols)))
+        pipeline_q, pipeline_do = pipes
         n = (blk.p1 - blk.p0) * self.chunks
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ROW_STAGES)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ROW_STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ROW_STAGES)
         for j in cutlass.range(n, unroll=1):
             # 1. The step's rows (already complete once WG 1 handed over), then P^T and dS^T.
-            pipeline_rows.consumer_wait(state)
+            pipeline_do.consumer_wait(do_state)
+            pipeline_q.consumer_wait(q_state)
             cute.arch.barrier(barrier_id=int(LatentBarrier.DsFull), number_of_threads=BARRIER_THREADS)
-            # 2. The GEMMs; sPt / sdSt and the stage are free of WG 2 once they completed.
-            for i, p in enumerate(parts):
+            # 2. The GEMMs, every P^T dO piece first (Note [split row stages]): dO is free of WG 2 once those
+            # completed, sPt / sdSt and Q once all did.
+            for p in parts:
                 self.gemm(p.mma, p.acc, p.tBrP, p.tBrdOt, False, -1)
-                self.gemm(p.mma, p.acc, p.tBrdS, p.tBrQt, False, 0 if i == len(parts) - 1 else -1)
+            for p in parts:
+                self.gemm(p.mma, p.acc, p.tBrdS, p.tBrQt, False, -1)
+            warpgroup.wait_group(len(parts))
+            pipeline_do.consumer_release(do_state)
+            do_state.advance()
+            warpgroup.wait_group(0)
             if j < n - 1:
                 cute.arch.barrier_arrive(barrier_id=int(LatentBarrier.DsEmpty), number_of_threads=BARRIER_THREADS)
-            pipeline_rows.consumer_release(state)
-            state.advance()
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
         ctx = SimpleNamespace(blk=blk)
         self.write_keys(ctx, tuple((p.acc, p.mma.get_slice(ctidx), p.cols, p.c0) for p in parts), outs, False, ctidx)
 
