@@ -162,6 +162,8 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         self.row_stats(ctx, mO, mdOg, mLSE, mDelta, tile, ctidx, softmax_scale)
         if tile.count > 0:
             cute.arch.mbarrier_wait(mbar_q, 0)
+            self.load_row_operand(tiled_mma_s, sQ, tSrQ, ctidx)
+            self.load_row_operand(tiled_mma_s, sdO, tSrdO, ctidx)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
             if cutlass.const_expr(self.sweeps == 2):  # Note [exact delta]: the first sweep
                 for n in cutlass.range(tile.count, unroll=1):
@@ -186,12 +188,12 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
 
     def s_operands(self, dq_cols: int, sQ, sdO, sK, ctidx: Int32):
         """The S / dP wgmma and the dq one (``row_mmas(dq_cols)``), their thread and warpgroup slices, and the S /
-        dP operands: Q and dO (A, smem) and K (B, (.., .., k, stage))."""
+        dP operands: Q and dO (A: registers with ``q_in_regs``, filled by ``load_row_operand`` once they
+        arrived, else smem; Note [Q in registers] in fwd_sm90.py) and K (B, (.., .., k, stage))."""
         tiled_mma_s, tiled_mma_dq = self.row_mmas(dq_cols)
         wg_s = tiled_mma_s.get_slice(0)
         return (tiled_mma_s, tiled_mma_dq, tiled_mma_s.get_slice(ctidx), tiled_mma_dq.get_slice(ctidx), wg_s,
-                tiled_mma_dq.get_slice(0), wg_s.make_fragment_A(wg_s.partition_A(sQ[None, None, 0])),
-                wg_s.make_fragment_A(wg_s.partition_A(sdO[None, None, 0])),
+                tiled_mma_dq.get_slice(0), self.row_operand(tiled_mma_s, sQ), self.row_operand(tiled_mma_s, sdO),
                 wg_s.make_fragment_B(wg_s.partition_B(sK)))
 
     @cute.jit

@@ -13,7 +13,8 @@ One CTA per (query tile w, kv head h x head chunk c, batch b), 256 threads:
                    Note [query rows by TMA] in indexed/bwd_dkdv_sm90.py), then K[n] with V[n-1]
                    per listed block (one 64 x D box each at the block's start row; rows past S
                    are zero-filled by TMA), then V of the last block; 2 stages
-    WG 1           consumer, 64 rows: S = Q K^T (wgmma, smem x smem), masks (below), online softmax
+    WG 1           consumer, 64 rows: S = Q K^T (wgmma; Q from registers at D <= 128, Note [Q in
+                   registers]), masks (below), online softmax
                    (common/softmax.py), O += P V (P from registers); the QK^T of block n is in
                    flight while the PV of block n-1 runs (intra-warpgroup overlap, as the dense
                    forward attention/fwd_sm90.py); sink folded in before the epilogue; O staged in
@@ -27,6 +28,13 @@ keys ``>= q_limit`` of rows that did, are -inf. Both are one ``common/mask.apply
 per-row key limit (``q_limit`` or 0), run only when some row needs it: the block is not selected by
 every tile query, or it reaches past the smallest ``q_limit`` of the tile (the diagonal block of
 causal rows, a document's tail block). Every other block is used as loaded.
+
+Note [Q in registers]: a block is 64 keys, so S = Q K^T is a wgmma of N = 64, and with both operands in
+shared memory each m64n64k16 reads 4 KiB for 32 cycles of math: as much shared-memory bandwidth (128 B per
+cycle) as the SM has, shared with PV's reads, the TMA's writes and a second CTA on the SM. Q is the same for
+every block of the tile, so at D <= 128 (32 registers per thread at d 128) the consumer loads it once into
+the wgmma's A-operand registers (ldmatrix) after it arrives, and each S GEMM reads only K from shared memory.
+At d 256 (O alone is 128 registers) and in the latent kernels Q stays in shared memory.
 
 Idle rows (past S, or the 64 - WQ * GC rows of a G that does not divide 64) are never loaded,
 never selected (no bit) and never stored: whatever their shared memory holds stays in their rows.
@@ -47,7 +55,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.softmax import OnlineSoftmax
@@ -214,12 +222,18 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         if const_expr(wait >= 0):
             warpgroup.wait_group(wait)
 
+    @property
+    def q_in_regs(self) -> bool:
+        """Note [Q in registers]: the S GEMM's A operand (Q; in the dQ kernel also dO) from registers."""
+        return not self.cfg.latent and self.dk <= 128
+
     def row_mmas(self, d: int):
-        """The consumer's two wgmmas: S = Q K^T (64 x 64, both from smem, K-major) and the second
-        GEMM's (64 x d, A from registers, B read MN-major)."""
+        """The consumer's two wgmmas: S = Q K^T (64 x 64, K-major; A from registers with ``q_in_regs``, else
+        from smem) and the second GEMM's (64 x d, A from registers, B read MN-major)."""
         return (sm90_utils.make_trivial_tiled_mma(
                     self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-                    atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n)),
+                    atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n),
+                    a_source=warpgroup.OperandSource.RMEM if self.q_in_regs else warpgroup.OperandSource.SMEM),
                 sm90_utils.make_trivial_tiled_mma(
                     self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
                     atom_layout_mnk=(1, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM))
@@ -232,7 +246,7 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
         wg_mma_qk = tiled_mma_qk.get_slice(0)
         wg_mma_pv = tiled_mma_pv.get_slice(0)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ[None, None, 0]))
+        tSrQ = self.row_operand(tiled_mma_qk, sQ)
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))  # (.., .., k, stage)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((TILE_M, self.tile_n)))
@@ -250,7 +264,9 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         rows_valid = ctx.rows_valid
 
         if tile.count > 0:
-            self.mainloop(ctx, tile.count, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+            cute.arch.mbarrier_wait(mbar_q, 0)
+            self.load_row_operand(tiled_mma_qk, sQ, tSrQ, ctidx)
+            self.mainloop(ctx, tile.count, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
                           acc_O_mn, acc_S_shape, pipeline_k, pipeline_v)
 
         # 4. Sink, O /= l, lse; only the rows of real (query, head) pairs are written.
@@ -301,11 +317,28 @@ class BlockSparseFwdSm90(BlockSparseSm90):
                                seqlen=tile.seqlen, mTileStart=mTileStart, mTileMask=mTileMask, s=tile.s,
                                w=tile.q0 // self.wq)
 
+    def row_operand(self, tiled_mma_qk, sX):
+        """The S GEMM's A operand over the row buffer ``sX`` (Q, or dO in the dQ kernel): a register fragment
+        with ``q_in_regs`` (filled by ``load_row_operand``), else the smem descriptor view."""
+        wg = tiled_mma_qk.get_slice(0)
+        if const_expr(self.q_in_regs):
+            return wg.make_fragment_A(wg.partition_shape_A((TILE_M, cute.size(sX, mode=[1]))))
+        return wg.make_fragment_A(wg.partition_A(sX[None, None, 0]))
+
     @cute.jit
-    def mainloop(self, ctx, count: Int32, mbar_q, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+    def load_row_operand(self, tiled_mma_qk, sX, tXrX, ctidx: Int32):
+        """Note [Q in registers]: ``tXrX`` (``row_operand``) from stage 0 of ``sX`` by ldmatrix, once its load
+        completed; nothing without ``q_in_regs``."""
+        if const_expr(self.q_in_regs):
+            atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            tiled = cute.make_tiled_copy_A(atom, tiled_mma_qk)
+            thr = tiled.get_slice(ctidx)
+            cute.copy(tiled, thr.partition_S(sX[None, None, 0]), thr.retile(tXrX))
+
+    @cute.jit
+    def mainloop(self, ctx, count: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
                  acc_O_mn, acc_S_shape, pipeline_k, pipeline_v):
-        """The listed blocks in order: QK^T of block n in flight with PV of block n - 1."""
-        cute.arch.mbarrier_wait(mbar_q, 0)
+        """The listed blocks in order (Q complete): QK^T of block n in flight with PV of block n - 1."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
         # 1. First block: QK^T alone.
         meta = self.block_meta(ctx, 0)
