@@ -262,8 +262,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         acc_dP_mn = acc_mn_view(acc_dP)
         self.mask_block(ctx, acc_S_mn, meta)
         for r in cutlass.range_constexpr(2):
-            p = cute.math.exp2(acc_S_mn[r, None].load() * ctx.scale_log2 - ctx.lse_log2[r], fastmath=True)
-            pdp = p * acc_dP_mn[r, None].load()
+            pdp = self.row_probs(ctx, acc_S_mn, r) * acc_dP_mn[r, None].load()
             ctx.delta[r] = ctx.delta[r] + pdp.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
     @cute.jit
@@ -280,6 +279,11 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
                 if ctidx % 4 == 0:
                     mDelta[tile.b, tile.head0 + ctx.row[r] % self.gc, tile.q0 + ctx.row[r] // self.gc] = ctx.delta[r]
 
+    def row_probs(self, ctx, acc_S_mn, r: int):
+        """P of row ``r`` of the masked scores: exp2(S scale log2e - lse) (0 where masked, and on rows with lse
+        +inf); the one rule ``scores_to_ds`` and the exact delta's ``add_delta`` use."""
+        return cute.math.exp2(acc_S_mn[r, None].load() * ctx.scale_log2 - ctx.lse_log2[r], fastmath=True)
+
     @cute.jit
     def scores_to_ds(self, ctx, acc_S, acc_dP, meta, tQrdS):
         """Block masks on S, P = exp2(S scale log2e - lse), dS = P (dP - delta), as 16-bit into ``tQrdS`` (the dq
@@ -288,7 +292,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         acc_dP_mn = acc_mn_view(acc_dP)
         self.mask_block(ctx, acc_S_mn, meta)
         for r in cutlass.range_constexpr(2):
-            p = cute.math.exp2(acc_S_mn[r, None].load() * ctx.scale_log2 - ctx.lse_log2[r], fastmath=True)
+            p = self.row_probs(ctx, acc_S_mn, r)
             acc_S_mn[r, None].store(p * (acc_dP_mn[r, None].load() - ctx.delta[r]))  # dS
         convert_to_16bit(acc_as_operand_a(acc_S), tQrdS)
 
