@@ -257,9 +257,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         n = (blk.p1 - blk.p0) * self.chunks
         tile = mKeyTile[blk.p0]
         for i in cutlass.range(n, unroll=1):
-            q0 = tile * self.wq
-            tile = mKeyTile[blk.p0 + cutlass.min(i + 1, n - 1) // self.chunks]
-            head0 = blk.h * self.cfg.group + (i % self.chunks) * self.gc
+            q0, head0, tile = self.step_rows(mKeyTile, blk, i, n, tile)
             pipeline_rows.producer_acquire(state)
             bar = pipeline_rows.producer_get_barrier(state)
             for j in cutlass.range(self.wq, unroll=1):
@@ -267,6 +265,14 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                                                (tma_atom_dO, mdO, sdO_base, rows_do, self.dv)):
                     self.row_box(atom, mX, base, box, d, bar, state.index, q0, j, head0, blk)
             state.advance()
+
+    @cute.jit
+    def step_rows(self, mKeyTile, blk, i: Int32, n: Int32, tile: Int32):
+        """Step ``i`` of ``n`` (pair ``i // chunks``, head chunk ``i % chunks``) whose query tile is ``tile``: its
+        first query, its first query head, and the query tile of step ``i + 1`` (read one step ahead; the last
+        step's again at the end)."""
+        return (tile * self.wq, blk.h * self.cfg.group + (i % self.chunks) * self.gc,
+                mKeyTile[blk.p0 + cutlass.min(i + 1, n - 1) // self.chunks])
 
     @cute.jit
     def row_box(self, atom, mX, base, box, d: cutlass.Constexpr, bar, stage: Int32, q0: Int32, j: Int32, head0: Int32,

@@ -223,9 +223,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         n = (blk.p1 - blk.p0) * self.chunks
         tile = mKeyTile[blk.p0]
         for i in cutlass.range(n, unroll=1):
-            q0 = tile * self.wq
-            tile = mKeyTile[blk.p0 + cutlass.min(i + 1, n - 1) // self.chunks]
-            head0 = blk.h * self.cfg.group + (i % self.chunks) * self.gc
+            q0, head0, tile = self.step_rows(mKeyTile, blk, i, n, tile)
             pipeline_do.producer_acquire(do_state)
             bar = pipeline_do.producer_get_barrier(do_state)
             for j in cutlass.range(self.wq, unroll=1):
