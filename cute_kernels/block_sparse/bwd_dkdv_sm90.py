@@ -258,12 +258,8 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         tile = mKeyTile[blk.p0]
         for i in cutlass.range(n, unroll=1):
             q0, head0, tile = self.step_rows(mKeyTile, blk, i, n, tile)
-            pipeline_rows.producer_acquire(state)
-            bar = pipeline_rows.producer_get_barrier(state)
-            for j in cutlass.range(self.wq, unroll=1):
-                for atom, mX, base, box, d in ((tma_atom_Q, mQ, sQ_base, rows_q, self.dk),
-                                               (tma_atom_dO, mdO, sdO_base, rows_do, self.dv)):
-                    self.row_box(atom, mX, base, box, d, bar, state.index, q0, j, head0, blk)
+            self.stage_rows(pipeline_rows, state, ((tma_atom_Q, mQ, sQ_base, rows_q, self.dk),
+                                                   (tma_atom_dO, mdO, sdO_base, rows_do, self.dv)), q0, head0, blk)
             state.advance()
 
     @cute.jit
@@ -273,6 +269,16 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         step's again at the end)."""
         return (tile * self.wq, blk.h * self.cfg.group + (i % self.chunks) * self.gc,
                 mKeyTile[blk.p0 + cutlass.min(i + 1, n - 1) // self.chunks])
+
+    @cute.jit
+    def stage_rows(self, pipe, state, operands: tuple, q0: Int32, head0: Int32, blk):
+        """Acquire ``state``'s stage of ``pipe`` and load the step's rows of each of ``operands`` ((atom, tensor,
+        smem base, box, d) each: Q and / or dO) into it, query by query; the caller advances ``state``."""
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        for j in cutlass.range(self.wq, unroll=1):
+            for atom, mX, base, box, d in operands:
+                self.row_box(atom, mX, base, box, d, bar, state.index, q0, j, head0, blk)
 
     @cute.jit
     def row_box(self, atom, mX, base, box, d: cutlass.Constexpr, bar, stage: Int32, q0: Int32, j: Int32, head0: Int32,

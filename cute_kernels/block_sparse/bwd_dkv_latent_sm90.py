@@ -224,15 +224,9 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         tile = mKeyTile[blk.p0]
         for i in cutlass.range(n, unroll=1):
             q0, head0, tile = self.step_rows(mKeyTile, blk, i, n, tile)
-            pipeline_do.producer_acquire(do_state)
-            bar = pipeline_do.producer_get_barrier(do_state)
-            for j in cutlass.range(self.wq, unroll=1):
-                self.row_box(tma_atom_dO, mdO, sdO_base, rows_do, self.dv, bar, do_state.index, q0, j, head0, blk)
+            self.stage_rows(pipeline_do, do_state, ((tma_atom_dO, mdO, sdO_base, rows_do, self.dv),), q0, head0, blk)
             do_state.advance()
-            pipeline_q.producer_acquire(q_state)
-            bar = pipeline_q.producer_get_barrier(q_state)
-            for j in cutlass.range(self.wq, unroll=1):
-                self.row_box(tma_atom_Q, mQ, sQ_base, rows_q, self.dk, bar, q_state.index, q0, j, head0, blk)
+            self.stage_rows(pipeline_q, q_state, ((tma_atom_Q, mQ, sQ_base, rows_q, self.dk),), q0, head0, blk)
             q_state.advance()
 
     # ------------------------------------------------------------------ consumers
