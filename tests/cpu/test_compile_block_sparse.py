@@ -4,10 +4,12 @@ host-side rules agree with the Paddle planner's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cute_kernels.block_sparse.config import FwdConfig, head_chunk, tile_queries, unsupported_reason
-from cute_kernels.block_sparse.launch import CHECKS, bwd_matrix, fwd_matrix
+from cute_kernels.block_sparse.launch import CHECKS, bwd_matrix, dq_matrix, fwd_matrix
 from tests.cpu._check_cli import run_check
 
 
@@ -15,7 +17,7 @@ from tests.cpu._check_cli import run_check
 @pytest.mark.parametrize("kernel", ["block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv"])
 def test_check_cli_compiles_block_sparse_kernels(kernel, tmp_path):
     rows = run_check(tmp_path, "sm_90a", kernel, timeout=3000)
-    matrix = fwd_matrix(90) if kernel == "block_sparse_fwd" else bwd_matrix(90)
+    matrix = {"block_sparse_fwd": fwd_matrix, "block_sparse_bwd_dq": dq_matrix, "block_sparse_bwd_dkdv": bwd_matrix}[kernel](90)
     assert len(rows) == len(matrix) and all(0 < r["registers"] <= 255 for r in rows)
     assert all(r["smem_bytes"] <= 232_448 for r in rows)
 
@@ -39,6 +41,12 @@ def test_registered_sm90_and_sm100_forward():
     assert len(fwd_matrix(90, full=True)) == 2 * 3 * 6 * 2 * 2 + 2 * 2 * 3 * 2
     assert len(bwd_matrix(90, full=True)) == 2 * 2 * 6 * 2 + 2 * 2 * 3 * 2
     assert sum(c.latent for c in bwd_matrix(90)) == 2
+    # the dQ kernels also compile their exact-delta variant (Note [exact delta]); the dK/dV kernels have none
+    assert not any(c.exact_delta for c in bwd_matrix(90, full=True))
+    assert sum(c.exact_delta for c in dq_matrix(90)) == 3
+    assert sorted(map(repr, dq_matrix(90, full=True))) == sorted(
+        [repr(c) for c in bwd_matrix(90, full=True)] + [repr(dataclasses.replace(c, exact_delta=True))
+                                                        for c in bwd_matrix(90, full=True)])
     assert sum(c.latent for c in fwd_matrix(90)) == 2
 
 
