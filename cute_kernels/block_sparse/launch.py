@@ -206,7 +206,8 @@ def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, 
         return
     if min_segment_pairs is None:
         min_segment_pairs = default_min_segment_pairs(int(q.shape[0]), int(k.shape[2]), int(key_start.shape[1]))
-    cfg = dataclasses.replace(cfg, exact_delta=False)  # it changes the dQ kernel only: one dK / dV build
+    if cfg.exact_delta:  # it changes the dQ kernel only: one dK / dV build (and no copy on the plain path)
+        cfg = dataclasses.replace(cfg, exact_delta=False)
     plan = (tile_mask, q_limit, key_start, key_end, key_count, key_ptr, key_tile, key_slot)
     if cfg.latent:
         compile_bwd_dkdv(cfg)(q, k, dout, lse, delta, *plan, dk, dk_part, seg_sem, float(softmax_scale),
