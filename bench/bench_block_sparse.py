@@ -140,10 +140,12 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_del
             run_bwd_dq(ecfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"],
                        plan["tile_count"], plan["q_limit"], dq, scale)
 
+        dkdv_default = fns["bs_dkdv"]
+
         def bs_exact_fwd_bwd():
             bs_fwd()
             bs_exact_dq()
-            dkdv_with(None)()
+            dkdv_default()
 
         fns.update(bs_exact_dq=bs_exact_dq, bs_exact_fwd_bwd=bs_exact_fwd_bwd)
     for n in min_segs:
