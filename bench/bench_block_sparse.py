@@ -108,10 +108,7 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_del
     shapes = dkdv_workspace_shapes(k, v, plan["key_start"])
     ws = {n: torch.empty(shape, dtype=getattr(torch, dt), device="cuda") for n, (shape, dt, _) in shapes.items()}
 
-    def bs_fwd_bwd():
-        bs_fwd()
-        run_bwd_dq(bcfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
-                   plan["q_limit"], dq, scale)
+    def zero_and_dkdv():  # the glue's zero-filled dk / dv, then the dK/dV kernel
         dk.zero_()
         if dv is not None:
             dv.zero_()
@@ -119,6 +116,12 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_del
         run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
                      plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
                      ws["dk_part"], ws.get("dv_part"), ws["seg_sem"], scale)
+
+    def bs_fwd_bwd():
+        bs_fwd()
+        run_bwd_dq(bcfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
+                   plan["q_limit"], dq, scale)
+        zero_and_dkdv()
 
     def bs_dq():  # the two backward kernels alone (out / lse / delta of the bs_fwd_bwd run below)
         run_bwd_dq(bcfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
@@ -140,12 +143,10 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_del
             run_bwd_dq(ecfg, q, k, v, out, dout, lse, delta, plan["tile_start"], plan["tile_mask"],
                        plan["tile_count"], plan["q_limit"], dq, scale)
 
-        dkdv_default = fns["bs_dkdv"]
-
         def bs_exact_fwd_bwd():
             bs_fwd()
             bs_exact_dq()
-            dkdv_default()
+            zero_and_dkdv()
 
         fns.update(bs_exact_dq=bs_exact_dq, bs_exact_fwd_bwd=bs_exact_fwd_bwd)
     for n in min_segs:
