@@ -2,9 +2,9 @@
 
 SM90 runs the block-sparse kernels of ``cute_kernels.block_sparse`` (also the absorbed-MLA latent, v=None,
 Dk 576 / Dv 512 and Dk 512 / Dv 448, forward and backward: one combined latent gradient). SM100 (10.0 /
-10.3) runs the block-sparse tcgen05 forward (``fwd_sm100.py``; compile-verified, never run here: no
-Blackwell GPU) and takes the token path for the backward and for what that forward does not take, the
-latent among it (Note [SM100 token path] below).
+10.3) runs the block-sparse tcgen05 forward (``fwd_sm100.py``) and, at head dim 128, the tcgen05 backward
+(``bwd_dq_sm100.py``, ``bwd_dkdv_sm100.py``; all compile-verified, never run here: no Blackwell GPU), and
+takes the token path for the rest, the latent among it (Note [SM100 token path] below).
 
 Contract used by the PyLayer in ``paddle_fa4/block_sparse.py``:
 
@@ -37,6 +37,8 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
 
     if family(arch) == 100:
         if _sm100_kernel_reason(spec) is None and not needs_grad:
+            return None
+        if needs_grad and _sm100_backward_reason(spec) is None:
             return None
         if needs_grad and spec.exact_delta:
             return (f"exact_delta=True on compute capability {arch} (the SM100 backward runs the token path, "
@@ -80,6 +82,19 @@ def _sm100_kernel_reason(spec) -> str | None:
         return "softmax_scale 0 with a sink (the kernel folds the sink in units of the scale)"
     return kernel_reason(head_dim=spec.Dk, head_dim_v=spec.Dv, group=spec.group, dtype=spec.dtype,
                          block_size=spec.block_size)
+
+
+def _sm100_backward_reason(spec) -> str | None:
+    """Why the SM100 block-sparse backward kernels (``bwd_dq_sm100.py``, ``bwd_dkdv_sm100.py``) do not take ``spec``
+    (then the token path runs the backward), or None."""
+    reason = _sm100_kernel_reason(spec)
+    if reason is not None:
+        return reason
+    if spec.exact_delta:
+        return "exact_delta=True (the SM100 dQ kernel takes delta from out)"
+    if spec.Dk != 128:
+        return f"head dim {spec.Dk} (the SM100 dK/dV kernel takes 128)"
+    return None
 
 
 class _TokenPlan:
@@ -212,8 +227,9 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
 
     from cute_kernels.arch import family
 
-    if not isinstance(plan, _TokenPlan) and family(arch_of(q)) == 100:
-        # the SM100 forward kernel ran (its out / lse include the sink); the backward takes the token path
+    if not isinstance(plan, _TokenPlan) and family(arch_of(q)) == 100 and _sm100_backward_reason(spec) is not None:
+        # the SM100 forward kernel ran (its out / lse include the sink); the backward kernels do not take this
+        # case, so the backward takes the token path
         plan = _token_plan(spec, block_ids, cu_seqlens)
     if isinstance(plan, _TokenPlan):  # Note [SM100 token path]
         if plan.ispec is None:  # no work: zero gradients (and the sink's, from its rows)

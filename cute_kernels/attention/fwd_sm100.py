@@ -302,6 +302,10 @@ class FlashFwdSm100:
             return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
         return None
 
+    def role_regs(self) -> tuple:
+        """setmaxnreg per warpgroup (softmax 0, softmax 1, correction, other): ``REGS[q_stage]``."""
+        return REGS[self.q_stage]
+
     @staticmethod
     def smem_bytes(cfg: FwdConfig) -> int:
         """Dynamic shared memory of the launch (an upper bound, see ``_smem_bytes``), in bytes."""
@@ -496,7 +500,7 @@ class FlashFwdSm100:
 
         # One if/elif chain: the roles are sibling branches, so values only one role needs are not
         # live (and holding registers) inside another role's smaller setmaxnreg budget.
-        regs_softmax, regs_softmax1, regs_correction, regs_other = REGS[self.q_stage]
+        regs_softmax, regs_softmax1, regs_correction, regs_other = self.role_regs()
         # Each role's view of the pipelines (traced builds: every wait marks its edge; slots = TRACE_ROLES;
         # built outside the role branches, which may carry only runtime values).
         sm_slot = Int32(0) if const_expr(self.q_stage == 1) else warp_idx // 4
@@ -890,11 +894,9 @@ class FlashFwdSm100:
         return cute.domain_offset((row0, 0), mBlockLogit[None, None, head, batch])
 
     # ------------------------------------------------------------------ correction warpgroup
-    @cute.jit
-    def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_o, pipe_stats,
-                   sched: TileScheduler, args: tuple):
-        scale_log2 = args[-1]
-        tidx = cute.arch.thread_idx()[0] % TILE_M
+    def o_tmem_copies(self, thr_mma_pv, tOtO, tidx):
+        """The correction WG's TMEM copies of the O accumulators: per Q stage ``(t2r, src, register shape)`` and
+        ``(r2t, dst)`` of one O_CHUNK-column chunk (chunk c at column + O_CHUNK c), and the chunks per row."""
         dv = self.head_dim_v
         chunk = O_CHUNK
         # one O_CHUNK-column chunk of O_stage (128 lanes x 16 fp32 columns); chunk c at column +16 c
@@ -911,11 +913,18 @@ class FlashFwdSm100:
         tOt_r2t0 = thr_r2t.partition_D(tOchunk)
         tOt_t2r = []
         tOt_r2t = []
-        for i in cutlass.range_constexpr(self.q_stage):
+        for i in range(self.q_stage):
             delta = self.tmem_o_offset[i] - self.tmem_o_offset[0]
             tOt_t2r.append((thr_t2r, cute.make_tensor(tOt_t2r0.iterator + delta, tOt_t2r0.layout), rO_shape))
             tOt_r2t.append((thr_r2t, cute.make_tensor(tOt_r2t0.iterator + delta, tOt_r2t0.layout)))
-        num_chunks = dv // chunk
+        return tOt_t2r, tOt_r2t, dv // chunk
+
+    @cute.jit
+    def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_o, pipe_stats,
+                   sched: TileScheduler, args: tuple):
+        scale_log2 = args[-1]
+        tidx = cute.arch.thread_idx()[0] % TILE_M
+        tOt_t2r, tOt_r2t, num_chunks = self.o_tmem_copies(thr_mma_pv, tOtO, tidx)
 
         # The correction WG visits the slots (Q stages) in order, one state per pipeline.
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)

@@ -114,4 +114,4 @@ class BwdConfig:
 
     @property
     def window_queries(self) -> int:
-        return tile_queries(self.group)
+        return tile_queries(self.group, self.arch, self.head_dim_v)

@@ -250,15 +250,8 @@ class BlockSparseFwdSm100(FlashFwdSm100):
                 for i in cutlass.range_constexpr(self.q_stage):
                     nq_i = cutlass.max(cutlass.min(tile.nq - i * self.qs, self.qs), 0)
                     pipe_q.producer_acquire(q_state, expected_tx=nq_i * self.gc * d * 2)
-                    for j in cutlass.range(nq_i, unroll=1):
-                        dst = cute.make_tensor(
-                            cute.recast_ptr(sQ_base + q_state.index * (TILE_M * d) + j * self.gc * 64, q_box.inner),
-                            q_box.outer)
-                        src = cute.local_tile(tma_q[None, None, tile.q0 + i * self.qs + j, tile.b], (self.gc, d),
-                                              (tile.head0 // self.gc, 0))
-                        tS, tG = cpasync.tma_partition(atom_q, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                                                       cute.group_modes(src, 0, 2))
-                        cute.copy(atom_q, tG, tS, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                    self.load_rows(atom_q, tma_q, sQ_base + q_state.index * (TILE_M * d), q_box, tile,
+                                   tile.q0 + i * self.qs, nq_i, pipe_q.producer_get_barrier(q_state))
                     q_state.advance()
                     if const_expr(i == 0):
                         self.load_step(atom_k, mK_cur, mTileStart, tile, Int32(0), sKV_base, kv_box, kv_stage_elems,
@@ -278,6 +271,18 @@ class BlockSparseFwdSm100(FlashFwdSm100):
         # Note [SM100 handshakes] (attention/fwd_sm100.py): wait for the MMA's last tcgen05.commit releases.
         pipe_q.producer_tail(q_state)
         pipe_kv.producer_tail(kv_state)
+
+    @cute.jit
+    def load_rows(self, atom, tma_x, s_base, box, tile: RowTile, query0: Int32, nq: Int32, bar):
+        """Queries ``query0 .. query0 + nq`` of the tile's head chunk into the 128-row stage at ``s_base``: one
+        (GC, D) TMA box per query (row-slot layout, ``row_slots``), completing on ``bar``."""
+        d = self.head_dim
+        for j in cutlass.range(nq, unroll=1):
+            dst = cute.make_tensor(cute.recast_ptr(s_base + j * self.gc * 64, box.inner), box.outer)
+            src = cute.local_tile(tma_x[None, None, query0 + j, tile.b], (self.gc, d), (tile.head0 // self.gc, 0))
+            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                           cute.group_modes(src, 0, 2))
+            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
 
     @cute.jit
     def load_step(self, atom, mX_cur, mTileStart, tile: RowTile, step: Int32, sKV_base, kv_box, kv_stage_elems: int,
@@ -368,12 +373,18 @@ class BlockSparseFwdSm100(FlashFwdSm100):
         selected it and start + c < the row's q_limit (and < S); the rule and call of fwd_sm90.mask_block."""
         halves = cute.logical_divide(tSrS, cute.make_layout(BLOCK_SIZE))
         for half in cutlass.range_constexpr(BLOCKS_PER_STEP):
-            last = Int32(-1)
-            if (meta[2 * half + 1] & ctx.bit) != 0:
-                last = ctx.limit - 1
-            view = cute.make_tensor(halves[None, half].iterator, cute.make_layout((1, BLOCK_SIZE)))
-            apply_mask(view, list(range(BLOCK_SIZE)), [last], meta[2 * half], ctx.seqlen, Int32(0), Int32(0),
-                       Int32(0), True, True, False)
+            self.mask_block(halves[None, half].iterator, meta[2 * half], meta[2 * half + 1], ctx)
+
+    @cute.jit
+    def mask_block(self, regs, start: Int32, bits: Int32, ctx):
+        """One block's 64 scores of this thread's row (registers from ``regs`` on, key order): -inf unless the
+        row's query selected the block (``bits``) and start + c < its q_limit (and < S)."""
+        last = Int32(-1)
+        if (bits & ctx.bit) != 0:
+            last = ctx.limit - 1
+        view = cute.make_tensor(regs, cute.make_layout((1, BLOCK_SIZE)))
+        apply_mask(view, list(range(BLOCK_SIZE)), [last], start, ctx.seqlen, Int32(0), Int32(0), Int32(0), True,
+                   True, False)
 
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit

@@ -106,16 +106,28 @@ def bwd_config(q, k, v, *, per_kv_head: bool, arch: int | None = None, latent_dv
                      per_kv_head=per_kv_head, latent=f.latent, exact_delta=bool(exact_delta))
 
 
+def compile_bwd_dq(cfg: BwdConfig, sm_count: int | None = None):
+    """The dQ kernel of ``cfg``, compiled once; ``sm_count`` as ``compile_fwd`` (the SM100 kernel is persistent)."""
+    if _arch.family(cfg.arch) != 100:
+        sm_count = None
+    elif sm_count is None:
+        sm_count = _arch.SM_COUNT_DEFAULT[cfg.arch]
+    return _compile_bwd_dq(cfg, sm_count)
+
+
 @jit_cache
-def compile_bwd_dq(cfg: BwdConfig):
+def _compile_bwd_dq(cfg: BwdConfig, sm_count: int | None):
     import cutlass
     import cutlass.cute as cute
 
     from cute_kernels.dtypes import cutlass_dtype
     from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym
 
-    if _arch.family(cfg.arch) != 90:
-        raise NotImplementedError(f"block_sparse_attention: no CuTe backward for arch {cfg.arch} yet (SM90 only)")
+    if _arch.family(cfg.arch) not in (90, 100):
+        raise NotImplementedError(f"block_sparse_attention: no CuTe backward for arch {cfg.arch}")
+    if _arch.family(cfg.arch) == 100 and (cfg.latent or cfg.exact_delta):
+        raise NotImplementedError("block_sparse_attention: no SM100 dQ kernel for "
+                                  + ("the absorbed-MLA latent" if cfg.latent else "exact_delta"))
     dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
     b, s, hq, hkv, ns, nqt, cap = (sym() for _ in range(7))
     q = fake_tensor(dt, (b, s, hq, cfg.head_dim))
@@ -129,8 +141,13 @@ def compile_bwd_dq(cfg: BwdConfig):
         return cute.compile(BlockSparseLatentBwdDQSm90(cfg), q, kv(cfg.head_dim), o(), o(), rows(), rows(), *plan,
                             fake_tensor(dt, (b, s, hq, cfg.head_dim)), f32(1.0), fake_stream(),
                             options=arch_options(cfg.arch))
-    from .bwd_dq_sm90 import BlockSparseBwdDQSm90
-    return cute.compile(BlockSparseBwdDQSm90(cfg), q, kv(cfg.head_dim), kv(cfg.head_dim_v), o(), o(), rows(), rows(),
+    if _arch.family(cfg.arch) == 100:
+        from .bwd_dq_sm100 import BlockSparseBwdDQSm100
+        kernel = BlockSparseBwdDQSm100(cfg, sm_count=int(sm_count))
+    else:
+        from .bwd_dq_sm90 import BlockSparseBwdDQSm90
+        kernel = BlockSparseBwdDQSm90(cfg)
+    return cute.compile(kernel, q, kv(cfg.head_dim), kv(cfg.head_dim_v), o(), o(), rows(), rows(),
                         *plan, fake_tensor(dt, (b, s, hq, cfg.head_dim)), f32(1.0), fake_stream(),
                         options=arch_options(cfg.arch))
 
@@ -143,8 +160,13 @@ def compile_bwd_dkdv(cfg: BwdConfig):
     from cute_kernels.dtypes import cutlass_dtype
     from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym
 
-    if _arch.family(cfg.arch) != 90:
-        raise NotImplementedError(f"block_sparse_attention: no CuTe backward for arch {cfg.arch} yet (SM90 only)")
+    if _arch.family(cfg.arch) not in (90, 100):
+        raise NotImplementedError(f"block_sparse_attention: no CuTe backward for arch {cfg.arch}")
+    if _arch.family(cfg.arch) == 100:
+        from .bwd_dkdv_sm100 import BlockSparseBwdDKDVSm100
+        reason = BlockSparseBwdDKDVSm100.unsupported_reason(cfg)
+        if reason is not None:
+            raise NotImplementedError(f"block_sparse_attention: no SM100 dK/dV kernel for {reason}")
     dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
     b, s, hq, hkv, ns, nqt, cap, kcap, kp, np_ = (sym() for _ in range(10))
     kv = lambda d: fake_tensor(dt, (b, s, hkv, d))  # noqa: E731
@@ -158,8 +180,12 @@ def compile_bwd_dkdv(cfg: BwdConfig):
         return cute.compile(BlockSparseLatentBwdDKVSm90(cfg), q, kv(cfg.head_dim), do, rows(), rows(), *plan,
                             kv(cfg.head_dim), part(cfg.head_dim), ints(ns, kcap, hkv), f32(1.0), i32(1),
                             fake_stream(), options=arch_options(cfg.arch))
-    from .bwd_dkdv_sm90 import BlockSparseBwdDKDVSm90
-    return cute.compile(BlockSparseBwdDKDVSm90(cfg), q, kv(cfg.head_dim), kv(cfg.head_dim_v), do, rows(), rows(),
+    if _arch.family(cfg.arch) == 100:
+        kernel = BlockSparseBwdDKDVSm100(cfg)
+    else:
+        from .bwd_dkdv_sm90 import BlockSparseBwdDKDVSm90
+        kernel = BlockSparseBwdDKDVSm90(cfg)
+    return cute.compile(kernel, q, kv(cfg.head_dim), kv(cfg.head_dim_v), do, rows(), rows(),
                         *plan, kv(cfg.head_dim), kv(cfg.head_dim_v), part(cfg.head_dim), part(cfg.head_dim_v),
                         ints(ns, kcap, hkv), f32(1.0), i32(1), fake_stream(), options=arch_options(cfg.arch))
 
@@ -227,7 +253,8 @@ def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
         return
     kv = (k,) if cfg.latent else (k, v)
-    compile_bwd_dq(cfg)(q, *kv, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
+    sm_count = _arch.tensor_sm_count(q) if _arch.family(cfg.arch) == 100 else None
+    compile_bwd_dq(cfg, sm_count)(q, *kv, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,
                         float(softmax_scale))
 
 
@@ -261,6 +288,14 @@ def fwd_matrix(arch: int, full: bool = False):
 
 
 def bwd_matrix(arch: int, full: bool = False):
+    if _arch.family(arch) == 100:  # the dK/dV kernel (bwd_dkdv_sm100.py): head dim 128, no latent
+        if full:
+            return [BwdConfig(arch=arch, dtype=dt, head_dim=128, head_dim_v=128, group=g, per_kv_head=pk)
+                    for dt in DTYPES for g in (1, 2, 5, 8, 12, 64, 128) for pk in (False, True)]
+        return [BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=True),
+                BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=128, per_kv_head=False),
+                BwdConfig(arch=arch, dtype="float16", head_dim=128, head_dim_v=128, group=12, per_kv_head=False),
+                BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=1, per_kv_head=False)]
     if _arch.family(arch) != 90:
         return []
     latent = [BwdConfig(arch=arch, dtype=dt, head_dim=dk, head_dim_v=dv, group=g, per_kv_head=pk, latent=True)
@@ -278,12 +313,23 @@ def bwd_matrix(arch: int, full: bool = False):
 def dq_matrix(arch: int, full: bool = False):
     """``bwd_matrix`` and the exact-delta variant of each of its dQ kernels (``--full``; by default those of
     the GQA d 128 and the latent configs)."""
+    if _arch.family(arch) == 100:  # bwd_dq_sm100.py: no latent, no exact_delta
+        if full:
+            return [BwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk)
+                    for dt in DTYPES for d in BWD_HEAD_DIMS for g in (1, 2, 8, 12, 64, 128) for pk in (False, True)]
+        return [BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=True),
+                BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=128, per_kv_head=False),
+                BwdConfig(arch=arch, dtype="float16", head_dim=128, head_dim_v=128, group=12, per_kv_head=False),
+                BwdConfig(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, group=1, per_kv_head=False)]
     base = bwd_matrix(arch, full)
     exact = [c for c in base if full or (c.head_dim == 128 and c.group == 8) or c.latent]
     return base + [dataclasses.replace(c, exact_delta=True) for c in exact]
 
 
 def _dq_smem(cfg):
+    if _arch.family(cfg.arch) == 100:
+        from .bwd_dq_sm100 import BlockSparseBwdDQSm100
+        return BlockSparseBwdDQSm100.smem_bytes(cfg)
     if cfg.latent:
         from .bwd_dq_latent_sm90 import BlockSparseLatentBwdDQSm90
         return BlockSparseLatentBwdDQSm90.smem_bytes(cfg)
@@ -292,6 +338,9 @@ def _dq_smem(cfg):
 
 
 def _dkdv_smem(cfg):
+    if _arch.family(cfg.arch) == 100:
+        from .bwd_dkdv_sm100 import BlockSparseBwdDKDVSm100
+        return BlockSparseBwdDKDVSm100.smem_bytes(cfg)
     if cfg.latent:
         from .bwd_dkv_latent_sm90 import BlockSparseLatentBwdDKVSm90
         return BlockSparseLatentBwdDKVSm90.smem_bytes(cfg)

@@ -10,6 +10,8 @@ selection; the plan vs a numpy plan; validation errors before any work.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -508,6 +510,69 @@ def test_sm100_kernel_forward_then_token_backward(sink, monkeypatch):
     monkeypatch.setattr(indexed_glue, "_plan_for", lambda sp, idx, pl: idx)  # the reference takes the rows
     grads = glue.backward(spec, q, k, v, ids, cu_t, s_t, out, lse, dout, plan)
     want = block_sparse_ref.backward(spec, q, k, v, ids, cu_t, s_t, out, lse, dout)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, want):
+        assert (a is None) == (b is None) == (name == "dsink" and not sink), name
+        if a is not None:
+            _close(name, a.astype("float32").numpy(), b.astype("float32").numpy(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
+def test_sm100_kernel_forward_and_backward(sink, monkeypatch):
+    """SM100 at head dim 128 (bf16, block 64): the forward and both backward kernels are the block-sparse tcgen05
+    ones (bwd_dq_sm100.py, bwd_dkdv_sm100.py; stubbed here with the block-sparse reference): the glue hands each an
+    SM100 config whose query tile is the plan's (the forward's, G 8: 32 queries), delta from the dQ kernel to the
+    dK/dV kernel and the sink gradient, and zero-filled dk / dv; exact_delta and head dim 64 take the token path
+    by name."""
+    pytest.importorskip("cutlass")
+    from cute_kernels.block_sparse import launch
+    from paddle_fa4 import backend as backend_mod
+    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4 import block_sparse_ref
+
+    c = _case(7, B=1, S=150, Hq=8, Hkv=1, Dk=128, Dv=128, topk=3, bs=64, cu=[0, 37, 150], sink=sink)
+    spec = _spec(c, "bfloat16")
+    assert glue.unsupported_reason(100, spec, needs_grad=True) is None
+    assert glue._sm100_backward_reason(spec) is None
+    assert "head dim 64" in glue._sm100_backward_reason(_spec(dict(c, q=c["q"][..., :64], k=c["k"][..., :64],
+                                                                   v=c["v"][..., :64]), "bfloat16"))
+    assert "exact_delta" in glue._sm100_backward_reason(dataclasses.replace(spec, exact_delta=True))
+    q, k, v, ids = tuple(_t(c[n], "bfloat16") for n in ("q", "k", "v")) + (_t(c["ids"], "int32"),)
+    cu_t, s_t, dout = _t(c["cu"], "int32"), _t(c["sink"]) if sink else None, _t(c["dout"], "bfloat16")
+    want = None
+    seen = {}
+
+    def fake_run_fwd(cfg, q_, k_, v_, tile_start, tile_mask, tile_count, q_limit, sink_, out, lse, scale):
+        seen.update(fwd=cfg)
+        o, l, _ = block_sparse_ref.forward(spec, q, k, v, ids, cu_t, s_t)
+        paddle.assign(o.astype(out.dtype), out)
+        paddle.assign(l, lse)
+
+    def fake_dq(cfg, q_, k_, v_, out, dout_, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq, scale):
+        seen.update(dq=cfg, dq_tiles=list(tile_count.shape))
+        paddle.assign(want[0].astype(dq.dtype), dq)
+        d = (dout_.astype("float32") * out.astype("float32")).sum(axis=-1).transpose([0, 2, 1])
+        paddle.assign(d, delta)
+
+    def fake_dkdv(cfg, q_, k_, v_, dout_, lse, delta, *rest):
+        dk, dv = rest[8], rest[9]
+        zero = not any(t.astype("float32").abs().sum().item() for t in (dk, dv))
+        seen.update(kv=cfg, kv_zero=zero)
+        paddle.assign(want[1].astype(dk.dtype), dk)
+        paddle.assign(want[2].astype(dv.dtype), dv)
+
+    monkeypatch.setattr(glue, "arch_of", lambda t: 100)
+    monkeypatch.setattr(backend_mod, "tensor_arch", lambda t: 100)  # the plan is built "on the GPU"
+    monkeypatch.setattr(launch, "run_fwd", fake_run_fwd)
+    monkeypatch.setattr(launch, "run_bwd_dq", fake_dq)
+    monkeypatch.setattr(launch, "run_bwd_dkdv", fake_dkdv)
+    out, lse, plan = glue.forward(spec, q, k, v, ids, cu_t, s_t, None)
+    want = block_sparse_ref.backward(spec, q, k, v, ids, cu_t, s_t, out, lse, dout)
+    grads = glue.backward(spec, q, k, v, ids, cu_t, s_t, out, lse, dout, plan)
+    for key in ("fwd", "dq", "kv"):
+        cfg = seen[key]
+        assert cfg.arch == 100 and (cfg.head_dim, cfg.group) == (128, 8) and cfg.window_queries == plan.window_queries
+    assert plan.window_queries == 32 and seen["dq_tiles"] == [1, 5] and seen["kv_zero"]
+    assert not seen["dq"].exact_delta
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, want):
         assert (a is None) == (b is None) == (name == "dsink" and not sink), name
         if a is not None:

@@ -1,5 +1,5 @@
 """The block-sparse forward, dQ and dK/dV kernels compile for sm_90a without a GPU (no spills, shared memory within the
-arch limit), the SM100 forward for sm_100a and sm_103a, are registered for ``python -m cute_kernels.check``, and their
+arch limit), the SM100 forward, dQ and dK/dV for sm_100a and sm_103a, are registered for ``python -m cute_kernels.check``, and their
 host-side rules agree with the Paddle planner's."""
 
 from __future__ import annotations
@@ -30,12 +30,28 @@ def test_check_cli_compiles_sm100_forward(arch, tmp_path):
     assert all(r["smem_bytes"] <= 232_448 for r in rows)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("kernel", ["block_sparse_bwd_dq", "block_sparse_bwd_dkdv"])
+def test_check_cli_compiles_sm100_backward(kernel, arch, tmp_path):
+    rows = run_check(tmp_path, arch, kernel, timeout=3000)
+    matrix = {"block_sparse_bwd_dq": dq_matrix, "block_sparse_bwd_dkdv": bwd_matrix}[kernel](100)
+    assert len(rows) == len(matrix) == 4 and all(0 < r["registers"] <= 255 for r in rows)
+    assert all(r["smem_bytes"] <= 232_448 for r in rows)
+
+
 def test_registered_sm90_and_sm100_forward():
     from cute_kernels.registry import LAUNCH_MODULES
 
     assert "cute_kernels.block_sparse.launch" in LAUNCH_MODULES
     assert set(CHECKS) == {"block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv"}
-    assert bwd_matrix(100) == [] and not any(c.latent for c in fwd_matrix(100, full=True))
+    assert not any(c.latent for c in fwd_matrix(100, full=True))
+    # SM100 dQ (bwd_dq_sm100.py): dtypes x head dims x groups x id layouts; no latent, no exact delta.
+    # SM100 dK/dV (bwd_dkdv_sm100.py): head dim 128 only, dtypes x groups x id layouts.
+    assert len(dq_matrix(100, full=True)) == 2 * 2 * 6 * 2
+    assert len(bwd_matrix(100, full=True)) == 2 * 7 * 2
+    assert not any(c.latent or c.exact_delta for c in dq_matrix(100, full=True) + bwd_matrix(100, full=True))
+    assert all(c.head_dim == c.head_dim_v == 128 for c in bwd_matrix(100, full=True))
     assert len(fwd_matrix(100, full=True)) == 2 * 3 * 8 * 2 * 2
     # dtypes x head dims x groups x id layouts x sink, plus the latent: dtypes x (Dk, Dv) x groups x sink
     assert len(fwd_matrix(90, full=True)) == 2 * 3 * 6 * 2 * 2 + 2 * 2 * 3 * 2

@@ -1,6 +1,7 @@
 """SM100 (Blackwell) block_sparse_attention through the CuTe backend: the block-sparse tcgen05 forward
-(cute_kernels/block_sparse/fwd_sm100.py) and the token path for the backward (Note [SM100 token path] in
-paddle_fa4/block_sparse_cute.py: token rows by the planner's rule + the indexed-attention kernels).
+(cute_kernels/block_sparse/fwd_sm100.py), the tcgen05 backward at head dim 128 (bwd_dq_sm100.py, bwd_dkdv_sm100.py)
+and the token path for the other backwards (Note [SM100 token path] in paddle_fa4/block_sparse_cute.py: token rows
+by the planner's rule + the indexed-attention kernels).
 
     python -m pytest tests/sm100/test_block_sparse_sm100.py -q   # skips without Paddle on a CC 10.0 / 10.3 GPU
 
@@ -10,7 +11,8 @@ backend: it checks the tests, not the kernels). out / lse / dq / dk / dv against
 expanded token mask (tests/oracles/block_sparse.py), bf16, GQA and per-kv-head ids, -1 padding and
 repeated ids, S not a multiple of 64, documents at bos % 64 != 0, causal and not, a learnable sink, the
 forward over head dims 64 / 128 / 256 and 1 / 8 / 12 / 128 query heads per kv head (one and two Q
-stages, stages past the tile's queries, an odd last block); backend="cute" must not fall back; bitwise
+stages, stages past the tile's queries, an odd last block), the backward over the same row tiles at head dim
+128 (and 64: the token path), the dK/dV kernel's segment split; backend="cute" must not fall back; bitwise
 equal over two runs. Nothing here has been run on a Blackwell GPU: none was available when it was written.
 """
 
@@ -67,56 +69,134 @@ def _run(paddle, c, ids, cu, sink=None):
     return got if sink is None else got + (sink_t.grad.numpy(),)
 
 
+def _bf(paddle, a):
+    return paddle.to_tensor(a.astype(np.float32)).astype("bfloat16").astype("float32").numpy()
+
+
+def _check(got, c, ids, cu, causal, sink=None):
+    """got (``_run``) against the fp64 oracle: lse's -inf pattern and values, out, and the gradients."""
+    mask = orc.token_mask(ids, 64, causal, None if cu is None else np.asarray(cu))
+    sk = None if sink is None else sink.astype(np.float64)
+    out, lse, _ = orc.attention(c["q"], c["k"], c["v"], mask, sink=sk)
+    dq, dk, dv, dsink = orc.gradients(c["q"], c["k"], c["v"], mask, c["dout"], sink=sk)
+    assert np.array_equal(np.isneginf(got[1]), np.isneginf(lse))
+    fin = np.isfinite(lse)
+    assert _rel(got[0], out) <= OUT_TOL and np.abs(got[1][fin] - lse[fin]).max() <= 2e-3
+    named = [("dq", got[2], dq), ("dk", got[3], dk), ("dv", got[4], dv)]
+    if sink is not None:
+        named.append(("dsink", got[5], dsink))
+    for name, g, w in named:
+        assert _rel(g, w) <= GRAD_TOL, (name, _rel(g, w))
+
+
+def _case(paddle, rng, s, hq, hkv, d, causal):
+    return dict(q=_bf(paddle, rng.standard_normal((1, s, hq, d))), k=_bf(paddle, rng.standard_normal((1, s, hkv, d))),
+                v=_bf(paddle, rng.standard_normal((1, s, hkv, d))),
+                dout=_bf(paddle, rng.standard_normal((1, s, hq, d))), causal=causal)
+
+
+@pytest.mark.parametrize("d", [64, 128], ids=["d64-token-path", "d128-kernels"])
 @pytest.mark.parametrize("cu", [None, [0, 37, 300]], ids=["one-doc", "docs-bos37"])
 @pytest.mark.parametrize("per_kv", [False, True], ids=["shared-ids", "per-kv-head-ids"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
-def test_token_path_matches_oracle(per_kv, causal, cu):
+def test_backward_matches_oracle(per_kv, causal, cu, d):
+    """Head dim 128: the block-sparse tcgen05 dQ and dK/dV kernels; 64: the token path. Bitwise over two runs."""
     paddle = pytest.importorskip("paddle")
     rng = np.random.default_rng(11)
-    b, s, hq, hkv, d = 1, 300, 16, 2, 128
-    ids = orc.random_ids(rng, b, s, 4, 64, causal, cu, heads=hkv if per_kv else None, pad=0.2, dup=0.2)
-    bf = lambda a: paddle.to_tensor(a.astype(np.float32)).astype("bfloat16").astype("float32").numpy()  # noqa: E731
-    c = dict(q=bf(rng.standard_normal((b, s, hq, d))), k=bf(rng.standard_normal((b, s, hkv, d))),
-             v=bf(rng.standard_normal((b, s, hkv, d))), dout=bf(rng.standard_normal((b, s, hq, d))), causal=causal)
+    s, hkv = 300, 2
+    ids = orc.random_ids(rng, 1, s, 4, 64, causal, cu, heads=hkv if per_kv else None, pad=0.2, dup=0.2)
+    c = _case(paddle, rng, s, 16, hkv, d, causal)
     got = _run(paddle, c, ids, cu)
     again = _run(paddle, c, ids, cu)
     for a, a2 in zip(got, again):
         assert np.array_equal(a, a2, equal_nan=True)  # bitwise over two runs
-    mask = orc.token_mask(ids, 64, causal, None if cu is None else np.asarray(cu))
-    out, lse, _ = orc.attention(c["q"], c["k"], c["v"], mask)
-    dq, dk, dv, _ = orc.gradients(c["q"], c["k"], c["v"], mask, c["dout"])
-    assert np.array_equal(np.isneginf(got[1]), np.isneginf(lse))
-    fin = np.isfinite(lse)
-    assert _rel(got[0], out) <= OUT_TOL and np.abs(got[1][fin] - lse[fin]).max() <= 2e-3
-    for name, g, w in (("dq", got[2], dq), ("dk", got[3], dk), ("dv", got[4], dv)):
-        assert _rel(g, w) <= GRAD_TOL, (name, _rel(g, w))
+    _check(got, c, ids, cu, causal)
 
 
-def test_token_path_with_sink_matches_oracle():
-    """A learnable sink folded in around the token path (Note [sink on the token path] in
-    paddle_fa4/block_sparse_cute.py): out / lse / dq / dk / dv / dsink against the fp64 oracle, rows without keys
-    (lse = the sink), documents, bitwise over two runs."""
+@pytest.mark.parametrize("d", [64, 128], ids=["d64-token-path", "d128-kernels"])
+def test_backward_with_sink_matches_oracle(d):
+    """A learnable sink (folded in around the token path at head dim 64, Note [sink on the token path] in
+    paddle_fa4/block_sparse_cute.py; in the forward kernel's lse at 128, the kernels' backward needing nothing
+    more): out / lse / dq / dk / dv / dsink against the fp64 oracle, rows without keys (lse = the sink),
+    documents, bitwise over two runs."""
     paddle = pytest.importorskip("paddle")
     rng = np.random.default_rng(12)
-    b, s, hq, hkv, d, cu = 1, 300, 16, 2, 128, [0, 37, 300]
-    ids = orc.random_ids(rng, b, s, 4, 64, True, cu, pad=0.2, dup=0.2)
+    s, hq, hkv, cu = 300, 16, 2, [0, 37, 300]
+    ids = orc.random_ids(rng, 1, s, 4, 64, True, cu, pad=0.2, dup=0.2)
     ids[0, 50:60] = -1  # rows without keys
-    bf = lambda a: paddle.to_tensor(a.astype(np.float32)).astype("bfloat16").astype("float32").numpy()  # noqa: E731
-    c = dict(q=bf(rng.standard_normal((b, s, hq, d))), k=bf(rng.standard_normal((b, s, hkv, d))),
-             v=bf(rng.standard_normal((b, s, hkv, d))), dout=bf(rng.standard_normal((b, s, hq, d))), causal=True)
+    c = _case(paddle, rng, s, hq, hkv, d, True)
     sink = rng.standard_normal(hq).astype(np.float32)
     got = _run(paddle, c, ids, cu, sink)
     again = _run(paddle, c, ids, cu, sink)
     for a, a2 in zip(got, again):
         assert np.array_equal(a, a2, equal_nan=True)  # bitwise over two runs
-    mask = orc.token_mask(ids, 64, True, np.asarray(cu))
-    out, lse, _ = orc.attention(c["q"], c["k"], c["v"], mask, sink=sink.astype(np.float64))
-    dq, dk, dv, dsink = orc.gradients(c["q"], c["k"], c["v"], mask, c["dout"], sink=sink.astype(np.float64))
-    assert np.isfinite(got[1]).all() and np.abs(got[1] - lse).max() <= 2e-3
+    assert np.isfinite(got[1]).all()
     assert np.allclose(got[1][0][:, 50:60], sink[:, None]) and not got[0][0, 50:60].any()
-    assert _rel(got[0], out) <= OUT_TOL
-    for name, g, w in (("dq", got[2], dq), ("dk", got[3], dk), ("dv", got[4], dv), ("dsink", got[5], dsink)):
-        assert _rel(g, w) <= GRAD_TOL, (name, _rel(g, w))
+    assert not got[2][0, 50:60].any()  # rows without keys: zero dq
+    _check(got, c, ids, cu, True, sink)
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (10, 2), (16, 2), (24, 2), (128, 1)],
+                         ids=["G1", "G2", "G5", "G8", "G12", "G128"])
+def test_backward_row_tiles_match_oracle(hq, hkv):
+    """The SM100 backward kernels' row tiles at head dim 128: each Q stage of the forward's window a step of
+    its own (one or two per window, the 32-query window of G 1 / 2 with idle lanes, the uneven stages of G 5,
+    idle lanes past QS * GC for G 12, head chunks of 64 for G 128), key steps of two blocks in the dQ kernel
+    (odd counts: topk 3): out / lse / gradients against the fp64 oracle, bitwise over two runs."""
+    paddle = pytest.importorskip("paddle")
+    rng = np.random.default_rng(17 + hq)
+    s, causal, cu = 200, True, [0, 45, 200]
+    ids = orc.random_ids(rng, 1, s, 3, 64, causal, cu, pad=0.2, dup=0.2)
+    c = _case(paddle, rng, s, hq, hkv, 128, causal)
+    got = _run(paddle, c, ids, cu)
+    again = _run(paddle, c, ids, cu)
+    for a, a2 in zip(got, again):
+        assert np.array_equal(a, a2, equal_nan=True)
+    _check(got, c, ids, cu, causal)
+
+
+@pytest.mark.skipif(DRY, reason="drives the dK/dV launcher directly (no reference backend)")
+def test_dkdv_segments_match_oracle():
+    """Note [key block segments] on SM100: a key block listed by many query tiles split over several CTAs
+    (min_segment_pairs 1: one pair per segment, up to 8 segments) gives dk / dv equal to the oracle's, and
+    bitwise equal over two runs (the segments add in turn)."""
+    paddle = pytest.importorskip("paddle")
+    import paddle_fa4
+    from cute_kernels.block_sparse.launch import bwd_config, dkdv_workspace_shapes, run_bwd_dkdv, run_bwd_dq
+    from paddle_fa4._bridge import kernel_arg
+
+    rng = np.random.default_rng(19)
+    s, hq, hkv, d = 640, 16, 2, 128
+    ids = np.full((1, s, 2), -1, np.int32)
+    ids[0, :, 0] = 0  # every query selects block 0: all 20 query tiles (32 queries each) list it
+    ids[0, 64:, 1] = rng.integers(1, 10, s - 64) % (np.arange(64, s) // 64 + 1)
+    c = _case(paddle, rng, s, hq, hkv, d, True)
+    t = lambda a: paddle.to_tensor(a, place="gpu").astype("bfloat16")  # noqa: E731
+    q, k, v, dout = t(c["q"]), t(c["k"]), t(c["v"]), t(c["dout"])
+    ids_t = paddle.to_tensor(ids, place="gpu")
+    plan = paddle_fa4.block_sparse_plan(ids_t, heads_per_kv=hq // hkv, block_size=64, head_dim_v=d)
+    out, lse = paddle_fa4.block_sparse_attention(q, k, v, ids_t, block_size=64, plan=plan, return_lse=True,
+                                                 backend="cute")
+    cfg = bwd_config(q, k, v, per_kv_head=False, arch=paddle_cuda_arch())
+    a = kernel_arg
+    delta = paddle.empty([1, hq, s], dtype="float32")
+    dq = paddle.empty(q.shape, dtype=q.dtype)
+    run_bwd_dq(cfg, a(q), a(k), a(v), a(out), a(dout), a(lse), a(delta), a(plan.tile_start), a(plan.tile_mask),
+               a(plan.tile_count), a(plan.q_limit), a(dq), d ** -0.5)
+    runs = []
+    for _ in range(2):
+        dk, dv = paddle.zeros(k.shape, dtype=k.dtype), paddle.zeros(v.shape, dtype=v.dtype)
+        ws = {n: (paddle.zeros if z else paddle.empty)(sh, dtype=dt)
+              for n, (sh, dt, z) in dkdv_workspace_shapes(k, v, plan.key_start).items()}
+        run_bwd_dkdv(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_mask), a(plan.q_limit),
+                     a(plan.key_start), a(plan.key_end), a(plan.key_count), a(plan.key_ptr), a(plan.key_tile),
+                     a(plan.key_slot), a(dk), a(dv), a(ws["dk_part"]), a(ws["dv_part"]), a(ws["seg_sem"]), d ** -0.5,
+                     min_segment_pairs=1)
+        runs.append((dk.astype("float32").numpy(), dv.astype("float32").numpy()))
+    assert all(np.array_equal(x, y) for x, y in zip(runs[0], runs[1]))
+    mask = orc.token_mask(ids, 64, True, None)
+    _, want_dk, want_dv, _ = orc.gradients(c["q"], c["k"], c["v"], mask, c["dout"])
+    assert _rel(runs[0][0], want_dk) <= GRAD_TOL and _rel(runs[0][1], want_dv) <= GRAD_TOL
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

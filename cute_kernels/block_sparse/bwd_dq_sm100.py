@@ -1,0 +1,460 @@
+"""BlockSparseBwdDQSm100: Blackwell (sm_100a / sm_103a) dQ of block-sparse attention, query-major, no atomics.
+
+    P   = exp2(S scale log2e - lse log2e),  S = Q K^T          (the forward's plan, blocks and masks)
+    dS  = P (dP - delta),   dP = dO V^T,    delta = rowsum(dO * O)  (fp32; written out for the dK/dV kernel)
+    dq  = scale * sum over the row tile's blocks of dS K
+
+the math of ``bwd_dq_sm90.py``, on the block-sparse SM100 forward's frame (``fwd_sm100.py``, itself on the dense
+SM100 forward's ``run_roles``: the same warps, pipelines and TMEM allocation; Note [SM100 dQ roles]).
+
+* Row tile (one work tile of the persistent schedule): one 128-lane stage of the forward's row tile -- its
+  window's ``QS = 128 // GC`` queries x ``GC`` heads of stage ``half`` (the forward runs ``q_stages_sm100``
+  stages per window; here each is a work tile of its own, walking the window's whole block list, so the plan
+  is the forward's). Q and dO take the two 128-row "Q stage" buffers (one TMA box of (GC, D) per query each).
+* Key step = two listed blocks, one (64, D) box each into the halves of a 128-key ring buffer, K then V, as
+  the forward loads them (``load_step``; the odd tail repeats the block and masks it).
+* TMEM: S [0, 128), dP [128, 256), dQ [256, 256 + D). dS (16-bit pairs) is written over S: the softmax
+  warpgroup w owns the step's block w (key columns [64 w, 64 w + 64)) and writes that block's dS into
+  columns [64 w, 64 w + 32) -- S columns it has itself read, so no thread waits for another; the dQ GEMM
+  takes its K dimension in two halves, A from columns [0, 32) and [64, 96) (``dq_gemm``,
+  ``check_ds_columns``). B of the dQ GEMM is K read MN-major: the ring buffer's bytes through the forward's
+  V view (K and V boxes share one geometry, ``check_row_slots``).
+
+Masks are the forward's (``mask_block``, Note [block masks] in fwd_sm90.py), rows with lse -inf (no key, no
+sink) and idle rows take lse +inf (P = 0, dS = 0, as the SM90 kernel). dq rows are written once each, in the
+plan's block order: bitwise reproducible. ``lse`` includes the sink, which needs nothing here.
+
+Compile-verified only: no Blackwell GPU was available (its math and plan are those of the SM90 dQ kernel, which
+runs on the H200; its pipelines those of the SM100 forward). Not supported: the latent, ``exact_delta``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Boolean, Float32, Int32
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from cute_kernels.attention import fwd_sm100 as dense
+from cute_kernels.attention.bwd_pre import vec_ptr
+from cute_kernels.attention.fwd_sm100 import NUM_THREADS, TILE_M, TILE_N, FwdBarrier, _slot_state
+from cute_kernels.common.utils import LOG2_E, select_modes
+from cute_kernels.dtypes import cutlass_dtype
+
+from .config import BLOCK_SIZE, BwdConfig, FwdConfig, q_stages_sm100, stage_queries_sm100
+from .fwd_sm100 import BlockSparseFwdSm100, RowTile, RowTileScheduler, check_row_slots, row_slots
+
+# Note [SM100 dQ roles]
+# The dense forward's roles and pipelines (attention/fwd_sm100.py, Note [SM100 handshakes]) with other work:
+# * load warp: per row tile Q (q slot 0), K(0), dO (q slot 1), V(0), then K(n), V(n) of each further step.
+# * MMA warp: S(0) = Q K(0)^T, dP(0) = dO V(0)^T, commit s; then per step n: [acquire s: dS(n) written]
+#   dQ += dS(n) K(n), release K(n); S(n + 1), dP(n + 1), commit s, release V(n + 1). S(n + 1) overwrites dS(n)
+#   and is issued after the dQ GEMM that reads it (tcgen05 MMAs of one thread run in issue order). Q and dO
+#   are released after the last dP; dQ is committed on o after the last dQ GEMM. s and o use slot 0 only
+#   (states advance by 2: same slot, next phase): one S / dP / dQ buffer each.
+# * softmax warpgroups 0 and 1 (the forward's two Q-stage roles): WG w takes block w of every step (key
+#   columns [64 w, 64 w + 64) of S and dP), waits s, writes dS, releases s (both WGs: the 256 arrivals the
+#   forward's s slot counts). Each reads its rows' lse once per tile and delta from shared memory after
+#   DqBarrier.Delta.
+# * correction warpgroup: per row tile, each row's delta = rowsum(dO * O) (thread = row) to global memory
+#   (every row of the tile) and, for a tile with blocks, to shared memory (sRowSum) before it arrives on
+#   DqBarrier.Delta; then [o full] dQ * scale from TMEM to the row's (query, head) (zeros for a tile without
+#   blocks), [o release]. It writes the next tile's delta only after that o wait, which follows every softmax
+#   release of the tile, so the softmax WGs have read the previous value.
+# * TMEM is freed as in the forward (the correction warps read it last).
+
+
+class DqBarrier:
+    """Named barrier ids beyond the forward's (FwdBarrier)."""
+
+    Delta = max(int(b) for b in FwdBarrier) + 1  # correction (arrive) -> softmax WGs (wait): delta in smem
+
+
+DELTA_THREADS = 3 * TILE_M  # the correction WG and both softmax WGs
+DS_CHUNK = 32  # S / dP columns per TMEM load
+#: setmaxnreg (softmax 0, softmax 1, correction, other warps), summing to 4 x 128 as the forward's REGS.
+DQ_REGS = (176, 176, 104, 56)
+
+
+@dataclass(frozen=True)
+class DqTile(RowTile):
+    """A forward row tile's stage ``half`` (``nq``, ``q0``, ``count``: the window's, as the plan has them)."""
+
+    half: Int32
+
+
+class DqTileScheduler(RowTileScheduler):
+    """The forward's schedule with each window split into its ``halves`` stages: (window fastest, stage, kv
+    head x head chunk, batch)."""
+
+    def __init__(self, cfg: FwdConfig, tile_m: int, halves: int, *values):
+        super().__init__(cfg, tile_m, *values)
+        self.halves = halves
+
+    def __new_from_mlir_values__(self, values):
+        return DqTileScheduler(self.cfg, self.tile_m, self.halves, *cutlass.new_from_mlir_values(self.values, values))
+
+    @cute.jit
+    def work_tile(self, work_idx: Int32) -> DqTile:
+        w = work_idx % self.num_tiles
+        rest = work_idx // self.num_tiles
+        half = rest % self.halves
+        t = RowTileScheduler.work_tile(self, (rest // self.halves) * self.num_tiles + w)
+        has_rows = half * stage_queries_sm100(self.cfg.group) < t.nq
+        return DqTile(t.m_tile, t.keys, has_rows, t.has_keys & has_rows, t.s, t.h, t.b, t.w, t.q0, t.nq, t.count,
+                      t.head0, half)
+
+
+class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
+    def __init__(self, cfg: BwdConfig, sm_count: int = 148):
+        if cfg.latent or cfg.exact_delta or cfg.head_dim != cfg.head_dim_v:
+            raise ValueError(f"{type(self).__name__}: Dk == Dv, no latent, no exact_delta (got {cfg})")
+        super().__init__(FwdConfig(arch=cfg.arch, dtype=cfg.dtype, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
+                                   group=cfg.group, per_kv_head=cfg.per_kv_head, has_sink=False), sm_count)
+        self.bwd = cfg
+        self.halves = q_stages_sm100(cfg.group, cfg.head_dim_v)  # the forward's stages per window
+        # The forward's two Q-stage slots hold Q (0) and dO (1); both softmax WGs run (DQ_REGS).
+        self.q_stage = 2
+        self.tile_m_total = TILE_M
+        self.tmem_s_offset = [0, TILE_N]  # S, dP
+        self.tmem_o_offset = [2 * TILE_N, 2 * TILE_N + cfg.head_dim]  # dQ (the second is never used)
+        assert 2 * TILE_N + cfg.head_dim <= self.tmem_cols, cfg
+
+    def role_regs(self) -> tuple:
+        return DQ_REGS
+
+    @staticmethod
+    def kv_stages(cfg) -> int:
+        stages = 6
+        while stages > 2 and dense._smem_bytes(cfg.head_dim, 2, stages) > dense.SMEM_BYTES_MAX_SM100:
+            stages -= 1
+        return stages
+
+    @staticmethod
+    def smem_bytes(cfg) -> int:
+        return dense._smem_bytes(cfg.head_dim, 2, BlockSparseBwdDQSm100.kv_stages(cfg))
+
+    # ------------------------------------------------------------------ host (jit) side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mdO: cute.Tensor,
+                 mLSE: cute.Tensor, mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor,
+                 mTileCount: cute.Tensor, mQLimit: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream):
+        self.dtype = cutlass_dtype(self.bs.dtype)
+        self.kv_stage = self.kv_stages(self.bs)
+        d = self.head_dim
+        tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout = self.mmas_and_layouts()
+        check_row_slots(sQ_layout, d, self.q_stage)
+        check_row_slots(sK_layout, d, self.kv_stage)
+        check_row_slots(sV_layout, d, self.kv_stage, v_major=True)
+        q_box = row_slots(sQ_layout.inner, self.gc, d)
+        kv_box = row_slots(sK_layout.inner, BLOCK_SIZE, d)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, (2, 3, 1, 0)), q_box, (self.gc, d))
+        atom_do, tma_do = cpasync.make_tiled_tma_atom(g2s, select_modes(mdO, (2, 3, 1, 0)), q_box, (self.gc, d))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, (1, 3, 2, 0)), kv_box, (BLOCK_SIZE, d))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, (1, 3, 2, 0)), kv_box, (BLOCK_SIZE, d))
+        self.q_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
+        self.k_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+        self.v_tile_bytes = self.k_tile_bytes
+        self.shared_storage = self.storage_struct(sQ_layout, sK_layout)
+
+        num_tiles = mTileCount.shape[1]
+        num_hc = mK.shape[2] * (self.bs.group // self.gc)
+        total = num_tiles * self.halves * num_hc * mQ.shape[0]
+        grid_x = cutlass.max(cutlass.min(total, Int32(self.sm_count)), Int32(1))
+        self.kernel(tiled_mma_qk, tiled_mma_pv, atom_q, tma_q, atom_do, tma_do, atom_k, tma_k, atom_v, tma_v, q_box,
+                    kv_box, mO, mdO, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, mdQ, sQ_layout,
+                    sK_layout, sV_layout, tP_layout, softmax_scale, num_tiles, num_hc, total).launch(
+            grid=[grid_x, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, atom_q: cute.CopyAtom,
+               tma_q: cute.Tensor, atom_do: cute.CopyAtom, tma_do: cute.Tensor, atom_k: cute.CopyAtom,
+               tma_k: cute.Tensor, atom_v: cute.CopyAtom, tma_v: cute.Tensor, q_box: cute.ComposedLayout,
+               kv_box: cute.ComposedLayout, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+               mTileStart: cute.Tensor, mTileMask: cute.Tensor, mTileCount: cute.Tensor, mQLimit: cute.Tensor,
+               mdQ: cute.Tensor, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout, softmax_scale: Float32,
+               num_tiles: Int32, num_hc: Int32, total: Int32):
+        sched = DqTileScheduler(self.bs, self.tile_m_total, self.halves, mTileCount, mQLimit.shape[1], num_tiles,
+                                num_hc, total)
+        self.run_roles(tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout, sched, None,
+                       (atom_q, atom_do, atom_k, atom_v),
+                       (atom_q, tma_q, atom_do, tma_do, atom_k, tma_k, atom_v, tma_v, q_box, kv_box, mTileStart),
+                       (mTileStart, mTileMask, mQLimit, mLSE, softmax_scale * Float32(LOG2_E)),
+                       (mO, mdO, mDelta, mdQ, softmax_scale))
+
+    # ------------------------------------------------------------------ load warp
+    @cute.jit
+    def load(self, thr_mma_qk, thr_mma_pv, sQ, sK, sV, pipe_q, pipe_kv, sched, args: tuple):
+        atom_q, tma_q, atom_do, tma_do, atom_k, tma_k, atom_v, tma_v, q_box, kv_box, mTileStart = args
+        d = self.head_dim
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
+        sQ_base = sQ.iterator
+        sKV_base = sK.iterator
+        kv_stage_elems = TILE_N * d
+        work_idx = sched.first()
+        while work_idx < sched.total:
+            tile = sched.work_tile(work_idx)
+            if tile.has_keys:
+                mK_cur = tma_k[None, None, tile.h, tile.b]
+                mV_cur = tma_v[None, None, tile.h, tile.b]
+                query0 = tile.q0 + tile.half * self.qs
+                nq = cutlass.max(cutlass.min(tile.nq - tile.half * self.qs, self.qs), 0)
+                # Order (the MMA warp's): Q, K(0), dO, V(0), then K, V of each further step.
+                pipe_q.producer_acquire(q_state, expected_tx=nq * self.gc * d * 2)
+                self.load_rows(atom_q, tma_q, sQ_base + q_state.index * (TILE_M * d), q_box, tile, query0, nq,
+                               pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+                self.load_step(atom_k, mK_cur, mTileStart, tile, Int32(0), sKV_base, kv_box, kv_stage_elems, pipe_kv,
+                               kv_state)
+                kv_state.advance()
+                pipe_q.producer_acquire(q_state, expected_tx=nq * self.gc * d * 2)
+                self.load_rows(atom_do, tma_do, sQ_base + q_state.index * (TILE_M * d), q_box, tile, query0, nq,
+                               pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+                self.load_step(atom_v, mV_cur, mTileStart, tile, Int32(0), sKV_base, kv_box, kv_stage_elems, pipe_kv,
+                               kv_state)
+                kv_state.advance()
+                for step in cutlass.range(1, tile.keys.n_max, unroll=1):
+                    self.load_step(atom_k, mK_cur, mTileStart, tile, step, sKV_base, kv_box, kv_stage_elems, pipe_kv,
+                                   kv_state)
+                    kv_state.advance()
+                    self.load_step(atom_v, mV_cur, mTileStart, tile, step, sKV_base, kv_box, kv_stage_elems, pipe_kv,
+                                   kv_state)
+                    kv_state.advance()
+            work_idx = sched.next(work_idx)
+        pipe_q.producer_tail(q_state)
+        pipe_kv.producer_tail(kv_state)
+
+    # ------------------------------------------------------------------ MMA warp
+    def ds_operands(self, thr_mma_pv, tStS, tP_layout, tmem_ptr):
+        """The dQ GEMM's A operand (dS, 16-bit in TMEM) for its two K halves: keys [0, 64) from S columns
+        [0, 32), keys [64, 128) from [64, 96) (Note: each softmax WG writes its block over S columns it read)."""
+        tP = cute.make_tensor(tStS[0].iterator, tP_layout.outer)
+        layout = thr_mma_pv.make_fragment_A(tP)[None, None, None, 0].layout
+        check_ds_columns(layout)
+        return [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_s_offset[0] + BLOCK_SIZE * w, dtype=self.dtype),
+                                 layout) for w in range(2)]
+
+    @cute.jit
+    def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout, tmem_ptr, tStS, tOtO,
+            pipe_q, pipe_kv, pipe_s, pipe_o, sched):
+        tSrQ = thr_mma_qk.make_fragment_A(sQ)  # slot 0: Q, slot 1: dO
+        tSrK = thr_mma_qk.make_fragment_B(sK)  # K, and V (same geometry), of a ring buffer, K-major
+        tQrK = thr_mma_pv.make_fragment_B(sV)  # K of a ring buffer read MN-major (B of dQ += dS K)
+        tQrdS = self.ds_operands(thr_mma_pv, tStS, tP_layout, tmem_ptr)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
+        # s / o: slot 0 only (Note [SM100 dQ roles]); s is acquired one round ahead of its commits.
+        s_acquire = _slot_state(self.q_stage, 0, producer=True)
+        s_commit = s_acquire.clone()
+        o_state = _slot_state(self.q_stage, 0, producer=True)
+        pipe_s.producer_acquire(s_acquire)  # first round: free
+        s_acquire.advance(self.q_stage)
+        work_idx = sched.first()
+        while work_idx < sched.total:
+            tile = sched.work_tile(work_idx)
+            if tile.has_keys:
+                q_release = q_state.clone()
+                # S(0), dP(0)
+                pipe_q.consumer_wait(q_state)
+                q_state.advance()
+                pipe_kv.consumer_wait(kv_state)
+                k_state = kv_state.clone()
+                kv_state.advance()
+                self.gemm(tiled_mma_qk, tStS[0], tSrQ[None, None, None, 0], tSrK[None, None, None, k_state.index],
+                          False)
+                pipe_q.consumer_wait(q_state)
+                q_state.advance()
+                pipe_kv.consumer_wait(kv_state)
+                self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1], tSrK[None, None, None, kv_state.index],
+                          False)
+                pipe_s.producer_commit(s_commit)
+                s_commit.advance(self.q_stage)
+                pipe_kv.consumer_release(kv_state)
+                kv_state.advance()
+                pipe_o.producer_acquire(o_state)  # dQ free: the previous tile's epilogue read it
+                for step in cutlass.range(tile.keys.n_max - 1, unroll=1):
+                    pipe_s.producer_acquire(s_acquire)  # dS(step) written
+                    s_acquire.advance(self.q_stage)
+                    self.dq_gemm(tiled_mma_pv, tOtO[0], tQrdS, tQrK[None, None, None, k_state.index], step > 0)
+                    pipe_kv.consumer_release(k_state)
+                    pipe_kv.consumer_wait(kv_state)  # K(step + 1)
+                    k_state = kv_state.clone()
+                    kv_state.advance()
+                    self.gemm(tiled_mma_qk, tStS[0], tSrQ[None, None, None, 0],
+                              tSrK[None, None, None, k_state.index], False)
+                    pipe_kv.consumer_wait(kv_state)  # V(step + 1)
+                    self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1],
+                              tSrK[None, None, None, kv_state.index], False)
+                    pipe_s.producer_commit(s_commit)
+                    s_commit.advance(self.q_stage)
+                    pipe_kv.consumer_release(kv_state)
+                    kv_state.advance()
+                # Q and dO are no longer read once the last dP completes
+                for i in cutlass.range_constexpr(self.q_stage):
+                    pipe_q.consumer_release(q_release)
+                    q_release.advance()
+                pipe_s.producer_acquire(s_acquire)
+                s_acquire.advance(self.q_stage)
+                self.dq_gemm(tiled_mma_pv, tOtO[0], tQrdS, tQrK[None, None, None, k_state.index],
+                             tile.keys.n_max > 1)
+                pipe_kv.consumer_release(k_state)
+                pipe_o.producer_commit(o_state)
+                o_state.advance(self.q_stage)
+            work_idx = sched.next(work_idx)
+
+    @cute.jit
+    def dq_gemm(self, tiled_mma_pv: cute.TiledMma, acc: cute.Tensor, tQrdS: list, tCrB: cute.Tensor, accumulate):
+        """acc (+)= dS K over the step's 128 keys: k-blocks of keys [0, 64) take A from ``tQrdS[0]``, those of
+        [64, 128) from ``tQrdS[1]`` (their k-block 0 is the 64th key)."""
+        mma = cute.make_tiled_mma(tiled_mma_pv.op)
+        per_half = cute.size(tCrB.shape[2]) // 2
+        for k in cutlass.range(per_half, unroll=1):
+            mma.set(tcgen05.Field.ACCUMULATE, accumulate | (k != 0))
+            cute.gemm(mma, acc, tQrdS[0][None, None, k], tCrB[None, None, k], acc)
+        for k in cutlass.range(per_half, unroll=1):
+            mma.set(tcgen05.Field.ACCUMULATE, True)
+            cute.gemm(mma, acc, tQrdS[1][None, None, k], tCrB[None, None, per_half + k], acc)
+
+    # ------------------------------------------------------------------ softmax warpgroups: dS
+    def ds_tmem(self, thr_mma_qk, tStS, tidx, block: Int32):
+        """This thread's TMEM copies (thread = lane = row): loads of DS_CHUNK fp32 columns of S / dP of the step's
+        block ``block`` (chunk c at + DS_CHUNK c), stores of DS_CHUNK // 2 packed 16-bit columns over S."""
+        tSAcc = tStS[0][(None, None), 0, 0]  # (128, 128) fp32 at S
+        ld = cute.composition(tSAcc, cute.make_layout((TILE_M, DS_CHUNK)))
+        st = cute.composition(tSAcc, cute.make_layout((TILE_M, DS_CHUNK // 2)))
+        thr_t2r = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DS_CHUNK)), Float32), ld).get_slice(tidx)
+        thr_r2t = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(DS_CHUNK // 2)), Float32),
+            st).get_slice(tidx)
+        cS = thr_mma_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))[(None, None), 0, 0]
+        ld_shape = thr_t2r.partition_D(cute.composition(cS, cute.make_layout((TILE_M, DS_CHUNK)))).shape
+        st_shape = thr_r2t.partition_S(cute.make_identity_tensor((TILE_M, DS_CHUNK // 2))).shape
+        src = thr_t2r.partition_S(ld)
+        dst = thr_r2t.partition_D(st)
+        col = block * BLOCK_SIZE
+        return (thr_t2r, cute.make_tensor(src.iterator + self.tmem_s_offset[0] + col, src.layout),
+                cute.make_tensor(src.iterator + self.tmem_s_offset[1] + col, src.layout), ld_shape,
+                thr_r2t, cute.make_tensor(dst.iterator + self.tmem_s_offset[0] + col, dst.layout), st_shape)
+
+    @cute.jit
+    def load_block_cols(self, thr_t2r, src, ld_shape, regs: cute.Tensor):
+        """The block's 64 fp32 columns of this thread's row (S or dP) into ``regs`` (64 registers, key order)."""
+        for c in cutlass.range_constexpr(BLOCK_SIZE // DS_CHUNK):
+            cute.copy(thr_t2r, cute.make_tensor(src.iterator + c * DS_CHUNK, src.layout),
+                      cute.make_tensor(regs.iterator + c * DS_CHUNK, cute.make_layout(ld_shape)))
+
+    @cute.jit
+    def softmax(self, stage: Int32, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_stats,
+                sched, args: tuple):
+        mTileStart, mTileMask, mQLimit, mLSE, scale_log2 = args
+        block = stage  # this WG's block of each step
+        tidx = cute.arch.thread_idx()[0] % TILE_M
+        thr_t2r, src_s, src_dp, ld_shape, thr_r2t, dst_ds, st_shape = self.ds_tmem(thr_mma_qk, tStS, tidx, block)
+        s_state = _slot_state(self.q_stage, 0, producer=False)
+        delta_ready = pipeline.NamedBarrier(barrier_id=int(DqBarrier.Delta), num_threads=DELTA_THREADS)
+        seqlen = mQLimit.shape[1]
+        work_idx = sched.first()
+        while work_idx < sched.total:
+            tile = sched.work_tile(work_idx)
+            if tile.has_keys:
+                ctx = self.row_context(tile, tile.half, tidx, mQLimit, seqlen)
+                lse_log2 = Float32.inf  # idle rows: P = 0
+                if ctx.bit != 0:
+                    v = mLSE[tile.b, tile.head0 + tidx % self.gc, tile.q0 + tile.half * self.qs + tidx // self.gc]
+                    if v != -Float32.inf:
+                        lse_log2 = v * Float32(LOG2_E)
+                delta_ready.arrive_and_wait()
+                delta = sRowSum[tidx, 0]
+                for step in cutlass.range(tile.keys.n_max, unroll=1):
+                    slot = step * 2 + block
+                    start = mTileStart[tile.s, tile.w, cutlass.min(slot, tile.count - 1)]
+                    bits = Int32(0)
+                    if slot < tile.count:
+                        bits = mTileMask[tile.s, tile.w, slot]
+                    need_mask = ((bits & ctx.all_bits) != ctx.all_bits) | (start + BLOCK_SIZE > ctx.min_limit)
+                    pipe_s.consumer_wait(s_state)
+                    rS = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
+                    self.load_block_cols(thr_t2r, src_s, ld_shape, rS)
+                    if need_mask:
+                        self.mask_block(rS.iterator, start, bits, ctx)
+                    rdP = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
+                    self.load_block_cols(thr_t2r, src_dp, ld_shape, rdP)
+                    p = cute.math.exp2(rS.load() * scale_log2 - lse_log2, fastmath=True)
+                    rdS = cute.make_rmem_tensor((BLOCK_SIZE // 2,), Float32)  # 16-bit pairs
+                    rdS_h = cute.make_tensor(cute.recast_ptr(rdS.iterator, dtype=self.dtype),
+                                             cute.make_layout(BLOCK_SIZE))
+                    rdS_h.store((p * (rdP.load() - delta)).to(self.dtype))
+                    for c in cutlass.range_constexpr(BLOCK_SIZE // DS_CHUNK):
+                        cute.copy(thr_r2t, cute.make_tensor(rdS.iterator + c * (DS_CHUNK // 2), cute.make_layout(st_shape)),
+                                  cute.make_tensor(dst_ds.iterator + c * (DS_CHUNK // 2), dst_ds.layout))
+                    cute.arch.fence_view_async_tmem_store()  # dS visible to the tensor core
+                    pipe_s.consumer_release(s_state)
+                    s_state.advance(self.q_stage)
+            work_idx = sched.next(work_idx)
+
+    # ------------------------------------------------------------------ correction warpgroup: delta, dq
+    @cute.jit
+    def row_delta(self, mO: cute.Tensor, mdO: cute.Tensor, b: Int32, q: Int32, head: Int32) -> Float32:
+        """rowsum(dO * O) of one (query, head) in fp32, 16-byte loads."""
+        copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        vec = cute.make_layout((8,))
+        acc = Float32(0.0)
+        for c in cutlass.range_constexpr(self.head_dim_v // 8):
+            ro = cute.make_rmem_tensor((8,), self.dtype)
+            rdo = cute.make_rmem_tensor((8,), self.dtype)
+            cute.copy(copy16, cute.make_tensor(vec_ptr(mO, (b, q, head, c * 8)), vec), ro)
+            cute.copy(copy16, cute.make_tensor(vec_ptr(mdO, (b, q, head, c * 8)), vec), rdo)
+            acc = acc + (ro.load().to(Float32) * rdo.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        return acc
+
+    @cute.jit
+    def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_o, pipe_stats, sched,
+                   args: tuple):
+        mO, mdO, mDelta, mdQ, softmax_scale = args
+        tidx = cute.arch.thread_idx()[0] % TILE_M
+        tOt_t2r, _, num_chunks = self.o_tmem_copies(thr_mma_pv, tOtO, tidx)
+        o_state = _slot_state(self.q_stage, 0, producer=False)
+        delta_ready = pipeline.NamedBarrier(barrier_id=int(DqBarrier.Delta), num_threads=DELTA_THREADS)
+        work_idx = sched.first()
+        while work_idx < sched.total:
+            tile = sched.work_tile(work_idx)
+            if tile.has_rows:
+                j = tidx // self.gc
+                qi = tile.half * self.qs + j
+                q = tile.q0 + qi
+                head = tile.head0 + tidx % self.gc
+                row_ok = (j < self.qs) & (qi < tile.nq)
+                delta = Float32(0.0)
+                if row_ok:
+                    delta = self.row_delta(mO, mdO, tile.b, q, head)
+                    mDelta[tile.b, head, q] = delta
+                if tile.has_keys:
+                    sRowSum[tidx, 0] = delta
+                    delta_ready.arrive()
+                    pipe_o.consumer_wait(o_state)
+                self.store_o_row(tOt_t2r[0], mdQ[tile.b, q, head, None], softmax_scale, tile.has_keys, row_ok,
+                                 num_chunks)
+                if tile.has_keys:
+                    pipe_o.consumer_release(o_state)  # after the TMEM loads completed
+                    o_state.advance(self.q_stage)
+            work_idx = sched.next(work_idx)
+
+
+def check_ds_columns(layout) -> None:
+    """Trace-time check of ``dq_gemm``'s split: the dS operand's k-block k (16 keys) starts 8 TMEM columns
+    (16 16-bit values) after k-block 0, so keys [64, 128) of a view based 64 columns in are that view's k-blocks
+    0-3 and the softmax WG of block 1 writes them at columns [64, 96)."""
+    blocks = cute.size(layout, mode=[2])
+    assert blocks * 16 == TILE_N, f"dS operand: {blocks} k-blocks for {TILE_N} keys ({layout})"
+    for k in range(blocks):
+        off = cute.crd2idx(((0, 0), 0, k), layout)
+        assert off == 16 * k, f"dS operand k-block {k} at 16-bit offset {off}, not {16 * k} ({layout})"
