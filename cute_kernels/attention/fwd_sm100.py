@@ -922,7 +922,6 @@ class FlashFwdSm100:
     @cute.jit
     def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_o, pipe_stats,
                    sched: TileScheduler, args: tuple):
-        scale_log2 = args[-1]
         tidx = cute.arch.thread_idx()[0] % TILE_M
         tOt_t2r, tOt_r2t, num_chunks = self.o_tmem_copies(thr_mma_pv, tOtO, tidx)
 

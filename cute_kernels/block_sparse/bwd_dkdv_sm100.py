@@ -31,13 +31,12 @@ kernel's, which runs on the H200). Not supported: head dims other than 128 (M = 
 from __future__ import annotations
 
 from enum import IntEnum
-from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 

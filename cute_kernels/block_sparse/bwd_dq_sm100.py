@@ -35,17 +35,16 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Boolean, Float32, Int32
-from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import tcgen05
 
 from cute_kernels.attention import fwd_sm100 as dense
 from cute_kernels.attention.bwd_pre import vec_ptr
 from cute_kernels.attention.fwd_sm100 import NUM_THREADS, TILE_M, TILE_N, FwdBarrier, _slot_state
-from cute_kernels.common.utils import LOG2_E, select_modes
-from cute_kernels.dtypes import cutlass_dtype
+from cute_kernels.common.utils import LOG2_E
 
 from .config import BLOCK_SIZE, BwdConfig, FwdConfig, q_stages_sm100, stage_queries_sm100
-from .fwd_sm100 import BlockSparseFwdSm100, RowTile, RowTileScheduler, check_row_slots, row_slots
+from .fwd_sm100 import BlockSparseFwdSm100, RowTile, RowTileScheduler
 
 # Note [SM100 dQ roles]
 # The dense forward's roles and pipelines (attention/fwd_sm100.py, Note [SM100 handshakes]) with other work:
@@ -142,24 +141,9 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor,
                  mTileCount: cute.Tensor, mQLimit: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream):
-        self.dtype = cutlass_dtype(self.bs.dtype)
-        self.kv_stage = self.kv_stages(self.bs)
-        d = self.head_dim
-        tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout = self.mmas_and_layouts()
-        check_row_slots(sQ_layout, d, self.q_stage)
-        check_row_slots(sK_layout, d, self.kv_stage)
-        check_row_slots(sV_layout, d, self.kv_stage, v_major=True)
-        q_box = row_slots(sQ_layout.inner, self.gc, d)
-        kv_box = row_slots(sK_layout.inner, BLOCK_SIZE, d)
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, (2, 3, 1, 0)), q_box, (self.gc, d))
-        atom_do, tma_do = cpasync.make_tiled_tma_atom(g2s, select_modes(mdO, (2, 3, 1, 0)), q_box, (self.gc, d))
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, (1, 3, 2, 0)), kv_box, (BLOCK_SIZE, d))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, (1, 3, 2, 0)), kv_box, (BLOCK_SIZE, d))
-        self.q_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
-        self.k_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
-        self.v_tile_bytes = self.k_tile_bytes
-        self.shared_storage = self.storage_struct(sQ_layout, sK_layout)
+        ops = self.host_operands(mQ, mK, mV, mdO)  # dO rows take Q's boxes
+        (tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout), q_box, kv_box = ops[:3]
+        (atom_q, tma_q), (atom_do, tma_do), (atom_k, tma_k), (atom_v, tma_v) = ops[3:]
 
         num_tiles = mTileCount.shape[1]
         num_hc = mK.shape[2] * (self.bs.group // self.gc)
@@ -207,20 +191,14 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                 query0 = tile.q0 + tile.half * self.qs
                 nq = cutlass.max(cutlass.min(tile.nq - tile.half * self.qs, self.qs), 0)
                 # Order (the MMA warp's): Q, K(0), dO, V(0), then K, V of each further step.
-                pipe_q.producer_acquire(q_state, expected_tx=nq * self.gc * d * 2)
-                self.load_rows(atom_q, tma_q, sQ_base + q_state.index * (TILE_M * d), q_box, tile, query0, nq,
-                               pipe_q.producer_get_barrier(q_state))
-                q_state.advance()
-                self.load_step(atom_k, mK_cur, mTileStart, tile, Int32(0), sKV_base, kv_box, kv_stage_elems, pipe_kv,
-                               kv_state)
-                kv_state.advance()
-                pipe_q.producer_acquire(q_state, expected_tx=nq * self.gc * d * 2)
-                self.load_rows(atom_do, tma_do, sQ_base + q_state.index * (TILE_M * d), q_box, tile, query0, nq,
-                               pipe_q.producer_get_barrier(q_state))
-                q_state.advance()
-                self.load_step(atom_v, mV_cur, mTileStart, tile, Int32(0), sKV_base, kv_box, kv_stage_elems, pipe_kv,
-                               kv_state)
-                kv_state.advance()
+                for atom, tma, atom_kv, mKV_cur in ((atom_q, tma_q, atom_k, mK_cur), (atom_do, tma_do, atom_v, mV_cur)):
+                    pipe_q.producer_acquire(q_state, expected_tx=nq * self.gc * d * 2)
+                    self.load_rows(atom, tma, sQ_base + q_state.index * (TILE_M * d), q_box, tile, query0, nq,
+                                   pipe_q.producer_get_barrier(q_state))
+                    q_state.advance()
+                    self.load_step(atom_kv, mKV_cur, mTileStart, tile, Int32(0), sKV_base, kv_box, kv_stage_elems,
+                                   pipe_kv, kv_state)
+                    kv_state.advance()
                 for step in cutlass.range(1, tile.keys.n_max, unroll=1):
                     self.load_step(atom_k, mK_cur, mTileStart, tile, step, sKV_base, kv_box, kv_stage_elems, pipe_kv,
                                    kv_state)

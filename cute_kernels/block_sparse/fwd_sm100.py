@@ -187,25 +187,9 @@ class BlockSparseFwdSm100(FlashFwdSm100):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileStart: cute.Tensor,
                  mTileMask: cute.Tensor, mTileCount: cute.Tensor, mQLimit: cute.Tensor, mSink,
                  mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32, stream):
-        self.dtype = cutlass_dtype(self.bs.dtype)
-        self.kv_stage = self.kv_stages(self.bs)
-        d = self.head_dim
-        tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout = self.mmas_and_layouts()
-        check_row_slots(sQ_layout, d, self.q_stage)
-        check_row_slots(sK_layout, d, self.kv_stage)
-        check_row_slots(sV_layout, d, self.kv_stage, v_major=True)
-        # Q: one (GC, Dk) box per query from the (Hq, Dk, S, B) view; K / V: one (64, D) box per block
-        # from the (S, D, H, B) views, into a half of a 128-key buffer.
-        q_box = row_slots(sQ_layout.inner, self.gc, d)
-        kv_box = row_slots(sK_layout.inner, BLOCK_SIZE, d)
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, (2, 3, 1, 0)), q_box, (self.gc, d))
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, (1, 3, 2, 0)), kv_box, (BLOCK_SIZE, d))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, (1, 3, 2, 0)), kv_box, (BLOCK_SIZE, d))
-        self.q_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
-        self.k_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
-        self.v_tile_bytes = self.k_tile_bytes
-        self.shared_storage = self.storage_struct(sQ_layout, sK_layout)
+        ops = self.host_operands(mQ, mK, mV)
+        (tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout), q_box, kv_box = ops[:3]
+        (atom_q, tma_q), (atom_k, tma_k), (atom_v, tma_v) = ops[3:]
 
         num_tiles = mTileCount.shape[1]
         num_hc = mK.shape[2] * (self.bs.group // self.gc)
@@ -215,6 +199,32 @@ class BlockSparseFwdSm100(FlashFwdSm100):
                     mTileStart, mTileMask, mTileCount, mQLimit, mSink, mO, mLSE, sQ_layout, sK_layout, sV_layout,
                     tP_layout, softmax_scale * Float32(LOG2_E), num_tiles, num_hc, total).launch(
             grid=[grid_x, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def host_operands(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, *row_tensors):
+        """The launch's MMAs and smem layouts (``mmas_and_layouts``, row-slot geometry checked), the Q row box and
+        K / V block box, and the TMA (atom, tensor) of mQ and each of ``row_tensors`` (one (GC, D) box per query
+        from the (H, D, S, B) view), then of mK and mV (one (64, D) box per block from the (S, D, H, B) views, into
+        a half of a 128-key buffer). Sets the dtype, K/V stages, tile byte counts and the shared storage."""
+        self.dtype = cutlass_dtype(self.bs.dtype)
+        self.kv_stage = self.kv_stages(self.bs)
+        d = self.head_dim
+        mmas = self.mmas_and_layouts()
+        sQ_layout, sK_layout, sV_layout = mmas[2:5]
+        check_row_slots(sQ_layout, d, self.q_stage)
+        check_row_slots(sK_layout, d, self.kv_stage)
+        check_row_slots(sV_layout, d, self.kv_stage, v_major=True)
+        q_box = row_slots(sQ_layout.inner, self.gc, d)
+        kv_box = row_slots(sK_layout.inner, BLOCK_SIZE, d)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        rows = [cpasync.make_tiled_tma_atom(g2s, select_modes(m, (2, 3, 1, 0)), q_box, (self.gc, d))
+                for m in (mQ, *row_tensors)]
+        keys = [cpasync.make_tiled_tma_atom(g2s, select_modes(m, (1, 3, 2, 0)), kv_box, (BLOCK_SIZE, d))
+                for m in (mK, mV)]
+        self.q_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
+        self.k_tile_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+        self.v_tile_bytes = self.k_tile_bytes
+        self.shared_storage = self.storage_struct(sQ_layout, sK_layout)
+        return (mmas, q_box, kv_box, *rows, *keys)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
