@@ -264,6 +264,11 @@ class TileScheduler:
 class FlashFwdSm100:
     """Blackwell forward kernel for one ``FwdConfig`` (compile key); see the module docstring."""
 
+    #: pipeline -> (full, empty) arrival counts and its roles (module ARRIVALS / PIPES; a kernel built on
+    #: this one may give a pipeline another use).
+    ARRIVALS = ARRIVALS
+    PIPES = PIPES
+
     def __init__(self, cfg: FwdConfig, sm_count: int = 148):
         reason = self.unsupported_reason(cfg)
         if reason is not None:
@@ -457,7 +462,7 @@ class FlashFwdSm100:
 
         # ---- pipelines (Note [SM100 handshakes]); slot i of s / scale / o / stats is Q stage i
         def make(cls, name, bars, stages, **kw):
-            full, empty = ARRIVALS[name]
+            full, empty = self.ARRIVALS[name]
             return cls.create(num_stages=stages, barrier_storage=bars.data_ptr(), defer_sync=True,
                               producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, full),
                               consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, empty), **kw)
@@ -474,7 +479,7 @@ class FlashFwdSm100:
                                           num_threads=NAMED_THREADS[FwdBarrier.TmemFree])
         check_arrivals({name: pipeline_counts(name, p) for name, p in pipes.items()},
                        {FwdBarrier.TmemFree: tmem_free.num_threads},
-                       pipes=PIPES, barriers=BARRIERS, role_threads=ROLE_THREADS)
+                       pipes=self.PIPES, barriers=BARRIERS, role_threads=ROLE_THREADS)
         if warp_idx == _WARPS_CORRECTION[0]:
             cute.arch.alloc_tmem(self.tmem_cols, storage.tmem_holding.ptr)
             cute.arch.relinquish_tmem_alloc_permit()
@@ -539,7 +544,8 @@ class FlashFwdSm100:
             # ------------------------------------------------------------ MMA
             cute.arch.setmaxregister_decrease(regs_other)
             self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
-                     tmem_ptr, tStS, tOtO, tp_mma["q"], tp_mma["kv"], tp_mma["s"], tp_mma["o"], sched)
+                     tmem_ptr, tStS, tOtO, tp_mma["q"], tp_mma["kv"], tp_mma["s"], tp_mma["o"], sched,
+                     tp_mma["scale"])
             if const_expr(trace is not None):
                 trace.done(3)
         elif warp_idx == _WARP_LOAD:
@@ -618,7 +624,8 @@ class FlashFwdSm100:
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
-            tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, pipe_s, pipe_o, sched: TileScheduler):
+            tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, pipe_s, pipe_o, sched: TileScheduler, pipe_scale=None):
+        """``pipe_scale``: not used here (a kernel built on this one may give it another edge)."""
         tSrQ = thr_mma_qk.make_fragment_A(sQ)
         tSrK = thr_mma_qk.make_fragment_B(sK)
         tOrV = thr_mma_pv.make_fragment_B(sV)

@@ -10,15 +10,16 @@ row tiles of the SM100 plan: a step is one 128-row stage (``half``) of a listed 
 
 Keys as the M dimension would need M = 64 tcgen05 MMAs, so the accumulators are transposed (Note [SM100 dK/dV
 transposed]): S = Q K^T and dP = dO V^T (M = 128 rows, N = 64 keys), then dV^T += dO^T P and dK^T += Q^T dS
-(M = the head dim, N = 64 keys, K = the 128 rows) with P and dS from shared memory. 256 threads:
+(M = the head dim, N = 64 keys, K = the 128 rows) with P and dS from shared memory. 384 threads:
 
-    warps 0-3   compute (thread = TMEM lane = tile row): S and dP rows -> P, dS (16-bit) into shared memory;
-                after the last step the epilogue (thread = head dim: dK^T / dV^T rows = columns of dK / dV)
-    warp 4      MMA (one elected thread issues tcgen05)
-    warp 5      TMA: K and V of the block once; per step the stage's Q and dO rows (one (GC, D) box per query)
-    warp 6      row facts: per step, each row's lse (log2 units), delta and key limit into the step's stage of
+    warps 0-7   compute, two warpgroups; WG w owns keys [32 w, 32 w + 32) of the block (thread = TMEM lane =
+                tile row): its S and dP columns -> P, dS (16-bit) into its half of the shared tiles; after the
+                last step the epilogue (thread = head dim: dK^T / dV^T rows = columns of dK / dV, its 32 keys)
+    warp 8      MMA (one elected thread issues tcgen05)
+    warp 9      TMA: K and V of the block once; per step the stage's Q and dO rows (one (GC, D) box per query)
+    warp 10     row facts: per step, each row's lse (log2 units), delta and key limit into the step's stage of
                 a pipeline of their own (Note [row facts in shared memory] in bwd_dkdv_sm90.py)
-    warp 7      idle
+    warp 11     idle
 
 TMEM (columns): S / dP of step parity k at [128 k, 128 k + 64) / [128 k + 64, 128 k + 128), dV^T [256, 320),
 dK^T [320, 384). Shared memory: Q and dO (2 stages of 128 rows each), K and V (64 rows), P and dS (128 x 64).
@@ -56,7 +57,8 @@ from .fwd_sm100 import check_row_slots, row_slots
 #   compute: [facts full(i)] lse, delta, key limit [facts release(i)]; [s full(i)] S, dP rows -> registers, [s release(i)]; P, dS; [p acquire] P, dS
 #        -> smem, fence, [p commit]
 # so S(i + 1) and dP(i + 1) run while the compute warps turn S(i) into P(i), and the dV / dK GEMMs of step i
-# while they wait for S(i + 1). After the last step's GEMMs the MMA commits dkv; the compute warps read dV^T /
+# while they wait for S(i + 1). Both compute warpgroups take every step (WG w: keys [32 w, 32 w + 32)): s is
+# released and p committed by their 256 threads. After the last step's GEMMs the MMA commits dkv; the compute warps read dV^T /
 # dK^T from TMEM (lane = head dim) and write keys [start, end) of dK / dV (Note [key block segments]).
 # * A = Q^T / dO^T is the MN-major view of the Q / dO stage the TMA wrote K-major, B = P / dS the MN-major (N =
 #   key) view of the row-major (row, key) tile the compute warps store: both pairs are checked to place every
@@ -68,20 +70,20 @@ from .fwd_sm100 import check_row_slots, row_slots
 
 ROWS = 128  # tile rows per step (one TMEM lane each)
 STAGES = 2  # Q / dO / row-fact stages
-NUM_THREADS = 256
-_WARPS_COMPUTE = (0, 1, 2, 3)
-_WARP_MMA, _WARP_LOAD, _WARP_ROWS = 4, 5, 6
+NUM_THREADS = 384
+_WARPS_COMPUTE = (0, 1, 2, 3, 4, 5, 6, 7)
+_WARP_MMA, _WARP_LOAD, _WARP_ROWS = 8, 9, 10
 TMEM_COLS = 512
 TMEM_S = (0, 128)  # S of step parity 0 / 1 (dP 64 columns after each)
 TMEM_DV, TMEM_DK = 256, 320
-DS_CHUNK = 32  # key columns per TMEM load / shared store
+DS_CHUNK = 32  # key columns per TMEM load / shared store: one compute warpgroup's keys
 
 
 class DkdvBarrier(IntEnum):
     Compute = 1  # the compute warps: segment turn, reduction and TMEM free
 
 
-ROLE_THREADS = {"compute": 128, "mma": 1, "load": 1, "facts": 32}
+ROLE_THREADS = {"compute": 2 * ROWS, "mma": 1, "load": 1, "facts": 32}
 PIPES = {"rows": ("load", "mma"), "facts": ("facts", "compute"), "s": ("mma", "compute"), "p": ("compute", "mma"),
          "dkv": ("mma", "compute")}
 BARRIERS = {DkdvBarrier.Compute: ("compute",)}
@@ -437,6 +439,8 @@ class BlockSparseBwdDKDVSm100:
                 pipe_dkv, bar_compute, outs, blk, n_steps: Int32, softmax_scale: Float32):
         dt = self.dtype
         tidx = cute.arch.thread_idx()[0] % ROWS  # TMEM lane: the tile row (steps), the head dim (epilogue)
+        wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4  # keys [DS_CHUNK wg, DS_CHUNK (wg + 1))
+        col0 = wg * DS_CHUNK
         tS_all = tS[0][(None, None), 0, 0]
         chunk = cute.composition(tS_all.layout, cute.make_layout((ROWS, DS_CHUNK)))
         tiled_t2r = tcgen05.make_tmem_copy(
@@ -447,6 +451,8 @@ class BlockSparseBwdDKDVSm100:
         ld_shape = thr_t2r.partition_D(cute.make_identity_tensor((ROWS, DS_CHUNK))).shape
         r2s_atom = sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dt, Float32, tiled_t2r)
         thr_r2s = cute.make_tiled_copy_D(r2s_atom, tiled_t2r).get_slice(tidx)
+        dst_p = thr_r2s.partition_D(cute.local_tile(sP_st, (ROWS, DS_CHUNK), (0, wg)))
+        dst_ds = thr_r2s.partition_D(cute.local_tile(sdS_st, (ROWS, DS_CHUNK), (0, wg)))
         scale_log2 = softmax_scale * Float32(LOG2_E)
         buf_cols = TMEM_S[1] - TMEM_S[0]
         rows = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
@@ -460,81 +466,77 @@ class BlockSparseBwdDKDVSm100:
             pipe_facts.consumer_release(rows)
             rows.advance()
             pipe_s.consumer_wait(s_state)
-            rS = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
-            rdP = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
-            for c in cutlass.range_constexpr(BLOCK_SIZE // DS_CHUNK):
-                base = src0.iterator + s_state.index * buf_cols + c * DS_CHUNK
-                cute.copy(thr_t2r, cute.make_tensor(base, src0.layout),
-                          cute.make_tensor(rS.iterator + c * DS_CHUNK, cute.make_layout(ld_shape)))
-                cute.copy(thr_t2r, cute.make_tensor(base + BLOCK_SIZE, src0.layout),
-                          cute.make_tensor(rdP.iterator + c * DS_CHUNK, cute.make_layout(ld_shape)))
+            rS = cute.make_rmem_tensor(ld_shape, Float32)
+            rdP = cute.make_rmem_tensor(ld_shape, Float32)
+            base = src0.iterator + s_state.index * buf_cols + col0
+            cute.copy(thr_t2r, cute.make_tensor(base, src0.layout), rS)
+            cute.copy(thr_t2r, cute.make_tensor(base + BLOCK_SIZE, src0.layout), rdP)
             cute.arch.fence_view_async_tmem_load()
             pipe_s.consumer_release(s_state)
             s_state.advance()
             # P, dS (0 where the key is past the row's limit or the row does not count: selected, not multiplied)
-            for k in cutlass.range_constexpr(BLOCK_SIZE):
+            for k in cutlass.range_constexpr(DS_CHUNK):
                 p = cute.math.exp2(rS[k] * scale_log2 - lse, fastmath=True)
-                keep = k < lim
+                keep = col0 + k < lim
                 rS[k] = p if keep else Float32(0.0)
                 rdP[k] = p * (rdP[k] - delta) if keep else Float32(0.0)
             pipe_p.producer_acquire(p_state)  # P / dS free: the previous step's dV / dK GEMMs completed
-            for c in cutlass.range_constexpr(BLOCK_SIZE // DS_CHUNK):
-                for src, dst in ((rS, sP_st), (rdP, sdS_st)):
-                    r16 = cute.make_rmem_tensor(ld_shape, dt)
-                    r16.store(cute.make_tensor(src.iterator + c * DS_CHUNK, cute.make_layout(ld_shape)).load().to(dt))
-                    cute.autovec_copy(r16, thr_r2s.partition_D(cute.local_tile(dst, (ROWS, DS_CHUNK), (0, c))))
+            for src, dst in ((rS, dst_p), (rdP, dst_ds)):
+                r16 = cute.make_rmem_tensor(ld_shape, dt)
+                r16.store(src.load().to(dt))
+                cute.autovec_copy(r16, dst)
             cute.arch.fence_view_async_shared()
             pipe_p.producer_commit(p_state)
             p_state.advance()
         pipe_p.producer_tail(p_state)  # the MMA's last release (a tcgen05.commit arrival)
-        # epilogue: dV^T / dK^T rows (lane = head dim), 64 keys each
+        # epilogue: this warpgroup's 32 keys of dV^T / dK^T (lane = head dim)
         dkv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_dkv.consumer_wait(dkv_state)
-        rV = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
-        rK = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
+        rV = cute.make_rmem_tensor((DS_CHUNK,), Float32)
+        rK = cute.make_rmem_tensor((DS_CHUNK,), Float32)
         for acc, regs in ((tdV, rV), (tdK, rK)):
             thr_e, src_e, e_shape = tmem_chunk_copy(acc, self.d, DS_CHUNK, tidx)
-            for c in cutlass.range_constexpr(BLOCK_SIZE // DS_CHUNK):
-                cute.copy(thr_e, cute.make_tensor(src_e.iterator + c * DS_CHUNK, src_e.layout),
-                          cute.make_tensor(regs.iterator + c * DS_CHUNK, cute.make_layout(e_shape)))
+            cute.copy(thr_e, cute.make_tensor(src_e.iterator + col0, src_e.layout),
+                      cute.make_tensor(regs.iterator, cute.make_layout(e_shape)))
         cute.arch.fence_view_async_tmem_load()
-        self.store_keys(outs, rV, rK, blk, tidx, bar_compute, softmax_scale)
+        self.store_keys(outs, rV, rK, blk, tidx, col0, wg, bar_compute, softmax_scale)
 
     @cute.jit
-    def store_keys(self, outs, rV, rK, blk, dim: Int32, bar_compute, softmax_scale: Float32):
-        """Keys [start, end) of dV and dK (x scale), column ``dim``; with segments (Note [key block segments] in
-        bwd_dkdv_sm90.py) segment k waits its turn, adds the fp32 sum of segments 0 .. k - 1 and passes it on."""
+    def store_keys(self, outs, rV, rK, blk, dim: Int32, key0: Int32, wg: Int32, bar_compute, softmax_scale: Float32):
+        """Keys [start + key0, start + key0 + 32) (within [start, end)) of dV and dK (x scale), column ``dim``; with
+        segments (Note [key block segments] in bwd_dkdv_sm90.py) segment k waits its turn, adds the fp32 sum of
+        segments 0 .. k - 1 and passes it on."""
         mdK, mdV, mdKpart, mdVpart, mSegSem = outs
-        n_keys = blk.end - blk.start
+        n_keys = blk.end - blk.start - key0  # of this warpgroup's keys
         if blk.nseg == 1:
-            self.write_keys(mdV, mdK, rV, rK, blk, dim, n_keys, softmax_scale)
+            self.write_keys(mdV, mdK, rV, rK, blk, dim, key0, n_keys, softmax_scale)
         else:
             sem_addr = (mSegSem.iterator + cute.crd2idx((blk.s, blk.r, blk.h), mSegSem.layout)).toint()
-            if dim == 0:
+            if dim == 0 and wg == 0:
                 cur = ld_acquire_gpu(sem_addr)
                 while cur != blk.seg:
                     cur = ld_acquire_gpu(sem_addr)
             bar_compute.arrive_and_wait()
             cute.arch.fence_acq_rel_gpu()
             if blk.seg > 0:
-                for k in cutlass.range_constexpr(BLOCK_SIZE):
+                for k in cutlass.range_constexpr(DS_CHUNK):
                     if k < n_keys:
-                        rV[k] = rV[k] + mdVpart[blk.b, blk.start + k, blk.h, dim]
-                        rK[k] = rK[k] + mdKpart[blk.b, blk.start + k, blk.h, dim]
+                        rV[k] = rV[k] + mdVpart[blk.b, blk.start + key0 + k, blk.h, dim]
+                        rK[k] = rK[k] + mdKpart[blk.b, blk.start + key0 + k, blk.h, dim]
             if blk.seg == blk.nseg - 1:
-                self.write_keys(mdV, mdK, rV, rK, blk, dim, n_keys, softmax_scale)
+                self.write_keys(mdV, mdK, rV, rK, blk, dim, key0, n_keys, softmax_scale)
             else:
-                self.write_keys(mdVpart, mdKpart, rV, rK, blk, dim, n_keys, Float32(1.0))
+                self.write_keys(mdVpart, mdKpart, rV, rK, blk, dim, key0, n_keys, Float32(1.0))
                 cute.arch.fence_acq_rel_gpu()
                 bar_compute.arrive_and_wait()
-                if dim == 0:
+                if dim == 0 and wg == 0:
                     red_release_add_gpu(sem_addr, Int32(1))
 
     @cute.jit
-    def write_keys(self, mV, mK, rV, rK, blk, dim: Int32, n_keys: Int32, k_scale: Float32):
-        """rV / rK (x k_scale) to keys [start, start + n_keys) of ``mV`` / ``mK`` [B, S, Hkv, D], column ``dim`` (16-bit
-        outputs or the fp32 partials)."""
-        for k in cutlass.range_constexpr(BLOCK_SIZE):
+    def write_keys(self, mV, mK, rV, rK, blk, dim: Int32, key0: Int32, n_keys: Int32, k_scale: Float32):
+        """rV / rK (x k_scale) to keys [start + key0, start + key0 + n_keys) (at most 32) of ``mV`` / ``mK``
+        [B, S, Hkv, D], column ``dim`` (16-bit outputs or the fp32 partials)."""
+        for k in cutlass.range_constexpr(DS_CHUNK):
             if k < n_keys:
-                mV[blk.b, blk.start + k, blk.h, dim] = mV.element_type(rV[k])
-                mK[blk.b, blk.start + k, blk.h, dim] = mK.element_type(rK[k] * k_scale)
+                mV[blk.b, blk.start + key0 + k, blk.h, dim] = mV.element_type(rV[k])
+                mK[blk.b, blk.start + key0 + k, blk.h, dim] = mK.element_type(rK[k] * k_scale)

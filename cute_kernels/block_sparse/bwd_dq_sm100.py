@@ -13,12 +13,11 @@ SM100 forward's ``run_roles``: the same warps, pipelines and TMEM allocation; No
   is the forward's). Q and dO take the two 128-row "Q stage" buffers (one TMA box of (GC, D) per query each).
 * Key step = two listed blocks, one (64, D) box each into the halves of a 128-key ring buffer, K then V, as
   the forward loads them (``load_step``; the odd tail repeats the block and masks it).
-* TMEM: S [0, 128), dP [128, 256), dQ [256, 256 + D). dS (16-bit pairs) is written over S: the softmax
-  warpgroup w owns the step's block w (key columns [64 w, 64 w + 64)) and writes that block's dS into
-  columns [64 w, 64 w + 32) -- S columns it has itself read, so no thread waits for another; the dQ GEMM
-  takes its K dimension in two halves, A from columns [0, 32) and [64, 96) (``dq_gemm``,
-  ``check_ds_columns``). B of the dQ GEMM is K read MN-major: the ring buffer's bytes through the forward's
-  V view (K and V boxes share one geometry, ``check_row_slots``).
+* TMEM (Note [SM100 dQ TMEM]): two S buffers, dP, dQ. S(n + 1) and dP(n + 1) are computed while the two
+  softmax warpgroups (warpgroup w: the step's block w) turn S(n), dP(n) into dS(n), written 16-bit over S(n)'s
+  columns each warpgroup read itself; dQ += dS(n) K(n) then takes A from TMEM in two K halves. B of the dQ GEMM
+  is K read MN-major: the ring buffer's bytes through the forward's V view (K and V boxes share one geometry,
+  ``check_row_slots``).
 
 Masks are the forward's (``mask_block``, Note [block masks] in fwd_sm90.py), rows with lse -inf (no key, no
 sink) and idle rows take lse +inf (P = 0, dS = 0, as the SM90 kernel). dq rows are written once each, in the
@@ -49,21 +48,33 @@ from .fwd_sm100 import BlockSparseFwdSm100, RowTile, RowTileScheduler
 # Note [SM100 dQ roles]
 # The dense forward's roles and pipelines (attention/fwd_sm100.py, Note [SM100 handshakes]) with other work:
 # * load warp: per row tile Q (q slot 0), K(0), dO (q slot 1), V(0), then K(n), V(n) of each further step.
-# * MMA warp: S(0) = Q K(0)^T, dP(0) = dO V(0)^T, commit s; then per step n: [acquire s: dS(n) written]
-#   dQ += dS(n) K(n), release K(n); S(n + 1), dP(n + 1), commit s, release V(n + 1). S(n + 1) overwrites dS(n)
-#   and is issued after the dQ GEMM that reads it (tcgen05 MMAs of one thread run in issue order). Q and dO
-#   are released after the last dP; dQ is committed on o after the last dQ GEMM. s and o use slot 0 only
-#   (states advance by 2: same slot, next phase): one S / dP / dQ buffer each.
+# * MMA warp, per row tile of n steps (S(n) goes to S buffer n % 2, Note [SM100 dQ TMEM]):
+#     S(0); [acquire s] dP(0); commit s; [acquire o: dQ free]
+#     per step n < n - 1:  S(n + 1); [acquire s: dP(n) read] dP(n + 1); commit s, release V(n + 1);
+#                          [ds full: dS(n) written] dQ += dS(n) K(n), release K(n)
+#     release Q, dO; [ds full] dQ += dS(n - 1) K(n - 1), release K(n - 1); commit o
+#   so S(n + 1) and dP(n + 1) run while the softmax WGs turn S(n) and dP(n) into dS(n). S(n + 1) needs no
+#   acquire: its buffer last held dS(n - 1), which the dQ GEMM issued before it read (tcgen05 MMAs of one
+#   thread run in issue order), and the softmax WGs wrote dS(n - 1) before the ds wait that precedes that
+#   dQ GEMM. dP has one buffer: dP(n + 1) waits until both softmax WGs released s(n) after loading dP(n).
+#   s and o use slot 0 only (states advance by 2: same slot, next phase).
 # * softmax warpgroups 0 and 1 (the forward's two Q-stage roles): WG w takes block w of every step (key
-#   columns [64 w, 64 w + 64) of S and dP), waits s, writes dS, releases s (both WGs: the 256 arrivals the
-#   forward's s slot counts). Each reads its rows' lse once per tile and delta from shared memory after
-#   DqBarrier.Delta.
+#   columns [64 w, 64 w + 64) of S and dP): [s full] loads its S and dP columns, [s release] (256 arrivals, the
+#   forward's s count), masks, P, dS; writes dS over its S columns [64 w, 64 w + 32) and arrives on the ds
+#   pipeline (the forward's "scale" pipeline, counted 256 here; nobody releases it: a WG's next commit needs
+#   s(n + 1) full, committed after the MMA waited for this one, so at most one round is open). Each reads its
+#   rows' lse once per tile and delta from shared memory after DqBarrier.Delta.
 # * correction warpgroup: per row tile, each row's delta = rowsum(dO * O) (thread = row) to global memory
 #   (every row of the tile) and, for a tile with blocks, to shared memory (sRowSum) before it arrives on
 #   DqBarrier.Delta; then [o full] dQ * scale from TMEM to the row's (query, head) (zeros for a tile without
 #   blocks), [o release]. It writes the next tile's delta only after that o wait, which follows every softmax
-#   release of the tile, so the softmax WGs have read the previous value.
+#   step of the tile, so the softmax WGs have read the previous value.
 # * TMEM is freed as in the forward (the correction warps read it last).
+#
+# Note [SM100 dQ TMEM]: S buffer 0 [0, 128), dP [128, 256), dQ [256, 256 + D), S buffer 1 [384, 512). dS(n) is
+# written over S(n)'s buffer, 16-bit pairs, WG w at columns [64 w, 64 w + 32) of it -- columns it read itself,
+# so no thread waits for another; the dQ GEMM takes its K dimension in two halves with A from columns [0, 32)
+# and [64, 96) of the buffer (``dq_gemm``, ``check_ds_columns``).
 
 
 class DqBarrier:
@@ -73,9 +84,14 @@ class DqBarrier:
 
 
 DELTA_THREADS = 3 * TILE_M  # the correction WG and both softmax WGs
+S1_OFFSET = 3 * TILE_N  # TMEM column of S buffer 1 (Note [SM100 dQ TMEM])
+#: The forward's pipelines with the dQ kernel's use of "s" (both softmax WGs release) and "scale" (ds: both
+#: softmax WGs commit, the MMA waits; no releases); the others as the forward's.
+DQ_PIPES = dict(dense.PIPES, s=("mma", ("softmax", "softmax")), scale=(("softmax", "softmax"), "mma"))
+DQ_ARRIVALS = dict(dense.ARRIVALS, scale=(2 * TILE_M, 1))
 DS_CHUNK = 32  # S / dP columns per TMEM load
 #: setmaxnreg (softmax 0, softmax 1, correction, other warps), summing to 4 x 128 as the forward's REGS.
-DQ_REGS = (176, 176, 104, 56)
+DQ_REGS = (176, 176, 88, 72)
 
 
 @dataclass(frozen=True)
@@ -108,6 +124,9 @@ class DqTileScheduler(RowTileScheduler):
 
 
 class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
+    ARRIVALS = DQ_ARRIVALS
+    PIPES = DQ_PIPES
+
     def __init__(self, cfg: BwdConfig, sm_count: int = 148):
         if cfg.latent or cfg.exact_delta or cfg.head_dim != cfg.head_dim_v:
             raise ValueError(f"{type(self).__name__}: Dk == Dv, no latent, no exact_delta (got {cfg})")
@@ -120,7 +139,7 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         self.tile_m_total = TILE_M
         self.tmem_s_offset = [0, TILE_N]  # S, dP
         self.tmem_o_offset = [2 * TILE_N, 2 * TILE_N + cfg.head_dim]  # dQ (the second is never used)
-        assert 2 * TILE_N + cfg.head_dim <= self.tmem_cols, cfg
+        assert 2 * TILE_N + cfg.head_dim <= S1_OFFSET and S1_OFFSET + TILE_N <= self.tmem_cols, cfg
 
     def role_regs(self) -> tuple:
         return DQ_REGS
@@ -211,36 +230,40 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         pipe_kv.producer_tail(kv_state)
 
     # ------------------------------------------------------------------ MMA warp
-    def ds_operands(self, thr_mma_pv, tStS, tP_layout, tmem_ptr):
-        """The dQ GEMM's A operand (dS, 16-bit in TMEM) for its two K halves: keys [0, 64) from S columns
-        [0, 32), keys [64, 128) from [64, 96) (Note: each softmax WG writes its block over S columns it read)."""
+    def ds_operands(self, thr_mma_pv, tStS, tP_layout):
+        """The dQ GEMM's A operand (dS, 16-bit in TMEM) layout, checked for the two K halves (Note [SM100 dQ
+        TMEM]); ``ds_views`` places it in a buffer."""
         tP = cute.make_tensor(tStS[0].iterator, tP_layout.outer)
         layout = thr_mma_pv.make_fragment_A(tP)[None, None, None, 0].layout
         check_ds_columns(layout)
-        return [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_s_offset[0] + BLOCK_SIZE * w, dtype=self.dtype),
-                                 layout) for w in range(2)]
+        return layout
+
+    def ds_views(self, tmem_ptr, layout, parity):
+        """dS of S buffer ``parity`` as the dQ GEMM's A: keys [0, 64) from its columns [0, 32), keys [64, 128)
+        from [64, 96)."""
+        base = tmem_ptr + self.tmem_s_offset[0] + parity * S1_OFFSET
+        return [cute.make_tensor(cute.recast_ptr(base + BLOCK_SIZE * w, dtype=self.dtype), layout) for w in range(2)]
 
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout, tmem_ptr, tStS, tOtO,
-            pipe_q, pipe_kv, pipe_s, pipe_o, sched):
+            pipe_q, pipe_kv, pipe_s, pipe_o, sched, pipe_scale=None):
+        pipe_ds = pipe_scale  # Note [SM100 dQ roles]
         tSrQ = thr_mma_qk.make_fragment_A(sQ)  # slot 0: Q, slot 1: dO
         tSrK = thr_mma_qk.make_fragment_B(sK)  # K, and V (same geometry), of a ring buffer, K-major
         tQrK = thr_mma_pv.make_fragment_B(sV)  # K of a ring buffer read MN-major (B of dQ += dS K)
-        tQrdS = self.ds_operands(thr_mma_pv, tStS, tP_layout, tmem_ptr)
+        ds_layout = self.ds_operands(thr_mma_pv, tStS, tP_layout)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
-        # s / o: slot 0 only (Note [SM100 dQ roles]); s is acquired one round ahead of its commits.
-        s_acquire = _slot_state(self.q_stage, 0, producer=True)
-        s_commit = s_acquire.clone()
+        ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        # s / o: slot 0 only (a producer's first acquire is free)
+        s_state = _slot_state(self.q_stage, 0, producer=True)
         o_state = _slot_state(self.q_stage, 0, producer=True)
-        pipe_s.producer_acquire(s_acquire)  # first round: free
-        s_acquire.advance(self.q_stage)
         work_idx = sched.first()
         while work_idx < sched.total:
             tile = sched.work_tile(work_idx)
             if tile.has_keys:
                 q_release = q_state.clone()
-                # S(0), dP(0)
+                # S(0) into buffer 0, dP(0)
                 pipe_q.consumer_wait(q_state)
                 q_state.advance()
                 pipe_kv.consumer_wait(kv_state)
@@ -251,38 +274,46 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                 pipe_q.consumer_wait(q_state)
                 q_state.advance()
                 pipe_kv.consumer_wait(kv_state)
+                pipe_s.producer_acquire(s_state)  # dP read (the previous tile's last step)
                 self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1], tSrK[None, None, None, kv_state.index],
                           False)
-                pipe_s.producer_commit(s_commit)
-                s_commit.advance(self.q_stage)
+                pipe_s.producer_commit(s_state)
+                s_state.advance(self.q_stage)
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 pipe_o.producer_acquire(o_state)  # dQ free: the previous tile's epilogue read it
                 for step in cutlass.range(tile.keys.n_max - 1, unroll=1):
-                    pipe_s.producer_acquire(s_acquire)  # dS(step) written
-                    s_acquire.advance(self.q_stage)
-                    self.dq_gemm(tiled_mma_pv, tOtO[0], tQrdS, tQrK[None, None, None, k_state.index], step > 0)
-                    pipe_kv.consumer_release(k_state)
+                    # S(step + 1) into the other buffer, dP(step + 1) once dP(step) was read
+                    parity = step % 2
                     pipe_kv.consumer_wait(kv_state)  # K(step + 1)
-                    k_state = kv_state.clone()
+                    k_next = kv_state.clone()
                     kv_state.advance()
-                    self.gemm(tiled_mma_qk, tStS[0], tSrQ[None, None, None, 0],
-                              tSrK[None, None, None, k_state.index], False)
+                    acc_s = cute.make_tensor(tStS[0].iterator + (1 - parity) * S1_OFFSET, tStS[0].layout)
+                    self.gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_next.index],
+                              False)
                     pipe_kv.consumer_wait(kv_state)  # V(step + 1)
+                    pipe_s.producer_acquire(s_state)
                     self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1],
                               tSrK[None, None, None, kv_state.index], False)
-                    pipe_s.producer_commit(s_commit)
-                    s_commit.advance(self.q_stage)
+                    pipe_s.producer_commit(s_state)
+                    s_state.advance(self.q_stage)
                     pipe_kv.consumer_release(kv_state)
                     kv_state.advance()
+                    # dQ += dS(step) K(step)
+                    pipe_ds.consumer_wait(ds_state)
+                    ds_state.advance()
+                    self.dq_gemm(tiled_mma_pv, tOtO[0], self.ds_views(tmem_ptr, ds_layout, parity),
+                                 tQrK[None, None, None, k_state.index], step > 0)
+                    pipe_kv.consumer_release(k_state)
+                    k_state = k_next
                 # Q and dO are no longer read once the last dP completes
                 for i in cutlass.range_constexpr(self.q_stage):
                     pipe_q.consumer_release(q_release)
                     q_release.advance()
-                pipe_s.producer_acquire(s_acquire)
-                s_acquire.advance(self.q_stage)
-                self.dq_gemm(tiled_mma_pv, tOtO[0], tQrdS, tQrK[None, None, None, k_state.index],
-                             tile.keys.n_max > 1)
+                pipe_ds.consumer_wait(ds_state)
+                ds_state.advance()
+                self.dq_gemm(tiled_mma_pv, tOtO[0], self.ds_views(tmem_ptr, ds_layout, (tile.keys.n_max - 1) % 2),
+                             tQrK[None, None, None, k_state.index], tile.keys.n_max > 1)
                 pipe_kv.consumer_release(k_state)
                 pipe_o.producer_commit(o_state)
                 o_state.advance(self.q_stage)
@@ -338,6 +369,8 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         tidx = cute.arch.thread_idx()[0] % TILE_M
         thr_t2r, src_s, src_dp, ld_shape, thr_r2t, dst_ds, st_shape = self.ds_tmem(thr_mma_qk, tStS, tidx, block)
         s_state = _slot_state(self.q_stage, 0, producer=False)
+        ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
+        pipe_ds = pipe_scale  # Note [SM100 dQ roles]
         delta_ready = pipeline.NamedBarrier(barrier_id=int(DqBarrier.Delta), num_threads=DELTA_THREADS)
         seqlen = mQLimit.shape[1]
         work_idx = sched.first()
@@ -359,13 +392,17 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     if slot < tile.count:
                         bits = mTileMask[tile.s, tile.w, slot]
                     need_mask = ((bits & ctx.all_bits) != ctx.all_bits) | (start + BLOCK_SIZE > ctx.min_limit)
+                    buf = (step % 2) * S1_OFFSET  # S(step)'s buffer (Note [SM100 dQ TMEM])
                     pipe_s.consumer_wait(s_state)
                     rS = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
-                    self.load_block_cols(thr_t2r, src_s, ld_shape, rS)
-                    if need_mask:
-                        self.mask_block(rS.iterator, start, bits, ctx)
+                    self.load_block_cols(thr_t2r, cute.make_tensor(src_s.iterator + buf, src_s.layout), ld_shape, rS)
                     rdP = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
                     self.load_block_cols(thr_t2r, src_dp, ld_shape, rdP)
+                    cute.arch.fence_view_async_tmem_load()
+                    pipe_s.consumer_release(s_state)  # dP(step) read: dP(step + 1) may be issued
+                    s_state.advance(self.q_stage)
+                    if need_mask:
+                        self.mask_block(rS.iterator, start, bits, ctx)
                     p = cute.math.exp2(rS.load() * scale_log2 - lse_log2, fastmath=True)
                     rdS = cute.make_rmem_tensor((BLOCK_SIZE // 2,), Float32)  # 16-bit pairs
                     rdS_h = cute.make_tensor(cute.recast_ptr(rdS.iterator, dtype=self.dtype),
@@ -373,10 +410,10 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     rdS_h.store((p * (rdP.load() - delta)).to(self.dtype))
                     for c in cutlass.range_constexpr(BLOCK_SIZE // DS_CHUNK):
                         cute.copy(thr_r2t, cute.make_tensor(rdS.iterator + c * (DS_CHUNK // 2), cute.make_layout(st_shape)),
-                                  cute.make_tensor(dst_ds.iterator + c * (DS_CHUNK // 2), dst_ds.layout))
+                                  cute.make_tensor(dst_ds.iterator + buf + c * (DS_CHUNK // 2), dst_ds.layout))
                     cute.arch.fence_view_async_tmem_store()  # dS visible to the tensor core
-                    pipe_s.consumer_release(s_state)
-                    s_state.advance(self.q_stage)
+                    pipe_ds.producer_commit(ds_state)
+                    ds_state.advance()
             work_idx = sched.next(work_idx)
 
     # ------------------------------------------------------------------ correction warpgroup: delta, dq
