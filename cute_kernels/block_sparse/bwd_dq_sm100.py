@@ -39,7 +39,7 @@ from cutlass.cute.nvgpu import tcgen05
 
 from cute_kernels.attention import fwd_sm100 as dense
 from cute_kernels.attention.bwd_pre import vec_ptr
-from cute_kernels.attention.fwd_sm100 import NUM_THREADS, TILE_M, TILE_N, FwdBarrier, _slot_state
+from cute_kernels.attention.fwd_sm100 import NUM_THREADS, TILE_M, TILE_N, _slot_state
 from cute_kernels.common.utils import LOG2_E
 
 from .config import BLOCK_SIZE, BwdConfig, FwdConfig, q_stages_sm100, stage_queries_sm100
@@ -63,12 +63,12 @@ from .fwd_sm100 import BlockSparseFwdSm100, RowTile, RowTileScheduler
 #   forward's s count), masks, P, dS; writes dS over its S columns [64 w, 64 w + 32) and arrives on the ds
 #   pipeline (the forward's "scale" pipeline, counted 256 here; nobody releases it: a WG's next commit needs
 #   s(n + 1) full, committed after the MMA waited for this one, so at most one round is open). Each reads its
-#   rows' lse once per tile and delta from shared memory after DqBarrier.Delta.
-# * correction warpgroup: per row tile, each row's delta = rowsum(dO * O) (thread = row) to global memory
-#   (every row of the tile) and, for a tile with blocks, to shared memory (sRowSum) before it arrives on
-#   DqBarrier.Delta; then [o full] dQ * scale from TMEM to the row's (query, head) (zeros for a tile without
-#   blocks), [o release]. It writes the next tile's delta only after that o wait, which follows every softmax
-#   step of the tile, so the softmax WGs have read the previous value.
+#   rows' lse and, from the stats pipeline, delta once per tile.
+# * correction warpgroup: each row's delta = rowsum(dO * O) (thread = row) to global memory (every row) and into
+#   a stats slot (sRowSum: two slots, one per tile in turn) one tile ahead: the next tile's before this tile's
+#   epilogue, so the softmax WGs start a tile without waiting for the previous epilogue; then [o full] dQ *
+#   scale from TMEM to the row's (query, head) (zeros for a tile without blocks), [o release]. The MMA acquires
+#   o just before a tile's first dQ GEMM, after its S(1) and dP(1).
 # * TMEM is freed as in the forward (the correction warps read it last).
 #
 # Note [SM100 dQ TMEM]: S buffer 0 [0, 128), dP [128, 256), dQ [256, 256 + D), S buffer 1 [384, 512). dS(n) is
@@ -77,18 +77,14 @@ from .fwd_sm100 import BlockSparseFwdSm100, RowTile, RowTileScheduler
 # and [64, 96) of the buffer (``dq_gemm``, ``check_ds_columns``).
 
 
-class DqBarrier:
-    """Named barrier ids beyond the forward's (FwdBarrier)."""
-
-    Delta = max(int(b) for b in FwdBarrier) + 1  # correction (arrive) -> softmax WGs (wait): delta in smem
-
-
-DELTA_THREADS = 3 * TILE_M  # the correction WG and both softmax WGs
+DELTA_UNROLL = 4  # row_delta: 16-byte load pairs in flight per thread (the correction WG's registers are few)
 S1_OFFSET = 3 * TILE_N  # TMEM column of S buffer 1 (Note [SM100 dQ TMEM])
-#: The forward's pipelines with the dQ kernel's use of "s" (both softmax WGs release) and "scale" (ds: both
-#: softmax WGs commit, the MMA waits; no releases); the others as the forward's.
-DQ_PIPES = dict(dense.PIPES, s=("mma", ("softmax", "softmax")), scale=(("softmax", "softmax"), "mma"))
-DQ_ARRIVALS = dict(dense.ARRIVALS, scale=(2 * TILE_M, 1))
+#: The forward's pipelines with the dQ kernel's use of "s" (both softmax WGs release), "scale" (ds: both softmax
+#: WGs commit, the MMA waits; no releases) and "stats" (delta: the correction WG writes a slot per tile, both
+#: softmax WGs release it); the others as the forward's (Note [SM100 dQ roles]).
+DQ_PIPES = dict(dense.PIPES, s=("mma", ("softmax", "softmax")), scale=(("softmax", "softmax"), "mma"),
+                stats=("correction", ("softmax", "softmax")))
+DQ_ARRIVALS = dict(dense.ARRIVALS, scale=(2 * TILE_M, 1), stats=(TILE_M, 2 * TILE_M))
 DS_CHUNK = 32  # S / dP columns per TMEM load
 #: setmaxnreg (softmax 0, softmax 1, correction, other warps), summing to 4 x 128 as the forward's REGS.
 DQ_REGS = (176, 176, 88, 72)
@@ -281,7 +277,6 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                 s_state.advance(self.q_stage)
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
-                pipe_o.producer_acquire(o_state)  # dQ free: the previous tile's epilogue read it
                 for step in cutlass.range(tile.keys.n_max - 1, unroll=1):
                     # S(step + 1) into the other buffer, dP(step + 1) once dP(step) was read
                     parity = step % 2
@@ -302,6 +297,8 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     # dQ += dS(step) K(step)
                     pipe_ds.consumer_wait(ds_state)
                     ds_state.advance()
+                    if step == 0:
+                        pipe_o.producer_acquire(o_state)  # dQ free: the previous tile's epilogue read it
                     self.dq_gemm(tiled_mma_pv, tOtO[0], self.ds_views(tmem_ptr, ds_layout, parity),
                                  tQrK[None, None, None, k_state.index], step > 0)
                     pipe_kv.consumer_release(k_state)
@@ -312,6 +309,8 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     q_release.advance()
                 pipe_ds.consumer_wait(ds_state)
                 ds_state.advance()
+                if tile.keys.n_max == 1:
+                    pipe_o.producer_acquire(o_state)
                 self.dq_gemm(tiled_mma_pv, tOtO[0], self.ds_views(tmem_ptr, ds_layout, (tile.keys.n_max - 1) % 2),
                              tQrK[None, None, None, k_state.index], tile.keys.n_max > 1)
                 pipe_kv.consumer_release(k_state)
@@ -371,11 +370,17 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         s_state = _slot_state(self.q_stage, 0, producer=False)
         ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
         pipe_ds = pipe_scale  # Note [SM100 dQ roles]
-        delta_ready = pipeline.NamedBarrier(barrier_id=int(DqBarrier.Delta), num_threads=DELTA_THREADS)
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
         seqlen = mQLimit.shape[1]
         work_idx = sched.first()
         while work_idx < sched.total:
             tile = sched.work_tile(work_idx)
+            delta = Float32(0.0)
+            if tile.has_rows:  # the correction WG's delta slot of every tile with rows
+                pipe_stats.consumer_wait(stats_state)
+                delta = sRowSum[tidx, stats_state.index]
+                pipe_stats.consumer_release(stats_state)
+                stats_state.advance()
             if tile.has_keys:
                 ctx = self.row_context(tile, tile.half, tidx, mQLimit, seqlen)
                 lse_log2 = Float32.inf  # idle rows: P = 0
@@ -383,8 +388,6 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     v = mLSE[tile.b, tile.head0 + tidx % self.gc, tile.q0 + tile.half * self.qs + tidx // self.gc]
                     if v != -Float32.inf:
                         lse_log2 = v * Float32(LOG2_E)
-                delta_ready.arrive_and_wait()
-                delta = sRowSum[tidx, 0]
                 for step in cutlass.range(tile.keys.n_max, unroll=1):
                     slot = step * 2 + block
                     start = mTileStart[tile.s, tile.w, cutlass.min(slot, tile.count - 1)]
@@ -423,7 +426,7 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         copy16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         vec = cute.make_layout((8,))
         acc = Float32(0.0)
-        for c in cutlass.range_constexpr(self.head_dim_v // 8):
+        for c in cutlass.range(self.head_dim_v // 8, unroll=DELTA_UNROLL):  # loads in flight vs the WG's registers
             ro = cute.make_rmem_tensor((8,), self.dtype)
             rdo = cute.make_rmem_tensor((8,), self.dtype)
             cute.copy(copy16, cute.make_tensor(vec_ptr(mO, (b, q, head, c * 8)), vec), ro)
@@ -432,36 +435,58 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         return acc
 
     @cute.jit
+    def tile_delta(self, tile: DqTile, tidx: Int32, mO: cute.Tensor, mdO: cute.Tensor, mDelta: cute.Tensor) -> Float32:
+        """This thread's row of ``tile``: its delta (0 for an idle row), also stored to ``mDelta``."""
+        j = tidx // self.gc
+        qi = tile.half * self.qs + j
+        q = tile.q0 + qi
+        head = tile.head0 + tidx % self.gc
+        delta = Float32(0.0)
+        if (j < self.qs) & (qi < tile.nq):
+            delta = self.row_delta(mO, mdO, tile.b, q, head)
+            mDelta[tile.b, head, q] = delta
+        return delta
+
+    @cute.jit
     def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_o, pipe_stats, sched,
                    args: tuple):
         mO, mdO, mDelta, mdQ, softmax_scale = args
         tidx = cute.arch.thread_idx()[0] % TILE_M
         tOt_t2r, _, num_chunks = self.o_tmem_copies(thr_mma_pv, tOtO, tidx)
         o_state = _slot_state(self.q_stage, 0, producer=False)
-        delta_ready = pipeline.NamedBarrier(barrier_id=int(DqBarrier.Delta), num_threads=DELTA_THREADS)
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
         work_idx = sched.first()
+        if work_idx < sched.total:  # the first tile's delta
+            first = sched.work_tile(work_idx)
+            if first.has_rows:
+                delta = self.tile_delta(first, tidx, mO, mdO, mDelta)
+                pipe_stats.producer_acquire(stats_state)
+                sRowSum[tidx, stats_state.index] = delta
+                pipe_stats.producer_commit(stats_state)
+                stats_state.advance()
         while work_idx < sched.total:
+            nxt = sched.next(work_idx)
+            if nxt < sched.total:  # the next tile's delta, while this one runs (Note [SM100 dQ roles])
+                ahead = sched.work_tile(nxt)
+                if ahead.has_rows:
+                    delta = self.tile_delta(ahead, tidx, mO, mdO, mDelta)
+                    pipe_stats.producer_acquire(stats_state)
+                    sRowSum[tidx, stats_state.index] = delta
+                    pipe_stats.producer_commit(stats_state)
+                    stats_state.advance()
             tile = sched.work_tile(work_idx)
             if tile.has_rows:
                 j = tidx // self.gc
                 qi = tile.half * self.qs + j
-                q = tile.q0 + qi
-                head = tile.head0 + tidx % self.gc
                 row_ok = (j < self.qs) & (qi < tile.nq)
-                delta = Float32(0.0)
-                if row_ok:
-                    delta = self.row_delta(mO, mdO, tile.b, q, head)
-                    mDelta[tile.b, head, q] = delta
                 if tile.has_keys:
-                    sRowSum[tidx, 0] = delta
-                    delta_ready.arrive()
                     pipe_o.consumer_wait(o_state)
-                self.store_o_row(tOt_t2r[0], mdQ[tile.b, q, head, None], softmax_scale, tile.has_keys, row_ok,
-                                 num_chunks)
+                self.store_o_row(tOt_t2r[0], mdQ[tile.b, tile.q0 + qi, tile.head0 + tidx % self.gc, None],
+                                 softmax_scale, tile.has_keys, row_ok, num_chunks)
                 if tile.has_keys:
                     pipe_o.consumer_release(o_state)  # after the TMEM loads completed
                     o_state.advance(self.q_stage)
-            work_idx = sched.next(work_idx)
+            work_idx = nxt
 
 
 def check_ds_columns(layout) -> None:

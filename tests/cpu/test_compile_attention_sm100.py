@@ -154,10 +154,12 @@ from cute_kernels.attention import fwd_sm100 as m
 from cute_kernels.attention.launch import compile_fwd, fwd_config
 from cute_kernels.common.barriers import ArrivalCountError
 which = sys.argv[1]
+# the kernel reads its counts from its class (FlashFwdSm100.ARRIVALS, the module's table unless a kernel built on
+# it overrides them)
 if which == "s":
-    m.ARRIVALS = dict(m.ARRIVALS, s=(1, m.TILE_M))  # P ready / O rescaled without the correction WG
+    m.FlashFwdSm100.ARRIVALS = dict(m.ARRIVALS, s=(1, m.TILE_M))  # P ready / O rescaled without the correction WG
 elif which == "stats":
-    m.ARRIVALS = dict(m.ARRIVALS, stats=(2 * m.TILE_M, m.TILE_M))
+    m.FlashFwdSm100.ARRIVALS = dict(m.ARRIVALS, stats=(2 * m.TILE_M, m.TILE_M))
 else:
     m.NAMED_THREADS = {m.FwdBarrier.TmemFree: 2 * 128}
 try:

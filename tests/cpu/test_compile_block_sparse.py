@@ -156,3 +156,17 @@ def test_latent_register_splits_fit_the_launch():
     with pytest.raises(AssertionError, match="exceeds the 168 registers"):
         check_setmaxnreg(48, 232, 2)
     check_setmaxnreg(24, 240, 2)
+
+
+def test_sm100_backward_register_and_tmem_plans():
+    """The SM100 dQ kernel's setmaxnreg split sums to the 4 x 128 registers its 512 threads launch with (an
+    increase past what the CTA holds never returns) and its TMEM plan (two S buffers, dP, dQ) fits 512
+    columns at both head dims; the dK/dV kernel's 384 threads need no split (<= 168 registers each)."""
+    from cute_kernels.block_sparse import bwd_dkdv_sm100 as kv
+    from cute_kernels.block_sparse import bwd_dq_sm100 as dq
+
+    assert sum(dq.DQ_REGS) == 4 * 128 and all(r % 8 == 0 and 24 <= r <= 256 for r in dq.DQ_REGS)
+    for d in (64, 128):
+        assert 2 * 128 + d <= dq.S1_OFFSET and dq.S1_OFFSET + 128 <= 512
+    assert kv.NUM_THREADS == 384 and kv.TMEM_DK + 64 <= kv.TMEM_COLS
+    assert kv.TMEM_S[1] + 2 * 64 <= kv.TMEM_DV
