@@ -85,6 +85,19 @@ def _fwd_kernel(cfg: FwdConfig):
     return BlockSparseFwdSm90
 
 
+def check_plan_tiles(cfg, seqlen: int, tile_start) -> None:
+    """ValueError unless ``tile_start`` ([NS, NQT, CAP]) has the row tiles of ``cfg``'s kernels: NQT = ceil(S / WQ)
+    windows of WQ = ``cfg.window_queries`` queries (SM90 and SM100 tile differently, ``config.tile_queries``) and
+    CAP a multiple of WQ (WQ x topk; 0 or 1 without ids). A plan built for another query tile would be read with
+    the wrong rows and bits: refused before any launch."""
+    wq = cfg.window_queries
+    nqt, cap = int(tile_start.shape[1]), int(tile_start.shape[2])
+    if nqt != -(-int(seqlen) // wq) or (cap > 1 and cap % wq):
+        raise ValueError(f"block_sparse_attention: the plan has {nqt} row tiles of {cap} slots for {seqlen} queries; "
+                         f"the kernels for compute capability {cfg.arch} (G {cfg.group}, Dv {cfg.head_dim_v}) tile "
+                         f"{wq} queries: build the plan for them (block_sparse_plan on that GPU, with head_dim_v)")
+
+
 def run_fwd(cfg: FwdConfig, q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse,
             softmax_scale: float) -> None:
     """out and lse from a built plan (``paddle_fa4.block_sparse_plan`` or ``tests/oracles/block_sparse``);
@@ -93,6 +106,7 @@ def run_fwd(cfg: FwdConfig, q, k, v, tile_start, tile_mask, tile_count, q_limit,
     assert (v is None) == cfg.latent, "v is None exactly for the latent"
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
         return
+    check_plan_tiles(cfg, int(q.shape[1]), tile_start)
     if cfg.latent:
         v = k  # the kernel reads V from K's shared memory; its v argument is k
     sm_count = _arch.tensor_sm_count(q) if _arch.family(cfg.arch) == 100 else None
@@ -230,6 +244,7 @@ def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, 
         "v, dv and dv_part are None exactly for the latent"
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0 or int(key_start.shape[1]) == 0:
         return
+    check_plan_tiles(cfg, int(q.shape[1]), tile_mask)
     if min_segment_pairs is None:
         min_segment_pairs = default_min_segment_pairs(int(q.shape[0]), int(k.shape[2]), int(key_start.shape[1]))
     if cfg.exact_delta:  # it changes the dQ kernel only: one dK / dV build (and no copy on the plain path)
@@ -252,6 +267,7 @@ def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_
     assert (v is None) == cfg.latent, "v is None exactly for the latent"
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0:
         return
+    check_plan_tiles(cfg, int(q.shape[1]), tile_start)
     kv = (k,) if cfg.latent else (k, v)
     sm_count = _arch.tensor_sm_count(q) if _arch.family(cfg.arch) == 100 else None
     compile_bwd_dq(cfg, sm_count)(q, *kv, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,

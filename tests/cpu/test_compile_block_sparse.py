@@ -170,3 +170,26 @@ def test_sm100_backward_register_and_tmem_plans():
         assert 2 * 128 + d <= dq.S1_OFFSET and dq.S1_OFFSET + 128 <= 512
     assert kv.NUM_THREADS == 384 and kv.TMEM_DK + 64 <= kv.TMEM_COLS
     assert kv.TMEM_S[1] + 2 * 64 <= kv.TMEM_DV
+
+
+@pytest.mark.parametrize("group,S", [(8, 100), (12, 37), (1, 33), (64, 5)])
+def test_launchers_refuse_a_plan_of_another_query_tile(group, S):
+    """The launchers check the plan's row tiles against their kernels' (check_plan_tiles, before any launch): a
+    plan tiled for SM90 handed to SM100 kernels (and back) is refused by name where the tiles differ, accepted
+    for its own arch; a plan without ids (CAP 1) passes."""
+    import numpy as np
+
+    from cute_kernels.block_sparse.config import BwdConfig
+    from cute_kernels.block_sparse.launch import check_plan_tiles
+
+    def plan(wq, topk=3):
+        return np.zeros((1, -(-S // wq), max(wq * topk, 1)), np.int32)
+
+    for arch in (90, 100):
+        cfg = BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=group, per_kv_head=False)
+        other = tile_queries(group, 190 - arch, 128)
+        check_plan_tiles(cfg, S, plan(cfg.window_queries))
+        check_plan_tiles(cfg, S, plan(cfg.window_queries, topk=0))
+        if other != cfg.window_queries and -(-S // other) != -(-S // cfg.window_queries):
+            with pytest.raises(ValueError, match=f"tile {cfg.window_queries} queries"):
+                check_plan_tiles(cfg, S, plan(other))
