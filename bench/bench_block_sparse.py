@@ -86,11 +86,11 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_del
     k = torch.randn(1, seqlen, hkv, dk_, device="cuda", dtype=torch.bfloat16)
     v = None if latent else torch.randn(1, seqlen, hkv, dv_, device="cuda", dtype=torch.bfloat16)
     ids, keys = selection(torch, seqlen, kind)
-    plan = {n: torch.from_numpy(a).cuda()
-            for n, a in orc.plan_arrays(ids.cpu().numpy(), BS, hq // hkv).items()}
+    cfg = fwd_config(q, k, v, per_kv_head=False, has_sink=False, latent_dv=dv_ if latent else None)
+    plan = {n: torch.from_numpy(a).cuda()  # row tiles of this GPU's kernels (SM90 and SM100 differ)
+            for n, a in orc.plan_arrays(ids.cpu().numpy(), BS, hq // hkv, window=cfg.window_queries).items()}
     out = torch.empty(1, seqlen, hq, dv_, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(1, hq, seqlen, device="cuda")
-    cfg = fwd_config(q, k, v, per_kv_head=False, has_sink=False, latent_dv=dv_ if latent else None)
     scale = dk_ ** -0.5
 
     def bs_fwd():

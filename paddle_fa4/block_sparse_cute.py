@@ -52,7 +52,8 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
                          block_size=spec.block_size, latent=spec.latent, backward=needs_grad)
 
 
-# Note [SM100 token path]: until the block-sparse tcgen05 kernels exist, an SM100 call expands the
+# Note [SM100 token path]: where the block-sparse tcgen05 kernels do not take a case (the forward: the latent; the
+# backward: head dims other than 128, exact_delta, and what the forward does not take), an SM100 call expands the
 # blocks to token index rows with Paddle ops -- the rule of the planner and the reference
 # (block_sparse_planner.block_starts / query_limits: absolute block starts from document-relative ids,
 # each row's causal or document-end limit; -1 for what the row does not see) -- and runs the

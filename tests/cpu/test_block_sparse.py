@@ -203,6 +203,26 @@ def test_plan_matches_numpy_plan(kw):
     assert n == int(plan.tile_count.numpy().sum())
 
 
+@pytest.mark.parametrize("kw", PLAN_CASES)
+def test_sm100_plan_matches_numpy_plan(kw, monkeypatch):
+    """A plan built "on an SM100 GPU" (its query tile, tile_queries(G, 100, Dv)) equals the numpy builder's at that
+    window -- the plan bench/bench_block_sparse.py hands the SM100 kernels (orc.plan_arrays(window=...))."""
+    from cute_kernels.block_sparse.config import tile_queries
+    from paddle_fa4 import backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "tensor_arch", lambda t: 100)
+    rng = np.random.default_rng(7)
+    causal, cu = kw.get("causal", True), kw.get("cu")
+    ids = orc.random_ids(rng, kw["B"], kw["S"], kw["topk"], kw["bs"], causal, cu, heads=kw.get("per_kv"))
+    plan = paddle_fa4.block_sparse_plan(_t(ids, "int32"), heads_per_kv=kw["G"], block_size=kw["bs"], causal=causal,
+                                        cu_seqlens=None if cu is None else _t(cu, "int32"), head_dim_v=128)
+    wq = tile_queries(kw["G"], 100, 128)
+    assert plan.window_queries == wq
+    for name, w in orc.plan_arrays(ids, kw["bs"], kw["G"], causal, cu, window=wq).items():
+        got = getattr(plan, name).numpy()
+        assert got.shape == w.shape and np.array_equal(got, w), name
+
+
 def test_plan_reuse_and_mismatch():
     c = _case(8, B=1, S=40, Hq=4, Hkv=1, Dk=8, Dv=8, topk=2, bs=16)
     ids = _t(c["ids"], "int32")

@@ -120,16 +120,18 @@ def tile_queries(group: int) -> int:
 
 
 def plan_arrays(block_ids, block_size: int, group: int, causal: bool = True, cu_seqlens=None,
-                keys: bool = True) -> dict:
+                keys: bool = True, window: int | None = None) -> dict:
     """int32 numpy plan tensors: tile_start / tile_mask / tile_count / q_limit / key_start / key_end /
-    key_count / key_ptr / key_tile / key_slot (entries past counts: -1 or 0). ``keys=False`` leaves
+    key_count / key_ptr / key_tile / key_slot (entries past counts: -1 or 0), for row tiles of ``window``
+    queries (default the SM90 kernels', ``tile_queries``; the SM100 kernels': their config's
+    ``window_queries``). ``keys=False`` leaves
     the key-major transpose (the backward's) unfilled: the forward needs the first four only."""
     ids = np.asarray(block_ids, np.int64)
     b_, s, topk = ids.shape[0], ids.shape[-2], ids.shape[-1]
     per_kv = ids.ndim == 4
     hs = ids.shape[1] if per_kv else 1
     ns = b_ * hs
-    wq = tile_queries(group)
+    wq = tile_queries(group) if window is None else int(window)
     nqt = -(-s // wq)
     cap = max(wq * topk, 1)
     ndoc = 1 if cu_seqlens is None else np.shape(cu_seqlens)[-1] - 1
