@@ -12,7 +12,8 @@ expanded token mask (tests/oracles/block_sparse.py), bf16, GQA and per-kv-head i
 repeated ids, S not a multiple of 64, documents at bos % 64 != 0, causal and not, a learnable sink, the
 forward over head dims 64 / 128 / 256 and 1 / 8 / 12 / 128 query heads per kv head (one and two Q
 stages, stages past the tile's queries, an odd last block), the backward over the same row tiles at head dim
-128 (and 64: the token path), the dK/dV kernel's segment split; backend="cute" must not fall back; bitwise
+128 (and 64: the token path), several work tiles per persistent CTA, the dK/dV kernel's segment split;
+backend="cute" must not fall back; bitwise
 equal over two runs. Nothing here has been run on a Blackwell GPU: none was available when it was written.
 """
 
@@ -147,6 +148,24 @@ def test_backward_row_tiles_match_oracle(hq, hkv):
     rng = np.random.default_rng(17 + hq)
     s, causal, cu = 200, True, [0, 45, 200]
     ids = orc.random_ids(rng, 1, s, 3, 64, causal, cu, pad=0.2, dup=0.2)
+    c = _case(paddle, rng, s, hq, hkv, 128, causal)
+    got = _run(paddle, c, ids, cu)
+    again = _run(paddle, c, ids, cu)
+    for a, a2 in zip(got, again):
+        assert np.array_equal(a, a2, equal_nan=True)
+    _check(got, c, ids, cu, causal)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 4)], ids=["G1", "G8"])
+def test_persistent_tiles_match_oracle(hq, hkv):
+    """More work tiles than SMs (256: 32 windows x stages x kv heads), so each CTA of the persistent forward and
+    dQ kernels runs several tiles in turn: the per-tile pipeline phases, the dQ kernel's two S buffers reset per
+    tile, its delta one tile ahead (Note [SM100 dQ roles]) and the dQ accumulator's reuse. Gradients against the
+    fp64 oracle, bitwise over two runs."""
+    paddle = pytest.importorskip("paddle")
+    rng = np.random.default_rng(23 + hq)
+    s, causal, cu = 1024, True, [0, 300, 1024]
+    ids = orc.random_ids(rng, 1, s, 4, 64, causal, cu, pad=0.2, dup=0.2)
     c = _case(paddle, rng, s, hq, hkv, 128, causal)
     got = _run(paddle, c, ids, cu)
     again = _run(paddle, c, ids, cu)
