@@ -144,16 +144,20 @@ def test_backward_row_tiles_match_oracle(hq, hkv):
     its own (one or two per window, the 32-query window of G 1 / 2 with idle lanes, the uneven stages of G 5,
     idle lanes past QS * GC for G 12, head chunks of 64 for G 128), key steps of two blocks in the dQ kernel
     (odd counts: topk 3): out / lse / gradients against the fp64 oracle, bitwise over two runs."""
+    _bitwise_and_oracle(17 + hq, 200, hq, hkv, 3, [0, 45, 200])
+
+
+def _bitwise_and_oracle(seed: int, s: int, hq: int, hkv: int, topk: int, cu):
+    """Causal, d 128, bf16: two runs bitwise equal, then against the fp64 oracle (``_check``)."""
     paddle = pytest.importorskip("paddle")
-    rng = np.random.default_rng(17 + hq)
-    s, causal, cu = 200, True, [0, 45, 200]
-    ids = orc.random_ids(rng, 1, s, 3, 64, causal, cu, pad=0.2, dup=0.2)
-    c = _case(paddle, rng, s, hq, hkv, 128, causal)
+    rng = np.random.default_rng(seed)
+    ids = orc.random_ids(rng, 1, s, topk, 64, True, cu, pad=0.2, dup=0.2)
+    c = _case(paddle, rng, s, hq, hkv, 128, True)
     got = _run(paddle, c, ids, cu)
     again = _run(paddle, c, ids, cu)
     for a, a2 in zip(got, again):
         assert np.array_equal(a, a2, equal_nan=True)
-    _check(got, c, ids, cu, causal)
+    _check(got, c, ids, cu, True)
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 4)], ids=["G1", "G8"])
@@ -162,16 +166,7 @@ def test_persistent_tiles_match_oracle(hq, hkv):
     dQ kernels runs several tiles in turn: the per-tile pipeline phases, the dQ kernel's two S buffers reset per
     tile, its delta one tile ahead (Note [SM100 dQ roles]) and the dQ accumulator's reuse. Gradients against the
     fp64 oracle, bitwise over two runs."""
-    paddle = pytest.importorskip("paddle")
-    rng = np.random.default_rng(23 + hq)
-    s, causal, cu = 1024, True, [0, 300, 1024]
-    ids = orc.random_ids(rng, 1, s, 4, 64, causal, cu, pad=0.2, dup=0.2)
-    c = _case(paddle, rng, s, hq, hkv, 128, causal)
-    got = _run(paddle, c, ids, cu)
-    again = _run(paddle, c, ids, cu)
-    for a, a2 in zip(got, again):
-        assert np.array_equal(a, a2, equal_nan=True)
-    _check(got, c, ids, cu, causal)
+    _bitwise_and_oracle(23 + hq, 1024, hq, hkv, 4, [0, 300, 1024])
 
 
 @pytest.mark.skipif(DRY, reason="drives the dK/dV launcher directly (no reference backend)")
