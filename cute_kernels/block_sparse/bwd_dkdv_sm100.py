@@ -42,6 +42,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.attention.bwd_sm100 import check_operand_aliases, tmem_chunk_copy
+from cute_kernels.attention.fwd_sm100 import FlashFwdSm100
 from cute_kernels.common.barriers import check_arrivals, pipeline_counts
 from cute_kernels.common.utils import LOG2_E, ld_acquire_gpu, red_release_add_gpu, select_modes
 from cute_kernels.dtypes import cutlass_dtype
@@ -373,12 +374,9 @@ class BlockSparseBwdDKDVSm100:
             state.advance()
 
     # ------------------------------------------------------------------ MMA warp
-    @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, accumulate):
-        mma = cute.make_tiled_mma(tiled_mma.op)
-        for k in cutlass.range(cute.size(tCrA.shape[2]), unroll=1):
-            mma.set(tcgen05.Field.ACCUMULATE, accumulate | (k != 0))
-            cute.gemm(mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        """The SM100 forward's tcgen05 GEMM over one tile's K modes (``FlashFwdSm100.gemm``)."""
+        FlashFwdSm100.gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate)
 
     @cute.jit
     def mma(self, mma_s, mma_kv, sQ, sdO, sK, sV, sQt, sdOt, sP, sdS, tS, tdP, tdV, tdK, mbar_kv, pipe_rows, pipe_s,
