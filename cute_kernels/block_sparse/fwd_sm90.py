@@ -155,9 +155,15 @@ class BlockSparseFwdSm90(BlockSparseSm90):
 
     @cute.jit
     def tile_of(self, mQ: cute.Tensor, mK: cute.Tensor, mTileCount: cute.Tensor):
-        """This CTA's row tile: index set, kv head, batch, first query, block count, real queries,
-        first query head; from the (Hq, D, S, B) Q row view and the (S, D, H, B) K view."""
+        """This CTA's row tile (grid (query tile, kv head x head chunk, batch)): ``tile_at``'s fields."""
         w, hc, b = cute.arch.block_idx()
+        return self.tile_at(w, hc, b, mQ, mK, mTileCount)
+
+    @cute.jit
+    def tile_at(self, w: Int32, hc: Int32, b: Int32, mQ: cute.Tensor, mK: cute.Tensor, mTileCount: cute.Tensor):
+        """Row tile ``w`` of kv head x head chunk ``hc`` and batch ``b``: index set, kv head, batch, first query,
+        block count, real queries, first query head; from the (Hq, D, S, B) Q row view and the (S, D, H, B) K
+        view."""
         h = hc // self.chunks
         s = b
         if const_expr(self.cfg.per_kv_head):

@@ -50,9 +50,10 @@ def _fwd_fakes(cfg: FwdConfig):
 
 
 def compile_fwd(cfg: FwdConfig, sm_count: int | None = None):
-    """The forward of ``cfg``, compiled once. ``sm_count``: SMs of the device the SM100 persistent kernel
-    launches on (its grid; None = the target's default, compile-only builds); the SM90 kernel ignores it."""
-    if _arch.family(cfg.arch) != 100:
+    """The forward of ``cfg``, compiled once. ``sm_count``: SMs of the device the persistent kernels (SM100, and
+    the SM90 latent) launch on (their grid; None = the target's default, compile-only builds); the other SM90
+    kernels ignore it."""
+    if not _persistent_fwd(cfg):
         sm_count = None
     elif sm_count is None:
         sm_count = _arch.SM_COUNT_DEFAULT[cfg.arch]
@@ -72,9 +73,17 @@ def _compile_fwd(cfg: FwdConfig, sm_count: int | None):
             raise NotImplementedError("block_sparse_attention: no SM100 forward for the absorbed-MLA latent")
         from .fwd_sm100 import BlockSparseFwdSm100
         kernel = BlockSparseFwdSm100(cfg, sm_count=int(sm_count))
+    elif cfg.latent:
+        from .fwd_latent_sm90 import BlockSparseLatentFwdSm90
+        kernel = BlockSparseLatentFwdSm90(cfg, sm_count=int(sm_count))
     else:
         kernel = _fwd_kernel(cfg)(cfg)
     return cute.compile(kernel, *_fwd_fakes(cfg), fake_stream(), options=arch_options(cfg.arch))
+
+
+def _persistent_fwd(cfg: FwdConfig) -> bool:
+    """Whether the forward of ``cfg`` has a persistent grid (sized by the device's SM count)."""
+    return _arch.family(cfg.arch) == 100 or cfg.latent
 
 
 def _fwd_kernel(cfg: FwdConfig):
@@ -109,7 +118,7 @@ def run_fwd(cfg: FwdConfig, q, k, v, tile_start, tile_mask, tile_count, q_limit,
     check_plan_tiles(cfg, int(q.shape[1]), tile_start)
     if cfg.latent:
         v = k  # the kernel reads V from K's shared memory; its v argument is k
-    sm_count = _arch.tensor_sm_count(q) if _arch.family(cfg.arch) == 100 else None
+    sm_count = _arch.tensor_sm_count(q) if _persistent_fwd(cfg) else None
     compile_fwd(cfg, sm_count)(q, k, v, tile_start, tile_mask, tile_count, q_limit, sink, out, lse, float(softmax_scale))
 
 

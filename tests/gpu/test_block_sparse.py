@@ -139,6 +139,33 @@ def test_latent_forward_matches_oracle(kw):
         assert part <= REL_TOL, f"columns {lo}:{hi} rel L2 {part:.3e}"
 
 
+def test_latent_forward_persistent_tiles():
+    """Note [persistent latent tiles] (fwd_latent_sm90.py): a grid of 3 CTAs walks 600 row tiles (300 queries x 2
+    head chunks), 200 each, whole empty tiles (a stand-in stage, no Q) among tiles of 1 to 5 blocks, so every
+    CTA runs the Q barrier
+    phases, the key stages and the epilogue stage across tiles; out / lse bitwise equal to the one-CTA-per-SM
+    grid's and to the oracle. With an off-by-one phase, a stage refilled before the O store read it, or the
+    sP hand-off counted per CTA instead of per tile the two grids would differ or hang."""
+    from cute_kernels.block_sparse.launch import compile_fwd, fwd_config
+
+    c = make_case(12, B=1, S=300, Hq=128, Hkv=1, D=576, latent_dv=512, topk=6, sink=True, cu=[0, 40, 300])
+    c["ids"][0, 50:62] = -1  # whole empty tiles (one query per tile) between full ones
+    plan = plan_tensors(c)
+    counts = plan["tile_count"].cpu().numpy()
+    assert (counts == 0).sum() >= 12 and counts.max() >= 4, counts
+    want = oracle(c)
+    out, lse = check(c, want)  # the default grid (one CTA per SM: 600 tiles on 132 SMs, 4 or 5 each)
+    q, k = c["q"], c["k"]
+    cfg = fwd_config(q, k, None, per_kv_head=False, has_sink=True, latent_dv=c["dv"])
+    for ctas in (3, 1):
+        out2 = torch.full_like(out, float("nan"))
+        lse2 = torch.full_like(lse, float("nan"))
+        compile_fwd(cfg, ctas)(q, k, k, plan["tile_start"], plan["tile_mask"], plan["tile_count"], plan["q_limit"],
+                               c["sink"], out2, lse2, q.shape[-1] ** -0.5)
+        torch.cuda.synchronize()
+        assert torch.equal(out2, out) and torch.equal(lse2, lse), ctas
+
+
 @pytest.mark.parametrize("sink,latent", [(False, False), (True, False), (True, True)],
                          ids=["memcheck-empty", "memcheck-empty-sink", "memcheck-empty-sink-mla"])
 def test_empty_rows(sink, latent):
