@@ -42,7 +42,12 @@ its first thread stores one (GC, Dk) box per real query of the tile by TMA.
 
 Note [one key stage]. Q (72 KiB at Dk 576) and dO (64 KiB) stay for the whole tile, so one 72 KiB key
 stage and sdS fill the 227 KiB: block n + 1 is loaded when both warpgroups' GEMMs on block n completed,
-so the load latency is not hidden behind compute.
+so the load latency is not hidden behind compute. Tried and rejected (Run AM3, H200): the same 72 KiB as two
+stages of 32 key rows, two steps per block, so that step j + 1 loads while step j computes: dq bitwise
+equal, but 0.92-0.99x the speed (0.87x with exact_delta). Its S and dP GEMMs become m64n32 smem x smem
+wgmmas, which at full rate read 192 bytes of shared memory per clock (A 2 KiB + B 1 KiB per 16 clocks)
+against the SM's 128 (m64n64: 4 KiB per 32 clocks, 128), and the steps double the dS hand-offs: the load
+latency was not what the block paid most for.
 
 Shared memory at Dk 576: Q 72 KiB, dO 64 KiB, K 72 KiB, sdS 8 KiB: 217 KiB of the 227.
 """
