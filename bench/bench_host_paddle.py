@@ -6,7 +6,8 @@ the CuTe glue and the launcher's Python), on a machine without a GPU.
 Paddle with CUDA is not available where this project is developed, so the Paddle path cannot launch a
 kernel here. This bench runs every line of it on CPU tensors up to the compiled kernel call, which it
 replaces by a no-op: ``tensor_arch`` reports compute capability 90, so the ops take the CuTe backend,
-and ``compile_fwd`` / ``compile_bwd_*`` return a stub instead of the compiled TVM-FFI function. What
+the SM count query of the persistent kernels' grid reports that arch's default (132), and ``compile_fwd`` /
+``compile_bwd_*`` return a stub instead of the compiled TVM-FFI function. What
 the stub leaves out is the TVM-FFI call itself (DLPack of the arguments + the launch), which
 bench_fwd.py / bench_bwd.py measure with torch tensors on a GPU (``host µs ours``); the ``dlpack``
 row below times exporting the same Paddle tensors through ``__dlpack__``, the part of that call that
@@ -50,15 +51,18 @@ def stubbed_launch(arch: int = 90):
     """Patch the arch query and the compiled kernels (see the module docstring); restored on exit."""
     import paddle_fa4._bridge as bridge
     import paddle_fa4.backend as backend
+    from cute_kernels import arch as _arch
     from cute_kernels.attention import bwd_launch, launch
 
     from cute_kernels.block_sparse import launch as bs_launch
 
-    saved = [(bridge, "tensor_arch"), (backend, "tensor_arch"), (launch, "compile_fwd"),
+    saved = [(bridge, "tensor_arch"), (backend, "tensor_arch"), (_arch, "device_sm_count"), (launch, "compile_fwd"),
              (bwd_launch, "compile_bwd_main"), (bwd_launch, "compile_bwd_pre"), (bwd_launch, "compile_bwd_post"),
              (bs_launch, "compile_fwd"), (bs_launch, "compile_bwd_dq"), (bs_launch, "compile_bwd_dkdv")]
     old = [getattr(mod, name) for mod, name in saved]
     bridge.tensor_arch = backend.tensor_arch = lambda t: arch
+    # the persistent kernels' grid (SM100, the SM90 latent forward) reads the device's SM count
+    _arch.device_sm_count = lambda index: _arch.SM_COUNT_DEFAULT[_arch.family(arch)]
     launch.compile_fwd = lambda cfg, sm_count=None, trace=False: _noop
     bwd_launch.compile_bwd_main = bwd_launch.compile_bwd_pre = bwd_launch.compile_bwd_post = lambda cfg, *a, **k: _noop
     bs_launch.compile_fwd = bs_launch.compile_bwd_dq = bs_launch.compile_bwd_dkdv = lambda cfg, *a, **k: _noop

@@ -56,19 +56,21 @@ def test_rows_run_the_cute_path_and_report_every_case(tmp_path, monkeypatch):
 def test_stubs_are_restored_after_the_block():
     import paddle_fa4._bridge as bridge
     import paddle_fa4.backend as backend
+    from cute_kernels import arch as _arch
     from cute_kernels.attention import bwd_launch, launch
 
     from cute_kernels.block_sparse import launch as bs_launch
 
     def current():
-        return (bridge.tensor_arch, backend.tensor_arch, launch.compile_fwd, bwd_launch.compile_bwd_main,
-                bwd_launch.compile_bwd_pre, bwd_launch.compile_bwd_post, bs_launch.compile_fwd,
-                bs_launch.compile_bwd_dq, bs_launch.compile_bwd_dkdv)
+        return (bridge.tensor_arch, backend.tensor_arch, _arch.device_sm_count, launch.compile_fwd,
+                bwd_launch.compile_bwd_main, bwd_launch.compile_bwd_pre, bwd_launch.compile_bwd_post,
+                bs_launch.compile_fwd, bs_launch.compile_bwd_dq, bs_launch.compile_bwd_dkdv)
 
     before = current()
     with B.stubbed_launch():
         assert all(a is not b for a, b in zip(current()[2:], before[2:]))
         assert bridge.tensor_arch(paddle.zeros([1])) == 90
+        assert _arch.tensor_sm_count(paddle.zeros([1])) == 132  # the persistent grids' SM count
     after = current()
     assert after == before
     assert bridge.tensor_arch(paddle.zeros([1])) is None  # a CPU tensor again has no CUDA arch
