@@ -30,7 +30,9 @@ Note [latent split]. O is 64 x Dv fp32: 128 registers per thread per 256 columns
 two warpgroups. Splitting the O columns and letting each warpgroup compute S itself would do the
 QK^T (the larger GEMM at Dk 576) twice; here S, the masks and the softmax run once, in WG 1, and
 WG 2 only rescales its O columns and runs its PV. Both warpgroups hold the same accumulator rows
-per thread index (m64 accumulators), so the rescale crosses as a plain (thread, row) array.
+per thread index (m64 accumulators), so the rescale crosses as a plain (thread, row) array. Tried and
+rejected (Run AM6): both warpgroups computing S for alternate blocks (the running max passed along, P in
+the 64 key columns past V, row sums added at the end), which balances the GEMMs: correct, 0.90-0.96x.
 
 Note [P hand-off]. sP holds one block's P (64 x 64 bf16, the wgmma K-major layout WG 2's PV reads
 as its A operand). WG 1 waits on P_EMPTY (WG 2's PV of the previous P has completed; WG 2 arrives
