@@ -36,7 +36,7 @@ the 64 key columns past V, row sums added at the end), which balances the GEMMs:
 
 Note [P hand-off]. sP holds one block's P (64 x 64 bf16, the wgmma K-major layout WG 2's PV reads
 as its A operand). WG 1 waits on P_EMPTY (WG 2's PV of the previous P has completed; WG 2 arrives
-once at the start), writes P (stmatrix from its accumulator layout) and its two row rescales,
+once at the start, and after taking each tile's 1 / l but the CTA's last), writes P (stmatrix from its accumulator layout) and its two row rescales,
 fences the stores for the wgmma's async proxy and arrives on P_FULL; WG 2 waits on P_FULL, reads the
 rescales, issues its PV and arrives on P_EMPTY when it completed. After the last block the same
 round carries 1 / l (no P). Every block is handed over in order, so WG 2's O sees exactly the
