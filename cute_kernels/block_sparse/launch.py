@@ -73,9 +73,8 @@ def _compile_fwd(cfg: FwdConfig, sm_count: int | None):
             raise NotImplementedError("block_sparse_attention: no SM100 forward for the absorbed-MLA latent")
         from .fwd_sm100 import BlockSparseFwdSm100
         kernel = BlockSparseFwdSm100(cfg, sm_count=int(sm_count))
-    elif cfg.latent:
-        from .fwd_latent_sm90 import BlockSparseLatentFwdSm90
-        kernel = BlockSparseLatentFwdSm90(cfg, sm_count=int(sm_count))
+    elif cfg.latent:  # persistent: its grid is the SM count
+        kernel = _fwd_kernel(cfg)(cfg, sm_count=int(sm_count))
     else:
         kernel = _fwd_kernel(cfg)(cfg)
     return cute.compile(kernel, *_fwd_fakes(cfg), fake_stream(), options=arch_options(cfg.arch))

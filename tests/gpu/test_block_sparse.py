@@ -143,8 +143,8 @@ def test_latent_forward_matches_oracle(kw):
 def test_latent_forward_persistent_tiles():
     """Note [persistent latent tiles] (fwd_latent_sm90.py): a grid of 3 CTAs walks 600 row tiles (300 queries x 2
     head chunks), 200 each, whole empty tiles (a stand-in stage, no Q) among tiles of 1 to 5 blocks, so every
-    CTA runs the Q barrier
-    phases, the key stages and the epilogue stage across tiles; out / lse bitwise equal to the one-CTA-per-SM
+    CTA runs the Q barrier phases, the key stages and the epilogue stage across tiles; out / lse bitwise equal
+    to the one-CTA-per-SM
     grid's and to the oracle. With an off-by-one phase, a stage refilled before the O store read it, or the
     sP hand-off counted per CTA instead of per tile the two grids would differ or hang."""
     from cute_kernels.block_sparse.launch import compile_fwd, fwd_config
