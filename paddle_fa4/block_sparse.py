@@ -104,7 +104,8 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
             recomputed fp32 ``P`` and ``dP`` instead of ``rowsum(dout * out)`` from the 16-bit ``out``:
             accurate gradients on rows whose weight sits on one key (sinks; docs/api.md, "Gradients of
             peaked rows") for two more GEMMs per block in the dQ kernel. The reference backend always
-            computes it so; SM100 (token-path backward) does not take it. Default False.
+            computes it so; on SM100 the head dim 128 kernels take it (compile-verified only), the
+            token-path backward of other head dims does not. Default False.
         plan (BlockSparsePlan, optional): from :func:`paddle_fa4.block_sparse_plan` for these
             ``block_ids`` / ``cu_seqlens`` / ``causal`` / ``block_size`` and ``Hq // Hkv``; built
             when None (the reference backend does not need one).

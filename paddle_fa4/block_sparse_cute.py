@@ -3,8 +3,9 @@
 SM90 runs the block-sparse kernels of ``cute_kernels.block_sparse`` (also the absorbed-MLA latent, v=None,
 Dk 576 / Dv 512 and Dk 512 / Dv 448, forward and backward: one combined latent gradient). SM100 (10.0 /
 10.3) runs the block-sparse tcgen05 forward (``fwd_sm100.py``) and, at head dim 128, the tcgen05 backward
-(``bwd_dq_sm100.py``, ``bwd_dkdv_sm100.py``; all compile-verified, never run here: no Blackwell GPU), and
-takes the token path for the rest, the latent among it (Note [SM100 token path] below).
+(``bwd_dq_sm100.py``, exact_delta included, and ``bwd_dkdv_sm100.py``; all compile-verified, never run here: no
+Blackwell GPU), and takes the token path for the rest of Dk == Dv with v given (Note [SM100 token path] below);
+the latent has no SM100 path (the reference under "auto").
 
 Contract used by the PyLayer in ``paddle_fa4/block_sparse.py``:
 
@@ -41,8 +42,8 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
         if needs_grad and _sm100_backward_reason(spec) is None:
             return None
         if needs_grad and spec.exact_delta:
-            return (f"exact_delta=True on compute capability {arch} (the SM100 backward runs the token path, "
-                    "which takes delta from out)")
+            return (f"exact_delta=True at head dim {spec.Dk} on compute capability {arch} (the SM100 backward "
+                    "kernels take head dim 128; the token path takes delta from out)")
         return _token_path_reason(arch, spec)  # the backward (and a forward the kernel does not take)
     if family(arch) != 90:
         return f"no CuTe block-sparse kernel for compute capability {arch}"
@@ -53,7 +54,8 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
 
 
 # Note [SM100 token path]: where the block-sparse tcgen05 kernels do not take a case (the forward: the latent; the
-# backward: head dims other than 128, exact_delta, and what the forward does not take), an SM100 call expands the
+# backward: head dims other than 128 -- without exact_delta, which the token path cannot do -- and what the
+# forward does not take), an SM100 call expands the
 # blocks to token index rows with Paddle ops -- the rule of the planner and the reference
 # (block_sparse_planner.block_starts / query_limits: absolute block starts from document-relative ids,
 # each row's causal or document-end limit; -1 for what the row does not see) -- and runs the
@@ -91,8 +93,6 @@ def _sm100_backward_reason(spec) -> str | None:
     reason = _sm100_kernel_reason(spec)
     if reason is not None:
         return reason
-    if spec.exact_delta:
-        return "exact_delta=True (the SM100 dQ kernel takes delta from out)"
     if spec.Dk != 128:
         return f"head dim {spec.Dk} (the SM100 dK/dV kernel takes 128)"
     return None

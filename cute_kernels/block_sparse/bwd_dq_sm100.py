@@ -23,8 +23,10 @@ Masks are the forward's (``mask_block``, Note [block masks] in fwd_sm90.py), row
 sink) and idle rows take lse +inf (P = 0, dS = 0, as the SM90 kernel). dq rows are written once each, in the
 plan's block order: bitwise reproducible. ``lse`` includes the sink, which needs nothing here.
 
+With ``exact_delta`` delta = rowsum(P dP) from the kernel's own fp32 P and dP instead (Note [SM100 exact delta]).
+
 Compile-verified only: no Blackwell GPU was available (its math and plan are those of the SM90 dQ kernel, which
-runs on the H200; its pipelines those of the SM100 forward). Not supported: the latent, ``exact_delta``.
+runs on the H200; its pipelines those of the SM100 forward). Not supported: the latent.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import tcgen05
 
 from cute_kernels.attention import fwd_sm100 as dense
@@ -77,6 +79,21 @@ from .fwd_sm100 import BlockSparseFwdSm100, RowTile, RowTileScheduler
 # and [64, 96) of the buffer (``dq_gemm``, ``check_ds_columns``).
 
 
+# Note [SM100 exact delta]: ``exact_delta`` (why: Note [exact delta] in bwd_dq_sm90.py) walks each row tile's key
+# steps twice. The load warp loads K, V of steps 0 .. n - 1 and then again (Q and dO once). First sweep: the MMA
+# warp issues S(step) into S buffer step % 2 and dP(step), releasing K and V as soon as they are read (no dQ GEMM);
+# S(step) needs no acquire of its own (its buffer's S(step - 2) was read before s(step - 2) was released, which
+# the acquire before dP(step - 1) waited for). The softmax WGs wait / release s as in the second sweep, mask,
+# take P and add P * dP over their block's 64 columns (key order) into a per-row partial; no dS, no ds commit.
+# Then each WG writes its partial to its column of a (128, 2) fp32 buffer (the forward's sRowMax, unused here),
+# both WGs pass a named barrier (DELTA_BARRIER, 256 threads), each sums WG 0's + WG 1's, and pass it again before
+# the buffer may be reused; WG 0 stores the row's delta (the dK/dV kernel reads it). The second sweep's S(0) is
+# issued after an acquire of s (the first sweep's last S / dP read); from there the sweep is the plain one with
+# that delta. The correction WG reads no O and computes no delta (the stats pipeline is not used); it writes
+# delta 0 for the rows of a tile without blocks. Sums in a fixed order: bitwise reproducible. Two more GEMMs per
+# step (S and dP again), as on SM90.
+
+
 DELTA_UNROLL = 4  # row_delta: 16-byte load pairs in flight per thread (the correction WG's registers are few)
 S1_OFFSET = 3 * TILE_N  # TMEM column of S buffer 1 (Note [SM100 dQ TMEM])
 #: The forward's pipelines with the dQ kernel's use of "s" (both softmax WGs release), "scale" (ds: both softmax
@@ -86,6 +103,9 @@ DQ_PIPES = dict(dense.PIPES, s=("mma", ("softmax", "softmax")), scale=(("softmax
                 stats=("correction", ("softmax", "softmax")))
 DQ_ARRIVALS = dict(dense.ARRIVALS, scale=(2 * TILE_M, 1), stats=(TILE_M, 2 * TILE_M))
 DS_CHUNK = 32  # S / dP columns per TMEM load
+#: Named barrier of the two softmax WGs around the exact delta's exchange (Note [SM100 exact delta]); 1 is the
+#: dense forward's TmemFree.
+DELTA_BARRIER = 2
 #: setmaxnreg (softmax 0, softmax 1, correction, other warps), summing to 4 x 128 as the forward's REGS.
 DQ_REGS = (176, 176, 88, 72)
 
@@ -124,12 +144,13 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
     PIPES = DQ_PIPES
 
     def __init__(self, cfg: BwdConfig, sm_count: int = 148):
-        if cfg.latent or cfg.exact_delta or cfg.head_dim != cfg.head_dim_v:
-            raise ValueError(f"{type(self).__name__}: Dk == Dv, no latent, no exact_delta (got {cfg})")
+        if cfg.latent or cfg.head_dim != cfg.head_dim_v:
+            raise ValueError(f"{type(self).__name__}: Dk == Dv, no latent (got {cfg})")
         super().__init__(FwdConfig(arch=cfg.arch, dtype=cfg.dtype, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
                                    group=cfg.group, per_kv_head=cfg.per_kv_head, has_sink=False), sm_count)
         self.bwd = cfg
         self.halves = q_stages_sm100(cfg.group, cfg.head_dim_v)  # the forward's stages per window
+        self.sweeps = 2 if cfg.exact_delta else 1  # passes over a tile's steps (Note [SM100 exact delta])
         # The forward's two Q-stage slots hold Q (0) and dO (1); both softmax WGs run (DQ_REGS).
         self.q_stage = 2
         self.tile_m_total = TILE_M
@@ -184,7 +205,7 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         self.run_roles(tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout, sched, None,
                        (atom_q, atom_do, atom_k, atom_v),
                        (atom_q, tma_q, atom_do, tma_do, atom_k, tma_k, atom_v, tma_v, q_box, kv_box, mTileStart),
-                       (mTileStart, mTileMask, mQLimit, mLSE, softmax_scale * Float32(LOG2_E)),
+                       (mTileStart, mTileMask, mQLimit, mLSE, mDelta, softmax_scale * Float32(LOG2_E)),
                        (mO, mdO, mDelta, mdQ, softmax_scale))
 
     # ------------------------------------------------------------------ load warp
@@ -214,7 +235,12 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     self.load_step(atom_kv, mKV_cur, mTileStart, tile, Int32(0), sKV_base, kv_box, kv_stage_elems,
                                    pipe_kv, kv_state)
                     kv_state.advance()
-                for step in cutlass.range(1, tile.keys.n_max, unroll=1):
+                # then K, V of each further step (exact_delta: of both sweeps, Note [SM100 exact delta])
+                for j in cutlass.range(1, tile.keys.n_max * self.sweeps, unroll=1):
+                    step = j
+                    if const_expr(self.sweeps == 2):
+                        if j >= tile.keys.n_max:
+                            step = j - tile.keys.n_max
                     self.load_step(atom_k, mK_cur, mTileStart, tile, step, sKV_base, kv_box, kv_stage_elems, pipe_kv,
                                    kv_state)
                     kv_state.advance()
@@ -277,6 +303,40 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                 s_state.advance(self.q_stage)
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
+                if const_expr(self.sweeps == 2):
+                    # Note [SM100 exact delta]: the first sweep computes S(step), dP(step) only, and K(step) is
+                    # released once read; S(step) goes to buffer step % 2 (that buffer's S(step - 2) was read:
+                    # the acquire before dP(step - 1) waited for its release)
+                    pipe_kv.consumer_release(k_state)
+                    for step in cutlass.range(1, tile.keys.n_max, unroll=1):
+                        pipe_kv.consumer_wait(kv_state)  # K(step)
+                        acc_s1 = cute.make_tensor(tStS[0].iterator + (step % 2) * S1_OFFSET, tStS[0].layout)
+                        self.gemm(tiled_mma_qk, acc_s1, tSrQ[None, None, None, 0],
+                                  tSrK[None, None, None, kv_state.index], False)
+                        pipe_kv.consumer_release(kv_state)
+                        kv_state.advance()
+                        pipe_kv.consumer_wait(kv_state)  # V(step)
+                        pipe_s.producer_acquire(s_state)
+                        self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1],
+                                  tSrK[None, None, None, kv_state.index], False)
+                        pipe_s.producer_commit(s_state)
+                        s_state.advance(self.q_stage)
+                        pipe_kv.consumer_release(kv_state)
+                        kv_state.advance()
+                    # the second sweep's S(0) and dP(0), once the softmax WGs read the first sweep's last S / dP
+                    pipe_kv.consumer_wait(kv_state)  # K(0) again
+                    k_state = kv_state.clone()
+                    kv_state.advance()
+                    pipe_s.producer_acquire(s_state)
+                    self.gemm(tiled_mma_qk, tStS[0], tSrQ[None, None, None, 0], tSrK[None, None, None, k_state.index],
+                              False)
+                    pipe_kv.consumer_wait(kv_state)  # V(0) again
+                    self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1],
+                              tSrK[None, None, None, kv_state.index], False)
+                    pipe_s.producer_commit(s_state)
+                    s_state.advance(self.q_stage)
+                    pipe_kv.consumer_release(kv_state)
+                    kv_state.advance()
                 for step in cutlass.range(tile.keys.n_max - 1, unroll=1):
                     # S(step + 1) into the other buffer, dP(step + 1) once dP(step) was read
                     parity = step % 2
@@ -363,7 +423,7 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
     @cute.jit
     def softmax(self, stage: Int32, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_stats,
                 sched, args: tuple):
-        mTileStart, mTileMask, mQLimit, mLSE, scale_log2 = args
+        mTileStart, mTileMask, mQLimit, mLSE, mDelta, scale_log2 = args
         block = stage  # this WG's block of each step
         tidx = cute.arch.thread_idx()[0] % TILE_M
         thr_t2r, src_s, src_dp, ld_shape, thr_r2t, dst_ds, st_shape = self.ds_tmem(thr_mma_qk, tStS, tidx, block)
@@ -376,11 +436,12 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         while work_idx < sched.total:
             tile = sched.work_tile(work_idx)
             delta = Float32(0.0)
-            if tile.has_rows:  # the correction WG's delta slot of every tile with rows
-                pipe_stats.consumer_wait(stats_state)
-                delta = sRowSum[tidx, stats_state.index]
-                pipe_stats.consumer_release(stats_state)
-                stats_state.advance()
+            if const_expr(self.sweeps == 1):
+                if tile.has_rows:  # the correction WG's delta slot of every tile with rows
+                    pipe_stats.consumer_wait(stats_state)
+                    delta = sRowSum[tidx, stats_state.index]
+                    pipe_stats.consumer_release(stats_state)
+                    stats_state.advance()
             if tile.has_keys:
                 ctx = self.row_context(tile, tile.half, tidx, mQLimit, seqlen)
                 lse_log2 = Float32.inf  # idle rows: P = 0
@@ -388,13 +449,27 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     v = mLSE[tile.b, tile.head0 + tidx % self.gc, tile.q0 + tile.half * self.qs + tidx // self.gc]
                     if v != -Float32.inf:
                         lse_log2 = v * Float32(LOG2_E)
+                if const_expr(self.sweeps == 2):
+                    # Note [SM100 exact delta]: the first sweep, this WG's share of each row's sum P * dP
+                    part = Float32(0.0)
+                    for step in cutlass.range(tile.keys.n_max, unroll=1):
+                        start1, bits1, need_mask1 = self.block_facts(ctx, tile, step, block, mTileStart, mTileMask)
+                        pipe_s.consumer_wait(s_state)
+                        rS1 = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
+                        self.load_block_cols(thr_t2r, cute.make_tensor(src_s.iterator + (step % 2) * S1_OFFSET,
+                                                                       src_s.layout), ld_shape, rS1)
+                        rdP1 = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
+                        self.load_block_cols(thr_t2r, src_dp, ld_shape, rdP1)
+                        cute.arch.fence_view_async_tmem_load()
+                        pipe_s.consumer_release(s_state)
+                        s_state.advance(self.q_stage)
+                        if need_mask1:
+                            self.mask_block(rS1.iterator, start1, bits1, ctx)
+                        p1 = cute.math.exp2(rS1.load() * scale_log2 - lse_log2, fastmath=True)
+                        part = part + (p1 * rdP1.load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    delta = self.exchange_delta(part, block, tidx, sRowMax, tile, mDelta)
                 for step in cutlass.range(tile.keys.n_max, unroll=1):
-                    slot = step * 2 + block
-                    start = mTileStart[tile.s, tile.w, cutlass.min(slot, tile.count - 1)]
-                    bits = Int32(0)
-                    if slot < tile.count:
-                        bits = mTileMask[tile.s, tile.w, slot]
-                    need_mask = ((bits & ctx.all_bits) != ctx.all_bits) | (start + BLOCK_SIZE > ctx.min_limit)
+                    start, bits, need_mask = self.block_facts(ctx, tile, step, block, mTileStart, mTileMask)
                     buf = (step % 2) * S1_OFFSET  # S(step)'s buffer (Note [SM100 dQ TMEM])
                     pipe_s.consumer_wait(s_state)
                     rS = cute.make_rmem_tensor((BLOCK_SIZE,), Float32)
@@ -418,6 +493,40 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     pipe_ds.producer_commit(ds_state)
                     ds_state.advance()
             work_idx = sched.next(work_idx)
+
+    @cute.jit
+    def block_facts(self, ctx, tile: DqTile, step: Int32, block: Int32, mTileStart: cute.Tensor,
+                    mTileMask: cute.Tensor):
+        """Block ``block`` of key step ``step``: its start, its query bits (0 past the listed blocks: the odd
+        tail's repeated block) and whether it needs masks (Note [block masks] in fwd_sm90.py)."""
+        slot = step * 2 + block
+        start = mTileStart[tile.s, tile.w, cutlass.min(slot, tile.count - 1)]
+        bits = Int32(0)
+        if slot < tile.count:
+            bits = mTileMask[tile.s, tile.w, slot]
+        return start, bits, ((bits & ctx.all_bits) != ctx.all_bits) | (start + BLOCK_SIZE > ctx.min_limit)
+
+    @cute.jit
+    def exchange_delta(self, part: Float32, block: Int32, tidx: Int32, sSlots: cute.Tensor, tile: DqTile,
+                       mDelta: cute.Tensor) -> Float32:
+        """Note [SM100 exact delta]: the row's delta = the two softmax WGs' partial sums (block 0's first), through
+        ``sSlots`` (a (TILE_M, 2) fp32 buffer the dQ kernel does not use otherwise) between two barriers of both
+        WGs; WG 0 stores it to ``mDelta`` for the row's (query, head) if the row is real."""
+        sSlots[tidx, block] = part
+        cute.arch.barrier(barrier_id=DELTA_BARRIER, number_of_threads=2 * TILE_M)
+        delta = sSlots[tidx, 0] + sSlots[tidx, 1]
+        cute.arch.barrier(barrier_id=DELTA_BARRIER, number_of_threads=2 * TILE_M)  # slots free for the next tile
+        if block == 0:
+            self.store_row_delta(tile, tidx, delta, mDelta)
+        return delta
+
+    @cute.jit
+    def store_row_delta(self, tile: DqTile, tidx: Int32, delta: Float32, mDelta: cute.Tensor):
+        """``delta`` to ``mDelta`` at row ``tidx``'s (query, head) of ``tile``, if the row is real."""
+        j = tidx // self.gc
+        qi = tile.half * self.qs + j
+        if (j < self.qs) & (qi < tile.nq):
+            mDelta[tile.b, tile.head0 + tidx % self.gc, tile.q0 + qi] = delta
 
     # ------------------------------------------------------------------ correction warpgroup: delta, dq
     @cute.jit
@@ -456,29 +565,34 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         o_state = _slot_state(self.q_stage, 0, producer=False)
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
         work_idx = sched.first()
-        if work_idx < sched.total:  # the first tile's delta
-            first = sched.work_tile(work_idx)
-            if first.has_rows:
-                delta = self.tile_delta(first, tidx, mO, mdO, mDelta)
-                pipe_stats.producer_acquire(stats_state)
-                sRowSum[tidx, stats_state.index] = delta
-                pipe_stats.producer_commit(stats_state)
-                stats_state.advance()
-        while work_idx < sched.total:
-            nxt = sched.next(work_idx)
-            if nxt < sched.total:  # the next tile's delta, while this one runs (Note [SM100 dQ roles])
-                ahead = sched.work_tile(nxt)
-                if ahead.has_rows:
-                    delta = self.tile_delta(ahead, tidx, mO, mdO, mDelta)
+        if const_expr(self.sweeps == 1):
+            if work_idx < sched.total:  # the first tile's delta
+                first = sched.work_tile(work_idx)
+                if first.has_rows:
+                    delta = self.tile_delta(first, tidx, mO, mdO, mDelta)
                     pipe_stats.producer_acquire(stats_state)
                     sRowSum[tidx, stats_state.index] = delta
                     pipe_stats.producer_commit(stats_state)
                     stats_state.advance()
+        while work_idx < sched.total:
+            nxt = sched.next(work_idx)
+            if const_expr(self.sweeps == 1):
+                if nxt < sched.total:  # the next tile's delta, while this one runs (Note [SM100 dQ roles])
+                    ahead = sched.work_tile(nxt)
+                    if ahead.has_rows:
+                        delta = self.tile_delta(ahead, tidx, mO, mdO, mDelta)
+                        pipe_stats.producer_acquire(stats_state)
+                        sRowSum[tidx, stats_state.index] = delta
+                        pipe_stats.producer_commit(stats_state)
+                        stats_state.advance()
             tile = sched.work_tile(work_idx)
             if tile.has_rows:
                 j = tidx // self.gc
                 qi = tile.half * self.qs + j
                 row_ok = (j < self.qs) & (qi < tile.nq)
+                if const_expr(self.sweeps == 2):
+                    if tile.count == 0:  # no blocks: delta 0 (the softmax WGs write it for tiles with blocks)
+                        self.store_row_delta(tile, tidx, Float32(0.0), mDelta)
                 if tile.has_keys:
                     pipe_o.consumer_wait(o_state)
                 self.store_o_row(tOt_t2r[0], mdQ[tile.b, tile.q0 + qi, tile.head0 + tidx % self.gc, None],

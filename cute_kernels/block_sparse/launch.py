@@ -147,9 +147,8 @@ def _compile_bwd_dq(cfg: BwdConfig, sm_count: int | None):
 
     if _arch.family(cfg.arch) not in (90, 100):
         raise NotImplementedError(f"block_sparse_attention: no CuTe backward for arch {cfg.arch}")
-    if _arch.family(cfg.arch) == 100 and (cfg.latent or cfg.exact_delta):
-        raise NotImplementedError("block_sparse_attention: no SM100 dQ kernel for "
-                                  + ("the absorbed-MLA latent" if cfg.latent else "exact_delta"))
+    if _arch.family(cfg.arch) == 100 and cfg.latent:
+        raise NotImplementedError("block_sparse_attention: no SM100 dQ kernel for the absorbed-MLA latent")
     dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
     b, s, hq, hkv, ns, nqt, cap = (sym() for _ in range(7))
     q = fake_tensor(dt, (b, s, hq, cfg.head_dim))
@@ -337,15 +336,17 @@ def bwd_matrix(arch: int, full: bool = False):
 def dq_matrix(arch: int, full: bool = False):
     """``bwd_matrix`` and the exact-delta variant of each of its dQ kernels (``--full``; by default those of
     the GQA d 128 and the latent configs)."""
-    if _arch.family(arch) == 100:  # bwd_dq_sm100.py: no latent, no exact_delta
+    if _arch.family(arch) == 100:  # bwd_dq_sm100.py: no latent
         if full:
-            return [BwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk)
+            base = [BwdConfig(arch=arch, dtype=dt, head_dim=d, head_dim_v=d, group=g, per_kv_head=pk)
                     for dt in DTYPES for d in BWD_HEAD_DIMS for g in (1, 2, 8, 12, 64, 128) for pk in (False, True)]
-        return [BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=True),
-                BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=128, per_kv_head=False),
-                BwdConfig(arch=arch, dtype="float16", head_dim=128, head_dim_v=128, group=12, per_kv_head=False),
-                BwdConfig(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, group=1, per_kv_head=False)]
-    base = bwd_matrix(arch, full)
+        else:
+            base = [BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=8, per_kv_head=True),
+                    BwdConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, group=128, per_kv_head=False),
+                    BwdConfig(arch=arch, dtype="float16", head_dim=128, head_dim_v=128, group=12, per_kv_head=False),
+                    BwdConfig(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, group=1, per_kv_head=False)]
+    else:
+        base = bwd_matrix(arch, full)
     exact = [c for c in base if full or (c.head_dim == 128 and c.group == 8) or c.latent]
     return base + [dataclasses.replace(c, exact_delta=True) for c in exact]
 

@@ -323,11 +323,16 @@ def test_cute_glue_refuses_what_it_does_not_cover():
     assert "compute capability 100" in glue.unsupported_reason(100, BlockSparseSpec(**dict(mla_base(base))),
                                                                needs_grad=False)
     assert "compute capability 120" in glue.unsupported_reason(120, BlockSparseSpec(**base), needs_grad=False)
-    # exact_delta: the SM90 dQ kernels take it; SM100's token-path backward does not (its forward does)
-    exact = BlockSparseSpec(**dict(base, exact_delta=True))
+    # exact_delta: the SM90 dQ kernels take it, and SM100's at head dim 128; SM100's token-path backward
+    # (other head dims) does not (its forward does)
+    exact = BlockSparseSpec(**dict(base, exact_delta=True))  # head dim 128
     assert glue.unsupported_reason(90, exact, needs_grad=True) is None
-    assert "exact_delta" in glue.unsupported_reason(100, exact, needs_grad=True)
     assert glue.unsupported_reason(100, exact, needs_grad=False) is None
+    assert glue.unsupported_reason(100, exact, needs_grad=True) is None
+    exact64 = BlockSparseSpec(**dict(base, Dk=64, Dv=64, exact_delta=True))
+    assert glue.unsupported_reason(90, exact64, needs_grad=True) is None
+    assert "exact_delta=True at head dim 64" in glue.unsupported_reason(100, exact64, needs_grad=True)
+    assert glue.unsupported_reason(100, dataclasses.replace(exact64, exact_delta=False), needs_grad=True) is None
     # the absorbed-MLA latent: the two production (Dk, Dv), forward and backward
     mla = dict(base, Hq=64, Hkv=1, Dk=576, Dv=512, latent=True, has_sink=True)
     for grad in (False, True):
@@ -536,13 +541,14 @@ def test_sm100_kernel_forward_then_token_backward(sink, monkeypatch):
             _close(name, a.astype("float32").numpy(), b.astype("float32").numpy(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["delta-from-out", "exact-delta"])
 @pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
-def test_sm100_kernel_forward_and_backward(sink, monkeypatch):
+def test_sm100_kernel_forward_and_backward(sink, exact, monkeypatch):
     """SM100 at head dim 128 (bf16, block 64): the forward and both backward kernels are the block-sparse tcgen05
     ones (bwd_dq_sm100.py, bwd_dkdv_sm100.py; stubbed here with the block-sparse reference): the glue hands each an
     SM100 config whose query tile is the plan's (the forward's, G 8: 32 queries), delta from the dQ kernel to the
-    dK/dV kernel and the sink gradient, and zero-filled dk / dv; exact_delta and head dim 64 take the token path
-    by name."""
+    dK/dV kernel and the sink gradient, and zero-filled dk / dv; exact_delta reaches the dQ kernel's config
+    (Note [SM100 exact delta]); head dim 64 takes the token path by name."""
     pytest.importorskip("cutlass")
     from cute_kernels.block_sparse import launch
     from paddle_fa4 import backend as backend_mod
@@ -550,12 +556,12 @@ def test_sm100_kernel_forward_and_backward(sink, monkeypatch):
     from paddle_fa4 import block_sparse_ref
 
     c = _case(7, B=1, S=150, Hq=8, Hkv=1, Dk=128, Dv=128, topk=3, bs=64, cu=[0, 37, 150], sink=sink)
-    spec = _spec(c, "bfloat16")
+    spec = dataclasses.replace(_spec(c, "bfloat16"), exact_delta=exact)
     assert glue.unsupported_reason(100, spec, needs_grad=True) is None
     assert glue._sm100_backward_reason(spec) is None
     assert "head dim 64" in glue._sm100_backward_reason(_spec(dict(c, q=c["q"][..., :64], k=c["k"][..., :64],
                                                                    v=c["v"][..., :64]), "bfloat16"))
-    assert "exact_delta" in glue._sm100_backward_reason(dataclasses.replace(spec, exact_delta=True))
+    assert glue._sm100_backward_reason(dataclasses.replace(spec, exact_delta=True)) is None  # bwd_dq_sm100.py's
     q, k, v, ids = tuple(_t(c[n], "bfloat16") for n in ("q", "k", "v")) + (_t(c["ids"], "int32"),)
     cu_t, s_t, dout = _t(c["cu"], "int32"), _t(c["sink"]) if sink else None, _t(c["dout"], "bfloat16")
     want = None
@@ -592,7 +598,7 @@ def test_sm100_kernel_forward_and_backward(sink, monkeypatch):
         cfg = seen[key]
         assert cfg.arch == 100 and (cfg.head_dim, cfg.group) == (128, 8) and cfg.window_queries == plan.window_queries
     assert plan.window_queries == 32 and seen["dq_tiles"] == [1, 5] and seen["kv_zero"]
-    assert not seen["dq"].exact_delta
+    assert seen["dq"].exact_delta == exact  # (run_bwd_dkdv builds its one dK/dV kernel whatever the flag)
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, want):
         assert (a is None) == (b is None) == (name == "dsink" and not sink), name
         if a is not None:

@@ -36,7 +36,9 @@ def test_check_cli_compiles_sm100_forward(arch, tmp_path):
 def test_check_cli_compiles_sm100_backward(kernel, arch, tmp_path):
     rows = run_check(tmp_path, arch, kernel, timeout=3000)
     matrix = {"block_sparse_bwd_dq": dq_matrix, "block_sparse_bwd_dkdv": bwd_matrix}[kernel](100)
-    assert len(rows) == len(matrix) == 4 and all(0 < r["registers"] <= 255 for r in rows)
+    # dQ: four configs and the exact-delta variant of its G 8 d 128 one (Note [SM100 exact delta])
+    assert len(rows) == len(matrix) == {"block_sparse_bwd_dq": 5, "block_sparse_bwd_dkdv": 4}[kernel]
+    assert all(0 < r["registers"] <= 255 for r in rows)
     assert all(r["smem_bytes"] <= 232_448 for r in rows)
 
 
@@ -46,11 +48,14 @@ def test_registered_sm90_and_sm100_forward():
     assert "cute_kernels.block_sparse.launch" in LAUNCH_MODULES
     assert set(CHECKS) == {"block_sparse_fwd", "block_sparse_bwd_dq", "block_sparse_bwd_dkdv"}
     assert not any(c.latent for c in fwd_matrix(100, full=True))
-    # SM100 dQ (bwd_dq_sm100.py): dtypes x head dims x groups x id layouts; no latent, no exact delta.
+    # SM100 dQ (bwd_dq_sm100.py): dtypes x head dims x groups x id layouts x exact delta; no latent.
     # SM100 dK/dV (bwd_dkdv_sm100.py): head dim 128 only, dtypes x groups x id layouts.
-    assert len(dq_matrix(100, full=True)) == 2 * 2 * 6 * 2
+    assert len(dq_matrix(100, full=True)) == 2 * 2 * 6 * 2 * 2
+    assert sum(c.exact_delta for c in dq_matrix(100, full=True)) == 2 * 2 * 6 * 2
+    assert sum(c.exact_delta for c in dq_matrix(100)) == 1
     assert len(bwd_matrix(100, full=True)) == 2 * 7 * 2
-    assert not any(c.latent or c.exact_delta for c in dq_matrix(100, full=True) + bwd_matrix(100, full=True))
+    assert not any(c.latent for c in dq_matrix(100, full=True) + bwd_matrix(100, full=True))
+    assert not any(c.exact_delta for c in bwd_matrix(100, full=True))
     assert all(c.head_dim == c.head_dim_v == 128 for c in bwd_matrix(100, full=True))
     assert len(fwd_matrix(100, full=True)) == 2 * 3 * 8 * 2 * 2
     # dtypes x head dims x groups x id layouts x sink, plus the latent: dtypes x (Dk, Dv) x groups x sink
@@ -168,6 +173,10 @@ def test_sm100_backward_register_and_tmem_plans():
     assert sum(dq.DQ_REGS) == 4 * 128 and all(r % 8 == 0 and 24 <= r <= 256 for r in dq.DQ_REGS)
     for d in (64, 128):
         assert 2 * 128 + d <= dq.S1_OFFSET and dq.S1_OFFSET + 128 <= 512
+    # the exact delta's exchange barrier (both softmax WGs) is not one the dense forward's roles use
+    from cute_kernels.attention.fwd_sm100 import FwdBarrier
+
+    assert dq.DELTA_BARRIER not in (0, *map(int, FwdBarrier))
     assert kv.NUM_THREADS == 384 and kv.TMEM_DK + 64 <= kv.TMEM_COLS
     assert kv.TMEM_S[1] + 2 * 64 <= kv.TMEM_DV
 

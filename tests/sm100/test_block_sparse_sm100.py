@@ -1,7 +1,7 @@
 """SM100 (Blackwell) block_sparse_attention through the CuTe backend: the block-sparse tcgen05 forward
-(cute_kernels/block_sparse/fwd_sm100.py), the tcgen05 backward at head dim 128 (bwd_dq_sm100.py, bwd_dkdv_sm100.py)
-and the token path for the other backwards (Note [SM100 token path] in paddle_fa4/block_sparse_cute.py: token rows
-by the planner's rule + the indexed-attention kernels).
+(cute_kernels/block_sparse/fwd_sm100.py), the tcgen05 backward at head dim 128 (bwd_dq_sm100.py, exact_delta or
+not; bwd_dkdv_sm100.py) and the token path for the other backwards (Note [SM100 token path] in
+paddle_fa4/block_sparse_cute.py: token rows by the planner's rule + the indexed-attention kernels).
 
     python -m pytest tests/sm100/test_block_sparse_sm100.py -q   # skips without Paddle on a CC 10.0 / 10.3 GPU
 
@@ -44,7 +44,7 @@ def _rel(a, b):
     return float(np.linalg.norm(a[fin] - b[fin]) / max(np.linalg.norm(b[fin]), 1e-30))
 
 
-def _run(paddle, c, ids, cu, sink=None):
+def _run(paddle, c, ids, cu, sink=None, exact_delta=False):
     import paddle_fa4
 
     place = "cpu" if DRY else "gpu"
@@ -62,7 +62,7 @@ def _run(paddle, c, ids, cu, sink=None):
         cu_t = None if cu is None else paddle.to_tensor(np.asarray(cu, np.int32), place=place)
         out, lse = paddle_fa4.block_sparse_attention(*leaf, paddle.to_tensor(ids, place=place), block_size=64,
                                                      causal=c["causal"], cu_seqlens=cu_t, sink=sink_t, return_lse=True,
-                                                     backend="reference" if DRY else "cute")
+                                                     exact_delta=exact_delta, backend="reference" if DRY else "cute")
     dout = paddle.to_tensor(c["dout"], place=place).astype("bfloat16")
     paddle.autograd.backward([out], [dout])
     f32 = lambda t: t.astype("float32").numpy()  # noqa: E731
@@ -167,6 +167,45 @@ def test_persistent_tiles_match_oracle(hq, hkv):
     tile, its delta one tile ahead (Note [SM100 dQ roles]) and the dQ accumulator's reuse. Gradients against the
     fp64 oracle, bitwise over two runs."""
     _bitwise_and_oracle(23 + hq, 1024, hq, hkv, 4, [0, 300, 1024])
+
+
+def _peak_on_key0(c, hkv, logit=12.0):
+    """Every query gets ``logit`` (scaled) more on key 0 of its kv head (the caller lists block 0 for every
+    query): weight ~0.99 and up there, the rows where delta = rowsum(dout * out) loses dS (docs/api.md,
+    "Gradients of peaked rows")."""
+    q, k = c["q"].astype(np.float64), c["k"].astype(np.float64)
+    k0 = k[:, 0]  # [B, Hkv, D]
+    step = (logit / q.shape[-1] ** -0.5) * k0 / (k0 * k0).sum(-1, keepdims=True)
+    c["q"] = (q + np.repeat(step, q.shape[2] // hkv, axis=1)[:, None]).astype(np.float32)
+    return c
+
+
+@pytest.mark.parametrize("hq,hkv,s,topk", [(32, 4, 300, 3), (8, 8, 1024, 4), (128, 1, 200, 3)],
+                         ids=["G8-odd-blocks", "G1-persistent", "G128"])
+def test_exact_delta_on_peaked_rows(hq, hkv, s, topk):
+    """exact_delta=True at head dim 128 runs the SM100 dQ kernel's two sweeps (Note [SM100 exact delta] in
+    bwd_dq_sm100.py: delta = rowsum(P dP) from its own P and dP, exchanged between the two softmax WGs, written
+    for the dK/dV kernel) on rows peaked on one key: out / lse / dq / dk / dv against the fp64 oracle, bitwise
+    over two runs; without exact_delta the same case's dq must be far off (the case is peaked enough to tell).
+    Row tiles of one and two Q stages, an odd last block (topk 3), several tiles per persistent CTA (G 1, 1024
+    tokens), head chunks of 64 (G 128)."""
+    paddle = pytest.importorskip("paddle")
+    rng = np.random.default_rng(31 + hq)
+    cu = None  # one document: key 0 is every query's
+    ids = orc.random_ids(rng, 1, s, topk, 64, True, cu, pad=0.0, dup=0.0)
+    ids[..., -1] = 0  # every query lists block 0
+    c = _peak_on_key0(_case(paddle, rng, s, hq, hkv, 128, True), hkv)
+    c["q"] = _bf(paddle, c["q"])
+    got = _run(paddle, c, ids, cu, exact_delta=True)
+    again = _run(paddle, c, ids, cu, exact_delta=True)
+    for a, a2 in zip(got, again):
+        assert np.array_equal(a, a2, equal_nan=True)  # bitwise over two runs
+    _check(got, c, ids, cu, True)
+    if not DRY:  # the reference backend's delta is always rowsum(P dP)
+        mask = orc.token_mask(ids, 64, True, cu)
+        dq = orc.gradients(c["q"], c["k"], c["v"], mask, c["dout"])[0]
+        plain = _run(paddle, c, ids, cu)
+        assert _rel(plain[2], dq) > 5 * GRAD_TOL, "the case is not peaked enough to tell the two deltas apart"
 
 
 @pytest.mark.skipif(DRY, reason="drives the dK/dV launcher directly (no reference backend)")
