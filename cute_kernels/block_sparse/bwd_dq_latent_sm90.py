@@ -12,9 +12,9 @@ so two warpgroups share its columns (Note [latent dQ split]).
 
 One CTA per (query tile w, head chunk c, batch b), 384 threads:
 
-    WG 0, warp 0   producer: K of block 0 (one (64, Dk) box: K and V at once), the tile's Q and dO rows
-                   (one (GC, D) box per tile query each), then K[n] per listed block; one key stage
-                   (Note [one key stage])
+    WG 0, warp 0   producer: K of block 0 (K and V at once), the tile's Q and dO rows (one (GC, D) box per
+                   tile query each), then K[n] per listed block; one key stage, loaded in three column
+                   parts (Note [key column parts])
     WG 1 ("dS")    per block: S = Q K^T (Dk) and dP = dO V^T (V = K's first Dv columns: the first Dv / 16
                    k-blocks of the same K operand), masks, P from lse, dS; hands dS (bf16) to WG 2 through
                    sdS (Note [dS hand-off]); dq[:, :192] += dS K[:, :192] (A = dS from registers)
@@ -40,14 +40,21 @@ columns (scaled, q's dtype) into Q's buffer (Q is free: WG 1's last S GEMM compl
 hand-off, and WG 2 writes only after its GEMMs on that dS), WG 2 arrives on DQ_STAGED, WG 1 waits there and
 its first thread stores one (GC, Dk) box per real query of the tile by TMA.
 
-Note [one key stage]. Q (72 KiB at Dk 576) and dO (64 KiB) stay for the whole tile, so one 72 KiB key
-stage and sdS fill the 227 KiB: block n + 1 is loaded when both warpgroups' GEMMs on block n completed,
-so the load latency is not hidden behind compute. Tried and rejected (Run AM3, H200): the same 72 KiB as two
-stages of 32 key rows, two steps per block, so that step j + 1 loads while step j computes: dq bitwise
-equal, but 0.92-0.99x the speed (0.87x with exact_delta). Its S and dP GEMMs become m64n32 smem x smem
-wgmmas, which at full rate read 192 bytes of shared memory per clock (A 2 KiB + B 1 KiB per 16 clocks)
-against the SM's 128 (m64n64: 4 KiB per 32 clocks, 128), and the steps double the dS hand-offs: the load
-latency was not what the block paid most for.
+Note [key column parts]. Q (72 KiB at Dk 576) and dO (64 KiB) stay for the whole tile, so one 72 KiB key
+stage and sdS fill the 227 KiB. Loaded as one box, block n + 1 could only start loading once both warpgroups'
+GEMMs on block n had completed, and S(n + 1) only once all of it had landed. The stage is loaded instead in
+three column parts, each a one-stage pipeline of its own: part 0 = columns [0, 192) (WG 1's dq columns), parts
+1, 2 = WG 2's two dq pieces ([192, 384) and the rest). Part 0 is read by WG 1 alone (S, dP, its dq GEMM) and
+released after its dq GEMM; parts 1 and 2 by both (WG 1 releases them when its S / dP GEMMs complete, WG 2
+each after its own dq piece). WG 1 issues the S and dP GEMMs part by part (``score_gemms``: k-blocks of part p
+once part p is full, one accumulator chain in k order, so the sums are those of one box), so block n + 1's S
+starts on part 0 while parts 1 and 2 are still loading behind WG 2's GEMMs on block n. H200 (Run AN3, the
+kernel alone, 16K, local selection): 1.16x (576 / 512) and 1.14x (512 / 448), 1.11-1.12x with exact_delta, dq
+and delta bitwise equal to the one-box kernel. Tried and rejected before (Run AM3): the same 72 KiB as two
+stages of 32 key rows, two steps per block: dq bitwise equal, but 0.92-0.99x the speed (0.87x with
+exact_delta): its S and dP GEMMs become m64n32 smem x smem wgmmas, which at full rate read 192 bytes of shared
+memory per clock (A 2 KiB + B 1 KiB per 16 clocks) against the SM's 128 (m64n64: 4 KiB per 32 clocks, 128),
+and the steps double the dS hand-offs.
 
 Shared memory at Dk 576: Q 72 KiB, dO 64 KiB, K 72 KiB, sdS 8 KiB: 217 KiB of the 227.
 """
@@ -61,13 +68,13 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_kernels.common.utils import acc_mn_view, wgmma_smem_layout
+from cute_kernels.common.utils import acc_mn_view, wgmma_gemm_k, wgmma_smem_layout
 
 from .bwd_dq_sm90 import BlockSparseBwdDQSm90
-from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors, two_wg_pipeline
+from .common import THREADS_PER_WG, check_setmaxnreg, shared_storage, smem_tensors
 from .config import BLOCK_SIZE, TILE_M, BwdConfig
 
 # setmaxnreg split: 128 * (40 + 2 * 232) = 64,512 of the SM's 65,536 registers (one CTA per SM); the producer
@@ -90,6 +97,8 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
             raise ValueError("BlockSparseLatentBwdDQSm90 is the latent (v=None) dQ")
         super().__init__(cfg)
         self.parts = column_pieces(DQ_SPLIT, self.dk)
+        self.key_parts = ((0, DQ_SPLIT),) + self.parts  # Note [key column parts]
+        assert len(self.key_parts) == 3, self.key_parts  # the kernel names one pipeline state per part
         check_setmaxnreg(PRODUCER_REGS, CONSUMER_REGS, 2)
         assert self.dk % 64 == 0 and self.dv % 64 == 0 and self.dv <= self.dk and len(self.parts) == 2
 
@@ -109,23 +118,24 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         sdS_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.tile_n))
         tma_atom_Q, tma_Q, rows_q = self.rows_tma(mQ, self.dk)
         tma_atom_dO, tma_dO, rows_do = self.rows_tma(mdO, self.dv)
-        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
-        tma_atom_K, tma_K = self.kv_tma(mK, cute.select(sK_layout, mode=[0, 1]), self.dk)
+        # Note [key column parts]: one TMA atom per part (a (64, w) box into its columns of the key stage)
+        parts_k = [self.kv_tma(mK, wgmma_smem_layout(self.dtype, (self.tile_n, w)), w) for _, w in self.key_parts]
+        self.tx_bytes_parts = tuple(self.tile_n * w * 2 for _, w in self.key_parts)
         tma_atom_dQ, tma_dQ, rows_dq = self.rows_tma(mdQ, self.dk, store=True)
-        self.shared_storage = shared_storage(self.dtype, {"mbar_q": 1, "mbar_k": 2}, sQ=sQ_layout, sdO=sdO_layout,
-                                             sK=sK_layout, sdS=sdS_layout)
+        self.shared_storage = shared_storage(self.dtype, {"mbar_q": 1, "mbar_k": 2 * len(self.key_parts)}, sQ=sQ_layout,
+                                             sdO=sdO_layout, sK=sK_layout, sdS=sdS_layout)
         assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
-        atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_dQ)
-        self.kernel(tma_Q, tma_dO, tma_K, mO, mdO, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit, tma_dQ,
-                    atoms, sQ_layout, sdO_layout, sK_layout, sdS_layout, rows_q, rows_do, rows_dq,
-                    softmax_scale).launch(
+        atoms = (tma_atom_Q, tma_atom_dO, tma_atom_dQ) + tuple(a for a, _ in parts_k)
+        self.kernel(tma_Q, tma_dO, tuple(t for _, t in parts_k), mO, mdO, mLSE, mDelta, mTileStart, mTileMask,
+                    mTileCount, mQLimit, tma_dQ, atoms, sQ_layout, sdO_layout, sK_layout, sdS_layout, rows_q, rows_do,
+                    rows_dq, softmax_scale).launch(
             grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1, preferred_smem_carveout=100)
 
     # ------------------------------------------------------------------ device
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mO: cute.Tensor, mdOg: cute.Tensor,
+    def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: tuple, mO: cute.Tensor, mdOg: cute.Tensor,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mTileStart: cute.Tensor, mTileMask: cute.Tensor,
                mTileCount: cute.Tensor, mQLimit: cute.Tensor, mdQ: cute.Tensor, atoms: tuple,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -136,50 +146,93 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         if tidx == 0:
             cute.arch.mbarrier_init(mbar_q, 1)
         cute.arch.mbarrier_init_fence()
-        # Both consumer warpgroups release the key stage (8 warps' arrivals).
-        pipeline_k = two_wg_pipeline(storage.mbar_k.data_ptr(), 1, 1, self.tx_bytes_k)
+        # Note [key column parts]: a one-stage pipeline per part; WG 1 alone releases part 0, both WGs the others
+        mbar_k = storage.mbar_k.data_ptr()
+        pipes_k = [pipeline.PipelineTmaAsync.create(
+                       barrier_storage=mbar_k + 2 * p, num_stages=1,
+                       producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                       consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                                (1 if p == 0 else 2) * THREADS_PER_WG // 32),
+                       tx_count=self.tx_bytes_parts[p], defer_sync=False)
+                   for p in range(len(self.key_parts))]
         sQ, sdO, sK, sdS = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sdS=sdS_layout)
-        tile = self.tile_of(mQ, mK, mTileCount)
+        tile = self.tile_of(mQ, mK[0], mTileCount)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                self.load_latent_bwd(mQ, mdO, mK, mTileStart, sK, atoms, rows_q, rows_do, storage.sQ.data_ptr(),
-                                     storage.sdO.data_ptr(), mbar_q, pipeline_k, tile)
+                self.load_latent_bwd(mQ, mdO, mK, mTileStart, storage.sK.data_ptr(), sK_layout, atoms, rows_q, rows_do,
+                                     storage.sQ.data_ptr(), storage.sdO.data_ptr(), mbar_q, pipes_k, tile)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctidx = tidx - THREADS_PER_WG
             wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
-            out = SimpleNamespace(mdQ=mdQ, atom=atoms[3], rows=rows_dq, sQ_base=storage.sQ.data_ptr(),
+            out = SimpleNamespace(mdQ=mdQ, atom=atoms[2], rows=rows_dq, sQ_base=storage.sQ.data_ptr(),
                                   sQ_layout=sQ_layout)
             if wg == 0:
                 self.consume_ds(mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, out, sQ, sdO, sK,
-                                storage.sK.data_ptr(), sK_layout, sdS, mbar_q, pipeline_k, tile, ctidx, softmax_scale)
+                                storage.sK.data_ptr(), sK_layout, sdS, mbar_q, pipes_k, tile, ctidx, softmax_scale)
             else:
-                self.consume_cols(out, storage.sK.data_ptr(), sK_layout, sdS, pipeline_k, tile,
+                self.consume_cols(out, storage.sK.data_ptr(), sK_layout, sdS, pipes_k, tile,
                                   ctidx - THREADS_PER_WG, softmax_scale)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def load_latent_bwd(self, mQ, mdO, mK, mTileStart, sK, atoms, rows_q, rows_do, sQ_base, sdO_base, mbar_q,
-                        pipeline_k, tile):
-        tma_atom_Q, tma_atom_dO, tma_atom_K = atoms[:3]
-        mK_cur = mK[None, None, tile.h, tile.b]  # (S, Dk)
+    def load_latent_bwd(self, mQ, mdO, mK, mTileStart, sK_base, sK_layout, atoms, rows_q, rows_do, sQ_base, sdO_base,
+                        mbar_q, pipes_k, tile):
+        tma_atom_Q, tma_atom_dO = atoms[:2]
         if tile.count > 0:
             w = tile.q0 // self.wq
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, 0], self.dk, pipeline_k, kv_state)
+            # one state per part, as plain locals (the tracer carries locals, not list entries, across loops)
+            st0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            st1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            st2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            self.load_key_parts(atoms[3:], mK, sK_base, sK_layout, tile, mTileStart[tile.s, w, 0], pipes_k,
+                                (st0, st1, st2))
             self.load_q_do_rows(mQ, mdO, tma_atom_Q, tma_atom_dO, rows_q, rows_do, sQ_base, sdO_base, mbar_q, tile)
             for n in cutlass.range(1, tile.count * self.sweeps, unroll=1):  # Note [exact delta]: twice
-                kv_state.advance()
+                st0.advance()
+                st1.advance()
+                st2.advance()
                 j = n
                 if cutlass.const_expr(self.sweeps == 2):
                     j = n % tile.count
-                self.load_block(tma_atom_K, mK_cur, sK, mTileStart[tile.s, w, j], self.dk, pipeline_k, kv_state)
+                self.load_key_parts(atoms[3:], mK, sK_base, sK_layout, tile, mTileStart[tile.s, w, j], pipes_k,
+                                    (st0, st1, st2))
+
+    @cute.jit
+    def load_key_parts(self, part_atoms, mK, sK_base, sK_layout, tile, start: Int32, pipes_k, states):
+        """Block ``start``'s rows into the key stage, part by part (Note [key column parts]): each part's
+        (64, w) box into its columns once that part's pipeline stage is free. The caller advances ``states``."""
+        for p in cutlass.range_constexpr(len(self.key_parts)):
+            c0, w = self.key_parts[p]
+            layout = self.key_columns(sK_layout, c0, w, 1)
+            sX = cute.make_tensor(cute.recast_ptr(sK_base + c0 * self.tile_n, layout.inner), layout.outer)
+            gX = cute.local_tile(cute.domain_offset((start, c0), mK[p][None, None, tile.h, tile.b]),
+                                 (self.tile_n, w), (0, 0))
+            tXsX, tXgX = cpasync.tma_partition(part_atoms[p], 0, cute.make_layout(1),
+                                               cute.group_modes(sX[None, None, 0], 0, 2), cute.group_modes(gX, 0, 2))
+            pipes_k[p].producer_acquire(states[p])
+            cute.copy(part_atoms[p], tXgX, tXsX, tma_bar_ptr=pipes_k[p].producer_get_barrier(states[p]))
+
+    @cute.jit
+    def score_gemms(self, tiled_mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, pipes_k, states):
+        """S = Q K^T over Dk and dP = dO V^T over Dv (V = K's first Dv columns) as the key parts arrive (Note [key
+        column parts]): each part's k-blocks are issued once its pipeline stage is full; ends with every GEMM
+        complete."""
+        dv_k = self.dv // 16
+        for p in cutlass.range_constexpr(len(self.key_parts)):
+            c0, w = self.key_parts[p]
+            k0, k1 = c0 // 16, (c0 + w) // 16
+            pipes_k[p].consumer_wait(states[p])
+            wgmma_gemm_k(tiled_mma_s, acc_S, tSrQ, tSrK, k0, k1, p == 0)
+            if cutlass.const_expr(k0 < dv_k):
+                wgmma_gemm_k(tiled_mma_s, acc_dP, tSrdO, tSrK, k0, min(k1, dv_k), p == 0)
+        warpgroup.wait_group(0)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
     def consume_ds(self, mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, out, sQ, sdO, sK, sK_base,
-                   sK_layout, sdS, mbar_q, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
+                   sK_layout, sdS, mbar_q, pipes_k, tile, ctidx: Int32, softmax_scale: Float32):
         """WG 1: delta, S, dP, P, dS per block, the hand-off of dS, dq[:, :DQ_SPLIT]."""
         # tSrK's k-blocks run over all Dk columns; the dP GEMM takes the first Dv / 16 (its A has that many)
         tiled_mma_s, tiled_mma_dq, thr_mma_s, thr_mma_dq, wg_s, wg_dq, tSrQ, tSrdO, tSrK = self.s_operands(
@@ -197,29 +250,43 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         self.row_stats(ctx, mO, mdOg, mLSE, mDelta, tile, ctidx, softmax_scale)
         if tile.count > 0:
             cute.arch.mbarrier_wait(mbar_q, 0)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            # one state per part, as plain locals (the tracer carries locals, not list entries, across loops)
+            st0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            st1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            st2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            tSrK0 = tSrK[None, None, None, 0]  # the one key stage
             if cutlass.const_expr(self.sweeps == 2):  # Note [exact delta] (bwd_dq_sm90.py): the first sweep
                 for n in cutlass.range(tile.count, unroll=1):
-                    self.delta_step(ctx, n, kv_state, tiled_mma_s, tSrQ, tSrdO, tSrK, tSrK, acc_S_shape, pipeline_k,
-                                    None)
-                    kv_state.advance()
+                    meta1 = self.block_meta(ctx, n)
+                    acc_S1 = cute.make_rmem_tensor(acc_S_shape, Float32)
+                    acc_dP1 = cute.make_rmem_tensor(acc_S_shape, Float32)
+                    self.score_gemms(tiled_mma_s, acc_S1, acc_dP1, tSrQ, tSrdO, tSrK0, pipes_k, (st0, st1, st2))
+                    pipes_k[0].consumer_release(st0)
+                    pipes_k[1].consumer_release(st1)
+                    pipes_k[2].consumer_release(st2)
+                    st0.advance()
+                    st1.advance()
+                    st2.advance()
+                    self.add_delta(ctx, acc_S1, acc_dP1, meta1)
                 self.finish_delta(ctx)
             for n in cutlass.range(tile.count, unroll=1):
                 meta = self.block_meta(ctx, n)
                 acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
                 acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
-                pipeline_k.consumer_wait(kv_state)
-                self.gemm(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
-                self.gemm(tiled_mma_s, acc_dP, tSrdO, tSrK[None, None, None, kv_state.index], True, 0)
+                self.score_gemms(tiled_mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK0, pipes_k, (st0, st1, st2))
+                pipes_k[1].consumer_release(st1)  # WG 1's last reads of parts 1 and 2
+                pipes_k[2].consumer_release(st2)
                 self.scores_to_ds(ctx, acc_S, acc_dP, meta, tQrdS)
                 # Note [dS hand-off]
                 cute.arch.barrier(barrier_id=DS_EMPTY, number_of_threads=2 * THREADS_PER_WG)
                 cute.copy(st_copy, thr_st.retile(tQrdS), tDsdS)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=DS_FULL, number_of_threads=2 * THREADS_PER_WG)
-                self.gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt[None, None, None, kv_state.index], False, 0)
-                pipeline_k.consumer_release(kv_state)
-                kv_state.advance()
+                self.gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt[None, None, None, 0], False, 0)
+                pipes_k[0].consumer_release(st0)  # part 0: read by WG 1 alone
+                st0.advance()
+                st1.advance()
+                st2.advance()
         if cutlass.const_expr(self.sweeps == 2):
             self.store_delta(ctx, mDelta, tile, ctidx)
         acc_dQ_mn = acc_mn_view(acc_dQ)
@@ -232,7 +299,7 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
             self.store_row_boxes(out.atom, out.rows, out.mdQ, out.sQ_base, tile, self.dk)
 
     @cute.jit
-    def consume_cols(self, out, sK_base, sK_layout, sdS, pipeline_k, tile, ctidx: Int32, softmax_scale: Float32):
+    def consume_cols(self, out, sK_base, sK_layout, sdS, pipes_k, tile, ctidx: Int32, softmax_scale: Float32):
         """WG 2: dq[:, DQ_SPLIT:Dk] from WG 1's dS, in ``self.parts``."""
         (c0, w0), (c1, w1) = self.parts
         mmas = [sm90_utils.make_trivial_tiled_mma(
@@ -246,21 +313,31 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
             acc.fill(0.0)
         cute.arch.barrier_arrive(barrier_id=DS_EMPTY, number_of_threads=2 * THREADS_PER_WG)  # sdS starts free
         if tile.count > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            # Note [key column parts]: WG 2 reads parts 1 and 2 (its dq columns), and releases each after its GEMM
+            # parts 1 and 2, one state each (plain locals: see consume_ds)
+            st1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            st2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             if cutlass.const_expr(self.sweeps == 2):  # the first sweep's key stages: WG 1 reads them, WG 2 frees them too
                 for n in cutlass.range(tile.count, unroll=1):
-                    pipeline_k.consumer_wait(kv_state)
-                    pipeline_k.consumer_release(kv_state)
-                    kv_state.advance()
+                    pipes_k[1].consumer_wait(st1)
+                    pipes_k[1].consumer_release(st1)
+                    pipes_k[2].consumer_wait(st2)
+                    pipes_k[2].consumer_release(st2)
+                    st1.advance()
+                    st2.advance()
             for n in cutlass.range(tile.count, unroll=1):
                 cute.arch.barrier(barrier_id=DS_FULL, number_of_threads=2 * THREADS_PER_WG)
-                pipeline_k.consumer_wait(kv_state)
-                self.gemm(mmas[0], accs[0], tA[0], tB[0][None, None, None, kv_state.index], False, -1)
-                self.gemm(mmas[1], accs[1], tA[1], tB[1][None, None, None, kv_state.index], False, 0)
+                pipes_k[1].consumer_wait(st1)
+                self.gemm(mmas[0], accs[0], tA[0], tB[0][None, None, None, 0], False, -1)
+                pipes_k[2].consumer_wait(st2)
+                self.gemm(mmas[1], accs[1], tA[1], tB[1][None, None, None, 0], False, 1)
+                pipes_k[1].consumer_release(st1)  # the first piece's GEMM completed
+                warpgroup.wait_group(0)
                 if n + 1 < tile.count:
                     cute.arch.barrier_arrive(barrier_id=DS_EMPTY, number_of_threads=2 * THREADS_PER_WG)
-                pipeline_k.consumer_release(kv_state)
-                kv_state.advance()
+                pipes_k[2].consumer_release(st2)
+                st1.advance()
+                st2.advance()
         for i in cutlass.range_constexpr(2):
             acc_mn = acc_mn_view(accs[i])
             for r in cutlass.range_constexpr(2):

@@ -71,6 +71,19 @@ def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tC
     warpgroup.commit_group()
 
 
+def wgmma_gemm_k(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, k0: int, k1: int,
+                 zero_init: bool):
+    """Issue acc (+)= A B over k-blocks [k0, k1) as one wgmma group (a GEMM issued in k-ranges as its operand
+    arrives in parts); the caller waits (wait_group)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in range(k0, k1):  # trace-time unrolled (k0, k1: Python ints)
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
 def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
     """A view of ``t`` with its modes reordered (e.g. (B, S, H, D) -> (S, D, H, B))."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(modes)))
