@@ -17,7 +17,8 @@ alone (for compute-sanitizer / cuda-gdb).
 
 References are float64 numpy on the host, from the same 16-bit inputs: attention forward (out, lse,
 block_logit) and backward (dq, dk, dv from the reference out / lse), indexed attention (forward and
-backward). Tensors come from Paddle or torch (``--framework``; auto = whichever has CUDA), the
+backward), block-sparse attention (forward and backward; its plan and reference are the repository's
+``tests/oracles/block_sparse.py``, so run it from a checkout). Tensors come from Paddle or torch (``--framework``; auto = whichever has CUDA), the
 kernels take either. Exit status: 0 all passed, 1 some case failed, 2 nothing could run (no GPU, a
 part without a build, no framework with CUDA).
 """
@@ -25,6 +26,7 @@ part without a build, no framework with CUDA).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -43,7 +45,7 @@ DEFAULT_TIMEOUT_S = 300
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "helpers" | "fwd" | "bwd" | "indexed" | "canary_hang" | "canary_mismatch"
+    kind: str  # "helpers" | "fwd" | "bwd" | "indexed" | "block_sparse" | "canary_hang" | "canary_mismatch"
     params: dict = field(default_factory=dict)
     canary: bool = False
 
@@ -63,6 +65,11 @@ CASES = [
     Case("bwd_d256_causal_det", "bwd", dict(b=1, sq=200, sk=333, hq=4, hkv=2, d=256, causal=True, deterministic=True)),
     Case("bwd_d192_window", "bwd", dict(b=1, sq=300, sk=300, hq=2, hkv=2, d=192, window=(100, 30))),
     Case("indexed", "indexed", dict(b=1, lq=130, lkv=300, hq=8, hkv=2, d=128, width=40)),
+    # block-sparse attention (HySparse): forward, dQ and dK/dV, G 8, d 128 (the SM90 or SM100 kernels), documents
+    # at bos % 64 != 0, -1 padding and repeated ids, an odd last block; and the dQ kernel's exact_delta sweeps
+    Case("block_sparse", "block_sparse", dict(b=1, s=300, hq=16, hkv=2, d=128, topk=3, cu=(0, 37, 300))),
+    Case("block_sparse_exact_delta", "block_sparse",
+         dict(b=1, s=300, hq=16, hkv=2, d=128, topk=3, cu=(0, 37, 300), exact_delta=True)),
     Case("canary_hang", "canary_hang", canary=True),
     Case("canary_mismatch", "canary_mismatch", dict(b=1, sq=130, sk=130, hq=2, hkv=2, d=64), canary=True),
 ]
@@ -644,6 +651,70 @@ def _case_indexed(fw, cc: int, p: dict):
     return dict(status="ok" if all(c["ok"] for c in checks) else "mismatch", checks=checks, **info)
 
 
+def _case_block_sparse(fw, cc: int, p: dict):
+    """block_sparse_attention's kernels (cute_kernels/block_sparse/launch.py): the plan from the numpy oracle, the
+    forward, the dQ kernel (delta from out, or rowsum(P dP) with ``exact_delta``) and the dK/dV kernel, against the
+    float64 oracle over the expanded token mask; every output NaN-poisoned first (dk / dv zero-filled, as the glue
+    passes them: keys nobody selects stay 0)."""
+    try:
+        from tests.oracles import block_sparse as orc
+    except ImportError as err:
+        return dict(status="error", message=f"needs the repository's tests/oracles (run from a checkout): {err}")
+    from cute_kernels.block_sparse import launch as bl
+    from cute_kernels.block_sparse.config import BLOCK_SIZE, unsupported_reason
+
+    b, s, hq, hkv, d, topk = (p[n] for n in ("b", "s", "hq", "hkv", "d", "topk"))
+    cu = None if p.get("cu") is None else np.asarray(p["cu"], np.int64)
+    exact = bool(p.get("exact_delta", False))
+    rng = np.random.default_rng(5)
+    q, do = (_round(rng.standard_normal((b, s, hq, d)), "bfloat16") for _ in range(2))
+    k, v = (_round(rng.standard_normal((b, s, hkv, d)), "bfloat16") for _ in range(2))
+    ids = orc.random_ids(rng, b, s, topk, BLOCK_SIZE, True, cu, pad=0.2, dup=0.2)
+    scale = d ** -0.5
+    tq, tk, tv, tdo = (fw.put(a, "bfloat16") for a in (q, k, v, do))
+    cfg = bl.fwd_config(tq, tk, tv, per_kv_head=False, has_sink=False, arch=cc)
+    bcfg = bl.bwd_config(tq, tk, tv, per_kv_head=False, arch=cc, exact_delta=exact)
+    info = dict(kernel="block_sparse fwd / dQ" + (" (exact_delta)" if exact else "") + " / dK-dV", config=repr(bcfg))
+    for c in (cfg, bcfg):
+        reason = unsupported_reason(head_dim=d, head_dim_v=d, group=hq // hkv, dtype="bfloat16",
+                                       block_size=BLOCK_SIZE, backward=c is bcfg)
+        if reason is not None:
+            return dict(status="error", message=f"unsupported: {reason}", **info)
+    _phase("compile")
+    bl.compile_fwd(cfg)
+    bl.compile_bwd_dq(bcfg)
+    bl.compile_bwd_dkdv(dataclasses.replace(bcfg, exact_delta=False))
+    _phase("launch")
+    plan = {n: fw.put(a, "int32") for n, a in orc.plan_arrays(ids, BLOCK_SIZE, hq // hkv, True, cu,
+                                                                window=cfg.window_queries).items()}
+    out = fw.full(q.shape, float("nan"), "bfloat16")
+    lse = fw.full((b, hq, s), float("nan"), "float32")
+    bl.run_fwd(cfg, tq, tk, tv, plan["tile_start"], plan["tile_mask"], plan["tile_count"], plan["q_limit"], None, out,
+               lse, scale)
+    dq = fw.full(q.shape, float("nan"), "bfloat16")
+    delta = fw.full((b, hq, s), float("nan"), "float32")
+    bl.run_bwd_dq(bcfg, tq, tk, tv, out, tdo, lse, delta, plan["tile_start"], plan["tile_mask"], plan["tile_count"],
+                  plan["q_limit"], dq, scale)
+    dk, dv = fw.full(k.shape, 0.0, "bfloat16"), fw.full(v.shape, 0.0, "bfloat16")
+    ws = {n: fw.full(shape, 0 if zero else float("nan"), dt)
+          for n, (shape, dt, zero) in bl.dkdv_workspace_shapes(tk, tv, plan["key_start"]).items()}
+    bl.run_bwd_dkdv(bcfg, tq, tk, tv, tdo, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
+                    plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
+                    ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale)
+    _phase("sync")
+    fw.sync()
+    _phase("compare")
+    mask = orc.token_mask(ids, BLOCK_SIZE, True, cu)
+    f64 = [a.astype(np.float64) for a in (q, k, v, do)]
+    ref_out, ref_lse, _ = orc.attention(*f64[:3], mask, scale)
+    refs = dict(zip(("dq", "dk", "dv"), orc.gradients(*f64[:3], mask, f64[3], scale)[:3]))
+    checks = [_rel_l2("out", fw.get(out), ref_out, 1e-2), _check("lse", fw.get(lse), ref_lse, 2e-3, 0.0)]
+    checks += [_rel_l2(n, fw.get(t), refs[n], 2e-2) for n, t in (("dq", dq), ("dk", dk), ("dv", dv))]
+    if exact:  # rowsum(P dP) = rowsum(dO * out) in exact arithmetic: the fp64 out's
+        checks.append(_check("delta", fw.get(delta), np.einsum("bshd,bshd->bhs", f64[3], ref_out), 1e-3, 1e-4))
+    return dict(status="ok" if all(c["ok"] for c in checks) else "mismatch", checks=checks, **info)
+
+
 def _indexed_ref(q, k, v, do, idx, scale, out_used):
     """Indexed attention in float64: row i of batch b attends to the distinct valid keys of idx[b, i]
     (shared by the kv group); out, lse, and dq / dk / dv with D from ``out_used`` (the kernel's out,
@@ -764,6 +835,7 @@ _RUNNERS = {
     "fwd": lambda fw, cc, case: _case_fwd(fw, cc, case.params),
     "bwd": lambda fw, cc, case: _case_bwd(fw, cc, case.params),
     "indexed": lambda fw, cc, case: _case_indexed(fw, cc, case.params),
+    "block_sparse": lambda fw, cc, case: _case_block_sparse(fw, cc, case.params),
     "canary_hang": lambda fw, cc, case: _case_canary_hang(fw, cc),
     "canary_mismatch": lambda fw, cc, case: _case_fwd(fw, cc, case.params, perturb=1.05),
 }
