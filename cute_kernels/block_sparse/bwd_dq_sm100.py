@@ -295,13 +295,9 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                           False)
                 pipe_q.consumer_wait(q_state)
                 q_state.advance()
-                pipe_kv.consumer_wait(kv_state)
-                pipe_s.producer_acquire(s_state)  # dP read (the previous tile's last step)
-                self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1], tSrK[None, None, None, kv_state.index],
-                          False)
-                pipe_s.producer_commit(s_state)
+                # dP(0); its acquire: the previous tile's last dP read
+                self.dp_gemm(tiled_mma_qk, tStS, tSrQ, tSrK, pipe_kv, kv_state, pipe_s, s_state, True)
                 s_state.advance(self.q_stage)
-                pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 if const_expr(self.sweeps == 2):
                     # Note [SM100 exact delta]: the first sweep computes S(step), dP(step) only, and K(step) is
@@ -315,13 +311,9 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                                   tSrK[None, None, None, kv_state.index], False)
                         pipe_kv.consumer_release(kv_state)
                         kv_state.advance()
-                        pipe_kv.consumer_wait(kv_state)  # V(step)
-                        pipe_s.producer_acquire(s_state)
-                        self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1],
-                                  tSrK[None, None, None, kv_state.index], False)
-                        pipe_s.producer_commit(s_state)
+                        # dP(step)
+                        self.dp_gemm(tiled_mma_qk, tStS, tSrQ, tSrK, pipe_kv, kv_state, pipe_s, s_state, True)
                         s_state.advance(self.q_stage)
-                        pipe_kv.consumer_release(kv_state)
                         kv_state.advance()
                     # the second sweep's S(0) and dP(0), once the softmax WGs read the first sweep's last S / dP
                     pipe_kv.consumer_wait(kv_state)  # K(0) again
@@ -330,12 +322,8 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     pipe_s.producer_acquire(s_state)
                     self.gemm(tiled_mma_qk, tStS[0], tSrQ[None, None, None, 0], tSrK[None, None, None, k_state.index],
                               False)
-                    pipe_kv.consumer_wait(kv_state)  # V(0) again
-                    self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1],
-                              tSrK[None, None, None, kv_state.index], False)
-                    pipe_s.producer_commit(s_state)
+                    self.dp_gemm(tiled_mma_qk, tStS, tSrQ, tSrK, pipe_kv, kv_state, pipe_s, s_state, False)  # V(0)
                     s_state.advance(self.q_stage)
-                    pipe_kv.consumer_release(kv_state)
                     kv_state.advance()
                 for step in cutlass.range(tile.keys.n_max - 1, unroll=1):
                     # S(step + 1) into the other buffer, dP(step + 1) once dP(step) was read
@@ -346,13 +334,8 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     acc_s = cute.make_tensor(tStS[0].iterator + (1 - parity) * S1_OFFSET, tStS[0].layout)
                     self.gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_next.index],
                               False)
-                    pipe_kv.consumer_wait(kv_state)  # V(step + 1)
-                    pipe_s.producer_acquire(s_state)
-                    self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1],
-                              tSrK[None, None, None, kv_state.index], False)
-                    pipe_s.producer_commit(s_state)
+                    self.dp_gemm(tiled_mma_qk, tStS, tSrQ, tSrK, pipe_kv, kv_state, pipe_s, s_state, True)
                     s_state.advance(self.q_stage)
-                    pipe_kv.consumer_release(kv_state)
                     kv_state.advance()
                     # dQ += dS(step) K(step)
                     pipe_ds.consumer_wait(ds_state)
@@ -377,6 +360,18 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                 pipe_o.producer_commit(o_state)
                 o_state.advance(self.q_stage)
             work_idx = sched.next(work_idx)
+
+    @cute.jit
+    def dp_gemm(self, tiled_mma_qk, tStS, tSrQ, tSrK, pipe_kv, kv_state, pipe_s, s_state, acquire: cutlass.Constexpr):
+        """dP = dO V^T of the step whose V is ``kv_state``'s stage: wait for V, (``acquire``: for the release of the
+        previous dP,) issue the GEMM into the dP buffer, commit s (S and dP of the step complete) and release V once
+        read. The caller advances both states."""
+        pipe_kv.consumer_wait(kv_state)
+        if const_expr(acquire):
+            pipe_s.producer_acquire(s_state)
+        self.gemm(tiled_mma_qk, tStS[1], tSrQ[None, None, None, 1], tSrK[None, None, None, kv_state.index], False)
+        pipe_s.producer_commit(s_state)
+        pipe_kv.consumer_release(kv_state)
 
     @cute.jit
     def dq_gemm(self, tiled_mma_pv: cute.TiledMma, acc: cute.Tensor, tQrdS: list, tCrB: cute.Tensor, accumulate):
@@ -557,6 +552,16 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         return delta
 
     @cute.jit
+    def publish_delta(self, tile: DqTile, tidx: Int32, mO: cute.Tensor, mdO: cute.Tensor, mDelta: cute.Tensor,
+                      sRowSum: cute.Tensor, pipe_stats, stats_state):
+        """``tile``'s delta of this thread's row (``tile_delta``, also to ``mDelta``) into the stats slot of
+        ``stats_state`` for the softmax WGs (Note [SM100 dQ roles]); the caller advances the state."""
+        delta = self.tile_delta(tile, tidx, mO, mdO, mDelta)
+        pipe_stats.producer_acquire(stats_state)
+        sRowSum[tidx, stats_state.index] = delta
+        pipe_stats.producer_commit(stats_state)
+
+    @cute.jit
     def correction(self, thr_mma_pv, tOtO, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_o, pipe_stats, sched,
                    args: tuple):
         mO, mdO, mDelta, mdQ, softmax_scale = args
@@ -569,10 +574,7 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
             if work_idx < sched.total:  # the first tile's delta
                 first = sched.work_tile(work_idx)
                 if first.has_rows:
-                    delta = self.tile_delta(first, tidx, mO, mdO, mDelta)
-                    pipe_stats.producer_acquire(stats_state)
-                    sRowSum[tidx, stats_state.index] = delta
-                    pipe_stats.producer_commit(stats_state)
+                    self.publish_delta(first, tidx, mO, mdO, mDelta, sRowSum, pipe_stats, stats_state)
                     stats_state.advance()
         while work_idx < sched.total:
             nxt = sched.next(work_idx)
@@ -580,10 +582,7 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                 if nxt < sched.total:  # the next tile's delta, while this one runs (Note [SM100 dQ roles])
                     ahead = sched.work_tile(nxt)
                     if ahead.has_rows:
-                        delta = self.tile_delta(ahead, tidx, mO, mdO, mDelta)
-                        pipe_stats.producer_acquire(stats_state)
-                        sRowSum[tidx, stats_state.index] = delta
-                        pipe_stats.producer_commit(stats_state)
+                        self.publish_delta(ahead, tidx, mO, mdO, mDelta, sRowSum, pipe_stats, stats_state)
                         stats_state.advance()
             tile = sched.work_tile(work_idx)
             if tile.has_rows:
