@@ -173,10 +173,12 @@ def test_sm100_backward_register_and_tmem_plans():
     assert sum(dq.DQ_REGS) == 4 * 128 and all(r % 8 == 0 and 24 <= r <= 256 for r in dq.DQ_REGS)
     for d in (64, 128):
         assert 2 * 128 + d <= dq.S1_OFFSET and dq.S1_OFFSET + 128 <= 512
-    # the exact delta's exchange barrier (both softmax WGs) is not one the dense forward's roles use
-    from cute_kernels.attention.fwd_sm100 import FwdBarrier
+    # the exact delta's exchange barrier is not one the dense forward's roles use, and the 2 x TILE_M threads it
+    # counts are the two softmax warpgroups' (Note [SM100 exact delta])
+    from cute_kernels.attention.fwd_sm100 import ROLE_THREADS, TILE_M, FwdBarrier
 
     assert dq.DELTA_BARRIER not in (0, *map(int, FwdBarrier))
+    assert 2 * TILE_M == 2 * ROLE_THREADS["softmax"] and dq.DQ_REGS[0] == dq.DQ_REGS[1] > 128
     assert kv.NUM_THREADS == 384 and kv.TMEM_DK + 64 <= kv.TMEM_COLS
     assert kv.TMEM_S[1] + 2 * 64 <= kv.TMEM_DV
 
