@@ -41,7 +41,7 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
             return None
         if needs_grad and _sm100_backward_reason(spec) is None:
             return None
-        if needs_grad and spec.exact_delta:
+        if needs_grad and spec.exact_delta and _sm100_kernel_reason(spec) is None:
             return (f"exact_delta=True at head dim {spec.Dk} on compute capability {arch} (the SM100 backward "
                     "kernels take head dim 128; the token path takes delta from out)")
         return _token_path_reason(arch, spec)  # the backward (and a forward the kernel does not take)
