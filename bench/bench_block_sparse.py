@@ -20,7 +20,8 @@ alternating windows for --rounds rounds; median and min-max of the window median
                       zero-filled)
     bs_dq, bs_dkdv    the dQ kernel, the dK/dV kernel alone (the breakdown of the backward; ms only)
     bs_dkdv_L<n>      the dK/dV kernel alone with shortest segment n (``--dkdv-min-seg n,...``; Note [key block
-                      segments] in cute_kernels/block_sparse/bwd_dkdv_sm90.py), to size the default
+                      segments] in cute_kernels/block_sparse/bwd_dkdv_sm90.py), to size the default (in the
+                      plan's key_order, which is sorted for the default: Note [tile-ordered segments])
     bs_exact_dq, bs_exact_fwd_bwd  (``--exact-delta``) the dQ kernel, forward + backward with delta = rowsum(P dP)
                       (Note [exact delta] in cute_kernels/block_sparse/bwd_dq_sm90.py)
     idx_fwd           indexed_attention forward over blocks_to_indices of the same selection (plan prebuilt)
@@ -115,7 +116,7 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_del
         ws["seg_sem"].zero_()
         run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
                      plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
-                     ws["dk_part"], ws.get("dv_part"), ws["seg_sem"], scale)
+                     ws["dk_part"], ws.get("dv_part"), ws["seg_sem"], scale, key_order=plan["key_order"])
 
     def bs_fwd_bwd():
         bs_fwd()
@@ -132,7 +133,8 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_del
             ws["seg_sem"].zero_()
             run_bwd_dkdv(bcfg, q, k, v, dout, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
                          plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk,
-                         dv, ws["dk_part"], ws.get("dv_part"), ws["seg_sem"], scale, min_segment_pairs=min_seg)
+                         dv, ws["dk_part"], ws.get("dv_part"), ws["seg_sem"], scale, min_segment_pairs=min_seg,
+                         key_order=plan["key_order"])
         return fn
 
     fns = {"bs_fwd": bs_fwd, "bs_fwd_bwd": bs_fwd_bwd, "bs_dq": bs_dq, "bs_dkdv": dkdv_with(None)}

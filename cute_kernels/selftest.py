@@ -700,7 +700,7 @@ def _case_block_sparse(fw, cc: int, p: dict):
           for n, (shape, dt, zero) in bl.dkdv_workspace_shapes(tk, tv, plan["key_start"]).items()}
     bl.run_bwd_dkdv(bcfg, tq, tk, tv, tdo, lse, delta, plan["tile_mask"], plan["q_limit"], plan["key_start"],
                     plan["key_end"], plan["key_count"], plan["key_ptr"], plan["key_tile"], plan["key_slot"], dk, dv,
-                    ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale)
+                    ws["dk_part"], ws["dv_part"], ws["seg_sem"], scale, key_order=plan["key_order"])
     _phase("sync")
     fw.sync()
     _phase("compare")

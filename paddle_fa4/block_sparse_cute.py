@@ -263,5 +263,6 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
                a(plan.tile_count), a(plan.q_limit), a(dq), spec.scale)
     run_bwd_dkdv(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_mask), a(plan.q_limit),
                  a(plan.key_start), a(plan.key_end), a(plan.key_count), a(plan.key_ptr), a(plan.key_tile),
-                 a(plan.key_slot), a(dk), a(dv), a(ws["dk_part"]), a(ws.get("dv_part")), a(ws["seg_sem"]), spec.scale)
+                 a(plan.key_slot), a(dk), a(dv), a(ws["dk_part"]), a(ws.get("dv_part")), a(ws["seg_sem"]), spec.scale,
+                 key_order=a(plan.key_order))
     return dq, dk, dv, None if sink is None else _sink_grad(sink, lse, delta)

@@ -20,7 +20,9 @@ tiles of ``WQ = window_queries(G)`` consecutive queries (``WQ * G`` query heads 
 - the key-major transpose: the distinct selected key blocks of each set (``key_start``/``key_end``
   = their rows ``[start, min(start + bs, eos))``, ascending, ``key_count[s]`` of them) and, per key
   block ``r`` (flat row ``s * KCAP + r``), the query tiles using it in ascending order with the slot
-  of the block in each tile's list: ``key_tile/key_slot[key_ptr[row] : key_ptr[row + 1]]``.
+  of the block in each tile's list: ``key_tile/key_slot[key_ptr[row] : key_ptr[row + 1]]``;
+- ``key_order``: the order in which the SM90 dK/dV kernels run the segments of those lists (Note
+  [tile-ordered segments] in ``cute_kernels/block_sparse/bwd_dkdv_sm90.py``): a schedule, not a result.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class BlockSparsePlan:
     ceil(S / WQ)`` query tiles, ``CAP = WQ * topk``, ``KCAP = ceil(S / bs) + num_docs``):
     ``tile_start``/``tile_mask [NS, NQT, CAP]``, ``tile_count [NS, NQT]``, ``q_limit [B, S]``,
     ``key_start``/``key_end [NS, KCAP]``, ``key_count [NS]``, ``key_ptr [NS * KCAP + 1]``,
-    ``key_tile``/``key_slot [NS * NQT * CAP]``. Entries past a count / pointer are unspecified."""
+    ``key_tile``/``key_slot [NS * NQT * CAP]``, ``key_order [NS, KCAP * 8]``. Entries past a count / pointer
+    are unspecified."""
 
     batch: int
     num_sets: int
@@ -78,6 +81,7 @@ class BlockSparsePlan:
     key_ptr: Any
     key_tile: Any
     key_slot: Any
+    key_order: Any
 
     @property
     def num_query_tiles(self) -> int:
@@ -310,6 +314,8 @@ def _key_transpose(tile_start, tile_count, eos, sets: int, batch: int, seqlen: i
                key_ptr=paddle.zeros([sets * kcap + 1], dtype="int32", device=place),
                key_tile=paddle.full([pairs], -1, dtype="int32", device=place),
                key_slot=paddle.full([pairs], -1, dtype="int32", device=place))
+    from cute_kernels.block_sparse.config import SEGMENTS
+    out["key_order"] = paddle.arange(kcap * SEGMENTS, dtype="int32", device=place).reshape([1, -1]).tile([sets, 1])
     if sets * nqt * cap == 0:
         return out
     slot = paddle.arange(cap, dtype="int64", device=place).reshape([1, 1, cap])
@@ -343,5 +349,40 @@ def _key_transpose(tile_start, tile_count, eos, sets: int, batch: int, seqlen: i
     out["key_tile"] = paddle.scatter(out["key_tile"], idx, paddle.gather(w_e, order).astype("int32"))
     out["key_slot"] = paddle.scatter(out["key_slot"], idx, paddle.gather(j_e, order).astype("int32"))
     counts = paddle.bincount(pair_row, minlength=sets * kcap)
-    out["key_ptr"] = paddle.concat([paddle.zeros([1], dtype="int64", device=place), paddle.cumsum(counts)]).astype("int32")
+    ptr = paddle.concat([paddle.zeros([1], dtype="int64", device=place), paddle.cumsum(counts)])
+    out["key_ptr"] = ptr.astype("int32")
+    out["key_order"] = _key_order(ptr, out["key_tile"], sets, kcap, nqt)
     return out
+
+
+def _key_order(key_ptr, key_tile, sets: int, kcap: int, nqt: int):
+    """int32 [NS, KCAP * SEGMENTS]: the dK/dV CTA order of Note [tile-ordered segments]
+    (cute_kernels/block_sparse/bwd_dkdv_sm90.py) -- per set, the CTA ids ``x = r * SEGMENTS + k`` sorted by
+    the first query tile of segment k of key block r (``segment_split`` at ``ORDERED_MIN_SEGMENT_PAIRS``),
+    then by id; ids without a segment last, by id."""
+    import paddle
+
+    from cute_kernels.block_sparse.config import ORDERED_MIN_SEGMENT_PAIRS, SEGMENTS, segment_split
+
+    place = key_ptr.place
+    nx = kcap * SEGMENTS
+    x = paddle.arange(nx, dtype="int64", device=place)
+    rows = (paddle.arange(sets, dtype="int64", device=place).reshape([sets, 1]) * kcap + (x // SEGMENTS).reshape([1, nx]))
+    p0 = paddle.gather(key_ptr, rows.reshape([-1])).reshape([sets, nx])
+    n = paddle.gather(key_ptr, rows.reshape([-1]) + 1).reshape([sets, nx]) - p0
+    seg_len, nseg = segment_split(n, ORDERED_MIN_SEGMENT_PAIRS, _maximum)
+    k = (x % SEGMENTS).reshape([1, nx])
+    live = k < nseg
+    first = paddle.clip(p0 + k * seg_len, 0, key_tile.shape[0] - 1)
+    tile = paddle.gather(key_tile.astype("int64"), first.reshape([-1])).reshape([sets, nx])
+    tile = paddle.where(live, tile, paddle.full_like(tile, nqt))
+    return paddle.argsort(tile * nx + x.reshape([1, nx]), axis=-1).astype("int32")
+
+
+def _maximum(a, b):
+    """Element-wise max of tensors and / or ints (``segment_split``'s ``maximum`` on Paddle tensors)."""
+    import paddle
+
+    if not isinstance(a, paddle.Tensor):
+        a, b = b, a
+    return paddle.maximum(a, b if isinstance(b, paddle.Tensor) else paddle.full_like(a, b))

@@ -39,6 +39,19 @@ where L0 itself would give 64 + 19); the others exit. With nseg > 1, segment k w
 or (k = nseg - 1) writes dK * scale and dV. A segment waits only on the previous one, a lower
 blockIdx.x, launched before it. The order of every sum is fixed by the plan: bitwise reproducible.
 
+Note [tile-ordered segments]: in that key-block-major order the CTAs running at one time (one per SM) hold
+neighbouring key blocks, which trained (and the bench's "local") selections rarely list from the same query
+tiles, so each step's Q and dO rows came from DRAM (Run AN1: L2 hit 3 % for the latent at 16K, 27 % for GQA at
+64K). With the plan's ``key_order`` ([NS, KCAP * SEGMENTS], built by the planner, ``config.segment_split`` at
+``config.ORDERED_MIN_SEGMENT_PAIRS``) CTA x of set s runs segment ``key_order[s, x]``: the live segments sorted by
+their first query tile (then by id), the dead ones last. The CTAs of the segments a query tile's neighbourhood
+starts then run together and read the same rows, once from DRAM. It is a permutation of the ids and keeps each
+block's segments in k order (their first tiles ascend with k; a segment dead for the plan's min_seg but live for
+another sorts after the block's live ones), so segment k still waits only on a CTA launched before it, whatever
+``min_seg`` the launch uses; the segments and their sums are the same, so dK / dV are bitwise those of the
+key-block-major order. H200 (Run AO4, docs/benchmarks.md): the kernel alone 1.02-1.10x on the bench's local
+selections (GQA 16K 1.02x, 64K 1.03x, MQA 64 1.10x, latent 1.02-1.03x), 1.03x / 1.08x on per-query random ones.
+
 Note [row facts in shared memory]: each step needs, per tile row, lse, delta and which of the block's
 keys the row sees; read by the consumers from global memory (two dependent loads: the pair's tile and
 selection bits, then the rows' limits and lse), their latency stood in the step's critical path
@@ -84,23 +97,11 @@ from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, co
                                        wgmma_smem_layout)
 
 from .common import THREADS_PER_WG, BlockSparseSm90, shared_storage, smem_tensors
-from .config import BLOCK_SIZE, TILE_M, BwdConfig
+from .config import BLOCK_SIZE, SEGMENTS, TILE_M, BwdConfig, segment_split  # noqa: F401 (re-exported)
 
 STAGES = 4  # Q / dO row stages: 2 per consumer WG (Note [two pair streams])
 REDUCE_BARRIER = 1  # both consumer WGs, around the exchange of their dK / dV partials and the segment turn
-# Note [key block segments]: a key block's steps are split over up to SEGMENTS CTAs (``segment_split``;
-# ``min_seg`` a kernel argument, the launcher's default in ``launch.default_min_segment_pairs``).
-SEGMENTS = 8
 ROW_WARPS = 2  # warps 1, 2 of the producer warpgroup take turns as row producers (Note [row warps and parity waits])
-
-
-def segment_split(n_pairs, min_seg):
-    """Note [key block segments]: ``(L, nseg)`` for a key block of ``n_pairs`` pairs -- segment k takes pairs
-    [k L, min(n, (k + 1) L)). Python ints on the host (tests), Int32 in the kernel."""
-    seg_len = cutlass.max((n_pairs + SEGMENTS - 1) // SEGMENTS, cutlass.max(min_seg, 1))
-    nseg = (n_pairs + seg_len - 1) // seg_len
-    seg_len = cutlass.max((n_pairs + cutlass.max(nseg, 1) - 1) // cutlass.max(nseg, 1), 1)  # 0 pairs: no segment
-    return seg_len, (n_pairs + seg_len - 1) // seg_len
 
 
 def regs(head_dim: int) -> tuple[int, int]:
@@ -129,7 +130,8 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                  mDelta: cute.Tensor, mTileMask: cute.Tensor, mQLimit: cute.Tensor, mKeyStart: cute.Tensor,
                  mKeyEnd: cute.Tensor, mKeyCount: cute.Tensor, mKeyPtr: cute.Tensor, mKeyTile: cute.Tensor,
                  mKeySlot: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdKpart: cute.Tensor,
-                 mdVpart: cute.Tensor, mSegSem: cute.Tensor, softmax_scale: Float32, min_seg: Int32, stream):
+                 mdVpart: cute.Tensor, mSegSem: cute.Tensor, softmax_scale: Float32, min_seg: Int32, stream,
+                 mOrder: cute.Tensor = None):
         sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, STAGES))
         sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, STAGES))
         sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk))
@@ -147,7 +149,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V)
         plan = (mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot)
         self.kernel(tma_Q, tma_dO, tma_K, tma_V, mLSE, mDelta, plan, (mdK, mdV, mdKpart, mdVpart, mSegSem), atoms, sQ_layout, sdO_layout,
-                    sK_layout, sV_layout, rows_q, rows_do, softmax_scale, min_seg).launch(
+                    sK_layout, sV_layout, rows_q, rows_do, softmax_scale, min_seg, mOrder).launch(
             grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
 
@@ -156,7 +158,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                mDelta: cute.Tensor, plan: tuple, outs: tuple, atoms: tuple,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout,
-               softmax_scale: Float32, min_seg: Int32):
+               softmax_scale: Float32, min_seg: Int32, mOrder: cute.Tensor):
         mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
         warp_idx, tidx, storage = self.allocate(atoms)
         sQ, sdO, sK, sV = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
@@ -169,7 +171,7 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             barrier_storage=storage.mbar_rows.data_ptr(), num_stages=STAGES, producer_group=producer,
             consumer_group=consumers, tx_count=self.tx_bytes_rows, defer_sync=False)
 
-        blk = self.key_block(mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg)
+        blk = self.key_block(mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg, mOrder)
         if blk.live:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(regs(self.dk)[0])
@@ -216,20 +218,33 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def key_block(self, mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg: Int32):
+    def key_block(self, mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg: Int32, mOrder=None):
         """This CTA's key block (index set s, block r, kv head h, batch b), its rows [start, end) and its
-        segment's pairs [p0, p1) (Note [key block segments]); ``live``: the CTA has work."""
+        segment's pairs [p0, p1) (Note [key block segments]; with ``mOrder``, the plan's ``key_order``: Note
+        [tile-ordered segments]); ``live``: the CTA has work."""
         x, h, b = cute.arch.block_idx()
-        r, seg = x // SEGMENTS, x % SEGMENTS
         s = b
         if const_expr(self.cfg.per_kv_head):
             s = b * mK.shape[2] + h
+        if const_expr(mOrder is not None):
+            x = mOrder[s, x]
+        r, seg = x // SEGMENTS, x % SEGMENTS
         kcap = mKeyStart.shape[1]
         p0, p1 = mKeyPtr[s * kcap + r], mKeyPtr[s * kcap + r + 1]
-        seg_len, nseg = segment_split(p1 - p0, min_seg)
+        seg_len, nseg = segment_split(p1 - p0, min_seg, cutlass.max)
         return SimpleNamespace(s=s, r=r, h=h, b=b, seqlen=mQ.shape[2], live=r < mKeyCount[s] and seg < nseg,
                                start=mKeyStart[s, r], end=mKeyEnd[s, r], p0=p0 + seg * seg_len,
-                               p1=cutlass.min(p1, p0 + (seg + 1) * seg_len), seg=seg, nseg=nseg)
+                               p1=cutlass.min(p1, p0 + (seg + 1) * seg_len), seg=seg, nseg=nseg, order=mOrder)
+
+    def segment_ids(self, blk):
+        """(r, seg) of this CTA's segment at its turn (Note [key block segments]). With a key_order the id is read
+        again there (an ``ld.acquire``, which the compiler cannot merge with the first read): kept in a register
+        over the steps instead, it cost the latent kernel's consumers a spilled register (ptxas, 2026-12-04)."""
+        if const_expr(blk.order is None):
+            return blk.r, blk.seg
+        x = ld_acquire_gpu((blk.order.iterator + cute.crd2idx((blk.s, cute.arch.block_idx()[0]),
+                                                              blk.order.layout)).toint())
+        return x // SEGMENTS, x % SEGMENTS
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -424,19 +439,20 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
                 self.store_keys(ctx, acc_dK, mdK, thr_dk, self.dk, softmax_scale)
         else:
             # Note [key block segments]: segment k adds the fp32 sum segments 0 .. k - 1 left, in turn.
-            sem_addr = (mSegSem.iterator + cute.crd2idx((blk.s, blk.r, blk.h), mSegSem.layout)).toint()
+            r, seg = self.segment_ids(blk)
+            sem_addr = (mSegSem.iterator + cute.crd2idx((blk.s, r, blk.h), mSegSem.layout)).toint()
             if wg == 0 and ctidx == 0:
                 cur = ld_acquire_gpu(sem_addr)
-                while cur != blk.seg:
+                while cur != seg:
                     cur = ld_acquire_gpu(sem_addr)
             cute.arch.barrier(barrier_id=REDUCE_BARRIER, number_of_threads=2 * THREADS_PER_WG)
             cute.arch.fence_acq_rel_gpu()
-            if blk.seg > 0:
+            if seg > 0:
                 if wg == 0:
                     self.add_keys(ctx, acc_dV, mdVpart, thr_dv, self.dv)
                 else:
                     self.add_keys(ctx, acc_dK, mdKpart, thr_dk, self.dk)
-            if blk.seg == blk.nseg - 1:
+            if seg == blk.nseg - 1:
                 if wg == 0:
                     self.store_keys(ctx, acc_dV, mdV, thr_dv, self.dv, Float32(1.0))
                 else:

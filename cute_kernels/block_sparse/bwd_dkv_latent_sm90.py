@@ -149,7 +149,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
                  mTileMask: cute.Tensor, mQLimit: cute.Tensor, mKeyStart: cute.Tensor, mKeyEnd: cute.Tensor,
                  mKeyCount: cute.Tensor, mKeyPtr: cute.Tensor, mKeyTile: cute.Tensor, mKeySlot: cute.Tensor,
                  mdKV: cute.Tensor, mdKVpart: cute.Tensor, mSegSem: cute.Tensor, softmax_scale: Float32,
-                 min_seg: Int32, stream):
+                 min_seg: Int32, stream, mOrder: cute.Tensor = None):
         sQ_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dk, ROW_STAGES))
         sdO_layout = wgmma_smem_layout(self.dtype, (TILE_M, self.dv, ROW_STAGES))
         sK_layout = wgmma_smem_layout(self.dtype, (self.tile_n, self.dk))
@@ -168,7 +168,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         plan = (mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot)
         self.kernel(tma_Q, tma_dO, tma_K, mLSE, mDelta, plan, (mdKV, mdKVpart, mSegSem),
                     (tma_atom_Q, tma_atom_dO, tma_atom_K), sQ_layout, sdO_layout, sK_layout, sPt_layout, rows_q,
-                    rows_do, softmax_scale, min_seg).launch(
+                    rows_do, softmax_scale, min_seg, mOrder).launch(
             grid=grid, block=[3 * THREADS_PER_WG, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1, preferred_smem_carveout=100)
 
@@ -177,7 +177,8 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
     def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                plan: tuple, outs: tuple, atoms: tuple, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sPt_layout: cute.ComposedLayout,
-               rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout, softmax_scale: Float32, min_seg: Int32):
+               rows_q: cute.ComposedLayout, rows_do: cute.ComposedLayout, softmax_scale: Float32, min_seg: Int32,
+               mOrder: cute.Tensor):
         mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
         warp_idx, tidx, storage = self.allocate(atoms)
         sQ, sdO, sK, sPt, sdSt = smem_tensors(storage, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sPt=sPt_layout,
@@ -189,7 +190,7 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         rows = self.wq * self.gc * 2
         pipeline_do = two_wg_pipeline(storage.mbar_do.data_ptr(), ROW_STAGES, 2, rows * self.dv)
         pipeline_q = two_wg_pipeline(storage.mbar_q.data_ptr(), ROW_STAGES, 1, rows * self.dk)
-        blk = self.key_block(mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg)
+        blk = self.key_block(mQ, mK, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg, mOrder)
         if blk.live:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -379,18 +380,19 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
             for acc, thr, cols, c0 in parts:
                 self.store_keys(ctx, acc, mdKV, thr, cols, Float32(1.0), c0)
         else:
-            sem_addr = (mSegSem.iterator + cute.crd2idx((blk.s, blk.r, blk.h), mSegSem.layout)).toint()
+            r, seg = self.segment_ids(blk)
+            sem_addr = (mSegSem.iterator + cute.crd2idx((blk.s, r, blk.h), mSegSem.layout)).toint()
             if const_expr(lead):
                 if ctidx == 0:
                     cur = ld_acquire_gpu(sem_addr)
-                    while cur != blk.seg:
+                    while cur != seg:
                         cur = ld_acquire_gpu(sem_addr)
             cute.arch.barrier(barrier_id=int(LatentBarrier.Reduce), number_of_threads=BARRIER_THREADS)
             cute.arch.fence_acq_rel_gpu()
-            if blk.seg > 0:
+            if seg > 0:
                 for acc, thr, cols, c0 in parts:
                     self.add_keys(ctx, acc, mdKVpart, thr, cols, c0)
-            if blk.seg == blk.nseg - 1:
+            if seg == blk.nseg - 1:
                 for acc, thr, cols, c0 in parts:
                     self.store_keys(ctx, acc, mdKV, thr, cols, Float32(1.0), c0)
             else:

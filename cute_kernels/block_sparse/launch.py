@@ -16,7 +16,8 @@ import dataclasses
 from cute_kernels import arch as _arch
 from cute_kernels.jit_cache import jit_cache
 
-from .config import BWD_HEAD_DIMS, DTYPES, HEAD_DIMS, LATENT_DIMS, BwdConfig, FwdConfig
+from .config import (BWD_HEAD_DIMS, DTYPES, HEAD_DIMS, LATENT_DIMS, MIN_SEGMENT_PAIRS, ORDERED_MIN_SEGMENT_PAIRS,
+                     SEGMENTS, BwdConfig, FwdConfig)
 
 
 def fwd_config(q, k, v, *, per_kv_head: bool, has_sink: bool, arch: int | None = None,
@@ -173,8 +174,14 @@ def _compile_bwd_dq(cfg: BwdConfig, sm_count: int | None):
                         options=arch_options(cfg.arch))
 
 
+def compile_bwd_dkdv(cfg: BwdConfig, ordered: bool | None = None):
+    """The dK/dV kernel of ``cfg``; ``ordered`` (default: on SM90) takes the plan's ``key_order`` (Note
+    [tile-ordered segments] in bwd_dkdv_sm90.py; the SM100 kernel runs key-block-major, unmeasured either way)."""
+    return _compile_bwd_dkdv(cfg, _arch.family(cfg.arch) == 90 if ordered is None else bool(ordered))
+
+
 @jit_cache
-def compile_bwd_dkdv(cfg: BwdConfig):
+def _compile_bwd_dkdv(cfg: BwdConfig, ordered: bool):
     import cutlass
     import cutlass.cute as cute
 
@@ -188,19 +195,22 @@ def compile_bwd_dkdv(cfg: BwdConfig):
         reason = BlockSparseBwdDKDVSm100.unsupported_reason(cfg)
         if reason is not None:
             raise NotImplementedError(f"block_sparse_attention: no SM100 dK/dV kernel for {reason}")
+    if ordered and _arch.family(cfg.arch) != 90:
+        raise NotImplementedError(f"block_sparse_attention: the SM100 dK/dV kernel takes no key_order (arch {cfg.arch})")
     dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
-    b, s, hq, hkv, ns, nqt, cap, kcap, kp, np_ = (sym() for _ in range(10))
+    b, s, hq, hkv, ns, nqt, cap, kcap, kp, np_, nx = (sym() for _ in range(11))
     kv = lambda d: fake_tensor(dt, (b, s, hkv, d))  # noqa: E731
     rows = lambda: fake_tensor(f32, (b, hq, s), align_bytes=4)  # noqa: E731
     ints = lambda *shape: fake_tensor(i32, shape, align_bytes=4)  # noqa: E731
     part = lambda d: fake_tensor(f32, (b, s, hkv, d))  # noqa: E731
     q, do = fake_tensor(dt, (b, s, hq, cfg.head_dim)), fake_tensor(dt, (b, s, hq, cfg.head_dim_v))
     plan = (ints(ns, nqt, cap), ints(b, s), ints(ns, kcap), ints(ns, kcap), ints(ns), ints(kp), ints(np_), ints(np_))
+    order = (ints(ns, nx),) if ordered else ()
     if cfg.latent:
         from .bwd_dkv_latent_sm90 import BlockSparseLatentBwdDKVSm90
         return cute.compile(BlockSparseLatentBwdDKVSm90(cfg), q, kv(cfg.head_dim), do, rows(), rows(), *plan,
                             kv(cfg.head_dim), part(cfg.head_dim), ints(ns, kcap, hkv), f32(1.0), i32(1),
-                            fake_stream(), options=arch_options(cfg.arch))
+                            fake_stream(), *order, options=arch_options(cfg.arch))
     if _arch.family(cfg.arch) == 100:
         kernel = BlockSparseBwdDKDVSm100(cfg)
     else:
@@ -208,7 +218,7 @@ def compile_bwd_dkdv(cfg: BwdConfig):
         kernel = BlockSparseBwdDKDVSm90(cfg)
     return cute.compile(kernel, q, kv(cfg.head_dim), kv(cfg.head_dim_v), do, rows(), rows(),
                         *plan, kv(cfg.head_dim), kv(cfg.head_dim_v), part(cfg.head_dim), part(cfg.head_dim_v),
-                        ints(ns, kcap, hkv), f32(1.0), i32(1), fake_stream(), options=arch_options(cfg.arch))
+                        ints(ns, kcap, hkv), f32(1.0), i32(1), fake_stream(), *order, options=arch_options(cfg.arch))
 
 
 def dkdv_workspace_shapes(k, v, key_start) -> dict:
@@ -223,46 +233,50 @@ def dkdv_workspace_shapes(k, v, key_start) -> dict:
     return shapes
 
 
-#: Default shortest segment of a key block's (query tile, slot) pairs (Note [key block segments] in
-#: bwd_dkdv_sm90.py). H200, 2026-12-03 (docs/benchmarks.md, "Block-sparse attention", Run AC), the dK/dV
-#: kernel alone, 256 against 64 / 128 / unsplit: GQA 32/4 16K local 1.10 ms (1.19 / 1.16 / 1.28), 16K random
-#: 4.28 (4.73 / 4.77 / 4.30), 64K local 5.19 (5.73 / 5.59 / 5.32), MQA 64 16K 2.29 (2.35 / 2.33 / 3.49: one
-#: CTA per key block leaves SMs idle). Best at every shape measured, so no shape-dependent rule yet.
-MIN_SEGMENT_PAIRS = 256
-
-
-def default_min_segment_pairs(batch: int, num_kv_heads: int, key_blocks: int) -> int:
-    """The dK/dV kernel's shortest segment for a launch of ``batch x num_kv_heads x key_blocks`` key blocks
-    (the arguments are what a shape-dependent rule would use; today one value was best everywhere)."""
-    return MIN_SEGMENT_PAIRS
+def default_min_segment_pairs(batch: int, num_kv_heads: int, key_blocks: int, ordered: bool = False) -> int:
+    """The dK/dV kernel's shortest segment for a launch of ``batch x num_kv_heads x key_blocks`` key blocks:
+    ``config.ORDERED_MIN_SEGMENT_PAIRS`` in the plan's ``key_order``, else ``config.MIN_SEGMENT_PAIRS`` (the
+    other arguments are what a shape-dependent rule would use; today one value was best at every shape)."""
+    return ORDERED_MIN_SEGMENT_PAIRS if ordered else MIN_SEGMENT_PAIRS
 
 
 def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, key_start, key_end, key_count,
                  key_ptr, key_tile, key_slot, dk, dv, dk_part, dv_part, seg_sem, softmax_scale: float,
-                 min_segment_pairs: int | None = None) -> None:
+                 min_segment_pairs: int | None = None, key_order=None) -> None:
     """dk, dv of the selected key blocks' rows; the caller passes them zero-filled (keys no query
     selects are not written) and the workspace of ``dkdv_workspace_shapes``. ``min_segment_pairs``: the
     shortest segment a heavily listed key block is split into (default ``default_min_segment_pairs``);
     it changes the summation order of dK / dV (each value is bitwise reproducible), not their meaning.
+    ``key_order``: the plan's int32 [NS, KCAP * SEGMENTS] CTA order (Note [tile-ordered segments] in
+    bwd_dkdv_sm90.py), taken by the SM90 kernels (it changes the schedule only, not a bit of the result);
+    None, or an SM100 GPU: key-block-major.
     With ``cfg.latent`` v, dv and dv_part are None and dk is the combined latent gradient [B, S, Hkv, Dk]."""
     if min_segment_pairs is not None and int(min_segment_pairs) < 1:
         raise ValueError(f"min_segment_pairs must be >= 1, got {min_segment_pairs}")
     assert (v is None) == cfg.latent and (dv is None) == cfg.latent and (dv_part is None) == cfg.latent, \
         "v, dv and dv_part are None exactly for the latent"
+    ordered = key_order is not None and _arch.family(cfg.arch) == 90
+    if ordered:
+        want = [int(key_start.shape[0]), int(key_start.shape[1]) * SEGMENTS]
+        if [int(x) for x in key_order.shape] != want or "int32" not in str(key_order.dtype):
+            raise ValueError(f"key_order must be int32 {want} (the plan's), got {str(key_order.dtype)} "
+                             f"{[int(x) for x in key_order.shape]}")
     if int(q.shape[0]) == 0 or int(q.shape[1]) == 0 or int(key_start.shape[1]) == 0:
         return
     check_plan_tiles(cfg, int(q.shape[1]), tile_mask)
     if min_segment_pairs is None:
-        min_segment_pairs = default_min_segment_pairs(int(q.shape[0]), int(k.shape[2]), int(key_start.shape[1]))
+        min_segment_pairs = default_min_segment_pairs(int(q.shape[0]), int(k.shape[2]), int(key_start.shape[1]),
+                                                      ordered)
     if cfg.exact_delta:  # it changes the dQ kernel only: one dK / dV build (and no copy on the plain path)
         cfg = dataclasses.replace(cfg, exact_delta=False)
     plan = (tile_mask, q_limit, key_start, key_end, key_count, key_ptr, key_tile, key_slot)
+    order = (key_order,) if ordered else ()
     if cfg.latent:
-        compile_bwd_dkdv(cfg)(q, k, dout, lse, delta, *plan, dk, dk_part, seg_sem, float(softmax_scale),
-                              int(min_segment_pairs))
+        compile_bwd_dkdv(cfg, ordered)(q, k, dout, lse, delta, *plan, dk, dk_part, seg_sem, float(softmax_scale),
+                                       int(min_segment_pairs), *order)
         return
-    compile_bwd_dkdv(cfg)(q, k, v, dout, lse, delta, *plan, dk, dv, dk_part, dv_part, seg_sem, float(softmax_scale),
-                          int(min_segment_pairs))
+    compile_bwd_dkdv(cfg, ordered)(q, k, v, dout, lse, delta, *plan, dk, dv, dk_part, dv_part, seg_sem,
+                                   float(softmax_scale), int(min_segment_pairs), *order)
 
 
 def run_bwd_dq(cfg: BwdConfig, q, k, v, out, dout, lse, delta, tile_start, tile_mask, tile_count, q_limit, dq,

@@ -131,7 +131,7 @@ def main(name: str, argv: list) -> int:
 
         mod.selection = lambda torch_, seqlen, kind, seed=0: (mock.MagicMock(), mock.MagicMock())
         plan_names = ("tile_start", "tile_mask", "tile_count", "q_limit", "key_start", "key_end", "key_count",
-                      "key_ptr", "key_tile", "key_slot")
+                      "key_ptr", "key_tile", "key_slot", "key_order")
         orc.plan_arrays = lambda *a, **k: {n: mock.MagicMock() for n in plan_names}
         for f in ("run_fwd", "run_bwd_dq", "run_bwd_dkdv", "fwd_config", "bwd_config"):
             setattr(BSL, f, mock.MagicMock(name=f))

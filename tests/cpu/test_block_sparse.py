@@ -223,6 +223,45 @@ def test_sm100_plan_matches_numpy_plan(kw, monkeypatch):
         assert got.shape == w.shape and np.array_equal(got, w), name
 
 
+@pytest.mark.parametrize("kw", [dict(B=2, S=2048, G=8, topk=3), dict(B=1, S=700, G=64, topk=3, cu=[0, 300, 700])],
+                         ids=["gqa8-b2", "mqa64-docs"])
+def test_key_order_is_a_safe_tile_order(kw):
+    """Note [tile-ordered segments] (cute_kernels/block_sparse/bwd_dkdv_sm90.py): the plan's key_order equals the
+    numpy one; per set it is a permutation of the CTA ids; each key block's segments come in k order (for all k,
+    so a segment waits only on a CTA launched before it whatever min_seg a launch uses); the live segments are
+    sorted by their first query tile, the others last; and it is not the key-block-major order (every query also
+    selects block 0, split into several segments that interleave with the other blocks')."""
+    from cute_kernels.block_sparse.config import ORDERED_MIN_SEGMENT_PAIRS, SEGMENTS, segment_split
+
+    rng = np.random.default_rng(3)
+    cu = kw.get("cu")
+    ids = orc.random_ids(rng, kw["B"], kw["S"], kw["topk"], 64, True, cu, pad=0.0, dup=0.0)
+    ids[..., -1] = 0
+    plan = paddle_fa4.block_sparse_plan(_t(ids, "int32"), heads_per_kv=kw["G"], block_size=64,
+                                        cu_seqlens=None if cu is None else _t(cu, "int32"))
+    want = orc.plan_arrays(ids, 64, kw["G"], True, cu)
+    order, ptr, tile = plan.key_order.numpy(), plan.key_ptr.numpy(), plan.key_tile.numpy()
+    assert np.array_equal(order, want["key_order"])
+    ns, kcap = plan.key_start.shape
+    assert order.shape == (ns, kcap * SEGMENTS)
+    for s in range(ns):
+        assert np.array_equal(np.sort(order[s]), np.arange(kcap * SEGMENTS))
+        pos = np.argsort(order[s]).reshape(kcap, SEGMENTS)  # pos[r, k]: where segment k of block r runs
+        assert (np.diff(pos, axis=1) > 0).all()
+        firsts, live = [], []
+        for x in order[s]:
+            r, k = divmod(int(x), SEGMENTS)
+            p0, p1 = int(ptr[s * kcap + r]), int(ptr[s * kcap + r + 1])
+            seg_len, nseg = segment_split(p1 - p0, ORDERED_MIN_SEGMENT_PAIRS)
+            live.append(k < nseg)
+            firsts.append(int(tile[p0 + k * seg_len]) if k < nseg else -1)
+        n_live = sum(live)
+        assert all(live[:n_live]) and not any(live[n_live:])
+        assert all(a <= b for a, b in zip(firsts[:n_live], firsts[1:n_live]))
+        assert max(divmod(int(x), SEGMENTS)[1] for x in order[s][:n_live]) >= 2  # block 0 is split
+        assert not np.array_equal(order[s][:n_live], np.sort(order[s][:n_live]))
+
+
 def test_plan_reuse_and_mismatch():
     c = _case(8, B=1, S=40, Hq=4, Hkv=1, Dk=8, Dv=8, topk=2, bs=16)
     ids = _t(c["ids"], "int32")
@@ -579,7 +618,7 @@ def test_sm100_kernel_forward_and_backward(sink, exact, monkeypatch):
         d = (dout_.astype("float32") * out.astype("float32")).sum(axis=-1).transpose([0, 2, 1])
         paddle.assign(d, delta)
 
-    def fake_dkdv(cfg, q_, k_, v_, dout_, lse, delta, *rest):
+    def fake_dkdv(cfg, q_, k_, v_, dout_, lse, delta, *rest, key_order=None):
         dk, dv = rest[8], rest[9]
         zero = not any(t.astype("float32").abs().sum().item() for t in (dk, dv))
         seen.update(kv=cfg, kv_zero=zero)
@@ -652,9 +691,10 @@ def test_sm90_latent_backward_glue(dk, dv, monkeypatch):
         seen.update(dq_cfg=cfg, dq_v=v, dout=list(dout.shape), dq=list(dq.shape))
         delta.fill_(0.5)
 
-    def fake_dkdv(cfg, q, k, v, dout, lse, delta, *plan_and_outs):
+    def fake_dkdv(cfg, q, k, v, dout, lse, delta, *plan_and_outs, key_order=None):
         dkv, dvv, dk_part, dv_part, seg_sem, scale = plan_and_outs[8:]
-        seen.update(kv_cfg=cfg, kv_v=v, dkv=list(dkv.shape), dvv=dvv, dk_part=list(dk_part.shape), dv_part=dv_part)
+        seen.update(kv_cfg=cfg, kv_v=v, dkv=list(dkv.shape), dvv=dvv, dk_part=list(dk_part.shape), dv_part=dv_part,
+                    order=None if key_order is None else [list(key_order.shape), list(plan_and_outs[2].shape)])
 
     monkeypatch.setattr(glue, "arch_of", lambda t: 90)
     monkeypatch.setattr(launch, "run_bwd_dq", fake_dq)
@@ -677,6 +717,8 @@ def test_sm90_latent_backward_glue(dk, dv, monkeypatch):
     assert seen["dq_v"] is None and seen["kv_v"] is None and seen["dvv"] is None and seen["dv_part"] is None
     assert seen["dout"] == [1, 130, 16, dv] and seen["dq"] == [1, 130, 16, dk]
     assert seen["dkv"] == [1, 130, 1, dk] and seen["dk_part"] == [1, 130, 1, dk]
+    ks = seen["order"][1]  # the plan's key_order reaches the launcher: [NS, KCAP * SEGMENTS]
+    assert seen["order"][0] == [ks[0], ks[1] * 8]
     assert dvv is None and list(dkv.shape) == [1, 130, 1, dk] and list(dq.shape) == [1, 130, 16, dk]
     # dsink = -sum exp(sink - lse) * delta, with lse 0 and delta 0.5 from the stubbed dQ kernel
     want = -0.5 * 130 * np.exp(c["sink"])

@@ -120,13 +120,14 @@ def test_dkdv_min_segment_pairs_checked_before_launch(bad, monkeypatch):
 
     import cute_kernels.block_sparse.launch as L
 
-    monkeypatch.setattr(L, "compile_bwd_dkdv", lambda cfg: pytest.fail("compiled despite a bad min_segment_pairs"))
+    monkeypatch.setattr(L, "compile_bwd_dkdv", lambda cfg, *a: pytest.fail("compiled despite a bad min_segment_pairs"))
     t = SimpleNamespace(shape=(1, 128, 2, 64))
     ks = SimpleNamespace(shape=(1, 2))
     with pytest.raises(ValueError, match="min_segment_pairs"):
         L.run_bwd_dkdv(None, t, t, t, t, t, t, t, t, ks, ks, ks, ks, ks, ks, t, t, t, t, t, 0.125,
                        min_segment_pairs=bad)
     assert L.default_min_segment_pairs(1, 2, 2) == L.MIN_SEGMENT_PAIRS >= 1
+    assert L.default_min_segment_pairs(1, 2, 2, ordered=True) == L.ORDERED_MIN_SEGMENT_PAIRS >= 1
 
 
 def test_dkdv_segment_split_covers_every_pair_once():
@@ -134,7 +135,7 @@ def test_dkdv_segment_split_covers_every_pair_once():
     at most SEGMENTS non-empty segments of L pairs (the last one shorter), L no longer than
     max(ceil(n / SEGMENTS), min_seg), together exactly the block's n pairs; no segment for n = 0."""
     pytest.importorskip("cutlass")
-    from cute_kernels.block_sparse.bwd_dkdv_sm90 import SEGMENTS, segment_split
+    from cute_kernels.block_sparse.config import SEGMENTS, segment_split
 
     assert segment_split(83, 64) == (42, 2)  # the balanced split the Note quotes (not 64 + 19)
     for min_seg in (1, 7, 64, 256, 1 << 20):

@@ -218,7 +218,7 @@ def test_keys_outside_listed_blocks_never_read():
 # backward
 
 
-def run_bwd(c, dout, min_segment_pairs=None, exact_delta=False, want_delta=None):
+def run_bwd(c, dout, min_segment_pairs=None, exact_delta=False, want_delta=None, ordered=True):
     """dq, dk, dv, dsink from the kernels. ``exact_delta``: delta = rowsum(P dP) (Note [exact delta] in
     bwd_dq_sm90.py), checked against ``want_delta`` (fp64 [B, Hq, S]; required then) instead of
     rowsum(dout * out)."""
@@ -250,7 +250,7 @@ def run_bwd(c, dout, min_segment_pairs=None, exact_delta=False, want_delta=None)
           for n, (shape, dt, zero) in dkdv_workspace_shapes(k, v, p["key_start"]).items()}
     run_bwd_dkdv(cfg, q, k, v, dout, lse, delta, p["tile_mask"], p["q_limit"], p["key_start"], p["key_end"],
                  p["key_count"], p["key_ptr"], p["key_tile"], p["key_slot"], dk, dv, ws["dk_part"], ws.get("dv_part"),
-                 ws["seg_sem"], scale, min_segment_pairs=min_segment_pairs)
+                 ws["seg_sem"], scale, min_segment_pairs=min_segment_pairs, key_order=p["key_order"] if ordered else None)
     dsink = None if c["sink"] is None else -(torch.exp(c["sink"][None, :, None] - lse) * delta).sum((0, 2))
     torch.cuda.synchronize()
     return dq, dk, dv, dsink
@@ -367,7 +367,7 @@ def test_backward_key_block_segments(kw, min_seg):
     by every query tile (several segments summed in turn) and the others by few; oracle gradients and bitwise
     equality over 3 runs, for the default shortest segment, a short one (every listed block split, up to 8
     segments) and one that splits nothing."""
-    from cute_kernels.block_sparse.launch import MIN_SEGMENT_PAIRS
+    from cute_kernels.block_sparse.launch import ORDERED_MIN_SEGMENT_PAIRS
 
     c = make_case(8, pad=0.0, dup=0.0, **kw)
     c["ids"][..., -1] = 0
@@ -376,7 +376,7 @@ def test_backward_key_block_segments(kw, min_seg):
     if min_seg == 7:
         assert n0 >= 8 * 7  # block 0 in 8 segments (the most a block takes), the others in 1-8
     elif min_seg is None and kw["Hq"] == 64:
-        assert n0 >= 2 * MIN_SEGMENT_PAIRS  # the default splits block 0 too (640 pairs: 3 segments)
+        assert n0 >= 2 * ORDERED_MIN_SEGMENT_PAIRS  # the default splits block 0 too (640 pairs: 8 segments)
     g = torch.Generator(device="cuda").manual_seed(9)
     dout = torch.randn(c["q"].shape, device="cuda", generator=g).to(c["q"].dtype)
     runs = [run_bwd(c, dout, min_seg) for _ in range(3)]
@@ -387,6 +387,38 @@ def test_backward_key_block_segments(kw, min_seg):
     want = orc.gradients(f(c["q"]), f(c["k"]), f(c["v"]), mask, f(dout), sink=None)
     for name, got, w in zip(("dq", "dk", "dv"), runs[0][:3], want):
         assert _rel(got, w) <= GRAD_TOL, f"{name} rel L2 {_rel(got, w):.3e}"
+
+
+@pytest.mark.parametrize("kw", [dict(B=2, S=2048, Hq=16, Hkv=2, D=64, topk=3),
+                                dict(B=1, S=640, Hq=64, Hkv=1, D=128, topk=2),
+                                dict(B=1, S=700, Hq=64, Hkv=1, D=576, latent_dv=512, topk=3)],
+                         ids=["gqa8-b2-s2048", "mqa64-s640", "mla576"])
+@pytest.mark.parametrize("min_seg", [None, 7], ids=["default", "short"])
+def test_backward_tile_order_is_a_schedule(kw, min_seg):
+    """Note [tile-ordered segments]: the plan's key_order changes which CTA runs which segment, not a bit of dK / dV:
+    the same launch with key_order and without (key-block-major), at the same shortest segment, bitwise equal. Every
+    query also selects block 0 (several segments chained by their turn counters in both orders), and the case's
+    order is checked to differ from key-block-major among the live segments (else the test could not fail). The
+    short shortest segment runs with the plan's order built for the default: valid (no turn waits on a later CTA)
+    though not sorted for it."""
+    from cute_kernels.block_sparse.config import ORDERED_MIN_SEGMENT_PAIRS, SEGMENTS, segment_split
+
+    c = make_case(8, pad=0.0, dup=0.0, **kw)
+    c["ids"][..., -1] = 0
+    pn = orc.plan_arrays(c["ids"], BS, c["G"], c["causal"], c["cu"])
+    seg = ORDERED_MIN_SEGMENT_PAIRS if min_seg is None else min_seg
+    ns, kcap = pn["key_start"].shape
+    for s in range(ns):  # key-block-major: the live ids ascending, then the rest
+        n = np.diff(pn["key_ptr"][s * kcap:(s + 1) * kcap + 1])
+        live = [x for x in range(kcap * SEGMENTS)
+                if x % SEGMENTS < segment_split(int(n[x // SEGMENTS]), ORDERED_MIN_SEGMENT_PAIRS)[1]]
+        assert not np.array_equal(pn["key_order"][s][:len(live)], live), "key_order is key-block-major: vacuous"
+    g = torch.Generator(device="cuda").manual_seed(9)
+    dout = torch.randn(c["q"].shape[:3] + (c["dv"],), device="cuda", generator=g).to(c["q"].dtype)
+    ordered = run_bwd(c, dout, seg, ordered=True)
+    keyed = run_bwd(c, dout, seg, ordered=False)
+    for name, a, b in zip(("dq", "dk", "dv"), ordered[:3], keyed[:3]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
 
 
 LATENT_BWD_CASES = LATENT_CASES[:3] + [

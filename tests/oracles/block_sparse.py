@@ -183,7 +183,28 @@ def plan_arrays(block_ids, block_size: int, group: int, causal: bool = True, cu_
         counts[row] = len(ws)
         n += len(ws)
     out["key_ptr"][1:] = np.cumsum(counts)
+    out["key_order"] = key_order(out["key_ptr"], out["key_tile"], ns, kcap)
     return out
+
+
+def key_order(key_ptr, key_tile, ns: int, kcap: int, min_seg: int | None = None):
+    """The dK/dV CTA order (Note [tile-ordered segments] in cute_kernels/block_sparse/bwd_dkdv_sm90.py), written
+    out segment by segment: per set, the ids ``r * SEGMENTS + k`` of the live segments by (first query tile,
+    id), then the other ids ascending. ``min_seg``: the segmentation (default the planner's)."""
+    from cute_kernels.block_sparse.config import ORDERED_MIN_SEGMENT_PAIRS, SEGMENTS, segment_split
+
+    min_seg = ORDERED_MIN_SEGMENT_PAIRS if min_seg is None else min_seg
+    order = np.zeros((ns, kcap * SEGMENTS), np.int32)
+    for si in range(ns):
+        live, dead = [], []
+        for r in range(kcap):
+            p0, p1 = int(key_ptr[si * kcap + r]), int(key_ptr[si * kcap + r + 1])
+            seg_len, nseg = segment_split(p1 - p0, min_seg)
+            for k in range(SEGMENTS):
+                x = r * SEGMENTS + k
+                (live.append((int(key_tile[p0 + k * seg_len]), x)) if k < nseg else dead.append(x))
+        order[si] = [x for _, x in sorted(live)] + dead
+    return order
 
 
 def random_ids(rng, batch: int, seqlen: int, topk: int, block_size: int, causal: bool = True, cu_seqlens=None,
