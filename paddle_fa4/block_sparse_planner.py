@@ -21,7 +21,7 @@ tiles of ``WQ = window_queries(G)`` consecutive queries (``WQ * G`` query heads 
   = their rows ``[start, min(start + bs, eos))``, ascending, ``key_count[s]`` of them) and, per key
   block ``r`` (flat row ``s * KCAP + r``), the query tiles using it in ascending order with the slot
   of the block in each tile's list: ``key_tile/key_slot[key_ptr[row] : key_ptr[row + 1]]``;
-- ``key_order``: the order in which the SM90 dK/dV kernels run the segments of those lists (Note
+- ``key_order``: the order in which the dK/dV kernels run the segments of those lists (Note
   [tile-ordered segments] in ``cute_kernels/block_sparse/bwd_dkdv_sm90.py``): a schedule, not a result.
   The kernels trust it to be this builder's (a permutation that runs each block's segments in order: a
   segment waits for the one before it); build plans with :func:`block_sparse_plan`, not by hand.

@@ -4,7 +4,8 @@
 
 over the rows (query, head) that see key c, with P and dS as in ``bwd_dq_sm100.py``; the plan walk of the SM90
 kernel (``bwd_dkdv_sm90.py``: one CTA per segment of a selected key block and kv head, the plan's key-major
-transpose in ascending tile order, Note [key block segments], whose ``key_block`` this class calls), with the
+transpose in ascending tile order, Note [key block segments], the CTAs in the plan's query-tile order, Note
+[tile-ordered segments]; its ``key_block`` and ``segment_ids`` this class calls), with the
 row tiles of the SM100 plan: a step is one 128-row stage (``half``) of a listed query tile (the forward's window,
 ``q_stages_sm100`` stages of ``QS`` queries x ``GC`` heads) for one head chunk.
 
@@ -156,7 +157,8 @@ class BlockSparseBwdDKDVSm100:
                  mDelta: cute.Tensor, mTileMask: cute.Tensor, mQLimit: cute.Tensor, mKeyStart: cute.Tensor,
                  mKeyEnd: cute.Tensor, mKeyCount: cute.Tensor, mKeyPtr: cute.Tensor, mKeyTile: cute.Tensor,
                  mKeySlot: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdKpart: cute.Tensor,
-                 mdVpart: cute.Tensor, mSegSem: cute.Tensor, softmax_scale: Float32, min_seg: Int32, stream):
+                 mdVpart: cute.Tensor, mSegSem: cute.Tensor, softmax_scale: Float32, min_seg: Int32, stream,
+                 mOrder: cute.Tensor = None):
         d = self.d
         mma_s, mma_kv, sQ_layout, sK_layout, sQt_layout, sP_layout, sP_epi = self.mmas_and_layouts()
         self.check_layouts(sQ_layout, sQt_layout, sP_layout, sP_epi)
@@ -187,7 +189,7 @@ class BlockSparseBwdDKDVSm100:
         self.kernel(mma_s, mma_kv, atom_q, tma_q, atom_do, tma_do, atom_k, tma_k, atom_v, tma_v, q_box, mLSE, mDelta,
                     (mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot),
                     (mdK, mdV, mdKpart, mdVpart, mSegSem), sQ_layout, sK_layout, sQt_layout, sP_layout, sP_epi,
-                    softmax_scale, min_seg).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
+                    softmax_scale, min_seg, mOrder).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
                                                    min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -197,7 +199,7 @@ class BlockSparseBwdDKDVSm100:
                atom_v: cute.CopyAtom, tma_v: cute.Tensor, q_box: cute.ComposedLayout, mLSE: cute.Tensor,
                mDelta: cute.Tensor, plan: tuple, outs: tuple, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sQt_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
-               sP_epi: cute.ComposedLayout, softmax_scale: Float32, min_seg: Int32):
+               sP_epi: cute.ComposedLayout, softmax_scale: Float32, min_seg: Int32, mOrder: cute.Tensor):
         mTileMask, mQLimit, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, mKeyTile, mKeySlot = plan
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx = cute.arch.thread_idx()[0]
@@ -277,7 +279,8 @@ class BlockSparseBwdDKDVSm100:
         tdK = cute.make_tensor(tmem_ptr + TMEM_DK, acc_kv_layout)
 
         # the SM90 kernel's CTA -> (segment of a key block) rule; its views: tma_q (H, D, S, B), tma_k (S, D, H, B)
-        blk = BlockSparseBwdDKDVSm90.key_block(self, tma_q, tma_k, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg)
+        blk = BlockSparseBwdDKDVSm90.key_block(self, tma_q, tma_k, mKeyStart, mKeyEnd, mKeyCount, mKeyPtr, min_seg,
+                                               mOrder)
         n_steps = (blk.p1 - blk.p0) * self.chunks * self.halves
         if blk.live:
             if warp_idx == _WARP_LOAD:
@@ -509,19 +512,20 @@ class BlockSparseBwdDKDVSm100:
         if blk.nseg == 1:
             self.write_keys(mdV, mdK, rV, rK, blk, dim, key0, n_keys, softmax_scale)
         else:
-            sem_addr = (mSegSem.iterator + cute.crd2idx((blk.s, blk.r, blk.h), mSegSem.layout)).toint()
+            r, seg = BlockSparseBwdDKDVSm90.segment_ids(self, blk)  # Note [tile-ordered segments]
+            sem_addr = (mSegSem.iterator + cute.crd2idx((blk.s, r, blk.h), mSegSem.layout)).toint()
             if dim == 0 and wg == 0:
                 cur = ld_acquire_gpu(sem_addr)
-                while cur != blk.seg:
+                while cur != seg:
                     cur = ld_acquire_gpu(sem_addr)
             bar_compute.arrive_and_wait()
             cute.arch.fence_acq_rel_gpu()
-            if blk.seg > 0:
+            if seg > 0:
                 for k in cutlass.range_constexpr(DS_CHUNK):
                     if k < n_keys:
                         rV[k] = rV[k] + mdVpart[blk.b, blk.start + key0 + k, blk.h, dim]
                         rK[k] = rK[k] + mdKpart[blk.b, blk.start + key0 + k, blk.h, dim]
-            if blk.seg == blk.nseg - 1:
+            if seg == blk.nseg - 1:
                 self.write_keys(mdV, mdK, rV, rK, blk, dim, key0, n_keys, softmax_scale)
             else:
                 self.write_keys(mdVpart, mdKpart, rV, rK, blk, dim, key0, n_keys, Float32(1.0))

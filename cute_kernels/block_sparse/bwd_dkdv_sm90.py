@@ -49,7 +49,8 @@ starts then run together and read the same rows, once from DRAM. It is a permuta
 block's segments in k order (their first tiles ascend with k; a segment dead for the plan's min_seg but live for
 another sorts after the block's live ones), so segment k still waits only on a CTA launched before it, whatever
 ``min_seg`` the launch uses; the segments and their sums are the same, so dK / dV are bitwise those of the
-key-block-major order. H200 (Run AO4, docs/benchmarks.md): the kernel alone 1.02-1.10x on the bench's local
+key-block-major order. The SM100 kernel (bwd_dkdv_sm100.py) runs the same order (never measured there). H200
+(Run AO4, docs/benchmarks.md): the kernel alone 1.02-1.10x on the bench's local
 selections (GQA 16K 1.02x, 64K 1.03x, MQA 64 1.10x, latent 1.02-1.03x), 1.03x / 1.08x on per-query random ones.
 
 Note [row facts in shared memory]: each step needs, per tile row, lse, delta and which of the block's

@@ -30,13 +30,13 @@ DTYPES = ("bfloat16", "float16")
 # Note [key block segments] (bwd_dkdv_sm90.py): a key block's (query tile, slot) pairs are split over up to
 # SEGMENTS CTAs of the dK/dV grid, CTA id x = r * SEGMENTS + k for segment k of key block r.
 SEGMENTS = 8
-#: Shortest segment (``min_seg``) of the key-block-major CTA order (the SM100 dK/dV kernel). H200, 2026-12-03
+#: Shortest segment (``min_seg``) of the key-block-major CTA order (launches without a key_order). H200, 2026-12-03
 #: (docs/benchmarks.md, Run AC), the SM90 kernel alone in that order, 256 against 64 / 128 / unsplit: GQA 32/4 16K
 #: local 1.10 ms (1.19 / 1.16 / 1.28), 16K random 4.28 (4.73 / 4.77 / 4.30), 64K local 5.19 (5.73 / 5.59 / 5.32),
 #: MQA 64 16K 2.29 (2.35 / 2.33 / 3.49).
 MIN_SEGMENT_PAIRS = 256
-#: Shortest segment when the CTAs run in the plan's ``key_order`` (Note [tile-ordered segments]; the SM90
-#: kernels): H200, 2026-12-04 (Runs AO1, AO4), against key-major at 256: 64 gave 1.02-1.10x, 256 0.99-1.10x.
+#: Shortest segment when the CTAs run in the plan's ``key_order`` (Note [tile-ordered segments]; the SM100
+#: kernel takes the SM90 kernels' order and length, unmeasured there): H200, 2026-12-04 (Runs AO1, AO4), against key-major at 256: 64 gave 1.02-1.10x, 256 0.99-1.10x.
 ORDERED_MIN_SEGMENT_PAIRS = 64
 
 

@@ -175,9 +175,9 @@ def _compile_bwd_dq(cfg: BwdConfig, sm_count: int | None):
 
 
 def compile_bwd_dkdv(cfg: BwdConfig, ordered: bool | None = None):
-    """The dK/dV kernel of ``cfg``; ``ordered`` (default: on SM90) takes the plan's ``key_order`` (Note
-    [tile-ordered segments] in bwd_dkdv_sm90.py; the SM100 kernel runs key-block-major, unmeasured either way)."""
-    return _compile_bwd_dkdv(cfg, _arch.family(cfg.arch) == 90 if ordered is None else bool(ordered))
+    """The dK/dV kernel of ``cfg``; ``ordered`` (the default) takes the plan's ``key_order`` (Note [tile-ordered
+    segments] in bwd_dkdv_sm90.py), else the CTAs run key-block-major."""
+    return _compile_bwd_dkdv(cfg, True if ordered is None else bool(ordered))
 
 
 @jit_cache
@@ -195,8 +195,6 @@ def _compile_bwd_dkdv(cfg: BwdConfig, ordered: bool):
         reason = BlockSparseBwdDKDVSm100.unsupported_reason(cfg)
         if reason is not None:
             raise NotImplementedError(f"block_sparse_attention: no SM100 dK/dV kernel for {reason}")
-    if ordered and _arch.family(cfg.arch) != 90:
-        raise NotImplementedError(f"block_sparse_attention: the SM100 dK/dV kernel takes no key_order (arch {cfg.arch})")
     dt, i32, f32 = cutlass_dtype(cfg.dtype), cutlass.Int32, cutlass.Float32
     b, s, hq, hkv, ns, nqt, cap, kcap, kp, np_, nx = (sym() for _ in range(11))
     kv = lambda d: fake_tensor(dt, (b, s, hkv, d))  # noqa: E731
@@ -248,14 +246,13 @@ def run_bwd_dkdv(cfg: BwdConfig, q, k, v, dout, lse, delta, tile_mask, q_limit, 
     shortest segment a heavily listed key block is split into (default ``default_min_segment_pairs``);
     it changes the summation order of dK / dV (each value is bitwise reproducible), not their meaning.
     ``key_order``: the plan's int32 [NS, KCAP * SEGMENTS] CTA order (Note [tile-ordered segments] in
-    bwd_dkdv_sm90.py), taken by the SM90 kernels (it changes the schedule only, not a bit of the result);
-    None, or an SM100 GPU: key-block-major.
+    bwd_dkdv_sm90.py; it changes the schedule only, not a bit of the result); None: key-block-major.
     With ``cfg.latent`` v, dv and dv_part are None and dk is the combined latent gradient [B, S, Hkv, Dk]."""
     if min_segment_pairs is not None and int(min_segment_pairs) < 1:
         raise ValueError(f"min_segment_pairs must be >= 1, got {min_segment_pairs}")
     assert (v is None) == cfg.latent and (dv is None) == cfg.latent and (dv_part is None) == cfg.latent, \
         "v, dv and dv_part are None exactly for the latent"
-    ordered = key_order is not None and _arch.family(cfg.arch) == 90
+    ordered = key_order is not None
     if ordered:
         want = [int(key_start.shape[0]), int(key_start.shape[1]) * SEGMENTS]
         if [int(x) for x in key_order.shape] != want or "int32" not in str(key_order.dtype):

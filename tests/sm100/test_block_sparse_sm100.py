@@ -212,7 +212,8 @@ def test_exact_delta_on_peaked_rows(hq, hkv, s, topk):
 def test_dkdv_segments_match_oracle():
     """Note [key block segments] on SM100: a key block listed by many query tiles split over several CTAs
     (min_segment_pairs 1: one pair per segment, up to 8 segments) gives dk / dv equal to the oracle's, and
-    bitwise equal over two runs (the segments add in turn)."""
+    bitwise equal over two runs (the segments add in turn) and to a third run with the plan's key_order (Note
+    [tile-ordered segments]: another CTA for each segment, the same sums)."""
     paddle = pytest.importorskip("paddle")
     import paddle_fa4
     from cute_kernels.block_sparse.launch import bwd_config, dkdv_workspace_shapes, run_bwd_dkdv, run_bwd_dq
@@ -237,16 +238,16 @@ def test_dkdv_segments_match_oracle():
     run_bwd_dq(cfg, a(q), a(k), a(v), a(out), a(dout), a(lse), a(delta), a(plan.tile_start), a(plan.tile_mask),
                a(plan.tile_count), a(plan.q_limit), a(dq), d ** -0.5)
     runs = []
-    for _ in range(2):
+    for order in (None, None, plan.key_order):
         dk, dv = paddle.zeros(k.shape, dtype=k.dtype), paddle.zeros(v.shape, dtype=v.dtype)
         ws = {n: (paddle.zeros if z else paddle.empty)(sh, dtype=dt)
               for n, (sh, dt, z) in dkdv_workspace_shapes(k, v, plan.key_start).items()}
         run_bwd_dkdv(cfg, a(q), a(k), a(v), a(dout), a(lse), a(delta), a(plan.tile_mask), a(plan.q_limit),
                      a(plan.key_start), a(plan.key_end), a(plan.key_count), a(plan.key_ptr), a(plan.key_tile),
                      a(plan.key_slot), a(dk), a(dv), a(ws["dk_part"]), a(ws["dv_part"]), a(ws["seg_sem"]), d ** -0.5,
-                     min_segment_pairs=1)
+                     min_segment_pairs=1, key_order=None if order is None else a(order))
         runs.append((dk.astype("float32").numpy(), dv.astype("float32").numpy()))
-    assert all(np.array_equal(x, y) for x, y in zip(runs[0], runs[1]))
+    assert all(np.array_equal(x, y) for r in runs[1:] for x, y in zip(runs[0], r))
     mask = orc.token_mask(ids, 64, True, None)
     _, want_dk, want_dv, _ = orc.gradients(c["q"], c["k"], c["v"], mask, c["dout"])
     assert _rel(runs[0][0], want_dk) <= GRAD_TOL and _rel(runs[0][1], want_dv) <= GRAD_TOL
