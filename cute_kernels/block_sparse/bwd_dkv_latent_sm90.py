@@ -287,7 +287,15 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
             self.gemm(mma_s, acc_S, tSrK, tSrQ, True, 0)
             # 2. P^T; dkv[:, :A_COLS] += P^T dO runs while dS^T is formed.
             acc_S_mn = acc_mn_view(acc_S)
-            self.probs(ctx, acc_S_mn, col)
+            # P^T as ``probs`` computes it, but each column's lse read from shared memory where it is used: the 16
+            # that ``columns`` would hold over S^T cost the consumers 28-32 B of spills under the CUDA 13 ptxas (the
+            # device's; the CUDA 12 one did not spill), Run AO8.
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                lse_c = ctx.sRowF[ctx.thr_col + ctx.cols[c], 0, 0]
+                for k in cutlass.range_constexpr(2):
+                    keep = ((col.keep >> (c + 16 * k)) & 1) != 0
+                    p = cute.math.exp2(acc_S_mn[k, c] * ctx.scale_log2 - lse_c, fastmath=True)
+                    acc_S_mn[k, c] = p if keep else Float32(0.0)
             convert_to_16bit(acc_as_operand_a(acc_S), tLrP)
             self.gemm(mma_lo, acc_lo, tLrP, tLrdOt, False, -1)
             delta = self.deltas(ctx, 0)
