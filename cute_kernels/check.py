@@ -132,6 +132,16 @@ def _print_row(row: dict) -> None:
         print(row["traceback"], flush=True)
 
 
+def dsl_cuda() -> int | None:
+    """The CUDA major version of the DSL build doing the compiling (12: the default ``nvidia-cutlass-dsl`` wheel,
+    13: ``nvidia-cutlass-dsl[cu13]``, picked at import: the newest one installed that the driver supports, the newest
+    without a driver). Its ptxas allocates registers differently: the same kernel can spill under one and not the
+    other (the latent dK/dV kernel did under 13 only, docs/benchmarks.md Run AO8), so check under both."""
+    mod = sys.modules.get("cutlass._mlir._mlir_libs._cutlass_ir")
+    m = re.search(r"\.cu(\d+)\.", os.path.basename(getattr(mod, "__file__", "") or ""))
+    return int(m.group(1)) if m else None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cute_kernels.check", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", required=True, help="sm_90a, sm_100a or sm_103a (the CC's target, arch.TARGETS)")
@@ -145,7 +155,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     failed = [r for r in results if not r["ok"]]
-    print(f"{len(results) - len(failed)} of {len(results)} configs compiled cleanly for {os.environ['CUTE_DSL_ARCH']}")
+    cuda = dsl_cuda()
+    print(f"{len(results) - len(failed)} of {len(results)} configs compiled cleanly for {os.environ['CUTE_DSL_ARCH']}"
+          f" (the DSL's CUDA {cuda if cuda is not None else '?'} build)")
     return 1 if failed or not results else 0
 
 

@@ -31,3 +31,21 @@ def test_clean_output_has_none_and_still_parses():
     assert C.serialized_wgmma(CLEAN) == []
     fns = C.parse_remarks(CLEAN)
     assert [(f["function"], f["registers"], f["spill_store_bytes"]) for f in fns] == [("kernel_abc", 168, 0)]
+
+
+def test_dsl_cuda_names_the_loaded_build(monkeypatch):
+    """``dsl_cuda``: the CUDA major of the DSL build in use, read from its loaded module's file name (the check's
+    summary line names it: spills differ between the cu12 and cu13 ptxas). A module named otherwise gives None."""
+    import sys
+    from types import SimpleNamespace
+
+    pytest = __import__("pytest")
+    pytest.importorskip("cutlass")
+    import cutlass  # noqa: F401  (loads the build)
+
+    assert C.dsl_cuda() in (12, 13)
+    name = "cutlass._mlir._mlir_libs._cutlass_ir"
+    monkeypatch.setitem(sys.modules, name, SimpleNamespace(__file__="/x/_cutlass_ir.cu13.cpython-311-x86_64-linux-gnu.so"))
+    assert C.dsl_cuda() == 13
+    monkeypatch.setitem(sys.modules, name, SimpleNamespace(__file__="/x/_cutlass_ir.so"))
+    assert C.dsl_cuda() is None
