@@ -36,7 +36,8 @@ SEGMENTS = 8
 #: MQA 64 16K 2.29 (2.35 / 2.33 / 3.49).
 MIN_SEGMENT_PAIRS = 256
 #: Shortest segment when the CTAs run in the plan's ``key_order`` (Note [tile-ordered segments]; the SM100
-#: kernel takes the SM90 kernels' order and length, unmeasured there): H200, 2026-12-04 (Runs AO1, AO4), against key-major at 256: 64 gave 1.02-1.10x, 256 0.99-1.10x.
+#: kernel takes the SM90 kernels' order and length, unmeasured there): H200, 2026-12-04 (Runs AO1, AO4, AO5),
+#: against key-major at 256: 64 gave 1.02-1.10x, 256 0.99-1.10x; 32 and 16 less than 64 but for MQA 64.
 ORDERED_MIN_SEGMENT_PAIRS = 64
 
 

@@ -130,6 +130,23 @@ def test_dkdv_min_segment_pairs_checked_before_launch(bad, monkeypatch):
     assert L.default_min_segment_pairs(1, 2, 2, ordered=True) == L.ORDERED_MIN_SEGMENT_PAIRS >= 1
 
 
+@pytest.mark.parametrize("shape,dtype", [((1, 15), "int32"), ((1, 16), "int64"), ((2, 16), "int32")])
+def test_dkdv_key_order_checked_before_launch(shape, dtype, monkeypatch):
+    """A key_order that is not the plan's shape ([NS, KCAP * SEGMENTS]) or not int32 is a ValueError from the
+    launcher, before any compile or launch (Note [tile-ordered segments]: the kernels trust it)."""
+    from types import SimpleNamespace
+
+    import cute_kernels.block_sparse.launch as L
+
+    monkeypatch.setattr(L, "compile_bwd_dkdv", lambda cfg, *a: pytest.fail("compiled despite a bad key_order"))
+    t = SimpleNamespace(shape=(1, 128, 2, 64))
+    ks = SimpleNamespace(shape=(1, 2))
+    order = SimpleNamespace(shape=shape, dtype=dtype)
+    with pytest.raises(ValueError, match="key_order must be int32"):
+        L.run_bwd_dkdv(SimpleNamespace(latent=False, arch=90), t, t, t, t, t, t, t, t, ks, ks, ks, ks, ks, ks, t, t, t,
+                       t, t, 0.125, key_order=order)
+
+
 def test_dkdv_segment_split_covers_every_pair_once():
     """Note [key block segments]: the split the dK/dV kernel computes (the same function, on Python ints):
     at most SEGMENTS non-empty segments of L pairs (the last one shorter), L no longer than
