@@ -1,12 +1,13 @@
 # Two entry points; each sets up everything it needs on a fresh machine (a virtualenv in .venv).
 #   make demo   - the HySparse walk-through on the embedded default (reference backend without a GPU)
 #   make test   - the test suite (CPU tests + compile checks for sm_90a and sm_100a; GPU suites skip)
+#   make check-cu13 - the compile check again under the DSL's CUDA 13 build (CI runs it after make test)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean check-cu13
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +24,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
+
+# The compile check under the DSL's CUDA 13 build (its own venv): its ptxas allocates registers unlike the CUDA 12
+# build the tests compile with, and a GPU with a CUDA 13 driver runs it (README, "Checking the kernels").
+check-cu13:
+	test -x .venv-cu13/bin/python || $(PYTHON) -m venv .venv-cu13
+	.venv-cu13/bin/python -m pip install -q "nvidia-cutlass-dsl[cu13]==4.8.1" "apache-tvm-ffi>=0.1.11,<0.2" numpy
+	CUTE_KERNELS_CHECK_DSL_CUDA=13 .venv-cu13/bin/python -m cute_kernels.check --arch sm_90a
+	CUTE_KERNELS_CHECK_DSL_CUDA=13 .venv-cu13/bin/python -m cute_kernels.check --arch sm_100a
 
 clean:
 	rm -rf $(VENV) build *.egg-info

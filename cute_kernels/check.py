@@ -158,6 +158,10 @@ def main(argv=None) -> int:
     cuda = dsl_cuda()
     print(f"{len(results) - len(failed)} of {len(results)} configs compiled cleanly for {os.environ['CUTE_DSL_ARCH']}"
           f" (the DSL's CUDA {cuda if cuda is not None else '?'} build)")
+    want = os.environ.get("CUTE_KERNELS_CHECK_DSL_CUDA")
+    if want and str(cuda) != want:  # e.g. a CUDA 12 driver makes the DSL take its CUDA 12 build
+        print(f"expected the DSL's CUDA {want} build (CUTE_KERNELS_CHECK_DSL_CUDA), compiled with CUDA {cuda}")
+        return 1
     return 1 if failed or not results else 0
 
 

@@ -49,3 +49,19 @@ def test_dsl_cuda_names_the_loaded_build(monkeypatch):
     assert C.dsl_cuda() == 13
     monkeypatch.setitem(sys.modules, name, SimpleNamespace(__file__="/x/_cutlass_ir.so"))
     assert C.dsl_cuda() is None
+
+
+def test_expected_dsl_build_is_enforced(monkeypatch, capsys):
+    """``CUTE_KERNELS_CHECK_DSL_CUDA`` (``make check-cu13`` sets 13): a run whose DSL build differs fails even when
+    every config compiled, so a CUDA 12 driver cannot turn that check into a second CUDA 12 one unnoticed."""
+    monkeypatch.setattr(C, "check", lambda *a, **k: [{"ok": True}])
+    monkeypatch.setattr(C, "dsl_cuda", lambda: 12)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("CUTE_KERNELS_CHECK_DSL_CUDA", "13")
+    assert C.main(["--arch", "sm_90a"]) == 1
+    assert "expected the DSL's CUDA 13 build" in capsys.readouterr().out
+    monkeypatch.setattr(C, "dsl_cuda", lambda: 13)
+    assert C.main(["--arch", "sm_90a"]) == 0
+    monkeypatch.delenv("CUTE_KERNELS_CHECK_DSL_CUDA")
+    monkeypatch.setattr(C, "dsl_cuda", lambda: 12)
+    assert C.main(["--arch", "sm_90a"]) == 0
