@@ -77,6 +77,18 @@ open, round r - 2 done, and the wait passes while j - 8's row facts are still re
 did that, and the H200 tests caught it: MQA 64 dK / dV differed between runs, then a launch failure.
 Waiting for round r - 1 first fixed it but spilled in the producers' 24 registers.)
 
+Note [row fact chain]: a row warp's step is a chain of dependent global reads (the pair's tile and slot, then the
+tile's selection bits, then each row's q_limit, lse and delta), and with two row warps each has two consumer
+steps' time for its own. ncu's source counters (Run AP2, GQA 64K) showed the chain as five round trips: the
+compiler put the lse and delta reads of a row behind its ``live`` test (a branch), after its q_limit had returned,
+and the consumers waited for their stage's row facts in about 13 % of their samples, the row warps in about 60 %
+of theirs on those reads. Now the three reads of a row are issued together whatever ``live`` is (every index is in
+bounds; the select comes after), a lane's two rows one after the other (both at once spilled in the producers' 24
+registers), and the next step's tile and slot are read before the stage wait, its bits right after the arrival: a
+step's facts take two round trips (one per row of a lane), the bits' overlaps the next wait. H200 (Run AP4): the
+GQA kernel 1.045x at 16K, 1.094x at 64K (local selection), 1.011x at 64K (random); MQA 64 0.992x, latent 0.982x
+(within their rounds' spread); bitwise equal.
+
 Columns (tile rows) of S^T are masked per pair: a column counts iff it is a real row (not past the
 tile's queries, not one of the 64 - WQ * GC idle rows, which are zeroed once so that 0 * row stays 0)
 whose query selected the block (its bit), and key c < that query's ``q_limit``.
@@ -118,7 +130,6 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
     #: has room for one stage and walks it with one row warp).
     stages = STAGES
     row_warps = ROW_WARPS
-    rows_unrolled = True  # load_rows: both of a lane's rows at once (False: one after the other)
 
     @staticmethod
     def smem_bytes(cfg: BwdConfig) -> int:
@@ -322,25 +333,25 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for _ in cutlass.range(wr, unroll=1):
             state.advance()
-        for i in cutlass.range(wr, (blk.p1 - blk.p0) * self.chunks, self.row_warps, unroll=1):
-            p = blk.p0 + i // self.chunks
-            w = mKeyTile[p]
-            bits = mTileMask[blk.s, w, mKeySlot[p]]
+        n = (blk.p1 - blk.p0) * self.chunks
+        # Note [row fact chain]: the step's tile and selection bits are read one step ahead.
+        p = blk.p0 + cutlass.min(wr, n - 1) // self.chunks
+        w = mKeyTile[p]
+        bits = mTileMask[blk.s, w, mKeySlot[p]]
+        for i in cutlass.range(wr, n, self.row_warps, unroll=1):
+            pn = blk.p0 + cutlass.min(i + self.row_warps, n - 1) // self.chunks
+            w_next, slot_next = mKeyTile[pn], mKeySlot[pn]
             head0 = blk.h * self.cfg.group + (i % self.chunks) * self.gc
             pipeline_rows.sync_object_empty.wait(state.index, state.phase)  # Note [row warps and parity waits]
-            if const_expr(self.rows_unrolled):
-                for rr in cutlass.range_constexpr(TILE_M // 32):
-                    self.row_facts(mLSE, mDelta, mQLimit, sRowF, sRowLim, blk, lane + 32 * rr, w, bits, head0,
-                                   state.index)
-            else:  # one row at a time: fewer registers (the latent kernel's producer warps)
-                for rr in cutlass.range(TILE_M // 32, unroll=1):
-                    self.row_facts(mLSE, mDelta, mQLimit, sRowF, sRowLim, blk, lane + 32 * rr, w, bits, head0,
-                                   state.index)
+            for rr in cutlass.range(TILE_M // 32, unroll=1):  # Note [row fact chain]
+                self.row_facts(mLSE, mDelta, mQLimit, sRowF, sRowLim, blk, lane + 32 * rr, w, bits, head0, state.index)
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(pipeline_rows.producer_get_barrier(state))
             for _ in cutlass.range_constexpr(self.row_warps):
                 state.advance()
+            w = w_next
+            bits = mTileMask[blk.s, w_next, slot_next]
 
     @cute.jit
     def row_facts(self, mLSE, mDelta, mQLimit, sRowF, sRowLim, blk, row: Int32, w: Int32, bits: Int32, head0: Int32,
@@ -352,10 +363,12 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         head = head0 + row - qi * self.gc  # < h * G + G also for idle rows: every load in bounds
         live = row < self.wq * self.gc and q < blk.seqlen
         live = live and ((bits >> qi) & 1) != 0
-        limit = cutlass.min(cutlass.max(mQLimit[blk.b, t] - blk.start, 0), self.tile_n)
+        # Note [row fact chain]: the three reads are issued together, whatever ``live`` is (all in bounds).
+        q_limit, lse, delta = mQLimit[blk.b, t], mLSE[blk.b, head, t], mDelta[blk.b, head, t]
+        limit = cutlass.min(cutlass.max(q_limit - blk.start, 0), self.tile_n)
         sRowLim[row, stage] = limit if live else Int32(0)
-        sRowF[row, 0, stage] = mLSE[blk.b, head, t] * LOG2_E if live else Float32(0.0)
-        sRowF[row, 1, stage] = mDelta[blk.b, head, t] if live else Float32(0.0)
+        sRowF[row, 0, stage] = lse * LOG2_E if live else Float32(0.0)
+        sRowF[row, 1, stage] = delta if live else Float32(0.0)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit

@@ -95,7 +95,8 @@ from .config import BLOCK_SIZE, LATENT_DIMS, TILE_M, BwdConfig
 # (TMA destinations, barriers) out of the loops into registers (seen in the PTX of bwd_dkdv_sm90.py built with one
 # stage, whose producer then spilled too). Here the producer warps spilled 60 B at 24 registers and 116 B at 32
 # with G 16; at 40, 60-64 B with per-kv-head ids (G 16 at Dk 576, G 128 at 512) until the row warp took its two
-# rows one after the other there (``rows_unrolled``); the consumers spill at 224 and fit in 232.
+# rows one after the other (now always: Note [row fact chain] in bwd_dkdv_sm90.py); the consumers spill at 224 and
+# fit in 232.
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 #: Q / dO row stages (Note [one row stage]).
 ROW_STAGES = 1
@@ -124,8 +125,6 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
         if not cfg.latent:
             raise ValueError("BlockSparseLatentBwdDKVSm90 is the latent (v=None) dK/dV kernel")
         super().__init__(cfg)
-        # load_rows one row at a time with per-kv-head ids (the producer's registers, above)
-        self.rows_unrolled = not cfg.per_kv_head
         check_setmaxnreg(PRODUCER_REGS, CONSUMER_REGS, 2)
         if (self.dk, self.dv) not in LATENT_DIMS:
             raise ValueError(f"latent head dims (Dk {self.dk}, Dv {self.dv}) not in {LATENT_DIMS}")
