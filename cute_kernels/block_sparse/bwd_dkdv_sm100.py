@@ -349,32 +349,31 @@ class BlockSparseBwdDKDVSm100:
         for a row that does not count) into the step's stage of ``pipe_facts`` (every lane commits)."""
         lane = cute.arch.lane_idx()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        # Note [row fact chain] in bwd_dkdv_sm90.py: the step's tile and selection bits are read one step ahead,
+        # a row's three reads together (``row_fact``).
+        p = self.step_of(blk, Int32(0))[0]
+        w = mKeyTile[p]
+        bits = mTileMask[blk.s, w, mKeySlot[p]]
         for i in cutlass.range(n_steps, unroll=1):
-            p, half, head0 = self.step_of(blk, i)
-            w = mKeyTile[p]
-            bits = mTileMask[blk.s, w, mKeySlot[p]]
+            _, half, head0 = self.step_of(blk, i)
+            pn = self.step_of(blk, cutlass.min(i + 1, n_steps - 1))[0]
+            w_next, slot_next = mKeyTile[pn], mKeySlot[pn]
             pipe_facts.producer_acquire(state)
-            for rr in cutlass.range_constexpr(ROWS // 32):
+            for rr in cutlass.range_constexpr(ROWS // 32):  # 168 registers here: every row's reads at once
                 row = lane + 32 * rr
                 j = row // self.gc
                 qi = half * self.qs + j
                 q = w * self.wq + qi
-                t = cutlass.min(q, blk.seqlen - 1)
-                head = head0 + row - j * self.gc
-                live = (j < self.qs) & (qi < self.wq) & (q < blk.seqlen)
-                lim = Int32(0)
-                lse = Float32(0.0)
-                delta = Float32(0.0)
-                if live:
-                    if ((bits >> qi) & 1) != 0:
-                        lim = cutlass.min(cutlass.max(mQLimit[blk.b, t] - blk.start, 0), BLOCK_SIZE)
-                        lse = mLSE[blk.b, head, t] * Float32(LOG2_E)
-                        delta = mDelta[blk.b, head, t]
+                live = (j < self.qs) & (qi < self.wq) & (q < blk.seqlen) & (((bits >> qi) & 1) != 0)
+                lim, lse, delta = BlockSparseBwdDKDVSm90.row_fact(self, mLSE, mDelta, mQLimit, blk, q,
+                                                                  head0 + row - j * self.gc, live)
                 facts_lim[row, state.index] = lim
                 facts_f[row, 0, state.index] = lse
                 facts_f[row, 1, state.index] = delta
             pipe_facts.producer_commit(state)
             state.advance()
+            w = w_next
+            bits = mTileMask[blk.s, w_next, slot_next]
 
     # ------------------------------------------------------------------ MMA warp
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, accumulate):

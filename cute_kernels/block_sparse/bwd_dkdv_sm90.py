@@ -90,7 +90,10 @@ GQA kernel 1.045x at 16K, 1.094x at 64K (local selection), 1.011x at 64K (random
 (within their rounds' spread); bitwise equal. The consumers then waited on their row facts' shared-memory reads
 (lse, limits, delta), issued after the S^T / dP^T GEMMs (Run AP2: those reads throttled in the MIO queue, and the
 first use of lse stalled in about 6 % of the consumers' samples); they are now read right after the stage's wait,
-before the GEMMs (Run AP7: GQA 1.000x / 0.999x at 16K / 64K, MQA 64 1.036x; bitwise equal).
+before the GEMMs (Run AP7: GQA 1.000x / 0.999x at 16K / 64K, MQA 64 1.036x; bitwise equal). The SM100 dK/dV
+kernel's row-fact warp (bwd_dkdv_sm100.py, ``load_facts``) had the same chain, one warp for 128 rows: it now
+shares the rule (``row_fact``: a row's limit, lse and delta, read together) and reads its next step's tile ahead
+the same way, its four rows per lane at once (no register limit there); compile-verified only, never run.
 
 Columns (tile rows) of S^T are masked per pair: a column counts iff it is a real row (not past the
 tile's queries, not one of the 64 - WQ * GC idle rows, which are zeroed once so that 0 * row stays 0)
@@ -362,16 +365,26 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
         """Tile row ``row``'s facts (``load_rows``) into ``stage``."""
         qi = row // self.gc
         q = w * self.wq + qi
-        t = cutlass.min(q, blk.seqlen - 1)
         head = head0 + row - qi * self.gc  # < h * G + G also for idle rows: every load in bounds
         live = row < self.wq * self.gc and q < blk.seqlen
         live = live and ((bits >> qi) & 1) != 0
-        # Note [row fact chain]: the three reads are issued together, whatever ``live`` is (all in bounds).
+        limit, lse_log2, delta = self.row_fact(mLSE, mDelta, mQLimit, blk, q, head, live)
+        sRowLim[row, stage] = limit
+        sRowF[row, 0, stage] = lse_log2
+        sRowF[row, 1, stage] = delta
+
+    @cute.jit
+    def row_fact(self, mLSE, mDelta, mQLimit, blk, q: Int32, head: Int32, live):
+        """(key limit, lse * log2(e), delta) of query ``q``'s row of ``head`` for the key block of ``blk``: keys
+        [0, limit) of the block are seen; (0, 0, 0) where ``live`` is false (the row does not count). Also the
+        SM100 kernel's rule (bwd_dkdv_sm100.py, ``load_facts``). Note [row fact chain]: the three reads are issued
+        together whatever ``live`` is (q is clamped to the sequence, ``head`` must be in bounds), the select
+        comes after."""
+        t = cutlass.min(q, blk.seqlen - 1)
         q_limit, lse, delta = mQLimit[blk.b, t], mLSE[blk.b, head, t], mDelta[blk.b, head, t]
-        limit = cutlass.min(cutlass.max(q_limit - blk.start, 0), self.tile_n)
-        sRowLim[row, stage] = limit if live else Int32(0)
-        sRowF[row, 0, stage] = lse * LOG2_E if live else Float32(0.0)
-        sRowF[row, 1, stage] = delta if live else Float32(0.0)
+        limit = cutlass.min(cutlass.max(q_limit - blk.start, 0), BLOCK_SIZE)
+        return (limit if live else Int32(0), lse * LOG2_E if live else Float32(0.0),
+                delta if live else Float32(0.0))
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
