@@ -125,8 +125,9 @@ NUM_THREADS = 512
 # The sum stays <= 4 * 128 (65,536 registers per SM at 512 threads). With one Q stage the second
 # softmax WG idles at the minimum and gives its registers to the softmax and correction WGs; it
 # lowers them as the very last statement of the kernel (code after a setmaxnreg.dec branch must
-# fit the smaller budget, which made ptxas spill).
-REGS = {2: (192, 192, 72, 56), 1: (232, 40, 176, 64)}
+# fit the smaller budget, which made ptxas spill). One Q stage: the softmax WG at 240 (at 232 the CUDA 13 ptxas
+# spilled 8 B there for d 256 + causal + softcap + block_logit, bf16; CUDA 12 did not; docs/benchmarks.md, Runs AP).
+REGS = {2: (192, 192, 72, 56), 1: (240, 32, 176, 64)}
 O_CHUNK = 16  # O columns the correction WG moves per TMEM load/store (16 fp32 registers)
 HEAD_DIMS = ((64, 64), (128, 128), (192, 192), (256, 256), (192, 128))
 
