@@ -67,8 +67,8 @@ from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import OnlineSoftmax, softcap_logit
 from cute_kernels.common.tile_range import TileRange, normalize_window
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
-                                       select_modes, sm90_thread0_cols, stage_acc_16bit, transpose_view,
-                                       wgmma_gemm, wgmma_smem_layout)
+                                       reread_tid_x, select_modes, sm90_thread0_cols, stage_acc_16bit,
+                                       transpose_view, wgmma_gemm, wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 
 from .config import FwdConfig
@@ -129,6 +129,13 @@ class FlashFwdSm90:
         # before it. Same values either way.
         self.bl_early_reduce = self.bl_deferred and self.num_wg == 3 and (
             self.bl_shape.blocks_per_tile >= 8 or (cfg.has_window and self.bl_shape.blocks_per_tile >= 4))
+        # Note [thread coordinates at use]: at 160 registers (3 consumer WGs) the CUDA 13 ptxas spilled 12-24 B
+        # in 13 d 64 configs (block_logit blocks of 16 with causal or a window; one causal softcap): values
+        # derived from the thread index once (the lane's column in S, its reduce-scatter halves, the epilogue's
+        # row and column) stayed live through the key-tile loops or were spilled there. Read %tid.x again where
+        # they are used (a volatile read, not merged with the first): a few integer instructions per tile,
+        # no live range across the loop. 2 WGs (240 registers) keep the values computed once.
+        self.reread_coords = self.num_wg == 3
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -420,7 +427,7 @@ class FlashFwdSm90:
         tScS_mn = acc_mn_view(thr_mma_qk.partition_C(cS))
         m_start = m_tile * self.tile_m
         rows = [m_start + tScS_mn[r, 0][0] for r in range(2)]
-        thr_col = tScS_mn[0, 0][1]
+        thr_col = self._thr_col(tiled_mma_qk, ctidx)
         cols = sm90_thread0_cols(self.tile_n)
         shift = seqlen.seqlen_k - seqlen.seqlen_q
 
@@ -459,7 +466,7 @@ class FlashFwdSm90:
             carry = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
             carry.fill(-Float32.inf)
 
-        ctx = SimpleNamespace(rows=rows, thr_col=thr_col, cols=cols, shift=shift, left=left, right=right,
+        ctx = SimpleNamespace(rows=rows, thr_col=thr_col, tiled_mma_qk=tiled_mma_qk, cols=cols, shift=shift, left=left, right=right,
                               seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr, bl_layout=bl_layout,
                               bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry, bl_scale=bl_scale,
                               softcap=softcap, softcap_in=softcap_in, softmax=softmax)
@@ -514,6 +521,15 @@ class FlashFwdSm90:
         self.epilogue(acc_O, lse, mO, mLSE, seqlen, tiled_mma_pv, thr_mma_pv, m_tile, head_idx, batch_idx,
                       ctidx, tma_atom_O, sO)
 
+    def _thr_col(self, tiled_mma_qk, ctidx: Int32) -> Int32:
+        """Column (within a key tile) of consumer thread ``ctidx``'s first S fragment entry."""
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        return acc_mn_view(tiled_mma_qk.get_slice(ctidx).partition_C(cS))[0, 0][1]
+
+    def _lane(self, ctx) -> Int32:
+        """This thread's lane, read again at the use when ``reread_coords`` (Note [thread coordinates at use])."""
+        return reread_tid_x() % 32 if const_expr(self.reread_coords) else ctx.lane
+
     @cute.jit
     def overlap_step(self, n_tile: Int32, masked: cutlass.Constexpr, kv_state, tiled_mma_qk, tiled_mma_pv,
                      tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape, pipeline_k, pipeline_v,
@@ -549,7 +565,10 @@ class FlashFwdSm90:
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[i] = softcap_logit(acc_S[i], ctx.softcap_in, ctx.softcap)
         if const_expr(masked):
-            apply_mask(acc_S_mn, ctx.cols, ctx.rows, ctx.thr_col + n_tile * self.tile_n, ctx.seqlen.seqlen_k,
+            thr_col = ctx.thr_col
+            if const_expr(self.reread_coords):
+                thr_col = self._thr_col(ctx.tiled_mma_qk, reread_tid_x() - THREADS_PER_WG)
+            apply_mask(acc_S_mn, ctx.cols, ctx.rows, thr_col + n_tile * self.tile_n, ctx.seqlen.seqlen_k,
                        ctx.shift, ctx.left, ctx.right, mask_seqlen, cfg.causal or cfg.has_window,
                        cfg.has_window)
         local_max = None
@@ -560,7 +579,7 @@ class FlashFwdSm90:
                 blk = bl.partial_block_max(self.bl_shape, acc_S_mn, ctx.cols)
                 local_max = [bl.row_max_from_blocks(self.bl_shape, blk, r) for r in range(2)]
                 if const_expr(self.bl_early_reduce):
-                    ctx.bl_pending.store(bl.reduce_row_threads(self.bl_shape, blk, ctx.lane).load())
+                    ctx.bl_pending.store(bl.reduce_row_threads(self.bl_shape, blk, self._lane(ctx)).load())
                 else:
                     ctx.bl_pending.store(blk.load())
             else:
@@ -620,6 +639,10 @@ class FlashFwdSm90:
         meet before writing. Varlen keeps the direct stores (a box would cross into the next sequence).
         """
         cfg = self.cfg
+        # The thread's coordinates again (Note [thread coordinates at use]).
+        if const_expr(self.reread_coords):
+            ctidx = reread_tid_x() - THREADS_PER_WG
+            thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
         if const_expr(cfg.varlen):
             mO_cur = cute.domain_offset((seqlen.offset_q, 0, 0), mO)[None, head_idx, None]
             mLSE_cur = cute.domain_offset((0, seqlen.offset_q), mLSE)[head_idx, None]

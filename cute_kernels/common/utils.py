@@ -164,6 +164,16 @@ def stage_acc_16bit(r16: cute.Tensor, tiled_mma: cute.TiledMma, tidx: Int32, sX:
 
 
 @dsl_user_op
+def reread_tid_x(*, loc=None, ip=None) -> Int32:
+    """``threadIdx.x`` read again where called, as a volatile read the compiler neither merges with earlier
+    reads nor hoists. For epilogues: values derived from the thread index at the kernel's start otherwise
+    stay live through the whole main loop (or spill there) only to address the final stores."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
 def ld_acquire_gpu(addr, *, loc=None, ip=None) -> Int32:
     """``ld.acquire.gpu`` of the int32 at global address ``addr`` (an Int64): a turn counter's read."""
     return Int32(llvm.inline_asm(

@@ -60,6 +60,13 @@ Note [sum of weights]
     "sum" with vec = 1 stops at nb_cap SUM_VEC1_NB_MAX = 1024. 16-byte rows (nb % 4 == 0) take
     every nb up to 2048 (232-246 registers).
 
+Note [load offsets per head]
+    With scalar loads (vec = 1) each lane reads nb_cap / 32 clamped slots of every head's row; the
+    clamped offsets depend on the lane and nb only, so ptxas computed them once as 64-bit values and
+    kept all of them live through the head loop (CUDA 13: 16 B spilled at nb_cap 512 with "sum").
+    The head loop reads the lane again (a volatile %tid.x read) so that the offsets are recomputed per
+    head: a select and a multiply-add per slot, next to a global load each.
+
 With ``causal_rows`` the row reads only blocks up to (i + Sk - Sq) // block_size (the causal read
 limit the caller vouches for) and treats the rest as -inf: half the bytes for causal self-attention.
 
@@ -73,6 +80,8 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+
+from cute_kernels.common.utils import reread_tid_x
 
 #: Output rows (warps) per CTA.
 WARPS_PER_CTA = 4
@@ -204,6 +213,8 @@ class TopkBlocks:
         tWrRaw = cute.make_rmem_tensor((cfg.per_lane,), Float32)
         unroll = max(1, min(cfg.group_size, 8 // cfg.chunks))
         for g in cutlass.range(cfg.group_size, unroll=unroll):
+            if cutlass.const_expr(cfg.vec == 1):
+                lane = reread_tid_x() % 32  # Note [load offsets per head]
             head = group * cfg.group_size + g
             lse = mLSE[batch, head, i]
             gRow = mBlockLogit[batch, head, i, None]  # (nb,)

@@ -148,6 +148,38 @@ def test_window_softcap_d64(hkv):
         assert torch.equal(o0, o1) and torch.equal(l0, l1), f"out / lse changed by block_logit (block_size={bs})"
 
 
+@pytest.mark.parametrize("hkv", [4, 1], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("case", ["causal", "window", "causal-varlen", "window-varlen"])
+def test_d64_small_blocks(case, hkv):
+    """head_dim 64 (3 WGs at 160 registers) with blocks of 16 (8 per key tile): the configs whose thread
+    coordinates are read again at their use (Note [thread coordinates at use] in attention/fwd_sm90.py).
+    Reference numerics and block_logit; out / lse bitwise the same without block_logit; with varlen, each
+    packed document (unaligned starts) exactly what it gives alone."""
+    kw = dict(causal=True) if case.startswith("causal") else dict(window=(150, 30))
+    if not case.endswith("varlen"):
+        q, k, v = make_qkv(1, 700, 700, 4, hkv, 64, seed=13)
+        o0, l0, _ = full_check(q, k, v, 0, **kw)
+        o1, l1, _ = full_check(q, k, v, 16, **kw)
+        assert torch.equal(o0, o1) and torch.equal(l0, l1), "out / lse changed by block_logit"
+        return
+    lens = [300, 77, 451]
+    q, k, v = make_qkv(1, sum(lens), sum(lens), 4, hkv, 64, seed=14)
+    q, k, v = q[0], k[0], v[0]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    out, lse, bl = run_ours(q, k, v, block_size=16, cu_q=cu, cu_k=cu, max_sq=max(lens), max_sk=max(lens), **kw)
+    assert not (bl == SENTINEL).any()
+    for i, n in enumerate(lens):
+        a, e = int(cu[i]), int(cu[i + 1])
+        one = torch.tensor([0, n], device="cuda", dtype=torch.int32)
+        o1, l1, b1 = run_ours(q[a:e], k[a:e], v[a:e], block_size=16, cu_q=one, cu_k=one, max_sq=n, max_sk=n,
+                              **kw)
+        assert torch.equal(out[a:e], o1) and torch.equal(lse[:, a:e], l1), f"doc {i}: out / lse differ"
+        assert torch.equal(bl[:, a:e, :b1.shape[-1]], b1), f"doc {i}: block_logit differs"
+        check_out_lse(q[None, a:e], k[None, a:e], v[None, a:e], o1[None], l1[None], kw)
+        _, _, bl_ref = _ref().attention_ref(q[None, a:e], k[None, a:e], v[None, a:e], block_size=16, **kw)
+        check_block_logit(b1, bl_ref[0])
+
+
 @pytest.mark.parametrize("dtype,d", [(torch.float16, 128), (torch.bfloat16, 96), (torch.bfloat16, 192)],
                          ids=["fp16-d128", "bf16-d96", "bf16-d192"])
 def test_dtypes_and_head_dims(dtype, d):
