@@ -131,11 +131,14 @@ class FlashFwdSm90:
             self.bl_shape.blocks_per_tile >= 8 or (cfg.has_window and self.bl_shape.blocks_per_tile >= 4))
         # Note [thread coordinates at use]: at 160 registers (3 consumer WGs) the CUDA 13 ptxas spilled 12-24 B
         # in 13 d 64 configs (block_logit blocks of 16 with causal or a window; one causal softcap): values
-        # derived from the thread index once (the lane's column in S, its reduce-scatter halves, the epilogue's
-        # row and column) stayed live through the key-tile loops or were spilled there. Read %tid.x again where
-        # they are used (a volatile read, not merged with the first): a few integer instructions per tile,
-        # no live range across the loop. 2 WGs (240 registers) keep the values computed once.
+        # derived from the thread index once (the lane's column in S, the lane bits of the block maxima's
+        # reduce-scatter, the epilogue's rows and columns) stayed live through the key-tile loops or were
+        # spilled there. They are computed again from a volatile %tid.x read (not merged with the first) where
+        # they are used: the epilogue's and the masked tiles' always (no cost measured), the reduce-scatter's
+        # lane bits (every key tile) only with a window or varlen, which spill without them (causal bl 16 runs
+        # 0.95x with them and compiles clean without). 2 WGs (240 registers) keep the values computed once.
         self.reread_coords = self.num_wg == 3
+        self.reread_lane = self.reread_coords and (cfg.varlen or cfg.has_window)
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -527,8 +530,8 @@ class FlashFwdSm90:
         return acc_mn_view(tiled_mma_qk.get_slice(ctidx).partition_C(cS))[0, 0][1]
 
     def _lane(self, ctx) -> Int32:
-        """This thread's lane, read again at the use when ``reread_coords`` (Note [thread coordinates at use])."""
-        return reread_tid_x() % 32 if const_expr(self.reread_coords) else ctx.lane
+        """This thread's lane, read again at the use with ``reread_lane`` (Note [thread coordinates at use])."""
+        return reread_tid_x() % 32 if const_expr(self.reread_lane) else ctx.lane
 
     @cute.jit
     def overlap_step(self, n_tile: Int32, masked: cutlass.Constexpr, kv_state, tiled_mma_qk, tiled_mma_pv,
