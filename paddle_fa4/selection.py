@@ -145,8 +145,7 @@ def select_topk_blocks(block_logit, lse, *, topk: int, num_kv_heads: Optional[in
             weights ``exp(block_logit - lse)`` (PaddleFleet's ``head_agg="sum"``; computed as a
             logsumexp of the log-weights, heads that rank nothing add 0). Both backends take
             both; the CuTe kernel's fp32 logaddexp may order two blocks whose sums agree to a few
-            ulp differently from the reference (``"max"`` is exact on both), and takes ``"sum"``
-            with ``nb > 1024`` only for ``nb % 4 == 0`` (else ``"auto"`` falls back to the reference).
+            ulp differently from the reference (``"max"`` is exact on both).
         backend (str, optional): ``"auto"``, ``"cute"`` or ``"reference"``. Default: ``"auto"``.
         name (str|None, optional): Name for the operation. Default: None.
         block_size (int|None, optional): with ``seqlen_k``, the causal read limit above (dense

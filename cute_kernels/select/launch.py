@@ -10,7 +10,7 @@ from cute_kernels import arch as _arch
 from cute_kernels.jit_cache import jit_cache
 
 from .blocks_to_indices import BlocksToIndices, BlocksToIndicesConfig
-from .topk_blocks import HEAD_AGG, NB_MAX, SUM_VEC1_NB_MAX, TOPK_MAX, TopkBlocks, TopkBlocksConfig, nb_cap_for
+from .topk_blocks import HEAD_AGG, NB_MAX, TOPK_MAX, TopkBlocks, TopkBlocksConfig, nb_cap_for
 
 
 def topk_unsupported_reason(nb: int, topk: int, head_agg: str = "max") -> str | None:
@@ -21,9 +21,6 @@ def topk_unsupported_reason(nb: int, topk: int, head_agg: str = "max") -> str | 
         return f"nb = {nb} key blocks > {NB_MAX} (the per-row registers hold at most {NB_MAX})"
     if topk > TOPK_MAX:
         return f"topk = {topk} > {TOPK_MAX}"
-    if head_agg == "sum" and nb % 4 and nb > SUM_VEC1_NB_MAX:
-        return (f'head_agg="sum" with nb = {nb} > {SUM_VEC1_NB_MAX} needs nb % 4 == 0 (16-byte rows; pad '
-                "block_logit's last axis with -inf to a multiple of 4)")
     return None
 
 
@@ -101,8 +98,7 @@ def topk_config_matrix(arch: int, full: bool = False):
     if full:
         return [TopkBlocksConfig(arch=arch, group_size=g, nb_cap=cap, topk=k, vec=vec, causal_rows=c, head_agg=a)
                 for g in (1, 4, 32) for cap in (128, 512, 2048) for k in (1, 16, 64) for vec in (1, 4)
-                for c in (False, True) for a in (("max",) if g == 1 else HEAD_AGG)
-                if a == "max" or vec == 4 or cap <= SUM_VEC1_NB_MAX]
+                for c in (False, True) for a in (("max",) if g == 1 else HEAD_AGG)]
     return [
         TopkBlocksConfig(arch=arch, group_size=32, nb_cap=512, topk=16, vec=4),  # HySparse, 32K, Hs=1
         TopkBlocksConfig(arch=arch, group_size=32, nb_cap=2048, topk=16, vec=4, causal_rows=True),  # 128K

@@ -54,11 +54,9 @@ Note [sum of weights]
     order and the NaN rule are max's. (A select on "both ranked" made ptxas spill 8-24 bytes.) The
     logs are fp32 approximations (a few ulp per head): ids can differ from an exact sum only
     between blocks whose sums are that close.
-    Registers: max's at nb_cap 2048 with scalar loads (vec = 1) already need 210 (ptxas hoists the
-    64 clamped 64-bit load offsets out of the head loop); the logaddexp's temporaries push that
-    past 255 (96-328 spill bytes; predicated loads at immediate offsets still spilled 32-88), so
-    "sum" with vec = 1 stops at nb_cap SUM_VEC1_NB_MAX = 1024. 16-byte rows (nb % 4 == 0) take
-    every nb up to 2048 (232-246 registers).
+    Registers at nb_cap 2048: 182-222 with scalar loads (vec = 1; Note [load offsets per head]: before,
+    ptxas kept the 64 clamped 64-bit load offsets live through the head loop and "sum" spilled 96-328 B
+    there, so it stopped at nb_cap 1024), 232-246 with 16-byte rows (vec = 4).
 
 Note [load offsets per head]
     With scalar loads (vec = 1) each lane reads nb_cap / 32 clamped slots of every head's row; the
@@ -95,8 +93,6 @@ UNRANKED = -3.4028234663852886e38
 _NO_BLOCK = 1 << 30
 #: How a group's heads merge: max of the log-weights, or log of the sum of the weights.
 HEAD_AGG = ("max", "sum")
-#: Largest nb_cap of a head_agg="sum" row read with scalar loads (vec = 1; see Note [sum of weights]).
-SUM_VEC1_NB_MAX = 1024
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -149,9 +145,6 @@ class TopkBlocks:
             return f"group_size must be >= 1, got {cfg.group_size}"
         if cfg.head_agg not in HEAD_AGG:
             return f"head_agg must be one of {HEAD_AGG}, got {cfg.head_agg!r}"
-        if cfg.head_agg == "sum" and cfg.vec == 1 and cfg.nb_cap > SUM_VEC1_NB_MAX:
-            return (f'head_agg="sum" with scalar loads (nb not a multiple of 4) takes nb <= {SUM_VEC1_NB_MAX}, '
-                    f"got nb_cap {cfg.nb_cap}: the logaddexp on top of 64 clamped loads per lane spills")
         return None
 
     @cute.jit

@@ -264,11 +264,10 @@ def test_head_agg_sum_runs_on_the_cute_backend(monkeypatch):
     assert calls and calls[0][-1] == "sum"
     assert glue.topk_unsupported_reason(90, nb=8, topk=2, head_agg="sum") is None
     assert "head_agg = 'mean'" in topk_unsupported_reason(8, 2, "mean")
-    # scalar-load rows (nb % 4 != 0) above 1024 blocks: no sum config (it would spill); cute says so
-    assert topk_unsupported_reason(2048, 2, "sum") is None and topk_unsupported_reason(1023, 2, "sum") is None
-    with pytest.raises(NotImplementedError, match=r'head_agg="sum" with nb = 1025 > 1024 needs nb % 4 == 0'):
-        paddle_fa4.select_topk_blocks(paddle.zeros([1, 2, 1, 1025]), paddle.zeros([1, 2, 1]), topk=2,
-                                      head_agg="sum", backend="cute")
+    # every nb up to NB_MAX, 16-byte rows or not (scalar-load rows above 1024 blocks since 2026-12-04)
+    for nb in (2048, 2047, 1025, 1023):
+        assert topk_unsupported_reason(nb, 2, "sum") is None
+    assert "nb = 2049 key blocks > 2048" in topk_unsupported_reason(2049, 2, "sum")
     assert topk_config(90, 4, 2, 8, 2, head_agg="sum").head_agg == "sum"
     assert topk_config(90, 4, 4, 8, 2, head_agg="sum").head_agg == "max"  # one head per group: the same
     with pytest.raises(ValueError, match="head_agg must be one of"):

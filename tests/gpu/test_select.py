@@ -99,7 +99,8 @@ def test_nan_rule_matches_oracle(hs, sink, local, topk):
 
 SUM_CASES = [c for c in CASES if c.id in ("all-heads-nb19-vec1", "gqa-8to2-ties-vec4", "window", "all-ties",
                                          "nb2048-topk64", "hysparse-32k-rows")] + [
-    pytest.param(1, 4, 9, 1023 * 16, 16, 1, 33, 0, 3, None, False, id="nb1023-vec1-topk33"),  # vec 1: nb <= 1024
+    pytest.param(1, 4, 9, 1023 * 16, 16, 1, 33, 0, 3, None, False, id="nb1023-vec1-topk33"),  # vec 1
+    pytest.param(1, 4, 5, 2047 * 16, 16, 1, 64, 1, 2, None, False, id="nb2047-vec1-topk64"),  # vec 1, nb_cap 2048
 ]
 
 
