@@ -469,10 +469,10 @@ class FlashFwdSm90:
             carry = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
             carry.fill(-Float32.inf)
 
-        ctx = SimpleNamespace(rows=rows, thr_col=thr_col, tiled_mma_qk=tiled_mma_qk, cols=cols, shift=shift, left=left, right=right,
-                              seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr, bl_layout=bl_layout,
-                              bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry, bl_scale=bl_scale,
-                              softcap=softcap, softcap_in=softcap_in, softmax=softmax)
+        ctx = SimpleNamespace(rows=rows, thr_col=thr_col, tiled_mma_qk=tiled_mma_qk, cols=cols, shift=shift,
+                              left=left, right=right, seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr,
+                              bl_layout=bl_layout, bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry,
+                              bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax)
         if const_expr(self.bl_early_reduce):
             ctx.bl_pending = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
         elif const_expr(self.bl_deferred):

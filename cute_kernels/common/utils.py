@@ -165,9 +165,10 @@ def stage_acc_16bit(r16: cute.Tensor, tiled_mma: cute.TiledMma, tidx: Int32, sX:
 
 @dsl_user_op
 def reread_tid_x(*, loc=None, ip=None) -> Int32:
-    """``threadIdx.x`` read again where called, as a volatile read the compiler neither merges with earlier
-    reads nor hoists. For epilogues: values derived from the thread index at the kernel's start otherwise
-    stay live through the whole main loop (or spill there) only to address the final stores."""
+    """``threadIdx.x`` read again where called, as a volatile read that LLVM neither merges with earlier reads
+    nor hoists out of loops: values derived from it are computed at their use instead of being kept live
+    (or spilled) through a main loop from the kernel's start. ptxas may still hoist what it sees is
+    loop-invariant (it did so for the SM100 backward's dS store addresses: docs/benchmarks.md, Runs AQ)."""
     return Int32(llvm.inline_asm(
         T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT))

@@ -206,14 +206,14 @@ class TopkBlocks:
         tWrRaw = cute.make_rmem_tensor((cfg.per_lane,), Float32)
         unroll = max(1, min(cfg.group_size, 8 // cfg.chunks))
         for g in cutlass.range(cfg.group_size, unroll=unroll):
-            if cutlass.const_expr(cfg.vec == 1):
-                lane = reread_tid_x() % 32  # Note [load offsets per head]
+            # Note [load offsets per head]: scalar-load rows take the lane afresh in every head
+            lane_h = reread_tid_x() % 32 if cutlass.const_expr(cfg.vec == 1) else lane
             head = group * cfg.group_size + g
             lse = mLSE[batch, head, i]
             gRow = mBlockLogit[batch, head, i, None]  # (nb,)
             # 1. issue every load of the head first (clamped in range, so no branch around them)
             for m in cutlass.range_constexpr(cfg.chunks):
-                chunk = Int32(cutlass.select_(m * 32 + lane < n_vec, m * 32 + lane, n_vec - 1))
+                chunk = Int32(cutlass.select_(m * 32 + lane_h < n_vec, m * 32 + lane_h, n_vec - 1))
                 cute.autovec_copy(cute.local_tile(gRow, (cfg.vec,), (chunk,)),
                                   cute.local_tile(tWrRaw, (cfg.vec,), (m,)))
             # 2. log-weight and the merge over heads under the NaN rule (Note [NaN scores])
@@ -221,7 +221,7 @@ class TopkBlocks:
                 for v in cutlass.range_constexpr(cfg.vec):
                     e = m * cfg.vec + v
                     x = tWrRaw[e]
-                    seen = (x > neg_inf) & (self.block_id(lane, m, v) < nb)  # False for NaN x
+                    seen = (x > neg_inf) & (self.block_id(lane_h, m, v) < nb)  # False for NaN x
                     diff = x - lse  # NaN or -inf when lse is NaN or +inf: seen but unranked
                     val = Float32(cutlass.select_(seen, Float32(cutlass.select_(diff > unranked, diff, unranked)),
                                                   neg_inf))
