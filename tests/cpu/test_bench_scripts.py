@@ -115,3 +115,21 @@ def test_bench_block_sparse_dry(tmp_path):
     assert "idx_fwd_bwd_ms" in rows[0] and "idx_fwd_bwd_ms" not in rows[1]  # the token path: GQA only
     assert "bs_dkdv_L256_ms" in rows[1] and len(rows[0]["speedup_vs_idx_fwd_bwd"]) == 3
     assert "dkdv ms by shortest segment" in md and "64: " in md and "256: " in md
+
+
+def test_bench_json_feeds_plot(tmp_path):
+    """What bench_fwd / bench_bwd / bench_block_sparse write with --json is what bench/plot.py reads."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "bench"))
+    import plot
+
+    fwd, _, _ = dry(tmp_path, "bench_fwd", "--hdims", "128", "--seqlens", "2048", "--modes", "causal", "--host-n", "0")
+    bwd, _, _ = dry(tmp_path, "bench_bwd", "--hdims", "64", "--seqlens", "4096", "--heads", "16", "--modes", "full",
+                    "--host-n", "0")
+    bs, _, _ = dry(tmp_path, "bench_block_sparse", "--seqlens", "16K", "--selections", "local", "--shapes", "gqa")
+    got = [(e["family"], e["shape"], e["series"]) for doc, name in ((fwd, "f"), (bwd, "b"), (bs, "s"))
+           for e in plot.entries_from_bench(doc, name)]
+    assert got == [("forward", "d128 2K 16/16 causal", "ours+bl / FA4"), ("forward", "d128 2K 16/16 causal", "ours / FA4"),
+                   ("backward", "d64 4K 16/16 full", "ours / FA4"), ("backward", "d64 4K 16/16 full", "det / FA4 det"),
+                   ("block_sparse", "gqa 16K", "fwd+bwd vs token path"), ("block_sparse", "gqa 16K", "fwd vs token path")]
+    e = plot.entries_from_bench(fwd, "f")[0]
+    assert e["ratio"] == fwd["rows"][0]["ratios"]["bl_over_fa4"]["median"] and e["gpu"] == "FakeGPU"
