@@ -45,7 +45,8 @@ def bs_doc():
 def test_entries_from_bench_json():
     fwd = plot.entries_from_bench(fwd_doc(), "fwd.json")
     assert [(e["family"], e["shape"], e["series"], e["ratio"]) for e in fwd] == [
-        ("forward", "d128 8K 32/8 causal", "ours+bl / FA4", 0.91), ("forward", "d128 8K 32/8 causal", "ours / FA4", 0.95)]
+        ("forward", "d128 8K 32/8 causal", "ours+bl / FA4", 0.91),
+        ("forward", "d128 8K 32/8 causal", "ours / FA4", 0.95)]
     assert fwd[0]["lo"] == 0.9 and fwd[0]["hi"] == 0.92
     assert fwd[0]["run"] == "fwd.json" and fwd[0]["commit"] == "abc1234" and fwd[0]["date"] == "2026-12-05"
     bwd = plot.entries_from_bench(bwd_doc(), "bwd.json")
