@@ -105,3 +105,21 @@ def test_figures_json_quotes_benchmarks_md():
 def test_committed_png_is_small():
     size = os.path.getsize(os.path.join(ROOT, "docs", "img", "benchmarks.png"))
     assert size < 150_000, size
+
+
+def test_readme_figures_are_in_benchmarks_md():
+    """README's "where it stands" table quotes docs/benchmarks.md: every number in it is one the tables hold."""
+    import re
+
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        readme = fh.read()
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as fh:
+        bench = fh.read()
+    start = readme.index("Where it stands")
+    table = [line for line in readme[start:readme.index("docs/img/benchmarks.png", start)].splitlines()
+             if line.startswith("| ") and not line.startswith("| op |")]
+    assert len(table) >= 10
+    numbers = {n for line in table for n in re.findall(r"\d+\.\d+", line.split("|")[4])}
+    assert len(numbers) >= 30
+    missing = sorted(n for n in numbers if not re.search(r"(?<![\d.])" + re.escape(n) + r"(?![\d])", bench))
+    assert not missing, missing
