@@ -12,8 +12,9 @@
 #   bench/run_all.sh bwd_wide layer bsparse   # opt-in: d 192 / 256 backward, the full layer, block-sparse
 #   OUT=/tmp/b PYTHON=.venv/bin/python WINDOW=0.5 ROUNDS=3 bench/run_all.sh
 #
-# Writes $OUT/<step>.json, $OUT/<step>.md, $OUT/<step>.log, and $OUT/summary.md (all markdown
-# tables concatenated, with each step's wall time). Extra flags for every step: EXTRA="--graph".
+# Writes $OUT/<step>.json, $OUT/<step>.md, $OUT/<step>.log, $OUT/summary.md (all markdown
+# tables concatenated, with each step's wall time) and $OUT/benchmarks.png (bench/plot.py over the
+# forward, backward and block-sparse steps' JSON). Extra flags for every step: EXTRA="--graph".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
@@ -85,4 +86,14 @@ done
         cat "$f"
     done
 } > "$OUT/summary.md"
+
+# ours / anchor per shape of this run's forward, backward and block-sparse steps (bench/plot.py; needs matplotlib)
+plots=()
+for f in "$OUT"/fwd*.json "$OUT"/bwd*.json "$OUT"/bsparse*.json; do
+    [ -e "$f" ] && [ "$f" != "$OUT/fwd_unfused.json" ] && plots+=("$f")
+done
+if [ ${#plots[@]} -gt 0 ]; then
+    "$PYTHON" bench/plot.py --no-figures "${plots[@]}" --out "$OUT/benchmarks.png" >> "$OUT/summary.log" 2>&1 \
+        || echo "plot skipped (bench/plot.py failed; matplotlib installed?)" | tee -a "$OUT/summary.log"
+fi
 exit $status
