@@ -13,6 +13,7 @@ LAUNCH_MODULES = (
     "cute_kernels.attention.launch",
     "cute_kernels.attention.bwd_launch",
     "cute_kernels.block_sparse.launch",
+    "cute_kernels.decode.launch",
     "cute_kernels.h2o.launch",
     "cute_kernels.indexed.launch",
     "cute_kernels.select.launch",

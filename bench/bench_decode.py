@@ -1,0 +1,283 @@
+"""Benchmark of the decode kernels (issue 41) against FA4 b36 and torch SDPA, in KV bytes per second.
+
+    python bench/bench_decode.py [--quick] [--window 0.5] [--rounds 3] [--no-flush] [--graph]
+                                 [--json FILE] [--markdown [FILE]] [--host-n 100]
+
+Timing by bench/_timing.py for every variant alike (own window per variant, L2 flushed between
+repetitions, launches queued back to back, alternating windows for --rounds rounds in ONE process;
+median and min-max of the window medians; per-round ratios). Bytes: K + V of every key each (sequence,
+kv head) holds, plus q and out. Ceilings measured in the same process: a streaming read of 2 GiB
+(``x.sum()`` over fp32, bytes read / time) and a device copy of 2 GiB (``y.copy_(x)``, read + write).
+
+Shapes (bf16, d 128, one query token, causal, lengths = Sk for every sequence): Hq/Hkv 32/8, 64/8, 8/1;
+contiguous cache (FA4 and SDPA beside ours), paged P 16 and P 64 (ours in FastDeploy's [pages, Hkv, P, D];
+FA4 paged in its own [pages, P, Hkv, D] where it runs); (B, Sk) in (1, 8K/32K/128K), (8, 8K/32K),
+(64, 4K/16K), (256, 2K). Also: block_logit (block 64) overhead, sparse decode (16 blocks of 64 + a
+128-token window per (sequence, kv head), pool of Sk 32K / 128K: bytes over the selected pages), and
+the launcher's host time per call (tiny shape, GPU kept busy), reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _timing import (RunInfo, add_method_args, bench_windows, host_us_per_call, method_from_args,  # noqa: E402
+                     timer_from_args, write_markdown)
+
+torch = None
+L = None
+DEV = "cuda"
+D = 128
+HEADS = ((32, 8), (64, 8), (8, 1))
+SHAPES = ((1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (64, 4096), (64, 16384), (256, 2048))
+
+
+def _imports() -> None:
+    global torch, L
+    import torch as torch_
+
+    from cute_kernels.decode import launch as launch_
+
+    torch, L = torch_, launch_
+
+
+def ceilings(timer, rounds: int) -> tuple[float, float]:
+    """(streaming read bytes/s, device copy bytes/s) of 2 GiB buffers."""
+    n = 2 << 30
+    x = torch.randn(n // 4, dtype=torch.float32, device=DEV)
+    y = torch.empty_like(x)
+    res = bench_windows({"read": lambda: x.sum(), "copy": lambda: y.copy_(x)}, rounds=rounds, timer=timer)
+    read = n / (res["read"].median_ms * 1e-3)
+    copy = 2 * n / (res["copy"].median_ms * 1e-3)
+    del x, y
+    torch.cuda.empty_cache()
+    return read, copy
+
+
+class Shape:
+    """Inputs of one decode shape: ours (launcher, preallocated outputs), FA4 and SDPA where they apply."""
+
+    def __init__(self, b, sk, hq, hkv, layout, page, bs=0, sparse=False, pool=0):
+        self.b, self.sk, self.hq, self.hkv, self.layout, self.page, self.bs = b, sk, hq, hkv, layout, page, bs
+        dt = torch.bfloat16
+        self.q = torch.randn(b, 1, hq, D, device=DEV, dtype=dt)
+        self.scale = 1.0 / math.sqrt(D)
+        if layout == "contiguous":
+            self.k = torch.randn(b, sk, hkv, D, device=DEV, dtype=dt)
+            self.v = torch.randn(b, sk, hkv, D, device=DEV, dtype=dt)
+            self.table = None
+            self.seq = torch.full((b, hkv), sk, dtype=torch.int32, device=DEV)
+            self.keys = b * hkv * sk
+        elif not sparse:
+            pages = sk // page
+            n_pages = b * pages
+            self.k = torch.randn(n_pages, hkv, page, D, device=DEV, dtype=dt)
+            self.v = torch.randn(n_pages, hkv, page, D, device=DEV, dtype=dt)
+            perm = torch.randperm(n_pages, device=DEV).to(torch.int32).view(b, pages)
+            self.table = perm[:, None, :].expand(b, hkv, pages).contiguous()
+            self.table2d = perm.contiguous()
+            self.seq = torch.full((b, hkv), sk, dtype=torch.int32, device=DEV)
+            self.keys = b * hkv * sk
+        else:  # 16 random 64-token blocks + the last 128 tokens of a pool of `pool` tokens, P = page
+            pages = pool // page
+            n_pages = b * pages
+            self.k = torch.randn(n_pages, hkv, page, D, device=DEV, dtype=dt)
+            self.v = torch.randn(n_pages, hkv, page, D, device=DEV, dtype=dt)
+            per_block = 64 // page
+            sel = []
+            for _ in range(b * hkv):
+                blocks = torch.randperm(pool // 64 - 2)[:16].sort().values
+                ids = (blocks[:, None] * per_block + torch.arange(per_block)).flatten()
+                win = torch.arange(pages - 128 // page, pages)
+                sel.append(torch.cat([ids, win]))
+            sel = torch.stack(sel).view(b, hkv, -1)
+            base = (torch.arange(b) * pages).view(b, 1, 1)
+            self.table = (sel + base).to(torch.int32).to(DEV).contiguous()
+            n_tok = self.table.shape[2] * page
+            self.seq = torch.full((b, hkv), n_tok, dtype=torch.int32, device=DEV)
+            self.keys = b * hkv * n_tok
+        self.nbytes = self.keys * D * 2 * 2 + 2 * self.q.numel() * 2
+        self.out = torch.empty_like(self.q)
+        self.lse = torch.empty(b, hq, 1, dtype=torch.float32, device=DEV)
+        sk_max = L.sk_max(self.k, self.table, layout)
+        self.blk = torch.empty(b, hq, 1, -(-sk_max // bs), dtype=torch.float32, device=DEV) if bs else None
+        sm = torch.cuda.get_device_properties(0).multi_processor_count
+        self.splits = L.choose_num_splits(self.q, self.k, self.table, layout=layout, sm_count=sm, block_size=bs)
+        self.o_part = self.lse_part = None
+        if self.splits > 1:
+            o_shape, l_shape = L.partial_shapes(self.q, self.splits)
+            self.o_part = torch.empty(o_shape, dtype=torch.float32, device=DEV)
+            self.lse_part = torch.empty(l_shape, dtype=torch.float32, device=DEV)
+
+    def ours(self):
+        L.run_decode(self.q, self.k, self.v, self.seq, self.table, self.out, self.lse, self.blk, self.o_part,
+                     self.lse_part, layout=self.layout, softmax_scale=self.scale, window_left=-1, window_right=0,
+                     block_size=self.bs)
+
+    def fa4(self):
+        """FA4 b36 (pack_gqa, causal; its paged mode on [pages, P, Hkv, D] copies), or None where it fails."""
+        try:
+            from flash_attn.cute.interface import _flash_attn_fwd
+        except Exception:
+            return None
+        if self.layout == "contiguous":
+            seqused = self.seq[:, 0].contiguous()
+
+            def fn():
+                _flash_attn_fwd(self.q, self.k, self.v, seqused_k=seqused, causal=True, pack_gqa=True,
+                                softmax_scale=self.scale)
+        else:
+            k_fa = self.k.transpose(1, 2).contiguous()
+            v_fa = self.v.transpose(1, 2).contiguous()
+            seqused = self.seq[:, 0].contiguous()
+            table = self.table2d
+
+            def fn():
+                _flash_attn_fwd(self.q, k_fa, v_fa, seqused_k=seqused, page_table=table, causal=True,
+                                pack_gqa=True, softmax_scale=self.scale)
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - recorded as "does not run"
+            print(f"   FA4 does not run here: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            return None
+        return fn
+
+    def sdpa(self):
+        if self.layout != "contiguous":
+            return None
+        q = self.q.transpose(1, 2)  # [B, Hq, 1, D]
+        k = self.k.permute(0, 2, 1, 3).contiguous()  # [B, Hkv, Sk, D]
+        v = self.v.permute(0, 2, 1, 3).contiguous()
+        f = torch.nn.functional.scaled_dot_product_attention
+
+        def fn():
+            f(q, k, v, enable_gqa=True, scale=self.scale)
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            print(f"   SDPA does not run here: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            return None
+        return fn
+
+
+def _row(kind, shp, res, read_bw, copy_bw, extra=None):
+    t = res["ours"].median_ms * 1e-3
+    row = {"kind": kind, "B": shp.b, "Sk": shp.sk, "Hq": shp.hq, "Hkv": shp.hkv, "layout": shp.layout, "P": shp.page,
+           "splits": shp.splits, "us": t * 1e6, "us_lo": res["ours"].lo_ms * 1e3, "us_hi": res["ours"].hi_ms * 1e3,
+           "bytes": shp.nbytes, "GBps": shp.nbytes / t / 1e9, "frac_read": shp.nbytes / t / read_bw,
+           "frac_copy": shp.nbytes / t / copy_bw, "tokens": shp.keys,
+           "stats": {n: st.as_dict() for n, st in res.items()}, "rounds": res.rounds}
+    for other in ("fa4", "sdpa", "nobl"):
+        if other in res:
+            row[f"{other}_us"] = res[other].median_ms * 1e3
+            row[f"vs_{other}"] = res.ratio(other, "ours").as_dict()
+    row.update(extra or {})
+    return row
+
+
+def _fmt(row):
+    s = (f"{row['kind']:<8} {row['Hq']:>2}/{row['Hkv']:<1} {row['layout']:<10} P={row['P']:<3} B={row['B']:<3} "
+         f"Sk={row['Sk']:<6} S={row['splits']:<3} {row['us']:8.1f} us {row['GBps']:6.0f} GB/s "
+         f"{100 * row['frac_read']:5.1f}% read")
+    for other in ("fa4", "sdpa", "nobl"):
+        if f"vs_{other}" in row:
+            r = row[f"vs_{other}"]
+            s += f"  {other} {row[other + '_us']:8.1f} us x{r['median']:.2f} ({r['lo']:.2f}-{r['hi']:.2f})"
+    return s
+
+
+def plan(quick: bool):
+    out = []
+    for hq, hkv in HEADS:
+        for layout, page in (("contiguous", 0), ("hnd", 16), ("hnd", 64)):
+            for b, sk in SHAPES:
+                out.append(("dense", dict(b=b, sk=sk, hq=hq, hkv=hkv, layout=layout, page=page)))
+    if quick:
+        out = [x for i, x in enumerate(out) if x[1]["hq"] == 32 and x[1]["b"] in (1, 8, 64, 256)][::2]
+    for b, sk in ((1, 131072), (8, 32768), (64, 16384)):
+        out.append(("blk", dict(b=b, sk=sk, hq=32, hkv=8, layout="hnd", page=64, bs=64)))
+    for b, pool in ((1, 32768), (1, 131072), (8, 32768), (8, 131072), (64, 32768)):
+        out.append(("sparse", dict(b=b, sk=pool, hq=32, hkv=8, layout="hnd", page=64, sparse=True, pool=pool)))
+    return out
+
+
+def run(args) -> dict:
+    info = RunInfo(gpu=torch.cuda.get_device_name(), method=method_from_args(args))
+    timer = timer_from_args(args)
+    read_bw, copy_bw = ceilings(timer, args.rounds)
+    print(f"streaming read {read_bw / 1e9:.0f} GB/s, device copy {copy_bw / 1e9:.0f} GB/s "
+          f"({torch.cuda.get_device_name()})", flush=True)
+    rows = []
+    for kind, kw in plan(args.quick):
+        shp = Shape(**kw)
+        fns = {"ours": shp.ours}
+        if kind == "dense":
+            for name, fn in (("fa4", shp.fa4()), ("sdpa", shp.sdpa())):
+                if fn is not None:
+                    fns[name] = fn
+        elif kind == "blk":
+            base = Shape(**{k: v for k, v in kw.items() if k != "bs"})
+            fns["nobl"] = base.ours
+        res = bench_windows(fns, rounds=args.rounds, timer=timer)
+        row = _row(kind, shp, res, read_bw, copy_bw)
+        rows.append(row)
+        print(_fmt(row), flush=True)
+        del shp, fns
+        torch.cuda.empty_cache()
+    host = None
+    if args.host_n > 0:
+        shp = Shape(b=1, sk=256, hq=32, hkv=8, layout="hnd", page=16)
+        host = host_us_per_call(shp.ours, n=args.host_n)
+        print(f"host time per run_decode call (launcher, unsplit): {host:.1f} us", flush=True)
+    info.finish()
+    return {"run": info.as_dict(), "read_GBps": read_bw / 1e9, "copy_GBps": copy_bw / 1e9, "host_us": host,
+            "rows": rows, "_info": info}
+
+
+def markdown(info, res) -> str:
+    lines = ["# Decode", "", info.markdown(),
+             f"- streaming read {res['read_GBps']:.0f} GB/s, device copy {res['copy_GBps']:.0f} GB/s; "
+             f"launcher host time {res['host_us'] or float('nan'):.1f} us per call", "",
+             "| kind | Hq/Hkv | layout | P | B | Sk | splits | us | GB/s | % read | vs FA4 | vs SDPA | vs no-blk |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        def ratio(k):
+            x = r.get(f"vs_{k}")
+            return "-" if x is None else f"{x['median']:.2f}x ({x['lo']:.2f}-{x['hi']:.2f})"
+        lines.append(f"| {r['kind']} | {r['Hq']}/{r['Hkv']} | {r['layout']} | {r['P']} | {r['B']} | {r['Sk']} | "
+                     f"{r['splits']} | {r['us']:.1f} | {r['GBps']:.0f} | {100 * r['frac_read']:.0f}% | {ratio('fa4')} | "
+                     f"{ratio('sdpa')} | {ratio('nobl')} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a subset of the dense shapes")
+    ap.add_argument("--host-n", type=int, default=100, help="calls per host-cost measurement (0: skip)")
+    add_method_args(ap)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    _imports()
+    res = run(args)
+    info = res.pop("_info")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    write_markdown(args.markdown, markdown(info, res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

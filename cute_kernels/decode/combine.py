@@ -1,0 +1,81 @@
+"""Combine of the decode kernel's split partials, in split order (bitwise repeatable).
+
+    lse   = log(sum_s exp(lse_s))                         (-inf when every split is empty)
+    out   = sum_s exp(lse_s - lse) * o_s                   (0 for an empty row)
+
+``o_part [S, B, Sq, Hq, D]`` fp32 (each split's output, normalised over its own keys; 0 where the
+split saw no key), ``lse_part [S, B, Sq, Hq]`` fp32 (-inf where empty). One warp per output row
+(b, s, hq); lane ``i`` owns the ``D / 32`` contiguous elements at ``i * D / 32``. The split max is a
+warp reduction (max is exact in any order); the weighted sums run over s = 0, 1, ... in that order.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from dataclasses import dataclass
+
+from cutlass import Float32
+
+from cute_kernels.common.softmax import exp2_reference
+from cute_kernels.common.utils import LN_2, LOG2_E, row_allreduce
+from cute_kernels.dtypes import cutlass_dtype
+
+WARPS = 4
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    arch: int
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+
+
+class DecodeCombine:
+    def __init__(self, cfg: CombineConfig):
+        self.cfg = cfg
+        self.dtype = cutlass_dtype(cfg.dtype)
+        self.vec = cfg.head_dim // 32
+
+    @cute.jit
+    def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, stream):
+        rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
+        self.kernel(mOp, mLp, mO, mLse).launch(grid=[(rows + WARPS - 1) // WARPS, 1, 1],
+                                               block=[32 * WARPS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        row = bidx * WARPS + tidx // 32
+        sq = mO.shape[1]
+        hq = mO.shape[2]
+        rows = mO.shape[0] * sq * hq
+        if row < rows:
+            h = row % hq
+            bs = row // hq
+            s = bs % sq
+            b = bs // sq
+            n = mLp.shape[0]
+            mx = -Float32.inf
+            for sp in cutlass.range(lane, n, 32, unroll=1):
+                mx = cute.arch.fmax(mx, mLp[sp, b, s, h])
+            mx = row_allreduce(mx, 32, cute.arch.fmax)
+            m_ref = exp2_reference(mx)
+            acc = cute.make_rmem_tensor(cute.make_layout(self.vec), Float32)
+            acc.fill(0.0)
+            tot = Float32(0.0)
+            d0 = lane * self.vec
+            for sp in cutlass.range(n, unroll=1):
+                w = cute.math.exp2((mLp[sp, b, s, h] - m_ref) * LOG2_E, fastmath=True)
+                tot = tot + w
+                for v in cutlass.range_constexpr(self.vec):
+                    acc[v] = acc[v] + w * mOp[sp, b, s, h, d0 + v]
+            empty = tot == 0.0 or tot != tot
+            inv = Float32(0.0) if empty else 1.0 / tot
+            for v in cutlass.range_constexpr(self.vec):
+                mO[b, s, h, d0 + v] = (acc[v] * inv).to(self.dtype)
+            if lane == 0:
+                mLse[b, h, s] = -Float32.inf if empty else (m_ref * LOG2_E + cute.math.log2(tot, fastmath=True)) * LN_2
+

@@ -1,0 +1,146 @@
+"""Decode attention configs: what changes generated code, and the host rules derived from it.
+
+One kernel serves SM90 and SM100 (warp-level ``mma.sync`` and ``cp.async``; see ``fwd.py``), so a
+config's ``arch`` only picks the compile target. Static in a config: dtype, head dim, G (query heads
+per kv head), Sq, the cache layout and page size, which masks are live, softcap, block_logit's block
+size and whether the result goes to split partials. Batch, kv heads, pages, lengths, the window
+sizes, the scale and the split count are runtime values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cute_kernels import arch as _arch
+
+LAYOUTS = ("hnd", "nhd", "contiguous")
+PAGE_SIZES = (1, 8, 16, 32, 64, 128, 256)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("bfloat16", "float16")
+
+WARPS = 4  # warps per CTA; each takes its own contiguous quarter of the CTA's keys
+KEYS_PER_STEP = 16  # keys one warp consumes per pipeline step (one k16 of P @ V)
+RING_BYTES_PER_WARP = 24 * 1024  # target bytes of K + V in each warp's cp.async ring
+MAX_GROUP_ROWS = 256  # G * Sq
+MAX_SPLITS = 128
+MIN_KEYS_PER_SPLIT = 256
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    arch: int
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    group: int = 4  # G = Hq / Hkv
+    seqlen_q: int = 1  # Sq
+    layout: str = "hnd"
+    page_size: int = 16  # P; ignored (0) for the contiguous layout
+    mask_right: bool = False  # causal or a finite right window
+    mask_left: bool = False  # a finite left window
+    softcap: bool = False
+    block_size: int = 0  # block_logit's key block (0: no block_logit)
+    split: bool = False  # write fp32 split partials for the combine kernel
+
+    # ---------------------------------------------------------------- derived (compile-time) sizes
+    @property
+    def rows(self) -> int:
+        """Packed query rows of one kv head: G * Sq (row m = s * G + g)."""
+        return self.group * self.seqlen_q
+
+    @property
+    def m_tiles(self) -> int:
+        """m16 tiles each warp holds (its O accumulator is m_tiles x head_dim fp32)."""
+        return 1 if self.rows <= 16 or self.head_dim > 128 else 2
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 16 * self.m_tiles
+
+    @property
+    def row_blocks(self) -> int:
+        """CTAs along the packed rows of one (sequence, kv head, split): each reads the keys again."""
+        return -(-self.rows // self.rows_per_cta)
+
+    @property
+    def q_in_regs(self) -> bool:
+        """Q's A fragments live in registers (else ldmatrix from shared memory at every step)."""
+        return self.m_tiles * self.head_dim <= 128
+
+    @property
+    def stage_bytes(self) -> int:
+        """One warp's K + V tile of one pipeline step."""
+        return 2 * KEYS_PER_STEP * self.head_dim * 2
+
+    @property
+    def stages(self) -> int:
+        return max(2, min(8, RING_BYTES_PER_WARP // self.stage_bytes))
+
+    @property
+    def ring_bytes(self) -> int:
+        return WARPS * self.stages * self.stage_bytes
+
+    @property
+    def merge_bytes(self) -> int:
+        """The warps' (O, max, sum) exchanged through shared memory after the key loop (reuses the ring)."""
+        return WARPS * self.rows_per_cta * (self.head_dim + 2) * 4
+
+    @property
+    def q_bytes(self) -> int:
+        return self.rows_per_cta * self.head_dim * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        return max(self.ring_bytes, self.merge_bytes) + self.q_bytes
+
+    @property
+    def key_align(self) -> int:
+        """Granule of the key ranges handed to warps: whole block_logit blocks (or whole steps)."""
+        return self.block_size if self.block_size else KEYS_PER_STEP
+
+
+def unsupported_reason(cfg: DecodeConfig) -> str | None:
+    """None when ``cfg`` compiles and runs, else the unsupported case, named."""
+    why = _arch.arch_reason(cfg.arch)
+    if why is not None:
+        return why
+    if cfg.dtype not in DTYPES:
+        return f"dtype {cfg.dtype} (decode takes bfloat16 / float16)"
+    if cfg.head_dim not in HEAD_DIMS:
+        return f"head_dim {cfg.head_dim} (decode takes {HEAD_DIMS})"
+    if cfg.layout not in LAYOUTS:
+        return f"layout {cfg.layout!r} (one of {LAYOUTS})"
+    if cfg.layout != "contiguous" and cfg.page_size not in PAGE_SIZES:
+        return f"page size {cfg.page_size} (decode takes {PAGE_SIZES})"
+    if not 1 <= cfg.seqlen_q <= 16:
+        return f"seqlen_q {cfg.seqlen_q} (decode takes 1..16 query tokens)"
+    if cfg.group < 1 or cfg.rows > MAX_GROUP_ROWS:
+        return f"G * Sq = {cfg.rows} (decode packs at most {MAX_GROUP_ROWS} rows per kv head)"
+    if cfg.block_size and (cfg.block_size % KEYS_PER_STEP or cfg.block_size < KEYS_PER_STEP):
+        return f"block_logit block_size {cfg.block_size} (decode needs a multiple of {KEYS_PER_STEP})"
+    if cfg.smem_bytes > _arch.SMEM_BYTES_MAX[_arch.family(cfg.arch)]:
+        return f"shared memory {cfg.smem_bytes} B"
+    return None
+
+
+def ctas_per_sm(cfg: DecodeConfig) -> int:
+    """Resident CTAs per SM the shared memory allows (228 KB per SM on SM90 / SM100, 1 KB reserved each)."""
+    return max(1, min(4, (228 * 1024) // (cfg.smem_bytes + 1024)))
+
+
+def choose_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, sk_max: int, sm_count: int) -> int:
+    """Split count from shapes only (never a device read, so a CUDA graph can capture it).
+
+    Enough CTAs to fill ``sm_count * ctas_per_sm`` slots, at least ``MIN_KEYS_PER_SPLIT`` keys a split,
+    and among the counts that qualify the smallest whose waves are within 5 % of the fullest.
+    """
+    base = max(1, batch * num_kv_heads * cfg.row_blocks)
+    slots = sm_count * ctas_per_sm(cfg)
+    cap = max(1, min(MAX_SPLITS, sk_max // MIN_KEYS_PER_SPLIT))
+    if base >= slots or cap == 1:
+        return 1
+    scores = {}
+    for s in range(1, cap + 1):
+        ctas = base * s
+        scores[s] = ctas / (-(-ctas // slots) * slots)
+    top = max(scores.values())
+    return min(s for s, v in scores.items() if v >= 0.95 * top)

@@ -1,0 +1,211 @@
+"""Host launchers of the decode kernels: compiled once per config, called with any DLPack tensor.
+
+``run_decode`` takes caller-allocated outputs and (when it splits) caller-allocated fp32 partials of
+``partial_shapes(...)``, launches on the caller's current stream, allocates nothing, reads no device
+memory on the host and never synchronises, so a decode step can be captured in a CUDA graph. The
+split count is the caller's (``choose_num_splits`` picks one from shapes only). Arguments were
+validated by the Paddle layer (or the test); only internal invariants are asserted here.
+
+Tensors (int32 index tensors, every tensor compact row-major):
+    q            [B, Sq, Hq, D]                bf16 / fp16
+    k/v cache    "hnd" [pages, Hkv, P, D] | "nhd" [pages, P, Hkv, D] | "contiguous" [B, Sk, Hkv, D]
+    seqlens      [B, Hkv]                      keys of each (sequence, kv head)
+    table        [B, Hkv, n]                   page ids (None for "contiguous")
+    out          [B, Sq, Hq, D]                q's dtype;   lse [B, Hq, Sq] fp32
+    block_logit  [B, Hq, Sq, nb]               fp32 or None
+    o_part       [S, B, Sq, Hq, D] fp32,  lse_part [S, B, Sq, Hq] fp32   (S = num_splits > 1 only)
+"""
+
+from __future__ import annotations
+
+from cute_kernels import arch as _arch
+from cute_kernels.dtypes import cutlass_dtype, dtype_name
+from cute_kernels.jit_cache import jit_cache
+
+from .combine import CombineConfig, DecodeCombine
+from .config import DecodeConfig, choose_splits, unsupported_reason
+from .fwd import DecodeFwd
+
+_FAST: dict = {}
+
+
+def _fast(key, build):
+    hit = _FAST.get(key)
+    if hit is None:
+        hit = _FAST[key] = build()
+    return hit
+
+
+def _fakes(cfg: DecodeConfig):
+    import cutlass
+
+    from cute_kernels.fake import fake_tensor, sym
+
+    dt = cutlass_dtype(cfg.dtype)
+    f32, i32 = cutlass.Float32, cutlass.Int32
+    d, sq = cfg.head_dim, cfg.seqlen_q
+    q = fake_tensor(dt, (sym(), sq, sym(), d))
+    if cfg.layout == "hnd":
+        kv_shape = (sym(), sym(), cfg.page_size, d)
+    elif cfg.layout == "nhd":
+        kv_shape = (sym(), cfg.page_size, sym(), d)
+    else:
+        kv_shape = (sym(), sym(), sym(), d)
+    k, v = fake_tensor(dt, kv_shape), fake_tensor(dt, kv_shape)
+    seq = fake_tensor(i32, (sym(), sym()), align_bytes=4)
+    table = None if cfg.layout == "contiguous" else fake_tensor(i32, (sym(), sym(), sym()), align_bytes=4)
+    if cfg.split:
+        out = fake_tensor(f32, (sym(), sym(), sq, sym(), d))
+        lse = fake_tensor(f32, (sym(), sym(), sq, sym()), align_bytes=4)
+    else:
+        out = fake_tensor(dt, (sym(), sq, sym(), d))
+        lse = fake_tensor(f32, (sym(), sym(), sq), align_bytes=4)
+    blk = fake_tensor(f32, (sym(), sym(), sq, sym()), align_bytes=4) if cfg.block_size else None
+    return q, k, v, seq, table, out, lse, blk
+
+
+@jit_cache
+def compile_decode(cfg: DecodeConfig):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream
+
+    reason = unsupported_reason(cfg)
+    if reason is not None:
+        raise NotImplementedError(f"decode attention: {reason}")
+    f32, i32 = cutlass.Float32, cutlass.Int32
+    return cute.compile(DecodeFwd(cfg), *_fakes(cfg), f32(1.0), f32(0.0), i32(-1), i32(-1), fake_stream(),
+                        options=arch_options(cfg.arch))
+
+
+@jit_cache
+def compile_combine(cfg: CombineConfig):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym
+
+    f32, d = cutlass.Float32, cfg.head_dim
+    o_part = fake_tensor(f32, (sym(), sym(), sym(), sym(), d))
+    lse_part = fake_tensor(f32, (sym(), sym(), sym(), sym()), align_bytes=4)
+    out = fake_tensor(cutlass_dtype(cfg.dtype), (sym(), sym(), sym(), d))
+    lse = fake_tensor(f32, (sym(), sym(), sym()), align_bytes=4)
+    return cute.compile(DecodeCombine(cfg), o_part, lse_part, out, lse, fake_stream(), options=arch_options(cfg.arch))
+
+
+def decode_config(q, k_cache, *, layout: str, causal_or_right: bool, has_left: bool, softcap: bool,
+                  block_size: int, split: bool, arch: int) -> DecodeConfig:
+    b, sq, hq, d = (int(x) for x in q.shape)
+    if layout == "hnd":
+        hkv, page = int(k_cache.shape[1]), int(k_cache.shape[2])
+    elif layout == "nhd":
+        hkv, page = int(k_cache.shape[2]), int(k_cache.shape[1])
+    else:
+        hkv, page = int(k_cache.shape[2]), 0
+    return DecodeConfig(arch=arch, dtype=dtype_name(q.dtype), head_dim=d, group=hq // hkv, seqlen_q=sq, layout=layout,
+                        page_size=page, mask_right=bool(causal_or_right), mask_left=bool(has_left),
+                        softcap=bool(softcap), block_size=int(block_size or 0), split=bool(split))
+
+
+def sk_max(k_cache, table, layout: str) -> int:
+    """Keys a sequence can reach: the table's pages times P, or the contiguous cache's length."""
+    if layout == "contiguous":
+        return int(k_cache.shape[1])
+    page = int(k_cache.shape[2] if layout == "hnd" else k_cache.shape[1])
+    return int(table.shape[2]) * page
+
+
+def choose_num_splits(q, k_cache, table, *, layout: str, sm_count: int, block_size: int = 0) -> int:
+    """The split count ``num_splits=None`` means: from shapes only (CUDA-graph safe)."""
+    def build():
+        cfg = decode_config(q, k_cache, layout=layout, causal_or_right=False, has_left=False, softcap=False,
+                            block_size=block_size, split=True, arch=90)
+        hkv = int(q.shape[2]) // cfg.group
+        return choose_splits(cfg, int(q.shape[0]), hkv, sk_max(k_cache, table, layout), int(sm_count))
+
+    key = ("splits", tuple(q.shape), tuple(k_cache.shape), None if table is None else int(table.shape[2]), layout,
+           int(sm_count), block_size)
+    return _fast(key, build)
+
+
+def partial_shapes(q, num_splits: int) -> tuple[tuple, tuple]:
+    """Shapes of the fp32 ``(o_part, lse_part)`` workspaces for ``num_splits`` > 1."""
+    b, sq, hq, d = (int(x) for x in q.shape)
+    return (num_splits, b, sq, hq, d), (num_splits, b, sq, hq)
+
+
+def run_decode(q, k_cache, v_cache, seqlens, table, out, lse, block_logit=None, o_part=None, lse_part=None, *,
+               layout: str, softmax_scale: float, window_left: int = -1, window_right: int = -1,
+               softcap: float = 0.0, block_size: int = 0, arch: int | None = None) -> None:
+    """Decode attention into ``out``/``lse`` (and ``block_logit``). Splits when ``o_part`` is given
+    (its first extent is the split count, >= 2), then combines into ``out``/``lse`` in split order.
+
+    ``window_left``/``window_right``: -1 = unbounded (causal is right = 0).
+    """
+    split = o_part is not None
+    assert (block_logit is None) == (not block_size), "block_logit must match block_size"
+    assert (table is None) == (layout == "contiguous"), "a page table iff the cache is paged"
+    if int(q.shape[0]) == 0:
+        return
+    has_left, has_right, capped = window_left >= 0, window_right >= 0, softcap > 0.0
+
+    def build():
+        a = _arch.kernel_arch(arch)
+        cfg = decode_config(q, k_cache, layout=layout, causal_or_right=has_right, has_left=has_left,
+                            softcap=capped, block_size=block_size, split=split, arch=a)
+        fwd = compile_decode(cfg)
+        comb = compile_combine(CombineConfig(arch=a, dtype=cfg.dtype, head_dim=cfg.head_dim)) if split else None
+        return fwd, comb
+
+    fwd, comb = _fast(("decode", q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]) if layout != "contiguous"
+                       else (k_cache.shape[2], k_cache.shape[3]), layout, has_left, has_right, capped, block_size,
+                       split, arch), build)
+    cap = float(softcap) if capped else 0.0
+    if split:
+        fwd(q, k_cache, v_cache, seqlens, table, o_part, lse_part, block_logit, float(softmax_scale), cap,
+            int(window_left), int(window_right))
+        comb(o_part, lse_part, out, lse)
+    else:
+        fwd(q, k_cache, v_cache, seqlens, table, out, lse, block_logit, float(softmax_scale), cap,
+            int(window_left), int(window_right))
+
+
+# --------------------------------------------------------------------------- check.py matrix
+def _decode_matrix(arch: int, full: bool = False):
+    C = DecodeConfig
+    base = [
+        C(arch=arch, mask_right=True),
+        C(arch=arch, mask_right=True, split=True),
+        C(arch=arch, group=8, seqlen_q=4, page_size=64, mask_right=True, block_size=64, split=True),
+        C(arch=arch, dtype="float16", head_dim=64, group=1, layout="nhd", page_size=1, mask_right=True,
+          mask_left=True, softcap=True),
+        C(arch=arch, head_dim=256, group=16, layout="contiguous", page_size=0, block_size=64),
+        C(arch=arch, group=8, seqlen_q=16, page_size=128, mask_right=True, block_size=16, split=True),
+    ]
+    if not full:
+        return base
+    out = list(base)
+    for dt in ("bfloat16", "float16"):
+        for d in (64, 128, 256):
+            for p in (1, 8, 16, 32, 64, 128, 256):
+                out.append(C(arch=arch, dtype=dt, head_dim=d, page_size=p, mask_right=True, split=p % 2 == 0))
+            for g, sq in ((1, 1), (4, 2), (8, 1), (16, 1), (16, 16), (64, 1), (128, 1)):
+                out.append(C(arch=arch, dtype=dt, head_dim=d, group=g, seqlen_q=sq, mask_right=True,
+                             block_size=64, split=True))
+            for layout in ("hnd", "nhd", "contiguous"):
+                out.append(C(arch=arch, dtype=dt, head_dim=d, layout=layout, page_size=0 if layout == "contiguous"
+                             else 64, mask_right=True, mask_left=True, softcap=True, block_size=128))
+    return list(dict.fromkeys(c for c in out if unsupported_reason(c) is None))
+
+
+def _combine_matrix(arch: int, full: bool = False):
+    dts = ("bfloat16", "float16") if full else ("bfloat16",)
+    dims = (64, 128, 256) if full else (128,)
+    return [CombineConfig(arch=arch, dtype=dt, head_dim=d) for dt in dts for d in dims]
+
+
+CHECKS = {
+    "decode_attention": (_decode_matrix, compile_decode, lambda cfg: cfg.smem_bytes),
+    "decode_combine": (_combine_matrix, compile_combine, lambda cfg: 0),
+}
