@@ -116,10 +116,10 @@ class Shape:
             self.o_part = torch.empty(o_shape, dtype=torch.float32, device=DEV)
             self.lse_part = torch.empty(l_shape, dtype=torch.float32, device=DEV)
 
-    def ours(self):
+    def ours(self, ring_kb=None):
         L.run_decode(self.q, self.k, self.v, self.seq, self.table, self.out, self.lse, self.blk, self.o_part,
                      self.lse_part, layout=self.layout, softmax_scale=self.scale, window_left=-1, window_right=0,
-                     block_size=self.bs)
+                     block_size=self.bs, ring_kb=ring_kb)
 
     def fa4(self):
         """FA4 b36 (pack_gqa, causal; its paged mode on [pages, P, Hkv, D] copies), or None where it fails."""
@@ -128,7 +128,7 @@ class Shape:
         except Exception:
             return None
         if self.layout == "contiguous":
-            seqused = self.seq[:, 0].contiguous()
+            seqused = torch.full((self.b,), self.sk, dtype=torch.int32, device=DEV)
 
             def fn():
                 _flash_attn_fwd(self.q, self.k, self.v, seqused_k=seqused, causal=True, pack_gqa=True,
@@ -136,7 +136,7 @@ class Shape:
         else:
             k_fa = self.k.transpose(1, 2).contiguous()
             v_fa = self.v.transpose(1, 2).contiguous()
-            seqused = self.seq[:, 0].contiguous()
+            seqused = torch.full((self.b,), self.sk, dtype=torch.int32, device=DEV)
             table = self.table2d
 
             def fn():
@@ -210,14 +210,34 @@ def plan(quick: bool):
     return out
 
 
+def run_ab(args, timer) -> list:
+    """The per-warp ring size (KB of K + V in flight per warp) A/B on a few shapes, one process."""
+    rows = []
+    for kw in (dict(b=64, sk=16384, hq=32, hkv=8, layout="contiguous", page=0),
+               dict(b=64, sk=16384, hq=32, hkv=8, layout="hnd", page=64),
+               dict(b=8, sk=32768, hq=32, hkv=8, layout="hnd", page=16),
+               dict(b=1, sk=131072, hq=32, hkv=8, layout="hnd", page=64)):
+        shp = Shape(**kw)
+        fns = {f"ring{kb}": (lambda kb=kb: shp.ours(kb)) for kb in (16, 24, 32, 48)}
+        res = bench_windows(fns, rounds=args.rounds, timer=timer)
+        line = {"shape": kw, "us": {n: st.median_ms * 1e3 for n, st in res.items()},
+                "vs_ring24": {n: res.ratio("ring24", n).as_dict() for n in res}}
+        rows.append(line)
+        print("A/B", kw, " ".join(f"{n} {v:.1f}us" for n, v in line["us"].items()), flush=True)
+        del shp
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run(args) -> dict:
     info = RunInfo(gpu=torch.cuda.get_device_name(), method=method_from_args(args))
     timer = timer_from_args(args)
     read_bw, copy_bw = ceilings(timer, args.rounds)
     print(f"streaming read {read_bw / 1e9:.0f} GB/s, device copy {copy_bw / 1e9:.0f} GB/s "
           f"({torch.cuda.get_device_name()})", flush=True)
+    ab = run_ab(args, timer) if args.ab else None
     rows = []
-    for kind, kw in plan(args.quick):
+    for kind, kw in ([] if args.ab_only else plan(args.quick)):
         shp = Shape(**kw)
         fns = {"ours": shp.ours}
         if kind == "dense":
@@ -240,7 +260,7 @@ def run(args) -> dict:
         print(f"host time per run_decode call (launcher, unsplit): {host:.1f} us", flush=True)
     info.finish()
     return {"run": info.as_dict(), "read_GBps": read_bw / 1e9, "copy_GBps": copy_bw / 1e9, "host_us": host,
-            "rows": rows, "_info": info}
+            "rows": rows, "ring_ab": ab, "_info": info}
 
 
 def markdown(info, res) -> str:
@@ -263,6 +283,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a subset of the dense shapes")
     ap.add_argument("--host-n", type=int, default=100, help="calls per host-cost measurement (0: skip)")
+    ap.add_argument("--ab", action="store_true", help="also the per-warp ring size A/B (ring_kb 16/24/32/48)")
+    ap.add_argument("--ab-only", action="store_true", help="only the A/B")
     add_method_args(ap)
     return ap.parse_args(argv)
 

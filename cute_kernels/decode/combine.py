@@ -5,15 +5,19 @@
 
 ``o_part [S, B, Sq, Hq, D]`` fp32 (each split's output, normalised over its own keys; 0 where the
 split saw no key), ``lse_part [S, B, Sq, Hq]`` fp32 (-inf where empty). One warp per output row
-(b, s, hq); lane ``i`` owns the ``D / 32`` contiguous elements at ``i * D / 32``. The split max is a
-warp reduction (max is exact in any order); the weighted sums run over s = 0, 1, ... in that order.
+(b, s, hq); lane ``i`` owns the ``D / 32`` contiguous elements at ``i * D / 32``. The split weights are
+computed lane-parallel (lane i: splits i, i + 32, ...; max and sum by butterfly, a fixed pattern) and
+staged in shared memory; the weighted sum of the partials runs over s = 0, 1, ... in that order with the
+loads of 8 splits issued together. At most ``MAX_SPLITS`` splits.
 """
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
-from dataclasses import dataclass
 
 from cutlass import Float32
 
@@ -22,6 +26,8 @@ from cute_kernels.common.utils import LN_2, LOG2_E, row_allreduce
 from cute_kernels.dtypes import cutlass_dtype
 
 WARPS = 4
+MAX_SPLITS = 128  # config.MAX_SPLITS: the launcher never passes more partials
+UNROLL = 8
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,9 @@ class DecodeCombine:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(Float32, cute.make_layout((WARPS, MAX_SPLITS), stride=(MAX_SPLITS, 1)),
+                                  byte_alignment=16)
         row = bidx * WARPS + tidx // 32
         sq = mO.shape[1]
         hq = mO.shape[2]
@@ -57,21 +66,36 @@ class DecodeCombine:
             bs = row // hq
             s = bs % sq
             b = bs // sq
-            n = mLp.shape[0]
-            mx = -Float32.inf
-            for sp in cutlass.range(lane, n, 32, unroll=1):
-                mx = cute.arch.fmax(mx, mLp[sp, b, s, h])
+            n = cutlass.min(mLp.shape[0], MAX_SPLITS)
+            warp = tidx // 32
+            # lane-parallel split weights (lane i: splits i, i + 32, ...), into shared memory
+            lse = cute.make_rmem_tensor(cute.make_layout(MAX_SPLITS // 32), Float32)
+            lse.fill(-Float32.inf)
+            for k in cutlass.range_constexpr(MAX_SPLITS // 32):
+                if lane + 32 * k < n:
+                    lse[k] = mLp[lane + 32 * k, b, s, h]
+            mx = lse[0]
+            for k in cutlass.range_constexpr(1, MAX_SPLITS // 32):
+                mx = cute.arch.fmax(mx, lse[k])
             mx = row_allreduce(mx, 32, cute.arch.fmax)
             m_ref = exp2_reference(mx)
+            tot = Float32(0.0)
+            for k in cutlass.range_constexpr(MAX_SPLITS // 32):
+                w = cute.math.exp2((lse[k] - m_ref) * LOG2_E, fastmath=True)
+                sW[warp, lane + 32 * k] = w
+                tot = tot + w
+            tot = row_allreduce(tot, 32, operator.add)  # butterfly: a fixed order
+            cute.arch.sync_warp()
             acc = cute.make_rmem_tensor(cute.make_layout(self.vec), Float32)
             acc.fill(0.0)
-            tot = Float32(0.0)
             d0 = lane * self.vec
-            for sp in cutlass.range(n, unroll=1):
-                w = cute.math.exp2((mLp[sp, b, s, h] - m_ref) * LOG2_E, fastmath=True)
-                tot = tot + w
-                for v in cutlass.range_constexpr(self.vec):
-                    acc[v] = acc[v] + w * mOp[sp, b, s, h, d0 + v]
+            for base in cutlass.range(0, n, UNROLL, unroll=1):  # loads of UNROLL splits in flight, summed in order
+                for u in cutlass.range_constexpr(UNROLL):
+                    sp = base + u
+                    if sp < n:
+                        w = sW[warp, sp]
+                        for v in cutlass.range_constexpr(self.vec):
+                            acc[v] = acc[v] + w * mOp[sp, b, s, h, d0 + v]
             empty = tot == 0.0 or tot != tot
             inv = Float32(0.0) if empty else 1.0 / tot
             for v in cutlass.range_constexpr(self.vec):

@@ -40,6 +40,7 @@ class DecodeConfig:
     softcap: bool = False
     block_size: int = 0  # block_logit's key block (0: no block_logit)
     split: bool = False  # write fp32 split partials for the combine kernel
+    ring_kb: int = RING_BYTES_PER_WARP // 1024  # K + V bytes of each warp's cp.async ring (a tuning knob)
 
     # ---------------------------------------------------------------- derived (compile-time) sizes
     @property
@@ -73,7 +74,7 @@ class DecodeConfig:
 
     @property
     def stages(self) -> int:
-        return max(2, min(8, RING_BYTES_PER_WARP // self.stage_bytes))
+        return max(2, min(8, self.ring_kb * 1024 // self.stage_bytes))
 
     @property
     def ring_bytes(self) -> int:

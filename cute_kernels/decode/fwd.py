@@ -108,7 +108,7 @@ class DecodeFwd:
         h = bh - b * hkv
 
         # ---- shared memory: Q tile, then the warps' rings (reused by the merge)
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sQ = smem.allocate_tensor(cutlass.Int32, cute.make_layout(cfg.q_bytes // 4), byte_alignment=128)
         sW = smem.allocate_tensor(Float32, cute.make_layout(max(cfg.ring_bytes, cfg.merge_bytes) // 4),
                                   byte_alignment=128)
@@ -197,7 +197,14 @@ class DecodeFwd:
         # Q fragments (A operand): matrices (rows 0-7 | 8-15) x (d 0-7 | 8-15) of each k16
         q_lrow = (lane % 8) + 8 * ((lane // 8) % 2)
         q_lchunk = lane // 16
-        cute.arch.cp_async_wait_group(0)
+        # ---- prologue: steps 0 .. S-2 in flight
+        for st in cutlass.range_constexpr(S - 1):
+            if st < n_steps:
+                self._load_step(w_start + st * KW, st, ring_base, mTable, b, h, L, num_pages, k_gbase, v_gbase,
+                                st_page, st_h, st_row, ld_row, ld_chunk)
+            cute.arch.cp_async_commit_group()
+
+        cute.arch.cp_async_wait_group(S - 1)  # Q's group (the oldest) has landed; the prologue's may not
         cute.arch.sync_threads()
         if const_expr(cfg.q_in_regs):
             for mt in cutlass.range_constexpr(MT):
@@ -206,13 +213,6 @@ class DecodeFwd:
                     fr = ldsm_x4(q_base + r * (D * 2) + (((2 * kk + q_lchunk) ^ (r % 8)) * 16))
                     for i in cutlass.range_constexpr(4):
                         rQ[mt, kk, i] = fr[i]
-
-        # ---- prologue: steps 0 .. S-2 in flight
-        for st in cutlass.range_constexpr(S - 1):
-            if st < n_steps:
-                self._load_step(w_start + st * KW, st, ring_base, mTable, b, h, L, num_pages, k_gbase, v_gbase,
-                                st_page, st_h, st_row, ld_row, ld_chunk)
-            cute.arch.cp_async_commit_group()
 
         k_lrow = (lane % 8) + 8 * (lane // 16)  # K: matrices (keys 0-7 | 8-15) x (d chunk 2kk | 2kk+1)
         k_lchunk = (lane // 8) % 2

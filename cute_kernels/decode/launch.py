@@ -22,8 +22,9 @@ from cute_kernels import arch as _arch
 from cute_kernels.dtypes import cutlass_dtype, dtype_name
 from cute_kernels.jit_cache import jit_cache
 
+from .combine import WARPS as COMBINE_WARPS
 from .combine import CombineConfig, DecodeCombine
-from .config import DecodeConfig, choose_splits, unsupported_reason
+from .config import MAX_SPLITS, DecodeConfig, choose_splits, unsupported_reason
 from .fwd import DecodeFwd
 
 _FAST: dict = {}
@@ -95,7 +96,7 @@ def compile_combine(cfg: CombineConfig):
 
 
 def decode_config(q, k_cache, *, layout: str, causal_or_right: bool, has_left: bool, softcap: bool,
-                  block_size: int, split: bool, arch: int) -> DecodeConfig:
+                  block_size: int, split: bool, arch: int, ring_kb: int | None = None) -> DecodeConfig:
     b, sq, hq, d = (int(x) for x in q.shape)
     if layout == "hnd":
         hkv, page = int(k_cache.shape[1]), int(k_cache.shape[2])
@@ -105,7 +106,8 @@ def decode_config(q, k_cache, *, layout: str, causal_or_right: bool, has_left: b
         hkv, page = int(k_cache.shape[2]), 0
     return DecodeConfig(arch=arch, dtype=dtype_name(q.dtype), head_dim=d, group=hq // hkv, seqlen_q=sq, layout=layout,
                         page_size=page, mask_right=bool(causal_or_right), mask_left=bool(has_left),
-                        softcap=bool(softcap), block_size=int(block_size or 0), split=bool(split))
+                        softcap=bool(softcap), block_size=int(block_size or 0), split=bool(split),
+                        **({} if ring_kb is None else {"ring_kb": int(ring_kb)}))
 
 
 def sk_max(k_cache, table, layout: str) -> int:
@@ -137,13 +139,15 @@ def partial_shapes(q, num_splits: int) -> tuple[tuple, tuple]:
 
 def run_decode(q, k_cache, v_cache, seqlens, table, out, lse, block_logit=None, o_part=None, lse_part=None, *,
                layout: str, softmax_scale: float, window_left: int = -1, window_right: int = -1,
-               softcap: float = 0.0, block_size: int = 0, arch: int | None = None) -> None:
+               softcap: float = 0.0, block_size: int = 0, arch: int | None = None, ring_kb: int | None = None) -> None:
     """Decode attention into ``out``/``lse`` (and ``block_logit``). Splits when ``o_part`` is given
     (its first extent is the split count, >= 2), then combines into ``out``/``lse`` in split order.
 
-    ``window_left``/``window_right``: -1 = unbounded (causal is right = 0).
+    ``window_left``/``window_right``: -1 = unbounded (causal is right = 0). ``ring_kb``: override of the
+    per-warp load ring (bench A/B only).
     """
     split = o_part is not None
+    assert not split or 2 <= int(o_part.shape[0]) <= MAX_SPLITS, f"split count must be in [2, {MAX_SPLITS}]"
     assert (block_logit is None) == (not block_size), "block_logit must match block_size"
     assert (table is None) == (layout == "contiguous"), "a page table iff the cache is paged"
     if int(q.shape[0]) == 0:
@@ -153,14 +157,14 @@ def run_decode(q, k_cache, v_cache, seqlens, table, out, lse, block_logit=None, 
     def build():
         a = _arch.kernel_arch(arch)
         cfg = decode_config(q, k_cache, layout=layout, causal_or_right=has_right, has_left=has_left,
-                            softcap=capped, block_size=block_size, split=split, arch=a)
+                            softcap=capped, block_size=block_size, split=split, arch=a, ring_kb=ring_kb)
         fwd = compile_decode(cfg)
         comb = compile_combine(CombineConfig(arch=a, dtype=cfg.dtype, head_dim=cfg.head_dim)) if split else None
         return fwd, comb
 
     fwd, comb = _fast(("decode", q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]) if layout != "contiguous"
                        else (k_cache.shape[2], k_cache.shape[3]), layout, has_left, has_right, capped, block_size,
-                       split, arch), build)
+                       split, arch, ring_kb), build)
     cap = float(softcap) if capped else 0.0
     if split:
         fwd(q, k_cache, v_cache, seqlens, table, o_part, lse_part, block_logit, float(softmax_scale), cap,
@@ -207,5 +211,5 @@ def _combine_matrix(arch: int, full: bool = False):
 
 CHECKS = {
     "decode_attention": (_decode_matrix, compile_decode, lambda cfg: cfg.smem_bytes),
-    "decode_combine": (_combine_matrix, compile_combine, lambda cfg: 0),
+    "decode_combine": (_combine_matrix, compile_combine, lambda cfg: 4 * COMBINE_WARPS * MAX_SPLITS),
 }

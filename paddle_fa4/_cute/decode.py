@@ -52,6 +52,7 @@ def decode_fwd(q, k_cache, v_cache, seqlens, table, *, layout: str, softmax_scal
                block_logit_size):
     """(out ``[B, Sq, Hq, D]``, lse ``[B, Hq, Sq]`` fp32 or None, block_logit ``[B, Hq, Sq, nb]`` fp32 or None)."""
     from cute_kernels.arch import tensor_sm_count
+    from cute_kernels.decode.config import MAX_SPLITS
     from cute_kernels.decode.launch import choose_num_splits, partial_shapes, run_decode, sk_max
 
     q, k_cache, v_cache = kernel_input(q), kernel_input(k_cache), kernel_input(v_cache)
@@ -66,7 +67,7 @@ def decode_fwd(q, k_cache, v_cache, seqlens, table, *, layout: str, softmax_scal
         block_logit = _bridge.empty((b, hq, sq, nb), "float32", q)
     if num_splits is None or int(num_splits) <= 0:
         num_splits = choose_num_splits(q, k_cache, table, layout=layout, sm_count=tensor_sm_count(q), block_size=bs)
-    num_splits = int(num_splits)
+    num_splits = min(int(num_splits), MAX_SPLITS)
     o_part = lse_part = None
     if num_splits > 1:
         o_shape, l_shape = partial_shapes(q, num_splits)
