@@ -114,8 +114,8 @@ def _decode(q, k_cache, v_cache, seqlens, table, layout, scale, left, right, sof
             seen = visible.any(axis=2)  # [B, Hkv, T]: some row of the kv head sees the key
             idx = _row_index(layout, t, ids, batch, hkv, k_cache.shape[1], page)
             idx = paddle.where(seen, idx, paddle.zeros_like(idx)).reshape([-1])
-            kk = paddle.gather(k_rows, idx).astype("float32").reshape([batch, hkv, t1 - t0, d])
-            vv = paddle.gather(v_rows, idx).astype("float32").reshape([batch, hkv, t1 - t0, dv])
+            kk = _gather_rows(k_rows, idx).astype("float32").reshape([batch, hkv, t1 - t0, d])
+            vv = _gather_rows(v_rows, idx).astype("float32").reshape([batch, hkv, t1 - t0, dv])
             keep = seen.unsqueeze(-1)
             kk = paddle.where(keep, kk, paddle.zeros_like(kk))  # garbage never enters the arithmetic
             vv = paddle.where(keep, vv, paddle.zeros_like(vv))
@@ -128,8 +128,9 @@ def _decode(q, k_cache, v_cache, seqlens, table, layout, scale, left, right, sof
                 blocks.append(_block_max(s, bl_size))
             m_new = paddle.maximum(m, s.max(axis=-1))
             base = paddle.where(paddle.isinf(m_new), paddle.zeros_like(m_new), m_new)
-            p = paddle.exp(s - base.unsqueeze(-1))  # 0 on masked keys (exp(-inf))
-            alpha = paddle.exp(m - base)
+            # exp(-inf) is not exactly 0 in Paddle's CPU exp (about 1e-38): zero masked entries explicitly
+            p = paddle.where(vis, paddle.exp(s - base.unsqueeze(-1)), paddle.zeros_like(s))
+            alpha = paddle.where(paddle.isinf(m), paddle.zeros_like(m), paddle.exp(m - base))
             lsum = lsum * alpha + p.sum(axis=-1)
             acc = acc * alpha.unsqueeze(-1) + paddle.matmul(p, vv)
             m = m_new
@@ -150,6 +151,13 @@ def _decode(q, k_cache, v_cache, seqlens, table, layout, scale, left, right, sof
             bl = paddle.full([batch, hkv, rows, nb], _NEG_INF, dtype="float32", device=place)
         block_logit = bl.reshape([batch, hq, sq, nb])
     return out, lse, block_logit
+
+
+def _gather_rows(rows, idx):
+    """``rows[idx]``; float16 through its bits (CPU Paddle has no float16 gather kernel)."""
+    if rows.dtype == paddle.float16:
+        return paddle.view(paddle.gather(paddle.view(rows, "int16"), idx), "float16")
+    return paddle.gather(rows, idx)
 
 
 def _block_max(s, bs):
