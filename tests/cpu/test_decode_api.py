@@ -268,3 +268,12 @@ def test_helper_errors(name, call, exc, match):
     _helper(a)
     with pytest.raises(exc, match="block_selection_to_page_table: .*" + match):
         call(a)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import paddle_fa4.decode as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
