@@ -482,7 +482,7 @@ def block_selection_to_page_table(block_idx, block_table, cache_seqlens, *, page
         hits.append(row + paddle.where(ok, pg, paddle.full_like(pg, max_pages)))  # max_pages = discard column
     hits = paddle.concat(hits, axis=2).reshape([-1])
     flat = paddle.zeros([batch * hs * (max_pages + 1)], dtype="int32", device=place)
-    flat = paddle.scatter(flat, hits, paddle.ones(hits.shape, dtype="int32", device=place), overwrite=True)
+    flat = paddle.scatter(flat, hits, paddle.ones(hits.shape, dtype="int32", device=place), overwrite=False)  # counts
     chosen = flat.reshape([batch, hs, max_pages + 1])[:, :, :max_pages] > 0
     p = paddle.arange(max_pages, dtype="int64", device=place).reshape([1, 1, max_pages])
     wstart = paddle.maximum(lens - tail, paddle.zeros_like(lens))
