@@ -277,3 +277,83 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ---------------------------------------------------------------- the glue call (DECODE contract)
+class _FakeGlue:
+    """Stands in for paddle_fa4._cute.decode: records what decode.py hands the glue."""
+
+    def __init__(self):
+        self.reason_calls, self.calls = [], []
+
+    def unsupported_reason(self, arch, q, k_cache, v_cache, *, layout, paged, sparse, block_logit_size):
+        self.reason_calls.append(dict(arch=arch, layout=layout, paged=paged, sparse=sparse,
+                                      block_logit_size=block_logit_size, k_shape=list(k_cache.shape)))
+        return None
+
+    def decode_fwd(self, q, k_cache, v_cache, seqlens, table, **kw):
+        from paddle_fa4.reference import decode as ref
+
+        self.calls.append(dict(kw, seqlens=seqlens, table=table, k_shape=list(k_cache.shape)))
+        return ref.decode_fwd(q, k_cache, v_cache, seqlens, table, **kw)
+
+
+@pytest.fixture
+def fake_glue(monkeypatch):
+    import sys
+
+    import paddle_fa4._cute
+    import paddle_fa4.decode as dec
+
+    glue = _FakeGlue()
+    monkeypatch.setitem(sys.modules, "paddle_fa4._cute.decode", glue)
+    monkeypatch.setattr(paddle_fa4._cute, "decode", glue, raising=False)
+
+    def resolve(op, backend, tensor, reason, stacklevel=4):
+        return "cute" if backend in ("auto", "cute") and reason(90) is None else "reference"
+
+    monkeypatch.setattr(dec, "resolve_backend", resolve)
+    return glue
+
+
+def test_glue_receives_the_contract_form(fake_glue):
+    case = make_case(50, [20, 9], hkv=2, group=2, sq=2, page=8)
+    q, k, v, lens, table = tensors(case)
+    buf = paddle.full([2, 4, 2, 3], float("nan"), dtype="float32")  # Sk_max 5 * 8 = 40 -> 3 blocks of 16
+    out, lse, bl = paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table, window_size=(7, 3),
+                                                      num_splits=0, block_logit=buf, block_size=16)
+    (r,), (c,) = fake_glue.reason_calls, fake_glue.calls
+    assert r == dict(arch=90, layout="hnd", paged=True, sparse=False, block_logit_size=16, k_shape=list(k.shape))
+    assert c["layout"] == "hnd" and c["window_left"] == 7 and c["window_right"] == 0 and c["causal"] is True
+    assert c["num_splits"] is None and c["return_lse"] is True and c["block_logit_size"] == 16
+    assert c["seqlens"].dtype == paddle.int32 and c["seqlens"].numpy().tolist() == [[20, 20], [9, 9]]
+    assert c["table"].dtype == paddle.int32 and list(c["table"].shape) == [2, 2, 5]
+    np.testing.assert_array_equal(c["table"].numpy()[:, 1], case["table"])
+    assert bl is buf and not np.isnan(buf.numpy()).any()  # the glue's block_logit lands in the caller's buffer
+    ref = paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table, window_size=(7, 3), block_size=16,
+                                             return_block_logit=True, backend="reference")
+    np.testing.assert_array_equal(out.numpy(), ref[0].numpy())
+    np.testing.assert_array_equal(buf.numpy(), ref[2].numpy())
+
+
+def test_glue_layouts_and_sparse(fake_glue):
+    case = make_case(51, [12], hkv=2, group=1, page=4)
+    q, k, v, lens, table = tensors(case)
+    k_nhd = paddle.to_tensor(case["k"].transpose(0, 2, 1, 3).copy(), dtype="float32")
+    v_nhd = paddle.to_tensor(case["v"].transpose(0, 2, 1, 3).copy(), dtype="float32")
+    paddle_fa4.flash_attn_with_kvcache(q, k_nhd.transpose([0, 2, 1, 3]), v_nhd.transpose([0, 2, 1, 3]), lens,
+                                       block_table=table, causal=False, num_splits=3)
+    c = fake_glue.calls[-1]
+    assert c["layout"] == "nhd" and c["k_shape"] == list(k_nhd.shape) and c["num_splits"] == 3
+    assert c["window_left"] == -1 and c["window_right"] == -1 and c["return_lse"] is False
+    assert c["block_logit_size"] is None
+    kc = paddle.zeros([1, 30, 2, 32])
+    paddle_fa4.flash_attn_with_kvcache(q, kc, kc, lens)
+    c = fake_glue.calls[-1]
+    assert c["layout"] == "contiguous" and c["table"] is None and c["seqlens"].numpy().tolist() == [[12, 12]]
+    st = paddle.to_tensor(np.repeat(case["table"][:, None], 2, 1))
+    sl = paddle.to_tensor(np.array([[12, 5]], dtype=np.int32))
+    paddle_fa4.sparse_decode_attention(q, k, v, st, sl, return_lse=True)
+    r, c = fake_glue.reason_calls[-1], fake_glue.calls[-1]
+    assert r["sparse"] and r["paged"] and r["block_logit_size"] is None
+    assert c["seqlens"] is sl and c["table"] is st and c["return_lse"] is True
