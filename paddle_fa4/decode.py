@@ -17,7 +17,7 @@ unbounded). The CuTe glue (``paddle_fa4._cute.decode``) and the reference
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional, Tuple
+from typing import Literal
 
 from . import _validate as V
 from .backend import resolve_backend

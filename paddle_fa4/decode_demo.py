@@ -172,7 +172,8 @@ def _print_report(cfg: DecodeDemoConfig, r: dict) -> None:
           f"prompt {cfg.prompt} tokens, {cfg.steps} decode steps, backend {r['backend']} "
           f"(stale pages hold NaN: every output stayed finite)")
     print(f"  {'method':<66} {'rel. L2 err vs dense':>20} {'KV read':>8}")
-    print(f"  {'HySparse: top-%d blocks of 64 (1 sink) + %d-token window, next layer' % (cfg.topk_blocks, cfg.window):<66}"
+    hysparse = "HySparse: top-%d blocks of 64 (1 sink) + %d-token window, next layer" % (cfg.topk_blocks, cfg.window)
+    print(f"  {hysparse:<66}"
           f" {r['hysparse_rel_err_mean']:>20.4f} {100 * r['hysparse_kv_read_fraction']:>7.1f}%")
     print(f"  {'H2O token flow (gqa max): top-%d pages + 1 bos + 1 eos' % cfg.h2o_topk:<66}"
           f" {r['h2o_rel_err_mean']:>20.4f} {100 * r['h2o_kv_read_fraction']:>7.1f}%")

@@ -18,7 +18,7 @@ import pytest
 
 import paddle_fa4
 from tests.oracles import decode as oracle
-from tests.oracles.tolerance import assert_close, assert_same_nonfinite, to_numpy64
+from tests.oracles.tolerance import assert_close, to_numpy64
 
 REF = "reference"
 TOL = {"float32": (2e-5, 2e-5), "bfloat16": (1.5e-2, 1.5e-2), "float16": (2e-3, 2e-3)}
@@ -213,7 +213,7 @@ def test_contiguous_cache(sq):
     v[1, 17:] = np.inf
     q = rng.standard_normal((b, sq, 4 * hkv, d))
     out, lse, bl = paddle_fa4.flash_attn_with_kvcache(
-        paddle.to_tensor(q, dtype="float32"), paddle.to_tensor(k, dtype="float32"), paddle.to_tensor(v, dtype="float32"),
+        *(paddle.to_tensor(x, dtype="float32") for x in (q, k, v)),
         paddle.to_tensor(lens), block_size=16, return_block_logit=True, window_size=(20, None), backend=REF)
     eo, el, ebl = oracle.decode(q, k, v, np.repeat(lens[:, None], hkv, 1), None, "contiguous", block_size=16,
                                 window=(20, None))
