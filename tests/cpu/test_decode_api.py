@@ -360,3 +360,27 @@ def test_glue_layouts_and_sparse(fake_glue):
     r, c = fake_glue.reason_calls[-1], fake_glue.calls[-1]
     assert r["sparse"] and r["paged"] and r["block_logit_size"] is None
     assert c["seqlens"] is sl and c["table"] is st and c["return_lse"] is True
+
+
+# -------------------------------------------------------------------------- paddle.jit.to_static
+def _decode_step(q, k, v, lens, table):
+    out, lse, bl = paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table, return_block_logit=True,
+                                                      block_size=16, backend=REF)
+    blk = paddle_fa4.select_topk_blocks(bl, lse, topk=1, num_kv_heads=2, backend=REF)
+    st, sl = paddle_fa4.block_selection_to_page_table(blk, table, lens, page_size=8, num_kv_heads=2, block_size=16)
+    return out, lse, bl, st, sl, paddle_fa4.sparse_decode_attention(q, k, v, st, sl, backend=REF)
+
+
+def test_sot_mode_equals_eager():
+    q, k, v, lens, table = tensors(make_case(60, [20, 9], page=8, sq=2))
+    want = _decode_step(q, k, v, lens, table)
+    got = paddle.jit.to_static(_decode_step)(q, k, v, lens, table)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_full_graph_raises_not_implemented():
+    q, k, v, lens, table = tensors(make_case(61, [20, 9], page=8))
+    with pytest.raises(NotImplementedError,
+                       match=r"flash_attn_with_kvcache: paddle.jit.to_static\(full_graph=True\) is not supported"):
+        paddle.jit.to_static(_decode_step, full_graph=True)(q, k, v, lens, table)
