@@ -64,7 +64,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=N
         v_cache (Tensor): as ``k_cache`` with head dim ``Dv``.
         cache_seqlens (Tensor): int32 ``[B]``, ``0 <= L <= max_pages * P`` (``<= Sk_max``).
         block_table (Tensor, optional): int32 ``[B, max_pages]`` physical page of each logical
-            page; entries past a sequence's ``ceil(L / P)`` pages are padding (``-1`` or any
+            page; entries past a sequence's ``ceil(L / P)`` pages, and with a left window those of
+            pages wholly before it (slots below ``(L - Sq - left) // P``), are padding (``-1`` or any
             out-of-range id) and never read.
         softmax_scale (float, optional): ``>= 0``, default ``D ** -0.5``.
         causal (bool): bottom-right causal (default True, as FA's ``flash_attn_with_kvcache``).
@@ -136,7 +137,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=N
     _check_lengths(op, "cache_seqlens", cache_seqlens, sk_max,
                    f"max_pages * page_size = {sk_max // max(page, 1)} * {page}" if paged else "k_cache.shape[1]")
     if paged:
-        _check_pages(op, "block_table", block_table, cache_seqlens, page, num_units)
+        _check_pages(op, "block_table", block_table, cache_seqlens, page, num_units, sq, opts["window_left"])
         seqlens = cache_seqlens.reshape([batch, 1]).expand([batch, hkv])
         table = block_table.reshape([batch, 1, block_table.shape[1]]).expand([batch, hkv, block_table.shape[1]])
     else:
@@ -175,7 +176,7 @@ def sparse_decode_attention(q, k_cache, v_cache, sparse_block_tables, sparse_seq
         k_cache, v_cache (Tensor): paged ``[num_pages, Hkv, P, D]`` (or ``"nhd"``, as
             :func:`flash_attn_with_kvcache`); no contiguous form.
         sparse_block_tables (Tensor): int32 ``[B, Hkv, n]`` physical page ids; entries past
-            ``ceil(L / P)`` are padding (-1 or out of range) and never read.
+            ``ceil(L / P)`` (or wholly before a left window) are padding (-1 or out of range), never read.
         sparse_seq_lens (Tensor): int32 ``[B, Hkv]`` tokens, ``0 <= L <= n * P``.
         softmax_scale, causal, window_size, softcap, num_splits, return_lse, kv_layout, backend:
             as :func:`flash_attn_with_kvcache`.
@@ -207,7 +208,8 @@ def sparse_decode_attention(q, k_cache, v_cache, sparse_block_tables, sparse_seq
     V.check_same_place(op, {"q": q, "k_cache": k_cache, "v_cache": v_cache,
                             "sparse_block_tables": sparse_block_tables, "sparse_seq_lens": sparse_seq_lens})
     _check_lengths(op, "sparse_seq_lens", sparse_seq_lens, sk_max, f"n * page_size = {n} * {page}")
-    _check_pages(op, "sparse_block_tables", sparse_block_tables, sparse_seq_lens, page, num_units)
+    _check_pages(op, "sparse_block_tables", sparse_block_tables, sparse_seq_lens, page, num_units, sq,
+                 opts["window_left"])
     out, lse, _ = _run(op, backend, q, k_cache, v_cache, sparse_seq_lens, sparse_block_tables, layout, True, True,
                        sk_max, num_units, opts, return_lse, None)
     return (out, lse) if return_lse else out
@@ -372,23 +374,30 @@ def _check_lengths(op, name, lens, limit, limit_text):
                          f"{int(vals[where])}")
 
 
-def _check_pages(op, name, table, lens, page, num_pages):
-    """Host check: every page a sequence needs (slot ``j < ceil(L / P)``) is an id in ``[0, num_pages)``."""
+def _check_pages(op, name, table, lens, page, num_pages, sq, left):
+    """Host check: every page holding a key some query row can see is an id in ``[0, num_pages)``.
+
+    Those are the slots ``j`` with ``first // P <= j < ceil(L / P)``, ``first = L - Sq - left`` (the
+    lowest key row 0 sees; 0 without a left window): entries past the sequence and, with a left
+    window, wholly before it (a sliding-window engine may have recycled those pages) are padding."""
     import numpy as np
 
     ids = V.host_values(table)
     vals = V.host_values(lens)
     if ids is None or vals is None or ids.size == 0:
         return
-    need = np.arange(ids.shape[-1]) * page < vals[..., None]  # [B, n] or [B, Hkv, n]
+    slot = np.arange(ids.shape[-1])
+    need = slot * page < vals[..., None]  # [B, n] or [B, Hkv, n]
+    if left >= 0:
+        need &= (slot + 1) * page > (vals[..., None].astype(np.int64) - sq - left)
     bad = need & ((ids < 0) | (ids >= num_pages))
     if bad.any():
         where = tuple(int(i) for i in next(zip(*bad.nonzero())))
         lens_name = "cache_seqlens" if name == "block_table" else "sparse_seq_lens"
         raise ValueError(f"{op}: {name}{list(where)} = {int(ids[where])} is not a page id in [0, num_pages = "
                          f"{num_pages}), but the sequence needs that page ({lens_name}{list(where[:-1])} = "
-                         f"{int(vals[where[:-1]])}, page size {page}); only entries past a sequence may be "
-                         f"padding (-1 or out of range)")
+                         f"{int(vals[where[:-1]])}, page size {page}); only entries past a sequence (or wholly "
+                         f"before its window) may be padding (-1 or out of range)")
 
 
 # ---------------------------------------------------------------------- HySparse page tables

@@ -381,3 +381,30 @@ def test_h2o_token_flow_feeds_sparse_decode():
             assert_close("h2o sparse lse", lse.numpy()[b, h * group:(h + 1) * group], el, 2e-5, 2e-5)
     dense = paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table, backend=REF)
     assert np.abs(dense.numpy()[0] - out.numpy()[0]).max() > 1e-4  # the tables were really used
+
+
+def test_pages_wholly_before_the_window_may_be_padding():
+    """A sliding-window engine recycles pages no row can see any more: their table entries may be -1
+    (dense and sparse); a page the window still reaches may not."""
+    case = make_case(23, [64, 40], sq=2, page=8)
+    q, k, v, lens, table = tensors(case)
+    window = (10, None)  # row 0 of sequence b sees t >= L - 2 - 10
+    want = paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table, window_size=window, return_lse=True,
+                                              backend=REF)
+    holes = case["table"].copy()
+    holes[0, :(64 - 12) // 8] = -1  # pages 0..5 of sequence 0 end before t = 52
+    holes[1, :(40 - 12) // 8] = 10_000
+    got = paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=paddle.to_tensor(holes), window_size=window,
+                                             return_lse=True, backend=REF)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    st = paddle.to_tensor(np.repeat(holes[:, None], 2, 1))
+    sl = paddle.to_tensor(np.repeat(case["lens"][:, None], 2, 1))
+    sparse = paddle_fa4.sparse_decode_attention(q, k, v, st, sl, window_size=window, backend=REF)
+    np.testing.assert_array_equal(sparse.numpy(), want[0].numpy())
+    holes[0, (64 - 12) // 8] = -1  # page 6 holds t = 48..55: row 0 sees 52..55
+    with pytest.raises(ValueError, match=r"block_table\[0, 6\] = -1 is not a page id"):
+        paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=paddle.to_tensor(holes), window_size=window,
+                                           backend=REF)
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = -1 is not a page id"):  # no window: all needed
+        paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=paddle.to_tensor(holes), backend=REF)
