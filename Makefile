@@ -1,5 +1,6 @@
 # Two entry points; each sets up everything it needs on a fresh machine (a virtualenv in .venv).
 #   make demo   - the HySparse walk-through on the embedded default (reference backend without a GPU)
+#   make decode-demo - a paged-cache decode loop: dense + block_logit, HySparse and H2O sparse decode
 #   make test   - the test suite (CPU tests + compile checks for sm_90a and sm_100a; GPU suites skip)
 #   make check-cu13 - the compile check again under the DSL's CUDA 13 build (CI runs it after make test)
 PYTHON ?= python3
@@ -7,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
 
-.PHONY: demo test venv clean check-cu13
+.PHONY: demo decode-demo test venv clean check-cu13
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +22,9 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m paddle_fa4 demo
+
+decode-demo: $(STAMP)
+	$(PY) -m paddle_fa4 decode-demo
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)

@@ -9,6 +9,9 @@ Public API (see ``docs/api.md`` for exact semantics):
 - :func:`block_log_weight`, :func:`select_topk_blocks`, :func:`blocks_to_indices` — block selection
 - :func:`indexed_attention`, :func:`indexed_attention_plan` — sparse attention over token indices
 - :func:`block_sparse_attention`, :func:`block_sparse_plan` — attention over per-query key blocks
+- :func:`flash_attn_with_kvcache`, :func:`sparse_decode_attention`,
+  :func:`block_selection_to_page_table` — paged / split-KV decode attention, sparse decode over
+  compacted page tables and the HySparse selection -> page table helper
 - :mod:`paddle_fa4.h2o` — heavy-hitter (H2O) decode ops on the paged KV layout
 
 Every op takes ``backend="auto" | "cute" | "reference"``. Submodules load on first use so that
@@ -40,6 +43,9 @@ _EXPORTS = {
     "block_sparse_attention": "block_sparse",
     "block_sparse_plan": "block_sparse_planner",
     "BlockSparsePlan": "block_sparse_planner",
+    "flash_attn_with_kvcache": "decode",
+    "sparse_decode_attention": "decode",
+    "block_selection_to_page_table": "decode",
 }
 _SUBMODULES = ("h2o", "backend", "library")
 

@@ -11,7 +11,8 @@ is idempotent.
 Registered names: ``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_fwd``, ``flash_attn_bwd``, ``indexed_attention``, ``block_log_weight``,
 ``select_topk_blocks``, ``blocks_to_indices`` and the H2O ops as ``h2o_<op>``
 (``h2o_update_page_summary``, ``h2o_page_scores``, ``h2o_reset_scores``, ``h2o_token_accumulate``,
-``h2o_token_page_scores``, ``h2o_select_pages``).
+``h2o_token_page_scores``, ``h2o_select_pages``), and the decode ops ``flash_attn_with_kvcache``,
+``sparse_decode_attention``, ``block_selection_to_page_table``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ OPS: Dict[str, Tuple[str, str]] = {
     "h2o_token_accumulate": ("h2o", "token_accumulate"),
     "h2o_select_pages": ("h2o", "select_pages"),
     "h2o_token_page_scores": ("h2o", "token_page_scores"),
+    "flash_attn_with_kvcache": ("", "flash_attn_with_kvcache"),
+    "sparse_decode_attention": ("", "sparse_decode_attention"),
+    "block_selection_to_page_table": ("", "block_selection_to_page_table"),
 }
 
 #: Ops that write into one of their arguments (informational: Paddle 3.3 ignores mutates_args).

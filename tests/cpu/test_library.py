@@ -12,7 +12,8 @@ import paddle_fa4.library as library
 
 EXPECTED = {"flash_attn_func", "flash_attn_varlen_func", "flash_attn_fwd", "flash_attn_bwd", "indexed_attention", "block_log_weight", "select_topk_blocks", "blocks_to_indices",
             "h2o_update_page_summary", "h2o_page_scores", "h2o_reset_scores", "h2o_token_accumulate",
-            "h2o_select_pages", "h2o_token_page_scores"}
+            "h2o_select_pages", "h2o_token_page_scores", "flash_attn_with_kvcache", "sparse_decode_attention",
+            "block_selection_to_page_table"}
 
 
 def test_every_op_is_registered_on_import():
