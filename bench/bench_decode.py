@@ -64,7 +64,7 @@ def ceilings(timer, rounds: int) -> tuple[float, float]:
 class Shape:
     """Inputs of one decode shape: ours (launcher, preallocated outputs), FA4 and SDPA where they apply."""
 
-    def __init__(self, b, sk, hq, hkv, layout, page, bs=0, sparse=False, pool=0):
+    def __init__(self, b, sk, hq, hkv, layout, page, bs=0, sparse=False, pool=0, splits=None):
         self.b, self.sk, self.hq, self.hkv, self.layout, self.page, self.bs = b, sk, hq, hkv, layout, page, bs
         dt = torch.bfloat16
         self.q = torch.randn(b, 1, hq, D, device=DEV, dtype=dt)
@@ -109,7 +109,8 @@ class Shape:
         sk_max = L.sk_max(self.k, self.table, layout)
         self.blk = torch.empty(b, hq, 1, -(-sk_max // bs), dtype=torch.float32, device=DEV) if bs else None
         sm = torch.cuda.get_device_properties(0).multi_processor_count
-        self.splits = L.choose_num_splits(self.q, self.k, self.table, layout=layout, sm_count=sm, block_size=bs)
+        self.splits = splits or L.choose_num_splits(self.q, self.k, self.table, layout=layout, sm_count=sm,
+                                                    block_size=bs)
         self.o_part = self.lse_part = None
         if self.splits > 1:
             o_shape, l_shape = L.partial_shapes(self.q, self.splits)
@@ -195,17 +196,19 @@ def _fmt(row):
     return s
 
 
-def plan(quick: bool):
+def plan(quick: bool, heads=HEADS, kinds=("dense", "blk", "sparse"), layouts=("contiguous", "hnd16", "hnd64")):
     out = []
-    for hq, hkv in HEADS:
+    for hq, hkv in heads:
         for layout, page in (("contiguous", 0), ("hnd", 16), ("hnd", 64)):
+            if (layout if layout == "contiguous" else f"{layout}{page}") not in layouts:
+                continue
             for b, sk in SHAPES:
                 out.append(("dense", dict(b=b, sk=sk, hq=hq, hkv=hkv, layout=layout, page=page)))
     if quick:
         out = [x for i, x in enumerate(out) if x[1]["hq"] == 32 and x[1]["b"] in (1, 8, 64, 256)][::2]
-    for b, sk in ((1, 131072), (8, 32768), (64, 16384)):
+    for b, sk in ((1, 131072), (8, 32768), (64, 16384)) if "blk" in kinds else ():
         out.append(("blk", dict(b=b, sk=sk, hq=32, hkv=8, layout="hnd", page=64, bs=64)))
-    for b, pool in ((1, 32768), (1, 131072), (8, 32768), (8, 131072), (64, 32768)):
+    for b, pool in ((1, 32768), (1, 131072), (8, 32768), (8, 131072), (64, 32768)) if "sparse" in kinds else ():
         out.append(("sparse", dict(b=b, sk=pool, hq=32, hkv=8, layout="hnd", page=64, sparse=True, pool=pool)))
     return out
 
@@ -217,6 +220,8 @@ def run_ab(args, timer) -> list:
                dict(b=64, sk=16384, hq=32, hkv=8, layout="hnd", page=64),
                dict(b=8, sk=32768, hq=32, hkv=8, layout="hnd", page=16),
                dict(b=1, sk=131072, hq=32, hkv=8, layout="hnd", page=64)):
+        if args.ab_splits_only:
+            break
         shp = Shape(**kw)
         fns = {f"ring{kb}": (lambda kb=kb: shp.ours(kb)) for kb in (16, 24, 32, 48)}
         res = bench_windows(fns, rounds=args.rounds, timer=timer)
@@ -225,6 +230,19 @@ def run_ab(args, timer) -> list:
         rows.append(line)
         print("A/B", kw, " ".join(f"{n} {v:.1f}us" for n, v in line["us"].items()), flush=True)
         del shp
+        torch.cuda.empty_cache()
+    for kw in (dict(b=1, sk=8192, hq=32, hkv=8, layout="hnd", page=64),
+               dict(b=1, sk=32768, hq=32, hkv=8, layout="hnd", page=64),
+               dict(b=8, sk=8192, hq=32, hkv=8, layout="hnd", page=64)):
+        shapes = {"auto": Shape(**kw)}
+        for s in (8, 16, 64):
+            shapes[f"s{s}"] = Shape(**kw, splits=s)
+        res = bench_windows({n: sh.ours for n, sh in shapes.items()}, rounds=args.rounds, timer=timer)
+        line = {"shape": kw, "auto_splits": shapes["auto"].splits, "us": {n: st.median_ms * 1e3 for n, st in res.items()}}
+        rows.append(line)
+        print("A/B splits", kw, f"auto={shapes['auto'].splits}", " ".join(f"{n} {v:.1f}us" for n, v in line["us"].items()),
+              flush=True)
+        del shapes
         torch.cuda.empty_cache()
     return rows
 
@@ -237,7 +255,9 @@ def run(args) -> dict:
           f"({torch.cuda.get_device_name()})", flush=True)
     ab = run_ab(args, timer) if args.ab else None
     rows = []
-    for kind, kw in ([] if args.ab_only else plan(args.quick)):
+    heads = tuple(tuple(int(x) for x in h.split("/")) for h in args.heads.split(","))
+    kinds = tuple(args.kinds.split(","))
+    for kind, kw in ([] if args.ab_only else plan(args.quick, heads, kinds, tuple(args.layouts.split(",")))):
         shp = Shape(**kw)
         fns = {"ours": shp.ours}
         if kind == "dense":
@@ -285,6 +305,10 @@ def parse_args(argv=None):
     ap.add_argument("--host-n", type=int, default=100, help="calls per host-cost measurement (0: skip)")
     ap.add_argument("--ab", action="store_true", help="also the per-warp ring size A/B (ring_kb 16/24/32/48)")
     ap.add_argument("--ab-only", action="store_true", help="only the A/B")
+    ap.add_argument("--ab-splits-only", action="store_true", help="the A/B of split counts only (with --ab)")
+    ap.add_argument("--layouts", default="contiguous,hnd16,hnd64", help="dense cache layouts to time")
+    ap.add_argument("--kinds", default="dense,blk,sparse", help="row kinds to time")
+    ap.add_argument("--heads", default=",".join(f"{a}/{b}" for a, b in HEADS), help="Hq/Hkv list, e.g. 32/8,8/1")
     add_method_args(ap)
     return ap.parse_args(argv)
 
