@@ -45,7 +45,7 @@ DEFAULT_TIMEOUT_S = 300
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "helpers" | "fwd" | "bwd" | "indexed" | "block_sparse" | "canary_hang" | "canary_mismatch"
+    kind: str  # "helpers" | "fwd" | "bwd" | "indexed" | "block_sparse" | "decode" | "canary_hang" | "canary_mismatch"
     params: dict = field(default_factory=dict)
     canary: bool = False
 
@@ -70,6 +70,11 @@ CASES = [
     Case("block_sparse", "block_sparse", dict(b=1, s=300, hq=16, hkv=2, d=128, topk=3, cu=(0, 37, 300))),
     Case("block_sparse_exact_delta", "block_sparse",
          dict(b=1, s=300, hq=16, hkv=2, d=128, topk=3, cu=(0, 37, 300), exact_delta=True)),
+    # paged split-KV decode (one warp-MMA kernel for SM90 and SM100): P 16, G 4, Sq 2 causal, ragged lengths
+    # (0, 1, not a multiple of P), -1 / huge padding ids, NaN in page tails and unlisted pages, 3 splits + combine,
+    # block_logit 64
+    Case("decode_paged_split", "decode", dict(lens=(0, 1, 37, 300), hkv=2, g=4, sq=2, d=128, page=16, splits=3,
+                                                block_size=64)),
     Case("canary_hang", "canary_hang", canary=True),
     Case("canary_mismatch", "canary_mismatch", dict(b=1, sq=130, sk=130, hq=2, hkv=2, d=64), canary=True),
 ]
@@ -651,6 +656,65 @@ def _case_indexed(fw, cc: int, p: dict):
     return dict(status="ok" if all(c["ok"] for c in checks) else "mismatch", checks=checks, **info)
 
 
+def _case_decode(fw, cc: int, p: dict):
+    """Paged decode (cute_kernels/decode/launch.py) against the float64 oracle over the gathered cache
+    (tests/oracles/decode_gpu.py); every slot no sequence uses is NaN, every output NaN-poisoned first."""
+    try:
+        from tests.oracles.decode_gpu import decode_reference
+    except ImportError as err:
+        return dict(status="error", message=f"needs the repository's tests/oracles (run from a checkout): {err}")
+    from cute_kernels.decode import launch as dl
+
+    lens, hkv, g, sq, d, page, splits, bs = (p[n] for n in ("lens", "hkv", "g", "sq", "d", "page", "splits",
+                                                            "block_size"))
+    rng = np.random.default_rng(7)
+    bsz, hq = len(lens), hkv * g
+    need = [-(-n // page) for n in lens]
+    width = max(need) + 2
+    total = sum(need) + 2
+    perm = rng.permutation(total)
+    table = np.where(np.arange(width) % 2 == 0, -1, 1 << 30)[None, None, :].repeat(bsz, 0).repeat(hkv, 1)
+    k = np.full((total, hkv, page, d), np.nan, np.float32)
+    v = np.full((total, hkv, page, d), np.nan, np.float32)
+    at = 0
+    for b, n in enumerate(lens):
+        ids = perm[at:at + need[b]]
+        at += need[b]
+        table[b, :, :need[b]] = ids
+        for j, pid in enumerate(ids):
+            rows = min(page, n - j * page)
+            k[pid, :, :rows] = _round(rng.standard_normal((hkv, rows, d)), "bfloat16")
+            v[pid, :, :rows] = _round(rng.standard_normal((hkv, rows, d)), "bfloat16")
+    q = _round(rng.standard_normal((bsz, sq, hq, d)), "bfloat16")
+    seq = np.repeat(np.asarray(lens, np.int32)[:, None], hkv, 1)
+    table = table.astype(np.int32)
+    nb = -(-width * page // bs)
+    scale = d ** -0.5
+    tq, tk, tv = fw.put(q, "bfloat16"), fw.put(k, "bfloat16"), fw.put(v, "bfloat16")
+    tseq, ttab = fw.put(seq, "int32"), fw.put(table, "int32")
+    cfg = dl.decode_config(tq, tk, layout="hnd", causal_or_right=True, has_left=False, softcap=False, block_size=bs,
+                           split=True, arch=cc)
+    info = dict(kernel="DecodeFwd + DecodeCombine", config=repr(cfg))
+    _phase("compile")
+    dl.compile_decode(cfg)
+    _phase("launch")
+    out = fw.full(q.shape, float("nan"), "bfloat16")
+    lse = fw.full((bsz, hq, sq), float("nan"), "float32")
+    blk = fw.full((bsz, hq, sq, nb), float("nan"), "float32")
+    o_shape, l_shape = dl.partial_shapes(tq, splits)
+    o_part, l_part = fw.full(o_shape, float("nan"), "float32"), fw.full(l_shape, float("nan"), "float32")
+    dl.run_decode(tq, tk, tv, tseq, ttab, out, lse, blk, o_part, l_part, layout="hnd", softmax_scale=scale,
+                  window_left=-1, window_right=0, block_size=bs, arch=cc)
+    _phase("sync")
+    fw.sync()
+    _phase("compare")
+    r_out, r_lse, r_blk = decode_reference(q, k, v, seq, table, layout="hnd", scale=scale, window_right=0,
+                                           block_size=bs, nb=nb)
+    checks = [_check("out", fw.get(out), r_out, 2e-2, 0.0), _check("lse", fw.get(lse), r_lse, 2e-3, 2e-3),
+              _check("block_logit", fw.get(blk), r_blk, 2e-3, 2e-3)]
+    return dict(status="ok" if all(c["ok"] for c in checks) else "mismatch", checks=checks, **info)
+
+
 def _case_block_sparse(fw, cc: int, p: dict):
     """block_sparse_attention's kernels (cute_kernels/block_sparse/launch.py): the plan from the numpy oracle, the
     forward, the dQ kernel (delta from out, or rowsum(P dP) with ``exact_delta``) and the dK/dV kernel, against the
@@ -836,6 +900,7 @@ _RUNNERS = {
     "bwd": lambda fw, cc, case: _case_bwd(fw, cc, case.params),
     "indexed": lambda fw, cc, case: _case_indexed(fw, cc, case.params),
     "block_sparse": lambda fw, cc, case: _case_block_sparse(fw, cc, case.params),
+    "decode": lambda fw, cc, case: _case_decode(fw, cc, case.params),
     "canary_hang": lambda fw, cc, case: _case_canary_hang(fw, cc),
     "canary_mismatch": lambda fw, cc, case: _case_fwd(fw, cc, case.params, perturb=1.05),
 }

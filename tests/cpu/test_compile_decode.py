@@ -1,0 +1,111 @@
+"""The decode kernels compile for sm_90a, sm_100a and sm_103a without a GPU: no spills, shared memory in budget.
+
+Runs ``python -m cute_kernels.check --arch <arch> --kernel decode_*`` over the default config matrix in a
+subprocess (the DSL target is fixed per process); ``--full`` (page sizes, head dims, G up to 128, dtypes,
+softcap, block_logit, layouts) is under the slow marker. Also the host rules: the split count (shapes
+only), the config as the compile key, and named refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cpu._check_cli import run_check
+
+KERNELS = ("decode_attention", "decode_combine")
+ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decode_kernels_compile(tmp_path, arch, kernel):
+    from cute_kernels.arch import parse_arch
+    from cute_kernels.decode.launch import CHECKS
+
+    rows = run_check(tmp_path, arch, kernel)
+    assert len(rows) == len(CHECKS[kernel][0](parse_arch(arch), False))
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decode_kernels_compile_full_matrix(tmp_path, arch, kernel):
+    run_check(tmp_path, arch, kernel, "--full")
+
+
+def test_check_registry_lists_decode():
+    from cute_kernels.registry import all_checks
+
+    assert set(KERNELS) <= set(all_checks())
+
+
+def test_config_is_the_cache_key():
+    from cute_kernels.decode.config import DecodeConfig
+
+    a, b = DecodeConfig(arch=90), DecodeConfig(arch=90)
+    assert a == b and hash(a) == hash(b)
+    assert DecodeConfig(arch=90, page_size=64) != a and DecodeConfig(arch=90, split=True) != a
+
+
+def test_unsupported_configs_name_the_case():
+    from cute_kernels.decode.config import DecodeConfig, unsupported_reason
+
+    assert unsupported_reason(DecodeConfig(arch=90)) is None
+    assert "head_dim" in unsupported_reason(DecodeConfig(arch=90, head_dim=96))
+    assert "page size" in unsupported_reason(DecodeConfig(arch=90, page_size=12))
+    assert "seqlen_q" in unsupported_reason(DecodeConfig(arch=90, seqlen_q=17))
+    assert "block_size" in unsupported_reason(DecodeConfig(arch=90, block_size=24))
+    assert "G * Sq" in unsupported_reason(DecodeConfig(arch=90, group=32, seqlen_q=16))
+    assert "float32" in unsupported_reason(DecodeConfig(arch=90, dtype="float32"))
+    assert unsupported_reason(DecodeConfig(arch=120)) is not None
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        from cute_kernels.decode.fwd import DecodeFwd
+
+        DecodeFwd(DecodeConfig(arch=90, head_dim=96))
+
+
+def test_tiling_rules():
+    from cute_kernels.decode.config import DecodeConfig
+
+    c = DecodeConfig(arch=90, group=4, seqlen_q=1)
+    assert (c.m_tiles, c.row_blocks, c.q_in_regs) == (1, 1, True)
+    c = DecodeConfig(arch=90, group=8, seqlen_q=4)  # 32 rows: two m16 tiles per warp
+    assert (c.m_tiles, c.row_blocks, c.q_in_regs) == (2, 1, False)
+    c = DecodeConfig(arch=90, group=16, seqlen_q=16)  # 256 rows: 8 row blocks of 32
+    assert (c.m_tiles, c.row_blocks) == (2, 8)
+    c = DecodeConfig(arch=90, head_dim=256, group=64)  # d 256: one tile per warp
+    assert (c.m_tiles, c.row_blocks) == (1, 4)
+    for d in (64, 128, 256):
+        cfg = DecodeConfig(arch=90, head_dim=d)
+        assert cfg.stages >= 2 and cfg.merge_bytes <= max(cfg.ring_bytes, cfg.merge_bytes) <= 227 * 1024
+
+
+def test_choose_splits_from_shapes_only():
+    from cute_kernels.decode.config import MAX_SPLITS, MIN_KEYS_PER_SPLIT, DecodeConfig, choose_splits
+
+    cfg = DecodeConfig(arch=90, split=True)
+    # many (sequence, kv head) pairs fill the machine: no split
+    assert choose_splits(cfg, 64, 8, 16384, 132) == 1
+    # one sequence, long context: enough CTAs for the 132 SMs, never fewer than MIN_KEYS_PER_SPLIT keys each
+    s = choose_splits(cfg, 1, 8, 131072, 132)
+    assert 16 <= s <= MAX_SPLITS
+    assert choose_splits(cfg, 1, 8, 512, 132) <= 512 // MIN_KEYS_PER_SPLIT
+    assert choose_splits(cfg, 1, 8, 100, 132) == 1
+    # deterministic in its inputs
+    assert all(choose_splits(cfg, 8, 8, 32768, 132) == choose_splits(cfg, 8, 8, 32768, 132) for _ in range(3))
+
+
+def test_partial_shapes_and_sk_max():
+    import numpy as np
+
+    from cute_kernels.decode.launch import partial_shapes, sk_max
+
+    q = np.zeros((3, 2, 32, 128), np.float32)
+    assert partial_shapes(q, 5) == ((5, 3, 2, 32, 128), (5, 3, 2, 32))
+    k_hnd = np.zeros((10, 8, 16, 128))
+    k_nhd = np.zeros((10, 16, 8, 128))
+    table = np.zeros((3, 8, 7), np.int32)
+    assert sk_max(k_hnd, table, "hnd") == 7 * 16 == sk_max(k_nhd, table, "nhd")
+    assert sk_max(np.zeros((3, 999, 8, 128)), None, "contiguous") == 999

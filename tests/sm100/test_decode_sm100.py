@@ -1,0 +1,51 @@
+"""SM100 (Blackwell) decode attention: the same warp-MMA kernel's sm_100a / sm_103a binary against the fp64 oracle.
+
+    python -m pytest tests/sm100/test_decode_sm100.py -q   # skips without torch on a CC 10.0 / 10.3 GPU
+
+The decode kernel is one source for SM90 and SM100 (mma.sync + cp.async, cute_kernels/decode/fwd.py), so the
+Hopper runs of tests/gpu/test_decode.py verify its numerics; this file runs a representative subset of those
+cases on the Blackwell binary (paged with NaN tails and padding ids, split vs unsplit and bitwise repeats,
+multi-token causal, block_logit's -inf pattern, MQA, d 256, the contiguous layout) through the same glue with
+torch tensors. Nothing here has been run on a Blackwell GPU: none was available when it was written.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch with CUDA on a Blackwell GPU")
+
+from tests.conftest import torch_cuda_arch  # noqa: E402
+from tests.sm100.conftest import SM100_BUILDS  # noqa: E402
+
+pytestmark = [pytest.mark.sm100,
+              pytest.mark.skipif(torch_cuda_arch() not in SM100_BUILDS,
+                                 reason="needs torch with CUDA on a compute-capability-10.0 (B200) or 10.3 (B300) GPU")]
+
+
+@pytest.fixture
+def glue(monkeypatch):
+    from paddle_fa4 import _bridge
+    from paddle_fa4._cute import decode as dec
+
+    def empty(shape, dtype, like):
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return torch.full(list(shape), float("nan"), dtype=dtype, device=like.device)
+
+    monkeypatch.setattr(_bridge, "empty", empty)
+    monkeypatch.setattr(dec, "arch_of", lambda t: torch_cuda_arch())
+    return dec
+
+
+@pytest.mark.parametrize("kw,check_kw", [
+    (dict(lens=[0, 1, 17, 300, 1000, 64]), {}),
+    (dict(lens=[3, 40, 517], sq=4, group=8), {}),
+    (dict(lens=[0, 1, 70, 333, 1200], sq=4), dict(bs=64)),
+    (dict(lens=[1, 77, 600], group=64, hkv=1), {}),
+    (dict(lens=[0, 33, 400], d=256, sq=2), {}),
+    (dict(lens=[0, 1, 31, 450], layout="contiguous"), dict(layout="contiguous")),
+])
+def test_decode_sm100(glue, kw, check_kw):
+    from tests.gpu.test_decode import full_check, make_case
+
+    full_check(glue, make_case(7, **kw), splits=(1, 3), repeat=2, **check_kw)
