@@ -8,7 +8,7 @@ split saw no key), ``lse_part [S, B, Sq, Hq]`` fp32 (-inf where empty). One warp
 (b, s, hq); lane ``i`` owns the ``D / 32`` contiguous elements at ``i * D / 32``. The split weights are
 computed lane-parallel (lane i: splits i, i + 32, ...; max and sum by butterfly, a fixed pattern) and
 staged in shared memory; the weighted sum of the partials runs over s = 0, 1, ... in that order with the
-loads of 16 splits issued together. At most ``MAX_SPLITS`` splits.
+loads of 8 splits issued together. At most ``MAX_SPLITS`` splits.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from cute_kernels.dtypes import cutlass_dtype
 
 WARPS = 4
 MAX_SPLITS = 128  # config.MAX_SPLITS: the launcher never passes more partials
-UNROLL = 16
+UNROLL = 8
 
 
 @dataclass(frozen=True)
