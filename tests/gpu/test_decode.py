@@ -168,7 +168,7 @@ def test_paged_basic_ragged_nan_padding(glue):
     full_check(glue, make_case(0, lens=LENS), splits=(1, 3))
 
 
-@pytest.mark.parametrize("page", [1, 64, 128])
+@pytest.mark.parametrize("page", [1, 8, 64, 128])
 def test_page_sizes(glue, page):
     full_check(glue, make_case(page, lens=[0, 1, page + 3, 700, 5 * page - 1], page=page), splits=(1, 4), repeat=2)
 
@@ -191,6 +191,12 @@ def test_gqa_groups_and_mqa(glue, group, hkv):
 @pytest.mark.parametrize("d", [64, 256])
 def test_head_dims(glue, d):
     full_check(glue, make_case(40 + d, lens=[0, 33, 400], d=d, sq=2), splits=(1, 3), repeat=2)
+
+
+def test_d256_page1_and_d64_page8(glue):
+    """The grouped page reads of P < 16 (one table read per page group of a lane's rows)."""
+    full_check(glue, make_case(45, lens=[0, 5, 200], d=256, page=1, sq=2), splits=(1, 3), repeat=2)
+    full_check(glue, make_case(46, lens=[7, 8, 333], d=64, page=8, group=8), splits=(1, 3), repeat=2)
 
 
 def test_fp16(glue):
