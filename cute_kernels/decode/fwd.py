@@ -385,48 +385,28 @@ class DecodeFwd:
         sK = ring_base + slot * (2 * self.tile_bytes)
         sV = sK + self.tile_bytes
         head_off = Int64(h) * st_h + ld_chunk * 8
-        row32 = Int32(st_row)  # a row's stride within a page (or sequence) fits 32 bits
+        step_page = Int32(0)
         step_ok = t0 < L
-        # 64-bit base of the step's first row; rows add 32-bit offsets (fewer live 64-bit values)
-        if const_expr(cfg.layout == "contiguous"):
-            step_base = Int64(b) * st_page + Int64(t0) * st_row + head_off
-        elif const_expr(P >= KW):  # the step's 16 keys share one page
-            step_page = Int32(0)
+        if const_expr(cfg.layout != "contiguous" and P >= KW):  # the step's 16 keys share one page
             if step_ok:
                 step_page = mTable[b, h, t0 // P]
             step_ok = step_ok & (step_page >= 0) & (step_page < num_pages)
-            step_base = Int64(step_page) * st_page + Int64(t0 % P) * st_row + head_off
-        elif const_expr(P >= self.rows_per_instr):  # P in {1, 8} here: each lane's rows of one page group
-            # share a page whose slot index is a compile-time function of the row (t0 % 16 == 0, P | 16)
-            grp_base = []
-            grp_ok = []
-            for gi in cutlass.range_constexpr(KW // P):
-                pg = Int32(0)
-                g_ok = t0 + gi * P < L
-                if g_ok:
-                    pg = mTable[b, h, t0 // P + gi]
-                grp_ok.append(g_ok & (pg >= 0) & (pg < num_pages))
-                grp_base.append(Int64(pg) * st_page + head_off)
         for it in cutlass.range_constexpr(KW // self.rows_per_instr):
             r = it * self.rows_per_instr + ld_row
             t = t0 + r
             ok = t < L
             if const_expr(cfg.layout == "contiguous"):
-                goff = step_base + r * row32
+                goff = Int64(b) * st_page + Int64(t) * st_row
             elif const_expr(P >= KW):
                 ok = ok & step_ok
-                goff = step_base + r * row32
-            elif const_expr(P >= self.rows_per_instr):
-                gi = (it * self.rows_per_instr) // P
-                ok = ok & grp_ok[gi]
-                goff = grp_base[gi] + ((it * self.rows_per_instr) % P + ld_row) * row32
-            else:  # P = 1 with several rows per instruction: one table read per row
+                goff = Int64(step_page) * st_page + Int64(t % P) * st_row
+            else:
                 page = Int32(0)
                 if ok:
                     page = mTable[b, h, t // P]
                 ok = ok & (page >= 0) & (page < num_pages)
-                goff = Int64(page) * st_page + Int64(t % P) * st_row + head_off
-            goff = cutlass.select_(ok, goff, Int64(0)) * 2
+                goff = Int64(page) * st_page + Int64(t % P) * st_row
+            goff = cutlass.select_(ok, goff + head_off, Int64(0)) * 2
             soff = r * (self.D * 2) + ((ld_chunk ^ (r % 8)) * 16)
             nbytes = cutlass.select_(ok, Int32(16), Int32(0))
             cp_async_16(sK + soff, k_gbase + goff, nbytes)
