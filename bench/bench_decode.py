@@ -103,7 +103,7 @@ class Shape:
             n_tok = self.table.shape[2] * page
             self.seq = torch.full((b, hkv), n_tok, dtype=torch.int32, device=DEV)
             self.keys = b * hkv * n_tok
-        self.nbytes = self.keys * D * 2 * 2 + 2 * self.q.numel() * 2
+        self.nbytes = self.keys * D * 2 * 2 + 2 * b * hq * D * 2  # K + V, q and out
         self.out = torch.empty_like(self.q)
         self.lse = torch.empty(b, hq, 1, dtype=torch.float32, device=DEV)
         sk_max = L.sk_max(self.k, self.table, layout)
@@ -271,6 +271,10 @@ def run(args) -> dict:
         row = _row(kind, shp, res, read_bw, copy_bw)
         rows.append(row)
         print(_fmt(row), flush=True)
+        if args.json:  # after every row: a run cut short by its time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"read_GBps": read_bw / 1e9, "copy_GBps": copy_bw / 1e9, "rows": rows, "ring_ab": ab,
+                           "partial": True}, f, indent=1)
         del shp, fns
         torch.cuda.empty_cache()
     host = None
