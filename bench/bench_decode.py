@@ -238,10 +238,11 @@ def run_ab(args, timer) -> list:
         for s in (8, 16, 64):
             shapes[f"s{s}"] = Shape(**kw, splits=s)
         res = bench_windows({n: sh.ours for n, sh in shapes.items()}, rounds=args.rounds, timer=timer)
-        line = {"shape": kw, "auto_splits": shapes["auto"].splits, "us": {n: st.median_ms * 1e3 for n, st in res.items()}}
+        line = {"shape": kw, "auto_splits": shapes["auto"].splits,
+                "us": {n: st.median_ms * 1e3 for n, st in res.items()}}
         rows.append(line)
-        print("A/B splits", kw, f"auto={shapes['auto'].splits}", " ".join(f"{n} {v:.1f}us" for n, v in line["us"].items()),
-              flush=True)
+        times = " ".join(f"{n} {v:.1f}us" for n, v in line["us"].items())
+        print("A/B splits", kw, f"auto={shapes['auto'].splits}", times, flush=True)
         del shapes
         torch.cuda.empty_cache()
     return rows
@@ -298,7 +299,8 @@ def markdown(info, res) -> str:
             x = r.get(f"vs_{k}")
             return "-" if x is None else f"{x['median']:.2f}x ({x['lo']:.2f}-{x['hi']:.2f})"
         lines.append(f"| {r['kind']} | {r['Hq']}/{r['Hkv']} | {r['layout']} | {r['P']} | {r['B']} | {r['Sk']} | "
-                     f"{r['splits']} | {r['us']:.1f} | {r['GBps']:.0f} | {100 * r['frac_read']:.0f}% | {ratio('fa4')} | "
+                     f"{r['splits']} | {r['us']:.1f} | {r['GBps']:.0f} | {100 * r['frac_read']:.0f}% | "
+                     f"{ratio('fa4')} | "
                      f"{ratio('sdpa')} | {ratio('nobl')} |")
     return "\n".join(lines) + "\n"
 

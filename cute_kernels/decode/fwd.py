@@ -339,8 +339,8 @@ class DecodeFwd:
             for r in cutlass.range_constexpr(2 * MT):
                 for c in cutlass.range_constexpr(len(cols)):
                     acc[r, c] = softcap_logit(acc[r, c], softcap_in, softcap)
-        apply_mask(acc, cols, ctx["rows_s"], t0 + (lane % 4) * 2, L, ctx["shift"], ctx["window_left"], ctx["window_right"],
-                   True, cfg.mask_right, cfg.mask_left)
+        apply_mask(acc, cols, ctx["rows_s"], t0 + (lane % 4) * 2, L, ctx["shift"], ctx["window_left"],
+                   ctx["window_right"], True, cfg.mask_right, cfg.mask_left)
         local_max = None
         if const_expr(cfg.block_size > 0):
             local_max = []
@@ -372,7 +372,8 @@ class DecodeFwd:
         if const_expr(cfg.block_size > 0):
             t_end = t0 + KW
             if (t_end % cfg.block_size == 0) | (t_end >= w_end):
-                self._store_block_logit(ctx["mBL"], rBL, ctx["rows_m"], b, h, t0 // cfg.block_size, ctx["bl_scale"], lane)
+                self._store_block_logit(ctx["mBL"], rBL, ctx["rows_m"], b, h, t0 // cfg.block_size, ctx["bl_scale"],
+                                        lane)
                 rBL.fill(-Float32.inf)
 
     @cute.jit

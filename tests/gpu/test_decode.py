@@ -252,6 +252,7 @@ def test_memcheck_cases(glue):
     """Small paged / tail-NaN / padding-id cases (run under compute-sanitizer by the GPU script)."""
     for pad in ("neg", "huge"):
         case = make_case(110, lens=[0, 3, 45], page=16, pad=pad, extra_pages=1)
-        check(run_glue(glue, case, splits=2, bs=16), reference(case, bs=16, nb=_nb(case, "hnd", 16)), torch.bfloat16, 16)
+        ref = reference(case, bs=16, nb=_nb(case, "hnd", 16))
+        check(run_glue(glue, case, splits=2, bs=16), ref, torch.bfloat16, 16)
     case = make_case(111, lens=[5, 20], page=1, pad="huge")
     check(run_glue(glue, case, splits=1), reference(case), torch.bfloat16)

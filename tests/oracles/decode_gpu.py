@@ -61,8 +61,8 @@ def decode_reference(q, k_cache, v_cache, seqlens, table, *, layout: str, scale:
                     if not vis.any():
                         continue
                     m = logit.max()
-                    p = np.exp(logit - m)
+                    p = np.exp(logit[vis] - m)
                     tot = p.sum()
-                    out[b, s, hh] = (p @ v) / tot
+                    out[b, s, hh] = (p @ v[vis]) / tot  # invisible keys' rows never enter (NaN in them neither)
                     lse[b, hh, s] = m + np.log(tot)
     return out, lse, blk
