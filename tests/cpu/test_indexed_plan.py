@@ -8,7 +8,7 @@ import paddle
 import pytest
 
 import paddle_fa4
-from paddle_fa4.indexed_plan import IndexedAttentionPlan, window_queries
+from paddle_fa4._plan.indexed import IndexedAttentionPlan, window_queries
 from tests.oracles import index_sources as src
 
 KEY_TILE = 32
