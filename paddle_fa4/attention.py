@@ -63,7 +63,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         window_size (tuple): ``(left, right)``; each None (or -1) = unbounded, else an int >= 0.
             With ``causal`` the right bound is ``min(right, 0)``.
         softcap (float): ``>= 0``; 0 disables the cap.
-        cu_seqlens_q (Tensor, optional): int32 ``[B + 1]``, starts at 0, non-decreasing; enables
+        cu_seqlens_q (Tensor, optional): int32 (or int64, converted) ``[B + 1]``, starts at 0, non-decreasing; enables
             varlen together with ``cu_seqlens_k``.
         cu_seqlens_k (Tensor, optional): int32 ``[B + 1]``, as ``cu_seqlens_q``.
         max_seqlen_q (int, optional): longest query sequence; required with varlen.
@@ -129,6 +129,7 @@ def _attention(op, q, k, v, *, softmax_scale, causal, window_size, softcap, cu_s
     """
     import paddle
 
+    cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(op, cu_seqlens_q, cu_seqlens_k)
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa, op=op)
     V.check_bool(op, "deterministic", deterministic)
@@ -283,6 +284,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t is None:
             raise ValueError(f"{op}: {name} is required (FA4's seqused_q/seqused_k are not supported)")
+    cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(op, cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = _max_seqlen(op, "cu_seqlens_q", cu_seqlens_q, max_seqlen_q)
     max_seqlen_k = _max_seqlen(op, "cu_seqlens_k", cu_seqlens_k, max_seqlen_k)
     out, lse, block_logit = _attention(
@@ -292,6 +294,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
         return_block_logit=return_block_logit, pack_gqa=pack_gqa, backend=backend,
         deterministic=deterministic, lse_grad=return_lse)
     return (out, lse) if block_logit is None else (out, lse, block_logit)
+
+
+def _cu_seqlens_int32(op: str, cu_seqlens_q, cu_seqlens_k):
+    """The cu_seqlens as int32 (int64 converted once, ``_validate.index_tensor``); None stays None."""
+    return tuple(None if t is None else V.index_tensor(op, name, t, padding=False)
+                 for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
 
 
 def _max_seqlen(op: str, name: str, cu_seqlens, given):
@@ -459,6 +467,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
             >>> dq.shape, dv.shape
             (paddle.Size([1, 8, 2, 16]), paddle.Size([1, 8, 2, 16]))
     """
+    cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(BWD_OP, cu_seqlens_q, cu_seqlens_k)
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, None, 64, False, None, op=BWD_OP)
     _check_bwd_tensors(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv)

@@ -87,13 +87,13 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
         k (Tensor): ``[B, S, Hkv, Dk]``, q's dtype, ``Hq % Hkv == 0`` (GQA / MQA).
         v (Tensor|None): ``[B, S, Hkv, Dv]``, q's dtype; None for the absorbed-MLA latent: V is the
             leading ``dv`` columns of ``k`` (read once; ``k`` gets one combined gradient).
-        block_ids (Tensor): int32 ``[B, S, topk]`` shared by all heads, or ``[B, Hkv, S, topk]`` per
+        block_ids (Tensor): int32 (or int64, converted) ``[B, S, topk]`` shared by all heads, or ``[B, Hkv, S, topk]`` per
             kv head; document-relative ids, ``-1`` = padding, repeats count once. Ids must be -1 or
             ``< ceil(doc_len / block_size)`` (checked for CPU tensors; on the GPU others select nothing).
         block_size (int): 16, 32, 64, 128 or 256 (the CuTe kernels: 64). Default 64.
         softmax_scale (float, optional): default ``Dk ** -0.5``.
         causal (bool): see above. Default True.
-        cu_seqlens (Tensor, optional): int32 document boundaries along S, ``[n + 1]`` for every batch
+        cu_seqlens (Tensor, optional): int32 (or int64) document boundaries along S, ``[n + 1]`` for every batch
             row or ``[B, n + 1]``; starts at 0, non-decreasing, ends at S. None: one document.
         sink (Tensor, optional): float32 ``[Hq]`` learnable sink logits (gets a gradient).
         dv (int, optional): V's head dim when ``v`` is None (``1 <= dv <= Dk``).
@@ -135,6 +135,7 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
             >>> out.shape, lse.shape
             (paddle.Size([1, 80, 4, 32]), paddle.Size([1, 4, 80]))
     """
+    block_ids, cu_seqlens = _index_int32(OP, block_ids, cu_seqlens)
     spec = _validate(q, k, v, block_ids, block_size, softmax_scale, causal, cu_seqlens, sink, dv, return_lse,
                      deterministic, plan, exact_delta)
     import paddle
@@ -156,12 +157,12 @@ def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, cau
     layers sharing one selection can share one plan, and a recompute may rebuild it.
 
     Args:
-        block_ids (Tensor): int32 ``[B, S, topk]`` (shared by all heads) or ``[B, Hkv, S, topk]``,
+        block_ids (Tensor): int32 (or int64, converted) ``[B, S, topk]`` (shared by all heads) or ``[B, Hkv, S, topk]``,
             document-relative block ids, ``-1`` = padding.
         heads_per_kv (int): ``G = Hq // Hkv >= 1``; sets the query tile, ``tile_queries(G)``.
         block_size (int): keys per block (16, 32, 64, 128 or 256). Default 64.
         causal (bool): query ``t`` sees keys ``<= t`` only. Default True.
-        cu_seqlens (Tensor, optional): int32 document boundaries along S, ``[n + 1]`` (the same for
+        cu_seqlens (Tensor, optional): int32 (or int64) document boundaries along S, ``[n + 1]`` (the same for
             every batch row) or ``[B, n + 1]``: starts at 0, non-decreasing, ends at S. None: one
             document per row.
         head_dim_v (int): the value head dim of the calls the plan serves. Only an SM100 GPU reads
@@ -182,8 +183,7 @@ def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, cau
             >>> plan.tile_start[0, 17, :2].tolist(), plan.key_start.tolist(), plan.key_end.tolist()
             ([0, 16], [[0, 16, -1]], [[16, 20, -1]])
     """
-    V.check_tensor(PLAN_OP, "block_ids", block_ids)
-    V.check_dtype(PLAN_OP, "block_ids", block_ids, ("int32",))
+    block_ids, cu_seqlens = _index_int32(PLAN_OP, block_ids, cu_seqlens)
     V.check_rank(PLAN_OP, "block_ids", block_ids, (3, 4), "[B, S, topk] or [B, Hkv, S, topk]")
     heads_per_kv = V.check_int(PLAN_OP, "heads_per_kv", heads_per_kv, low=1)
     check_block_size(PLAN_OP, block_size)
@@ -194,6 +194,13 @@ def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, cau
     head_dim_v = V.check_int(PLAN_OP, "head_dim_v", head_dim_v, low=1)
     return build_plan(block_ids, heads_per_kv=heads_per_kv, block_size=block_size, causal=causal,
                       cu_seqlens=cu_seqlens, head_dim_v=head_dim_v)
+
+
+def _index_int32(op: str, block_ids, cu_seqlens):
+    """``block_ids`` and ``cu_seqlens`` (None stays None) as int32: int64 converted once; values outside
+    int32 are an error on the host (``_validate.index_tensor``)."""
+    block_ids = V.index_tensor(op, "block_ids", block_ids, padding=False)
+    return block_ids, None if cu_seqlens is None else V.index_tensor(op, "cu_seqlens", cu_seqlens, padding=False)
 
 
 def _glue():

@@ -62,7 +62,7 @@ def indexed_attention(q, k, v, indices, *, softmax_scale=None, return_lse=False,
         q (Tensor): ``[B, Lq, Hq, D]``, bfloat16 or float16 (float32 on the reference backend).
         k (Tensor): ``[B, Lkv, Hkv, D]``, q's dtype; ``Hq % Hkv == 0``.
         v (Tensor): ``[B, Lkv, Hkv, D]``, q's dtype.
-        indices (Tensor): int32 token indices into the key axis (global coordinates, so
+        indices (Tensor): int32 (or int64, converted) token indices into the key axis (global coordinates, so
             ``Lq != Lkv`` is allowed): ``[B, Lq, W]`` shared by all heads of a token, or
             ``[B, Hkv, Lq, W]`` one row per kv head.
         softmax_scale (float, optional): default ``D ** -0.5``.
@@ -76,7 +76,7 @@ def indexed_attention(q, k, v, indices, *, softmax_scale=None, return_lse=False,
         ``lse [B, Hq, Lq]`` float32 natural log (-inf on empty rows, not differentiable).
 
     Raises:
-        TypeError: a non-tensor input, a wrong dtype (``indices`` must be int32), a bad ``plan``.
+        TypeError: a non-tensor input, a wrong dtype (``indices`` must be int32 or int64), a bad ``plan``.
         ValueError: shapes, places or head counts that disagree, a non-finite ``softmax_scale``, an
             unknown ``backend``.
         NotImplementedError: ``backend="cute"`` when no kernel applies.
@@ -92,6 +92,7 @@ def indexed_attention(q, k, v, indices, *, softmax_scale=None, return_lse=False,
             >>> lse.shape
             paddle.Size([1, 2, 4])
     """
+    indices = V.index_tensor(OP, "indices", indices, padding=True)
     spec = _validate(q, k, v, indices, softmax_scale, return_lse, plan)
     name = resolve_backend(OP, backend, q, functools.partial(_unsupported_reason, spec=spec))
     if _no_work(spec):  # zero-size or W == 0: zeros / -inf and zero gradients, no launch
@@ -109,7 +110,7 @@ def indexed_attention_plan(indices, *, kv_len: int, heads_per_kv: int, backend: 
     ``indexed_attention`` builds it itself when none is given and keeps it for the backward.
 
     Args:
-        indices (Tensor): int32 ``[B, Lq, W]`` (shared by all heads) or ``[B, Hkv, Lq, W]`` (one
+        indices (Tensor): int32 (or int64, converted) ``[B, Lq, W]`` (shared by all heads) or ``[B, Hkv, Lq, W]`` (one
             selection per kv head) token indices; any index ``< 0`` or ``>= kv_len`` is padding,
             duplicates in a row count once.
         kv_len (int): length ``Lkv`` of the key axis, ``>= 0``.
@@ -123,7 +124,7 @@ def indexed_attention_plan(indices, *, kv_len: int, heads_per_kv: int, backend: 
         IndexedAttentionPlan: see the class docstring for the tensors and their meaning.
 
     Raises:
-        TypeError: ``indices`` is not an int32 tensor.
+        TypeError: ``indices`` is not an int32 or int64 tensor.
         ValueError: bad rank, ``kv_len`` or ``heads_per_kv`` out of range.
 
     Examples:
@@ -137,8 +138,7 @@ def indexed_attention_plan(indices, *, kv_len: int, heads_per_kv: int, backend: 
             >>> plan.win_key[0, 0, :3].tolist(), plan.win_mask[0, 0, :3].tolist()
             ([1, 2, 3], [3, 2, 1])
     """
-    V.check_tensor(PLAN_OP, "indices", indices)
-    V.check_dtype(PLAN_OP, "indices", indices, ("int32",))
+    indices = V.index_tensor(PLAN_OP, "indices", indices, padding=True)
     V.check_rank(PLAN_OP, "indices", indices, (3, 4), "[B, Lq, W] or [B, Hkv, Lq, W]")
     kv_len = V.check_int(PLAN_OP, "kv_len", kv_len, low=0)
     heads_per_kv = V.check_int(PLAN_OP, "heads_per_kv", heads_per_kv, low=1, high=P.TILE_M)

@@ -250,7 +250,7 @@ def blocks_to_indices(block_idx, *, block_size: int, seqlen_k: int, causal: bool
         -> [0, 1, 2, 3,  4, 5, -1, -1,  -1, -1, -1, -1]
 
     Args:
-        block_idx (Tensor): int32 ``[B, Hs, Sq, topk]``, e.g. from :func:`select_topk_blocks`
+        block_idx (Tensor): int32 (or int64, converted) ``[B, Hs, Sq, topk]``, e.g. from :func:`select_topk_blocks`
             (dense layout; split a varlen selection per sequence).
         block_size (int): key block size the selection was made with (16, 32, 64, 128 or 256).
         seqlen_k (int): number of keys ``Sk``.
@@ -274,8 +274,7 @@ def blocks_to_indices(block_idx, *, block_size: int, seqlen_k: int, causal: bool
     """
     op = "blocks_to_indices"
     _check_backend(op, backend)
-    if _dtype_name(block_idx) != "int32":
-        raise TypeError(f"{op}: block_idx must be int32, got {_dtype_name(block_idx)}")
+    block_idx = V.index_tensor(op, "block_idx", block_idx, padding=True)
     if block_idx.ndim != 4:
         raise ValueError(f"{op}: block_idx must be [B, Hs, Sq, topk], got shape {list(block_idx.shape)} "
                          "(split a varlen selection per sequence)")

@@ -288,7 +288,7 @@ def _args(**over):
 
 
 @pytest.mark.parametrize("over, exc, match", [
-    (dict(block_ids=_t(np.zeros((1, 20, 2)), "int64")), TypeError, "block_ids must be int32"),
+    (dict(block_ids=_t(np.zeros((1, 20, 2)), "float32")), TypeError, "block_ids must be int32 \\(int64 is accepted"),
     (dict(block_ids=_t(np.full((1, 20, 2), 2), "int32")), ValueError, "block of the query's document"),
     (dict(block_ids=_t(np.full((1, 20, 2), -2), "int32")), ValueError, "block of the query's document"),
     (dict(block_ids=_t(np.zeros((1, 19, 2)), "int32")), ValueError, "block_ids must have shape"),

@@ -292,7 +292,7 @@ def test_errors_name_op_and_argument():
     q = _t(rng.standard_normal((1, 4, 8)), "float32")
     state = _t(np.zeros((key.shape[0], 2, 4)), "float32")
     with pytest.raises(TypeError, match="h2o.token_accumulate: block_tables must be int32"):
-        h2o.token_accumulate(q, key, state, tables.astype("int64"), seq_lens, backend=REF)
+        h2o.token_accumulate(q, key, state, tables.astype("float32"), seq_lens, backend=REF)
     with pytest.raises(ValueError, match="h2o.token_accumulate: q heads Hq = 3"):
         h2o.token_accumulate(_t(np.zeros((1, 3, 8)), "float32"), key, state, tables, seq_lens, backend=REF)
     with pytest.raises(ValueError, match="h2o.token_accumulate: gqa_reduce"):
@@ -316,7 +316,7 @@ def test_errors_name_op_and_argument():
     with pytest.raises(ValueError, match="h2o.update_page_summary: summary must have shape"):
         h2o.update_page_summary(key, _t([0], "int32"), _t(np.zeros((1, 2, 3, 8)), "float32"), backend=REF)
     with pytest.raises(TypeError, match="h2o.reset_scores: slot_mapping must be int32"):
-        h2o.reset_scores(state, _t([0], "int64"), backend=REF)
+        h2o.reset_scores(state, _t([0], "int16"), backend=REF)
     with pytest.raises(ValueError, match="backend must be one of"):
         h2o.reset_scores(state, _t([0], "int32"), backend="triton")
 
