@@ -87,8 +87,8 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
         k (Tensor): ``[B, S, Hkv, Dk]``, q's dtype, ``Hq % Hkv == 0`` (GQA / MQA).
         v (Tensor|None): ``[B, S, Hkv, Dv]``, q's dtype; None for the absorbed-MLA latent: V is the
             leading ``dv`` columns of ``k`` (read once; ``k`` gets one combined gradient).
-        block_ids (Tensor): int32 (or int64, converted) ``[B, S, topk]`` shared by all heads, or ``[B, Hkv, S, topk]`` per
-            kv head; document-relative ids, ``-1`` = padding, repeats count once. Ids must be -1 or
+        block_ids (Tensor): int32 (or int64, converted) ``[B, S, topk]`` shared by all heads, or
+            ``[B, Hkv, S, topk]`` per kv head; document-relative ids, ``-1`` = padding, repeats count once. Ids must be -1 or
             ``< ceil(doc_len / block_size)`` (checked for CPU tensors; on the GPU others select nothing).
         block_size (int): 16, 32, 64, 128 or 256 (the CuTe kernels: 64). Default 64.
         softmax_scale (float, optional): default ``Dk ** -0.5``.

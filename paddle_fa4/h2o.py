@@ -2,8 +2,8 @@
 
 Layout (as ``paddle.incubate.nn.functional.block_multihead_attention``):
 ``key_cache [num_pages, Hkv, page_size, D]``, ``block_tables [B, max_pages]`` int32,
-``seq_lens [B]`` int32 (tokens, the current one included; int64 index tensors are converted), decode ``q [B, Hq, D]`` with query head
-``h`` on kv head ``h // G`` (``G = Hq / Hkv``, any value). Flat slots are ``page * page_size + off``.
+``seq_lens [B]`` int32 (tokens, the current one included; int64 index tensors are converted), decode
+``q [B, Hq, D]`` with query head ``h`` on kv head ``h // G`` (``G = Hq / Hkv``, any value). Flat slots are ``page * page_size + off``.
 Token score state ``[num_pages, Hkv, page_size]`` (float32 by default, bfloat16 allowed), parallel
 to the KV cache; page summaries one tensor ``[num_pages, Hkv, 3, D]`` (mean, max, min).
 
