@@ -42,7 +42,7 @@ MAX_HEAD_DIM = 256
 def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    block_logit=None, block_size=64, return_block_logit=False, pack_gqa=None,
-                   backend="auto", deterministic=False):
+                   backend="auto", deterministic=False, return_lse=False):
     r"""Attention forward; optionally the per-(row, key block) max logit ``block_logit``.
 
     Row ``i`` of a sequence with lengths ``(Sq, Sk)`` sees key ``t`` when
@@ -78,6 +78,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
         deterministic (bool): the backward of this call (autograd) is bitwise
             reproducible (see :func:`flash_attn_bwd`). The forward is deterministic either way.
+        return_lse (bool): ``lse`` is differentiable, as in :func:`flash_attn_func` (its gradient
+            reaches q and k through the backward's ``dlse``); the return value is the same either way.
 
     Returns:
         tuple: ``(out, lse)``, or ``(out, lse, block_logit)`` when ``block_logit`` is given or
@@ -87,8 +89,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         key; ``block_logit`` float32, the max visible logit of each key block (block indices
         relative to each sequence's start), -inf where the block has no visible key.
         ``out`` is differentiable w.r.t. ``q``, ``k`` and ``v`` (those with
-        ``stop_gradient=False``) when gradients are enabled; ``lse`` and ``block_logit`` always
-        have ``stop_gradient=True``.
+        ``stop_gradient=False``) when gradients are enabled, and so is ``lse`` with ``return_lse``;
+        otherwise ``lse`` has ``stop_gradient=True``, and ``block_logit`` always has.
 
     Raises:
         TypeError: a tensor argument of the wrong type or dtype, or a non-int/float option.
@@ -113,7 +115,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_logit=block_logit, block_size=block_size,
         return_block_logit=return_block_logit, pack_gqa=pack_gqa, backend=backend,
-        deterministic=deterministic, lse_grad=False)
+        deterministic=deterministic, lse_grad=V.check_bool(OP, "return_lse", return_lse))
     if block_logit is not None:
         return out, lse, block_logit
     return out, lse
