@@ -582,7 +582,7 @@ def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q
     else:
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     causal = V.check_bool(op, "causal", causal)
-    window_left, window_right, causal = _check_window(window_size, causal, op)
+    window_left, window_right, causal = _check_window(window_size, causal, op, reach=seqlen_q + seqlen_k)
     softcap = V.check_float(op, "softcap", softcap, low=0.0)
     # >= 0: the kernels take the running max of the raw logits q.k and scale it afterwards, which
     # for a negative scale would be the minimum of the scaled logits (and block_logit its minimum).
@@ -685,7 +685,11 @@ def _check_cu_seqlens(name: str, t, total: int, max_seqlen: int, max_name: str, 
                          f"({int(lengths.max())})")
 
 
-def _window_bound(name: str, value, op: str = OP) -> Optional[int]:
+def _window_bound(name: str, value, op: str = OP, reach: Optional[int] = None) -> Optional[int]:
+    """A window bound as None (unbounded) or an int in ``[0, reach)``: a bound of ``reach = Sq + Sk``
+    keys or more (varlen: ``max_seqlen_q + max_seqlen_k``) lets every row see every key on its side,
+    so it is unbounded -- also past the 64-bit range (``sys.maxsize``, ``2**70``), which the masks'
+    integer arithmetic would otherwise overflow, and the kernels' int32 bounds."""
     if value is None:
         return None
     value = V.check_int(op, name, value)
@@ -693,15 +697,19 @@ def _window_bound(name: str, value, op: str = OP) -> Optional[int]:
         return None
     if value < 0:
         raise ValueError(f"{op}: {name} must be None, -1 (unbounded) or >= 0, got {value}")
+    if reach is not None and value >= reach:
+        return None
     return value
 
 
-def _check_window(window_size, causal: bool, op: str = OP) -> Tuple[Optional[int], Optional[int], bool]:
-    """``(left, right, causal)`` with None for unbounded; causal forces ``right <= 0``."""
+def _check_window(window_size, causal: bool, op: str = OP,
+                  reach: Optional[int] = None) -> Tuple[Optional[int], Optional[int], bool]:
+    """``(left, right, causal)`` with None for unbounded (and for a bound ``>= reach``, see
+    :func:`_window_bound`); causal forces ``right <= 0``."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"{op}: window_size must be a (left, right) pair, got {window_size!r}")
-    left = _window_bound("window_size[0]", window_size[0], op)
-    right = _window_bound("window_size[1]", window_size[1], op)
+    left = _window_bound("window_size[0]", window_size[0], op, reach)
+    right = _window_bound("window_size[1]", window_size[1], op, reach)
     if causal:
         right = 0 if right is None else min(right, 0)
     causal = causal or (left is None and right == 0)

@@ -421,7 +421,8 @@ def chunk_plan(seqlen_q: int, seqlen_k: int, chunk_q: int, causal: bool, window_
     """
     if window_size is None:
         window_size = (None, None)
-    left, right = (None if w is None or w == -1 else w for w in window_size)
+    reach = seqlen_q + seqlen_k  # a bound this far or farther hides no key: unbounded (as flash_attn_fwd)
+    left, right = (None if w is None or w == -1 or (isinstance(w, int) and w >= reach) else w for w in window_size)
     if causal:
         right = 0 if right is None else min(right, 0)
     if right != 0 and (left is not None or right is not None):
