@@ -84,3 +84,97 @@ def test_window_bound_within_reach_is_kept():
     assert _check_window((2 ** 70, 3), True, reach=10) == (None, 0, True)
     with pytest.raises(ValueError, match="window_size\\[0\\] must be None, -1"):
         paddle_fa4.flash_attn_fwd(q, k, v, window_size=(-2 ** 70, None), backend=REF)
+
+
+# ------------------------------------------------------------------------------------------ NaN / Inf in keys
+def _poison(x, keys, value):
+    x = x.copy()
+    x[:, keys] = value
+    return x
+
+
+def _fwd_bwd(q, k, v, **kw):
+    q, k, v = _t(q), _t(k), _t(v)
+    out, lse = paddle_fa4.flash_attn_fwd(q, k, v, backend=REF, **kw)
+    dq, dk, dv = paddle_fa4.flash_attn_bwd(paddle.ones_like(out), q, k, v, out, lse, backend=REF, **kw)
+    return [x.numpy() for x in (out, lse, dq, dk, dv)]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_keys_no_row_sees(value, softcap):
+    """Sq 4, Sk 10, causal, window (1, 0): rows see keys 5..9, keys 0..4 none. Poisoned k and v there change
+    nothing at all: out, lse, dq, and dk / dv (0 on the keys no row sees)."""
+    q, k, v = _qkv(3, 4, 10)
+    kw = dict(causal=True, window_size=(1, 0), softcap=softcap)
+    want = _fwd_bwd(q, k, v, **kw)
+    got = _fwd_bwd(q, _poison(k, [0, 3], value), _poison(v, [1, 4], value), **kw)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+        assert np.isfinite(a).all(), name
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize("where", ["causal", "window"])
+def test_rows_keep_clean_of_keys_they_cannot_see(value, where):
+    """Keys some rows see and others do not: the rows that cannot see a poisoned key get out / lse / dq exactly
+    as with a finite key there, block_logit too; the rows that see it get a non-finite out."""
+    sq = sk = 12
+    q, k, v = _qkv(4, sq, sk)
+    if where == "causal":  # key 8 (k) and 9 (v): rows >= 8 see them
+        kw, bad_k, bad_v, clean_rows = dict(causal=True), [8], [9], np.arange(8)
+    else:  # window (2, 1), not causal: row i sees keys i-2..i+1; key 0 seen by rows 0..2, key 1 by rows 0..3
+        kw, bad_k, bad_v, clean_rows = dict(window_size=(2, 1)), [0], [1], np.arange(4, sq)
+    dirty_rows = np.setdiff1d(np.arange(sq), clean_rows)
+    want = _fwd_bwd(q, k, v, **kw)
+    got = _fwd_bwd(q, _poison(k, bad_k, value), _poison(v, bad_v, value), **kw)
+    for name, a, b in zip(("out", "dq"), (got[0], got[2]), (want[0], want[2])):
+        np.testing.assert_array_equal(a[:, clean_rows], b[:, clean_rows], err_msg=name)
+    assert not np.isfinite(got[0][:, dirty_rows]).all()  # the rows that see a poisoned key do get it
+    np.testing.assert_array_equal(got[1][:, :, clean_rows], want[1][:, :, clean_rows], err_msg="lse")
+    # block_logit: the max logit of each block over the visible keys
+    kwb = dict(kw, return_block_logit=True, block_size=16)
+    bl_want = paddle_fa4.flash_attn_fwd(_t(q), _t(k), _t(v), backend=REF, **kwb)[2].numpy()
+    bl_got = paddle_fa4.flash_attn_fwd(_t(q), _t(_poison(k, bad_k, value)), _t(_poison(v, bad_v, value)), backend=REF,
+                                       **kwb)[2].numpy()
+    np.testing.assert_array_equal(bl_got[:, :, clean_rows], bl_want[:, :, clean_rows])
+
+
+def test_poisoned_keys_through_autograd_bf16():
+    """flash_attn_func's PyLayer (bf16 inputs, GQA) keeps the rows and the gradients clean as well."""
+    q, k, v = _qkv(5, 6, 9, hq=4, hkv=1)
+    grads = []
+    for kk, vv in ((k, v), (_poison(k, [0], math.nan), _poison(v, [1], math.inf))):
+        tq, tk, tv = (_t(x, "bfloat16") for x in (q, kk, vv))
+        for x in (tq, tk, tv):
+            x.stop_gradient = False
+        out, lse = paddle_fa4.flash_attn_func(tq, tk, tv, window_size=(3, 0), backend=REF)
+        out.astype("float32").sum().backward()
+        grads.append([out.astype("float32").numpy(), tq.grad.astype("float32").numpy(),
+                      tk.grad.astype("float32").numpy()[:, 2:], tv.grad.astype("float32").numpy()[:, 2:]])
+    # rows 0..2 see key 0 / 1 (window 3 back from row i + 3): rows 5 see neither
+    for a, b in zip(grads[1][:2], grads[0][:2]):
+        np.testing.assert_array_equal(a[:, 5:], b[:, 5:])
+    assert not np.isfinite(grads[1][0][:, :5]).all()
+
+
+def test_key_matmul_ieee_values():
+    """The guarded matmul gives each row the IEEE value of its products over the keys it sees (numpy's sum of
+    those products): invisible NaN / Inf are dropped, visible ones give NaN (NaN, 0 * Inf, Inf - Inf) or +-Inf."""
+    from paddle_fa4.reference.attention import key_matmul
+
+    inf, nan = math.inf, math.nan
+    a = np.array([[1, 0, 2, 0], [0, 1, 0, 0], [1, 1, 0, 0], [-1, 0, 1, 0], [0, -1, 0, 0], [0, 1, 0, -1],
+                  [0, 0, 0, 0], [2, 0, 0, 3]], dtype=np.float32)
+    live = np.array([[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 0], [0, 1, 0, 1],
+                     [1, 0, 0, 0], [1, 0, 0, 1]], dtype=bool)
+    b = np.array([[1, 5, inf], [inf, nan, 2], [3, inf, -inf], [-inf, 4, 1]], dtype=np.float32)
+    assert not (a[~live]).any()  # a is 0 where a row does not see the key
+    with np.errstate(invalid="ignore"):
+        want = np.array([[np.sum(a[i, live[i]] * b[live[i], j]) for j in range(3)] for i in range(len(a))])
+    got = key_matmul(_t(a[None]), _t(b[None]), _t(live[None], "bool"), False).numpy()[0]
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(want).any() and np.isposinf(want).any() and np.isneginf(want).any() and np.isfinite(want).any()
+    finite_b = np.nan_to_num(b, nan=0.5, posinf=2.0, neginf=-3.0)
+    np.testing.assert_array_equal(key_matmul(_t(a[None]), _t(finite_b[None]), _t(live[None], "bool"), True).numpy()[0],
+                                  a @ finite_b)
