@@ -409,8 +409,9 @@ def select_pages(scores, block_tables, seq_lens, *, page_size: int, topk: int, b
     The middle holds the ``topk`` largest scores in **ascending page order** (ties go to the lower
     page), so each row is in sequence order and, for ``eos >= 1``, the real (possibly partial)
     last page is last. Entries are physical page ids from ``block_tables``: the result is a sparse
-    block table (one row per kv head) and ``sparse_seq_lens`` its token counts,
-    ``(count - 1) * page_size + tokens of the last page``.
+    block table (one row per kv head) and ``sparse_seq_lens`` its token counts: the tokens of the
+    selected pages, ``count * page_size`` less the empty slots of the request's real last page when
+    that page is selected (always for ``eos >= 1``; with ``eos = 0`` only if the top-k picks it).
 
     Args:
         scores (Tensor): float32 ``[B, Hkv, max_pages]`` per logical page (:func:`page_scores` or
