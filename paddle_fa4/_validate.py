@@ -8,6 +8,7 @@ names the offending argument, e.g. ``indexed_attention: softmax_scale must be fi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable, Sequence
 
@@ -155,6 +156,17 @@ def index_tensor(op: str, name: str, t, *, padding: bool):
 
     with paddle.no_grad():
         return paddle.clip(t, INT32_MIN, INT32_MAX).astype("int32")
+
+
+@contextlib.contextmanager
+def sized_by(op: str, what: str, arguments: str):
+    """Re-raise a ``MemoryError`` inside the block (Paddle's ``ResourceExhausted`` is one) naming ``what``
+    could not be allocated and the ``arguments`` that size it, e.g. ``sized_by(op, "the output [1, 2, 4,
+    1073741824] int32", "topk=1073741824")``."""
+    try:
+        yield
+    except MemoryError as err:
+        raise MemoryError(f"{op}: not enough memory for {what}, sized by {arguments} ({err})") from err
 
 
 def host_values(t):

@@ -138,7 +138,10 @@ def _attention(op, q, k, v, *, softmax_scale, causal, window_size, softcap, cu_s
     fwd_backend = resolve_backend(op, backend, q, functools.partial(_unsupported_reason, spec=spec),
                                   stacklevel=5)
     if spec.has_block_logit and block_logit is None:
-        block_logit = paddle.empty(spec.block_logit_shape(), dtype="float32", device=q.place)
+        sizes = (f"max_seqlen_q={spec.seqlen_q}, max_seqlen_k={spec.seqlen_k}" if spec.varlen else
+                 f"Sq={spec.seqlen_q}, Sk={spec.seqlen_k}") + f" and block_size={spec.block_size}"
+        with V.sized_by(op, f"block_logit {spec.block_logit_shape()} float32", sizes):
+            block_logit = paddle.empty(spec.block_logit_shape(), dtype="float32", device=q.place)
     if not spec.has_block_logit:
         block_logit = None
     if _needs_grad(q, k, v):
@@ -575,8 +578,9 @@ def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q
     V.check_same_place(op, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                             "cu_seqlens_k": cu_seqlens_k, "block_logit": block_logit})
     if varlen:
-        seqlen_q = V.check_int(op, "max_seqlen_q", max_seqlen_q, low=0)
-        seqlen_k = V.check_int(op, "max_seqlen_k", max_seqlen_k, low=0)
+        # lengths are int32 in the kernels (and no sequence of an int32-indexed tensor is longer)
+        seqlen_q = V.check_int(op, "max_seqlen_q", max_seqlen_q, low=0, high=V.INT32_MAX)
+        seqlen_k = V.check_int(op, "max_seqlen_k", max_seqlen_k, low=0, high=V.INT32_MAX)
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dims["total_q"], seqlen_q, "max_seqlen_q", op)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, dims["total_k"], seqlen_k, "max_seqlen_k", op)
     else:

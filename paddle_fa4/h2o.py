@@ -434,10 +434,13 @@ def select_pages(scores, block_tables, seq_lens, *, page_size: int, topk: int, b
     if scores.shape[2] != block_tables.shape[1]:
         raise ValueError(f"{op}: scores must have max_pages = {block_tables.shape[1]} (block_tables) in its "
                          f"last dim, got shape {list(scores.shape)}")
-    page_size = V.check_int(op, "page_size", page_size, low=1)
-    topk = V.check_int(op, "topk", topk, low=1)
-    bos = V.check_int(op, "bos", bos, low=0)
-    eos = V.check_int(op, "eos", eos, low=0)
+    page_size = V.check_int(op, "page_size", page_size, low=1, high=V.INT32_MAX)
+    topk = V.check_int(op, "topk", topk, low=1, high=V.INT32_MAX)
+    bos = V.check_int(op, "bos", bos, low=0, high=V.INT32_MAX)
+    eos = V.check_int(op, "eos", eos, low=0, high=V.INT32_MAX)
+    if bos + topk + eos > V.INT32_MAX:
+        raise ValueError(f"{op}: bos + topk + eos (the row width) must be <= {V.INT32_MAX} (int32 in the kernel), "
+                         f"got {bos} + {topk} + {eos}")
     V.check_same_place(op, {"scores": scores, "block_tables": block_tables, "seq_lens": seq_lens})
     _check_seq_values(op, seq_lens, block_tables, page_size, "the page_size argument")
     hkv = scores.shape[1]
@@ -456,10 +459,12 @@ def select_pages(scores, block_tables, seq_lens, *, page_size: int, topk: int, b
 
         return glue.unsupported_reason(arch, "select_pages")
 
-    if resolve_backend(op, backend, scores, reason) == "cute":
-        from ._cute import h2o as glue
+    with V.sized_by(op, f"the output [B, Hkv, bos + topk + eos] = {[batch, hkv, bos + topk + eos]} int32",
+                    f"topk={topk}, bos={bos}, eos={eos}"):
+        if resolve_backend(op, backend, scores, reason) == "cute":
+            from ._cute import h2o as glue
 
-        return glue.select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos)
-    from .reference import h2o as ref
+            return glue.select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos)
+        from .reference import h2o as ref
 
-    return ref.select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos)
+        return ref.select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos)

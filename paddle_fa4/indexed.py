@@ -140,7 +140,7 @@ def indexed_attention_plan(indices, *, kv_len: int, heads_per_kv: int, backend: 
     """
     indices = V.index_tensor(PLAN_OP, "indices", indices, padding=True)
     V.check_rank(PLAN_OP, "indices", indices, (3, 4), "[B, Lq, W] or [B, Hkv, Lq, W]")
-    kv_len = V.check_int(PLAN_OP, "kv_len", kv_len, low=0)
+    kv_len = V.check_int(PLAN_OP, "kv_len", kv_len, low=0, high=V.INT32_MAX)  # int32 indices name no key past it
     heads_per_kv = V.check_int(PLAN_OP, "heads_per_kv", heads_per_kv, low=1, high=P.TILE_M)
     per_kv_head = indices.ndim == 4
     shape = list(indices.shape)
@@ -150,9 +150,10 @@ def indexed_attention_plan(indices, *, kv_len: int, heads_per_kv: int, backend: 
 
     chosen = resolve_backend(PLAN_OP, backend, indices, _plan_unsupported_reason)
     flat = indices.reshape([num_sets, shape[-2], shape[-1]])
-    if chosen == "cute":
-        return _glue().build_plan(flat, **geometry)
-    return P.build_plan(flat, **geometry)
+    with V.sized_by(PLAN_OP, "the plan", f"kv_len={kv_len} and indices {shape} (docs/api.md: the plan's memory)"):
+        if chosen == "cute":
+            return _glue().build_plan(flat, **geometry)
+        return P.build_plan(flat, **geometry)
 
 
 def _plan_unsupported_reason(arch: int) -> Optional[str]:

@@ -178,3 +178,65 @@ def test_key_matmul_ieee_values():
     finite_b = np.nan_to_num(b, nan=0.5, posinf=2.0, neginf=-3.0)
     np.testing.assert_array_equal(key_matmul(_t(a[None]), _t(finite_b[None]), _t(live[None], "bool"), True).numpy()[0],
                                   a @ finite_b)
+
+
+# ------------------------------------------------------------------------------------------ sizes and types
+def test_blocks_to_indices_rejects_seqlen_k_past_int32():
+    blk = paddle.to_tensor([[[[0, 1]]]], dtype="int32")
+    ok = paddle_fa4.blocks_to_indices(blk, block_size=16, seqlen_k=2 ** 31 - 1, causal=False, backend=REF)
+    assert ok[0, 0].numpy().tolist() == list(range(32))
+    for seqlen_k in (2 ** 31, 2 ** 32 + 5, 2 ** 62):  # ids would wrap to negative / small numbers
+        with pytest.raises(ValueError, match=f"^blocks_to_indices: seqlen_k must be <= {2 ** 31 - 1}.*got {seqlen_k}"):
+            paddle_fa4.blocks_to_indices(blk, block_size=16, seqlen_k=seqlen_k, backend=REF)
+
+
+def test_selection_sizes_name_the_argument():
+    bl, lse = paddle.zeros([1, 2, 4, 3]), paddle.zeros([1, 2, 4])
+    for topk in (2 ** 31, 2 ** 62):
+        with pytest.raises(ValueError, match=f"^select_topk_blocks: topk must be <= {2 ** 31 - 1}"):
+            paddle_fa4.select_topk_blocks(bl, lse, topk=topk, backend=REF)
+    with pytest.raises(ValueError, match="^select_topk_blocks: seqlen_k must be <= "):
+        paddle_fa4.select_topk_blocks(bl, lse, topk=2, block_size=16, seqlen_k=2 ** 62, backend=REF)
+    q = paddle.zeros([1, 8, 2, 16])
+    with pytest.raises(ValueError, match="^select_topk_blocks_chunked: topk must be <= "):
+        paddle_fa4.select_topk_blocks_chunked(q, q, q, topk=2 ** 62, block_size=16, backend=REF)
+    # an output past the 47-bit address space (512 TB; no allocator, overcommitting or not, returns it): a
+    # MemoryError naming the output and topk, not Paddle's allocator message alone
+    big_bl, big_lse = paddle.zeros([1, 2, 2 ** 16, 3]), paddle.zeros([1, 2, 2 ** 16])
+    with pytest.raises(MemoryError, match=r"^select_topk_blocks: not enough memory for the output \[B, Hs, Sq, topk\] "
+                                          r"= \[1, 1, 65536, 2147483647\] int32, sized by topk=2147483647"):
+        paddle_fa4.select_topk_blocks(big_bl, big_lse, topk=2 ** 31 - 1, backend=REF)
+
+
+def test_lengths_past_int32_name_the_argument():
+    q = paddle.zeros([2 ** 18, 2, 4])
+    cu = paddle.to_tensor([0, 2 ** 18], dtype="int32")
+    for name in ("max_seqlen_q", "max_seqlen_k"):
+        kw = {"max_seqlen_q": 2 ** 18, "max_seqlen_k": 2 ** 18, name: 2 ** 62}
+        with pytest.raises(ValueError, match=f"^flash_attn_fwd: {name} must be <= {2 ** 31 - 1}"):
+            paddle_fa4.flash_attn_fwd(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=REF, **kw)
+    # block_logit [Hq, total_q, ceil(max_seqlen_k / 16)] of 256 TB: named, with the lengths that size it
+    with pytest.raises(MemoryError, match=r"^flash_attn_fwd: not enough memory for block_logit \[2, 262144, 134217728\] "
+                                          r"float32, sized by max_seqlen_q=262144, max_seqlen_k=2147483647 and "
+                                          r"block_size=16"):
+        paddle_fa4.flash_attn_fwd(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2 ** 18,
+                                  max_seqlen_k=2 ** 31 - 1, block_size=16, return_block_logit=True, backend=REF)
+    idx = paddle.zeros([1, 2, 2], dtype="int32")
+    with pytest.raises(ValueError, match=f"^indexed_attention_plan: kv_len must be <= {2 ** 31 - 1}"):
+        paddle_fa4.indexed_attention_plan(idx, kv_len=2 ** 62, heads_per_kv=2, backend=REF)
+    scores, tables, lens = paddle.zeros([1, 1, 3]), paddle.zeros([1, 3], dtype="int32"), paddle.to_tensor([9])
+    with pytest.raises(ValueError, match="^h2o.select_pages: topk must be <= "):
+        h2o.select_pages(scores, tables, lens, page_size=4, topk=2 ** 62, backend=REF)
+    with pytest.raises(ValueError, match="^h2o.select_pages: bos \\+ topk \\+ eos"):
+        h2o.select_pages(scores, tables, lens, page_size=4, topk=2 ** 31 - 1, bos=1, backend=REF)
+
+
+@pytest.mark.parametrize("which", ["block_logit", "lse"])
+def test_numpy_inputs_are_a_type_error(which):
+    bl, lse = paddle.zeros([1, 2, 4, 3]), paddle.zeros([1, 2, 4])
+    args = {"block_logit": bl, "lse": lse}
+    args[which] = args[which].numpy()
+    with pytest.raises(TypeError, match=f"^select_topk_blocks: {which} must be a paddle.Tensor, got ndarray"):
+        paddle_fa4.select_topk_blocks(args["block_logit"], args["lse"], topk=2, backend=REF)
+    with pytest.raises(TypeError, match=f"^block_log_weight: {which} must be a paddle.Tensor, got ndarray"):
+        paddle_fa4.block_log_weight(args["block_logit"], args["lse"])
