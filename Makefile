@@ -2,13 +2,16 @@
 #   make demo   - the HySparse walk-through on the embedded default (reference backend without a GPU)
 #   make decode-demo - a paged-cache decode loop: dense + block_logit, HySparse and H2O sparse decode
 #   make test   - the test suite (CPU tests + compile checks for sm_90a and sm_100a; GPU suites skip)
+#   make check ARCH=sm_100a [KERNEL=attention_fwd] [CHECK_ARGS=--full] - compile-check kernels with the venv's
+#                   python (python -m cute_kernels.check; no GPU needed)
 #   make check-cu13 - the compile check again under the DSL's CUDA 13 build (CI runs it after make test)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
+ARCH   ?= sm_100a
 
-.PHONY: demo decode-demo test venv clean check-cu13
+.PHONY: demo decode-demo test venv clean check check-cu13
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +31,9 @@ decode-demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
+
+check: $(STAMP)
+	$(PY) -m cute_kernels.check --arch $(ARCH) $(if $(KERNEL),--kernel $(KERNEL)) $(CHECK_ARGS)
 
 # The compile check under the DSL's CUDA 13 build (its own venv): its ptxas allocates registers unlike the CUDA 12
 # build the tests compile with, and a GPU with a CUDA 13 driver runs it (README, "Checking the kernels").

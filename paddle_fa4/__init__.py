@@ -18,9 +18,7 @@ Every op takes ``backend="auto" | "cute" | "reference"``. Submodules load on fir
 ``import paddle_fa4`` is cheap and needs no GPU.
 """
 
-from __future__ import annotations
-
-import importlib
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
@@ -38,11 +36,11 @@ _EXPORTS = {
     "blocks_to_indices": "selection",
     "select_topk_blocks_chunked": "selection",
     "indexed_attention": "indexed",
-    "indexed_attention_plan": "indexed_plan",
-    "IndexedAttentionPlan": "indexed_plan",
+    "indexed_attention_plan": "indexed",
+    "IndexedAttentionPlan": "indexed",
     "block_sparse_attention": "block_sparse",
-    "block_sparse_plan": "block_sparse_planner",
-    "BlockSparsePlan": "block_sparse_planner",
+    "block_sparse_plan": "block_sparse",
+    "BlockSparsePlan": "block_sparse",
     "flash_attn_with_kvcache": "decode",
     "sparse_decode_attention": "decode",
     "block_selection_to_page_table": "decode",
@@ -54,9 +52,9 @@ __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 
 def __getattr__(name):
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        value = getattr(_importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     elif name in _SUBMODULES:
-        value = importlib.import_module(f".{name}", __name__)
+        value = _importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module 'paddle_fa4' has no attribute {name!r}")
     globals()[name] = value
@@ -64,4 +62,6 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    """The API and the dunders only: not the private helpers, nor the submodules that importing an op
+    binds on the package (``attention``, ``_cute``, ...)."""
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})

@@ -1,13 +1,14 @@
 """Argument checks shared by the public ops.
 
 Every check raises before any work is done, with a message that starts with the op's name and
-names the offending argument, e.g. ``indexed_attention: indices must be int32, got int64``.
+names the offending argument, e.g. ``indexed_attention: softmax_scale must be finite, got nan``.
 ``TypeError`` is for wrong types and dtypes, ``ValueError`` for wrong shapes and values;
 ``NotImplementedError`` (raised by the ops themselves) is for valid but unsupported cases.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable, Sequence
 
@@ -15,6 +16,8 @@ from typing import Iterable, Sequence
 KERNEL_FLOAT_DTYPES = ("bfloat16", "float16")
 #: Floating dtypes the reference backend additionally takes.
 REFERENCE_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+#: Bounds of the int32 the kernels index with (index arguments arrive as int32 or int64).
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
 def is_empty(t) -> bool:
@@ -121,6 +124,49 @@ def check_choice(op: str, name: str, value, choices: Sequence) -> None:
     """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
     if value not in tuple(choices):
         raise ValueError(f"{op}: {name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def index_tensor(op: str, name: str, t, *, padding: bool):
+    """An index argument (``indices``, ``cu_seqlens*``, ``block_ids``, ``block_tables``, ``seq_lens``, ...)
+    as int32: an int32 tensor is returned as it is, an int64 one (what ``paddle.to_tensor`` of Python
+    ints and ``paddle.randint`` give) is converted once, other dtypes raise ``TypeError``.
+
+    int64 values outside int32: ``padding=True`` is for arguments where every out-of-range value means
+    padding / nothing (``indices``, ``block_idx``, ``slot_mapping``): they saturate to the int32 bounds,
+    which keeps them out of range. ``padding=False`` (lengths, offsets, block ids, page ids): a host
+    tensor holding one raises ``ValueError``; a GPU tensor is saturated unread (reading it back would
+    sync with the device), like every other value check these arguments have only on the host.
+    """
+    check_tensor(op, name, t)
+    got = dtype_name(t)
+    if got == "int32":
+        return t
+    if got != "int64":
+        raise TypeError(f"{op}: {name} must be int32 (int64 is accepted and converted to int32), got {got}; "
+                        f"convert with {name}.astype('int32')")
+    if not padding:
+        values = host_values(t)
+        if values is not None and values.size:
+            low, high = int(values.min()), int(values.max())
+            if low < INT32_MIN or high > INT32_MAX:
+                bad = low if low < INT32_MIN else high
+                raise ValueError(f"{op}: {name} is int64 with the value {bad} outside int32 (the kernels index "
+                                 f"with int32; every valid {name} fits)")
+    import paddle
+
+    with paddle.no_grad():
+        return paddle.clip(t, INT32_MIN, INT32_MAX).astype("int32")
+
+
+@contextlib.contextmanager
+def sized_by(op: str, what: str, arguments: str):
+    """Re-raise a ``MemoryError`` inside the block (Paddle's ``ResourceExhausted`` is one) naming ``what``
+    could not be allocated and the ``arguments`` that size it, e.g. ``sized_by(op, "the output [1, 2, 4,
+    1073741824] int32", "topk=1073741824")``."""
+    try:
+        yield
+    except MemoryError as err:
+        raise MemoryError(f"{op}: not enough memory for {what}, sized by {arguments} ({err})") from err
 
 
 def host_values(t):

@@ -42,7 +42,7 @@ MAX_HEAD_DIM = 256
 def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    block_logit=None, block_size=64, return_block_logit=False, pack_gqa=None,
-                   backend="auto", deterministic=False):
+                   backend="auto", deterministic=False, return_lse=False):
     r"""Attention forward; optionally the per-(row, key block) max logit ``block_logit``.
 
     Row ``i`` of a sequence with lengths ``(Sq, Sk)`` sees key ``t`` when
@@ -63,7 +63,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         window_size (tuple): ``(left, right)``; each None (or -1) = unbounded, else an int >= 0.
             With ``causal`` the right bound is ``min(right, 0)``.
         softcap (float): ``>= 0``; 0 disables the cap.
-        cu_seqlens_q (Tensor, optional): int32 ``[B + 1]``, starts at 0, non-decreasing; enables
+        cu_seqlens_q (Tensor, optional): int32 (or int64, converted) ``[B + 1]``, starts at 0, non-decreasing; enables
             varlen together with ``cu_seqlens_k``.
         cu_seqlens_k (Tensor, optional): int32 ``[B + 1]``, as ``cu_seqlens_q``.
         max_seqlen_q (int, optional): longest query sequence; required with varlen.
@@ -78,6 +78,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
         deterministic (bool): the backward of this call (autograd) is bitwise
             reproducible (see :func:`flash_attn_bwd`). The forward is deterministic either way.
+        return_lse (bool): ``lse`` is differentiable, as in :func:`flash_attn_func` (its gradient
+            reaches q and k through the backward's ``dlse``); the return value is the same either way.
 
     Returns:
         tuple: ``(out, lse)``, or ``(out, lse, block_logit)`` when ``block_logit`` is given or
@@ -87,8 +89,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         key; ``block_logit`` float32, the max visible logit of each key block (block indices
         relative to each sequence's start), -inf where the block has no visible key.
         ``out`` is differentiable w.r.t. ``q``, ``k`` and ``v`` (those with
-        ``stop_gradient=False``) when gradients are enabled; ``lse`` and ``block_logit`` always
-        have ``stop_gradient=True``.
+        ``stop_gradient=False``) when gradients are enabled, and so is ``lse`` with ``return_lse``;
+        otherwise ``lse`` has ``stop_gradient=True``, and ``block_logit`` always has.
 
     Raises:
         TypeError: a tensor argument of the wrong type or dtype, or a non-int/float option.
@@ -113,7 +115,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_logit=block_logit, block_size=block_size,
         return_block_logit=return_block_logit, pack_gqa=pack_gqa, backend=backend,
-        deterministic=deterministic, lse_grad=False)
+        deterministic=deterministic, lse_grad=V.check_bool(OP, "return_lse", return_lse))
     if block_logit is not None:
         return out, lse, block_logit
     return out, lse
@@ -129,13 +131,17 @@ def _attention(op, q, k, v, *, softmax_scale, causal, window_size, softcap, cu_s
     """
     import paddle
 
+    cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(op, cu_seqlens_q, cu_seqlens_k)
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa, op=op)
     V.check_bool(op, "deterministic", deterministic)
     fwd_backend = resolve_backend(op, backend, q, functools.partial(_unsupported_reason, spec=spec),
                                   stacklevel=5)
     if spec.has_block_logit and block_logit is None:
-        block_logit = paddle.empty(spec.block_logit_shape(), dtype="float32", device=q.place)
+        sizes = (f"max_seqlen_q={spec.seqlen_q}, max_seqlen_k={spec.seqlen_k}" if spec.varlen else
+                 f"Sq={spec.seqlen_q}, Sk={spec.seqlen_k}") + f" and block_size={spec.block_size}"
+        with V.sized_by(op, f"block_logit {spec.block_logit_shape()} float32", sizes):
+            block_logit = paddle.empty(spec.block_logit_shape(), dtype="float32", device=q.place)
     if not spec.has_block_logit:
         block_logit = None
     if _needs_grad(q, k, v):
@@ -283,6 +289,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t is None:
             raise ValueError(f"{op}: {name} is required (FA4's seqused_q/seqused_k are not supported)")
+    cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(op, cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = _max_seqlen(op, "cu_seqlens_q", cu_seqlens_q, max_seqlen_q)
     max_seqlen_k = _max_seqlen(op, "cu_seqlens_k", cu_seqlens_k, max_seqlen_k)
     out, lse, block_logit = _attention(
@@ -292,6 +299,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
         return_block_logit=return_block_logit, pack_gqa=pack_gqa, backend=backend,
         deterministic=deterministic, lse_grad=return_lse)
     return (out, lse) if block_logit is None else (out, lse, block_logit)
+
+
+def _cu_seqlens_int32(op: str, cu_seqlens_q, cu_seqlens_k):
+    """The cu_seqlens as int32 (int64 converted once, ``_validate.index_tensor``); None stays None."""
+    return tuple(None if t is None else V.index_tensor(op, name, t, padding=False)
+                 for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
 
 
 def _max_seqlen(op: str, name: str, cu_seqlens, given):
@@ -459,6 +472,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
             >>> dq.shape, dv.shape
             (paddle.Size([1, 8, 2, 16]), paddle.Size([1, 8, 2, 16]))
     """
+    cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(BWD_OP, cu_seqlens_q, cu_seqlens_k)
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, None, 64, False, None, op=BWD_OP)
     _check_bwd_tensors(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv)
@@ -564,14 +578,15 @@ def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q
     V.check_same_place(op, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                             "cu_seqlens_k": cu_seqlens_k, "block_logit": block_logit})
     if varlen:
-        seqlen_q = V.check_int(op, "max_seqlen_q", max_seqlen_q, low=0)
-        seqlen_k = V.check_int(op, "max_seqlen_k", max_seqlen_k, low=0)
+        # lengths are int32 in the kernels (and no sequence of an int32-indexed tensor is longer)
+        seqlen_q = V.check_int(op, "max_seqlen_q", max_seqlen_q, low=0, high=V.INT32_MAX)
+        seqlen_k = V.check_int(op, "max_seqlen_k", max_seqlen_k, low=0, high=V.INT32_MAX)
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dims["total_q"], seqlen_q, "max_seqlen_q", op)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, dims["total_k"], seqlen_k, "max_seqlen_k", op)
     else:
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     causal = V.check_bool(op, "causal", causal)
-    window_left, window_right, causal = _check_window(window_size, causal, op)
+    window_left, window_right, causal = _check_window(window_size, causal, op, reach=seqlen_q + seqlen_k)
     softcap = V.check_float(op, "softcap", softcap, low=0.0)
     # >= 0: the kernels take the running max of the raw logits q.k and scale it afterwards, which
     # for a negative scale would be the minimum of the scaled logits (and block_logit its minimum).
@@ -674,7 +689,11 @@ def _check_cu_seqlens(name: str, t, total: int, max_seqlen: int, max_name: str, 
                          f"({int(lengths.max())})")
 
 
-def _window_bound(name: str, value, op: str = OP) -> Optional[int]:
+def _window_bound(name: str, value, op: str = OP, reach: Optional[int] = None) -> Optional[int]:
+    """A window bound as None (unbounded) or an int in ``[0, reach)``: a bound of ``reach = Sq + Sk``
+    keys or more (varlen: ``max_seqlen_q + max_seqlen_k``) lets every row see every key on its side,
+    so it is unbounded -- also past the 64-bit range (``sys.maxsize``, ``2**70``), which the masks'
+    integer arithmetic would otherwise overflow, and the kernels' int32 bounds."""
     if value is None:
         return None
     value = V.check_int(op, name, value)
@@ -682,15 +701,19 @@ def _window_bound(name: str, value, op: str = OP) -> Optional[int]:
         return None
     if value < 0:
         raise ValueError(f"{op}: {name} must be None, -1 (unbounded) or >= 0, got {value}")
+    if reach is not None and value >= reach:
+        return None
     return value
 
 
-def _check_window(window_size, causal: bool, op: str = OP) -> Tuple[Optional[int], Optional[int], bool]:
-    """``(left, right, causal)`` with None for unbounded; causal forces ``right <= 0``."""
+def _check_window(window_size, causal: bool, op: str = OP,
+                  reach: Optional[int] = None) -> Tuple[Optional[int], Optional[int], bool]:
+    """``(left, right, causal)`` with None for unbounded (and for a bound ``>= reach``, see
+    :func:`_window_bound`); causal forces ``right <= 0``."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"{op}: window_size must be a (left, right) pair, got {window_size!r}")
-    left = _window_bound("window_size[0]", window_size[0], op)
-    right = _window_bound("window_size[1]", window_size[1], op)
+    left = _window_bound("window_size[0]", window_size[0], op, reach)
+    right = _window_bound("window_size[1]", window_size[1], op, reach)
     if causal:
         right = 0 if right is None else min(right, 0)
     causal = causal or (left is None and right == 0)

@@ -3,9 +3,9 @@
 See ``docs/api.md`` (block_sparse_attention) and ``docs/hysparse.md``. :func:`block_sparse_attention`
 validates into a frozen :class:`BlockSparseSpec`, resolves the backend and runs a private
 ``paddle.autograd.PyLayer`` whose forward and backward call the chosen implementation: the
-pure-Paddle fp32 reference (``paddle_fa4.block_sparse_ref``) or the CuTe glue
-(``paddle_fa4.block_sparse_cute``). The block rule and the plan live in
-``paddle_fa4.block_sparse_planner``.
+pure-Paddle fp32 reference (``paddle_fa4.reference.block_sparse``) or the CuTe glue
+(``paddle_fa4._cute.block_sparse``). :func:`block_sparse_plan` builds the reusable plan; the block rule,
+the plan type and its builder live in ``paddle_fa4._plan.block_sparse``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from . import _validate as V
 from ._bridge import as_contiguous
 from ._static import dynamic_only
 from .backend import resolve_backend
-from .block_sparse_planner import (BlockSparsePlan, build_plan, check_block_size, check_cu_seqlens, check_ids,
-                                num_docs)
+from ._plan.block_sparse import BLOCK_SIZES, BlockSparsePlan, build_plan, num_docs
 from .indexed import import_optional
 
 OP = "block_sparse_attention"
-_GLUE_MODULE = "paddle_fa4.block_sparse_cute"
+PLAN_OP = "block_sparse_plan"
+_GLUE_MODULE = "paddle_fa4._cute.block_sparse"
 
 
 @dataclass(frozen=True)
@@ -87,13 +87,13 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
         k (Tensor): ``[B, S, Hkv, Dk]``, q's dtype, ``Hq % Hkv == 0`` (GQA / MQA).
         v (Tensor|None): ``[B, S, Hkv, Dv]``, q's dtype; None for the absorbed-MLA latent: V is the
             leading ``dv`` columns of ``k`` (read once; ``k`` gets one combined gradient).
-        block_ids (Tensor): int32 ``[B, S, topk]`` shared by all heads, or ``[B, Hkv, S, topk]`` per
-            kv head; document-relative ids, ``-1`` = padding, repeats count once. Ids must be -1 or
+        block_ids (Tensor): int32 (or int64, converted) ``[B, S, topk]`` shared by all heads, or
+            ``[B, Hkv, S, topk]`` per kv head; document-relative ids, ``-1`` = padding, repeats count once. Ids must be -1 or
             ``< ceil(doc_len / block_size)`` (checked for CPU tensors; on the GPU others select nothing).
         block_size (int): 16, 32, 64, 128 or 256 (the CuTe kernels: 64). Default 64.
         softmax_scale (float, optional): default ``Dk ** -0.5``.
         causal (bool): see above. Default True.
-        cu_seqlens (Tensor, optional): int32 document boundaries along S, ``[n + 1]`` for every batch
+        cu_seqlens (Tensor, optional): int32 (or int64) document boundaries along S, ``[n + 1]`` for every batch
             row or ``[B, n + 1]``; starts at 0, non-decreasing, ends at S. None: one document.
         sink (Tensor, optional): float32 ``[Hq]`` learnable sink logits (gets a gradient).
         dv (int, optional): V's head dim when ``v`` is None (``1 <= dv <= Dk``).
@@ -135,6 +135,7 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
             >>> out.shape, lse.shape
             (paddle.Size([1, 80, 4, 32]), paddle.Size([1, 4, 80]))
     """
+    block_ids, cu_seqlens = _index_int32(OP, block_ids, cu_seqlens)
     spec = _validate(q, k, v, block_ids, block_size, softmax_scale, causal, cu_seqlens, sink, dv, return_lse,
                      deterministic, plan, exact_delta)
     import paddle
@@ -143,6 +144,63 @@ def block_sparse_attention(q, k, v, block_ids, *, block_size=64, softmax_scale=N
     name = resolve_backend(OP, backend, q, functools.partial(_unsupported_reason, spec=spec, needs_grad=needs_grad))
     out, lse = _BlockSparseFn.apply(q, k, v, block_ids, sink, cu_seqlens, spec, name, plan)
     return (out, lse) if return_lse else out
+
+
+@dynamic_only("block_sparse_plan")
+def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, causal: bool = True,
+                      cu_seqlens=None, head_dim_v: int = 128, name: Optional[str] = None) -> BlockSparsePlan:
+    r"""Build the plan :func:`block_sparse_attention` uses for ``block_ids`` (reusable via ``plan=``).
+
+    Built with Paddle tensor ops on the ids' place (it reads a few sizes back to the host); a
+    pure function of ``(block_ids, cu_seqlens, block_size, causal, heads_per_kv)`` and, for the query
+    tile, of the ids' GPU (and ``head_dim_v`` on SM100), so the N sparse
+    layers sharing one selection can share one plan, and a recompute may rebuild it.
+
+    Args:
+        block_ids (Tensor): int32 (or int64, converted) ``[B, S, topk]`` (shared by all heads) or ``[B, Hkv, S, topk]``,
+            document-relative block ids, ``-1`` = padding.
+        heads_per_kv (int): ``G = Hq // Hkv >= 1``; sets the query tile, ``tile_queries(G)``.
+        block_size (int): keys per block (16, 32, 64, 128 or 256). Default 64.
+        causal (bool): query ``t`` sees keys ``<= t`` only. Default True.
+        cu_seqlens (Tensor, optional): int32 (or int64) document boundaries along S, ``[n + 1]`` (the same for
+            every batch row) or ``[B, n + 1]``: starts at 0, non-decreasing, ends at S. None: one
+            document per row.
+        head_dim_v (int): the value head dim of the calls the plan serves. Only an SM100 GPU reads
+            it (its forward tiles queries by it: one Q stage above 128); default 128.
+        name (str|None, optional): Name for the operation. Default: None.
+
+    Returns:
+        BlockSparsePlan: see the docstring of ``paddle_fa4._plan.block_sparse``.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> ids = paddle.to_tensor([[[1, 0]] * 20], dtype="int32")        # S = 20, topk = 2
+            >>> plan = paddle_fa4.block_sparse_plan(ids, heads_per_kv=64, block_size=16)
+            >>> plan.tile_count[0, 14:18].tolist()      # one query per tile; block 1 live from row 16
+            [1, 1, 2, 2]
+            >>> plan.tile_start[0, 17, :2].tolist(), plan.key_start.tolist(), plan.key_end.tolist()
+            ([0, 16], [[0, 16, -1]], [[16, 20, -1]])
+    """
+    block_ids, cu_seqlens = _index_int32(PLAN_OP, block_ids, cu_seqlens)
+    V.check_rank(PLAN_OP, "block_ids", block_ids, (3, 4), "[B, S, topk] or [B, Hkv, S, topk]")
+    heads_per_kv = V.check_int(PLAN_OP, "heads_per_kv", heads_per_kv, low=1)
+    check_block_size(PLAN_OP, block_size)
+    V.check_bool(PLAN_OP, "causal", causal)
+    b, s = block_ids.shape[0], block_ids.shape[-2]
+    check_cu_seqlens(PLAN_OP, cu_seqlens, b, s, block_ids)
+    check_ids(PLAN_OP, block_ids, cu_seqlens, block_size)
+    head_dim_v = V.check_int(PLAN_OP, "head_dim_v", head_dim_v, low=1)
+    return build_plan(block_ids, heads_per_kv=heads_per_kv, block_size=block_size, causal=causal,
+                      cu_seqlens=cu_seqlens, head_dim_v=head_dim_v)
+
+
+def _index_int32(op: str, block_ids, cu_seqlens):
+    """``block_ids`` and ``cu_seqlens`` (None stays None) as int32: int64 converted once; values outside
+    int32 are an error on the host (``_validate.index_tensor``)."""
+    block_ids = V.index_tensor(op, "block_ids", block_ids, padding=False)
+    return block_ids, None if cu_seqlens is None else V.index_tensor(op, "cu_seqlens", cu_seqlens, padding=False)
 
 
 def _glue():
@@ -160,17 +218,9 @@ def _unsupported_reason(arch: int, spec: BlockSparseSpec, needs_grad: bool) -> O
 def _impl(backend: str):
     if backend == "cute":
         return _glue()
-    from . import block_sparse_ref
+    from .reference import block_sparse
 
-    return block_sparse_ref
-
-
-def plan_for(spec: BlockSparseSpec, block_ids, cu_seqlens, plan) -> BlockSparsePlan:
-    """``plan`` (checked to fit) or a new one for this call."""
-    if plan is None:
-        return build_plan(block_ids, heads_per_kv=spec.group, block_size=spec.block_size, causal=spec.causal,
-                          cu_seqlens=cu_seqlens, head_dim_v=spec.Dv)
-    return plan
+    return block_sparse
 
 
 class _BlockSparseFn(PyLayer):
@@ -285,3 +335,60 @@ def _validate(q, k, v, block_ids, block_size, softmax_scale, causal, cu_seqlens,
                              f"{'/'.join(map(str, plan.geometry()))}, call needs "
                              f"{'/'.join(map(str, spec.plan_geometry()))})")
     return spec
+
+
+# ----------------------------------------------------------------------------------------------
+# checks shared with block_sparse_attention
+
+
+def check_block_size(op: str, block_size) -> int:
+    V.check_int(op, "block_size", block_size)
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"{op}: block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    return block_size
+
+
+def check_cu_seqlens(op: str, cu_seqlens, batch: int, seqlen: int, like) -> None:
+    """int32 ``[n + 1]`` or ``[B, n + 1]``, n >= 1; values (0 first, non-decreasing, S last) are
+    checked when they are on the host."""
+    if cu_seqlens is None:
+        return
+    V.check_tensor(op, "cu_seqlens", cu_seqlens)
+    V.check_dtype(op, "cu_seqlens", cu_seqlens, ("int32",))
+    V.check_rank(op, "cu_seqlens", cu_seqlens, (1, 2), "[n + 1] or [B, n + 1]")
+    if cu_seqlens.shape[-1] < 2 or (cu_seqlens.ndim == 2 and cu_seqlens.shape[0] != batch):
+        raise ValueError(f"{op}: cu_seqlens must be [n + 1] or [B, n + 1] with n >= 1 and B = {batch}, "
+                         f"got shape {list(cu_seqlens.shape)}")
+    V.check_same_place(op, {"block_ids": like, "cu_seqlens": cu_seqlens})
+    values = V.host_values(cu_seqlens)
+    if values is not None:
+        import numpy as np
+
+        rows = values.reshape(-1, values.shape[-1])
+        if (rows[:, 0] != 0).any() or (rows[:, -1] != seqlen).any() or (np.diff(rows, axis=1) < 0).any():
+            raise ValueError(f"{op}: cu_seqlens must start at 0, be non-decreasing and end at S = {seqlen}, "
+                             f"got {values.tolist()}")
+
+
+def check_ids(op: str, block_ids, cu_seqlens, block_size: int) -> None:
+    """Ids must be -1 or name a block of the query's document (checked when on the host)."""
+    ids = V.host_values(block_ids)
+    if ids is None or ids.size == 0:
+        return
+    import numpy as np
+
+    b, s = ids.shape[0], ids.shape[-2]
+    if cu_seqlens is None:
+        doc_len = np.full((b, s), s, dtype=np.int64)
+    else:
+        cu = V.host_values(cu_seqlens)
+        cu = np.broadcast_to(cu.reshape(-1, cu.shape[-1]), (b, cu.shape[-1]))
+        doc_len = np.stack([np.diff(row)[np.searchsorted(row, np.arange(s), side="right") - 1] for row in cu])
+    nb = -(-doc_len // block_size)  # [B, S]
+    nb = nb[:, None, :, None] if ids.ndim == 4 else nb[:, :, None]
+    bad = (ids < -1) | (ids >= nb)
+    if bad.any():
+        where = tuple(int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(f"{op}: block_ids must be -1 or a block of the query's document (0 <= id < "
+                         f"ceil(doc_len / block_size)); block_ids{list(where)} = {int(ids[where])}, "
+                         f"doc_len {int(doc_len[where[0], where[-2]])}, block_size {block_size}")

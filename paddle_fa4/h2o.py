@@ -2,8 +2,8 @@
 
 Layout (as ``paddle.incubate.nn.functional.block_multihead_attention``):
 ``key_cache [num_pages, Hkv, page_size, D]``, ``block_tables [B, max_pages]`` int32,
-``seq_lens [B]`` int32 (tokens, the current one included), decode ``q [B, Hq, D]`` with query head
-``h`` on kv head ``h // G`` (``G = Hq / Hkv``, any value). Flat slots are ``page * page_size + off``.
+``seq_lens [B]`` int32 (tokens, the current one included; int64 index tensors are converted), decode
+``q [B, Hq, D]`` with query head ``h`` on kv head ``h // G`` (``G = Hq / Hkv``, any value). Flat slots are ``page * page_size + off``.
 Token score state ``[num_pages, Hkv, page_size]`` (float32 by default, bfloat16 allowed), parallel
 to the KV cache; page summaries one tensor ``[num_pages, Hkv, 3, D]`` (mean, max, min).
 
@@ -43,17 +43,18 @@ def _dtype_name(t) -> str:
     return V.dtype_name(t)
 
 
-def _check_paged(op: str, block_tables, seq_lens, batch: int | None = None) -> int:
-    V.check_tensor(op, "block_tables", block_tables)
-    V.check_tensor(op, "seq_lens", seq_lens)
+def _check_paged(op: str, block_tables, seq_lens, batch: int | None = None):
+    """``(B, block_tables, seq_lens)``: the paged index arguments checked and as int32 (int64 converted
+    once; table entries outside int32 saturate -- they name no page either way --, ``seq_lens`` outside
+    int32 is an error on the host: ``_validate.index_tensor``)."""
+    block_tables = V.index_tensor(op, "block_tables", block_tables, padding=True)
+    seq_lens = V.index_tensor(op, "seq_lens", seq_lens, padding=False)
     V.check_rank(op, "block_tables", block_tables, (2,), "[B, max_pages]")
-    V.check_dtype(op, "block_tables", block_tables, ("int32",))
     V.check_rank(op, "seq_lens", seq_lens, (1,), "[B]")
-    V.check_dtype(op, "seq_lens", seq_lens, ("int32",))
     b = block_tables.shape[0] if batch is None else batch
     V.check_shape(op, "block_tables", block_tables, [b, block_tables.shape[1]], "[B, max_pages]")
     V.check_shape(op, "seq_lens", seq_lens, [b], "[B]")
-    return b
+    return b, block_tables, seq_lens
 
 
 def _check_seq_values(op: str, seq_lens, block_tables, page_size: int, source: str) -> None:
@@ -72,10 +73,12 @@ def _check_seq_values(op: str, seq_lens, block_tables, page_size: int, source: s
                          f"{max_pages * page_size} (page_size from {source}), got {int(vals.max())}")
 
 
-def _check_slots(op: str, slot_mapping) -> None:
-    V.check_tensor(op, "slot_mapping", slot_mapping)
+def _check_slots(op: str, slot_mapping):
+    """``slot_mapping`` checked and as int32 (int64 converted once; slots outside int32 saturate: they
+    name no slot either way)."""
+    slot_mapping = V.index_tensor(op, "slot_mapping", slot_mapping, padding=True)
     V.check_rank(op, "slot_mapping", slot_mapping, (1,), "1-D [N]")
-    V.check_dtype(op, "slot_mapping", slot_mapping, ("int32",))
+    return slot_mapping
 
 
 def _check_key_cache(op: str, key_cache) -> tuple[int, int, int, int]:
@@ -111,7 +114,7 @@ def reset_scores(state, slot_mapping, *, backend: Literal["auto", "cute", "refer
 
     Args:
         state (Tensor): ``[num_pages, Hkv, page_size]`` float32 or bfloat16 score state.
-        slot_mapping (Tensor): int32 ``[N]`` flat slots ``page * page_size + offset`` written this
+        slot_mapping (Tensor): int32 (or int64) ``[N]`` flat slots ``page * page_size + offset`` written this
             step (Paddle's block-attention ``slot_mapping``). Slots ``< 0`` or
             ``>= num_pages * page_size`` are padding and touch nothing.
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
@@ -125,7 +128,7 @@ def reset_scores(state, slot_mapping, *, backend: Literal["auto", "cute", "refer
         raise ValueError(f"{op}: state must be [num_pages, Hkv, page_size], got shape {list(state.shape)}")
     if _dtype_name(state) not in _STATE_DTYPES:
         raise TypeError(f"{op}: state must be float32 or bfloat16, got {_dtype_name(state)}")
-    _check_slots(op, slot_mapping)
+    slot_mapping = _check_slots(op, slot_mapping)
     if state.place != slot_mapping.place:
         raise ValueError(f"{op}: state and slot_mapping must be on the same place "
                          f"({state.place} vs {slot_mapping.place})")
@@ -163,7 +166,7 @@ def update_page_summary(key_cache, slot_mapping, summary, *, backend: Literal["a
     Args:
         key_cache (Tensor): ``[num_pages, Hkv, page_size, D]`` bfloat16, float16 or float32, already
             holding this step's keys.
-        slot_mapping (Tensor): int32 ``[N]`` flat slots written this step; slots ``< 0`` or
+        slot_mapping (Tensor): int32 (or int64) ``[N]`` flat slots written this step; slots ``< 0`` or
             ``>= num_pages * page_size`` are padding.
         summary (Tensor): ``[num_pages, Hkv, 3, D]`` float32 or bfloat16; ``summary[:, :, 0]`` mean,
             ``[:, :, 1]`` max, ``[:, :, 2]`` min. Pages not written keep their values.
@@ -174,7 +177,7 @@ def update_page_summary(key_cache, slot_mapping, summary, *, backend: Literal["a
     """
     op = "h2o.update_page_summary"
     num_pages, hkv, page_size, d = _check_key_cache(op, key_cache)
-    _check_slots(op, slot_mapping)
+    slot_mapping = _check_slots(op, slot_mapping)
     V.check_tensor(op, "summary", summary)
     V.check_dtype(op, "summary", summary, _SUMMARY_DTYPES)
     V.check_shape(op, "summary", summary, [num_pages, hkv, 3, d], "[num_pages, Hkv, 3, D]")
@@ -223,8 +226,8 @@ def page_scores(q, key_cache, summary, block_tables, seq_lens, *, w_avg: float =
         key_cache (Tensor): ``[num_pages, Hkv, page_size, D]``, the cache :func:`update_page_summary`
             summarised (shape only).
         summary (Tensor): ``[num_pages, Hkv, 3, D]`` from :func:`update_page_summary`.
-        block_tables (Tensor): int32 ``[B, max_pages]`` physical page of each logical page.
-        seq_lens (Tensor): int32 ``[B]`` tokens per request.
+        block_tables (Tensor): int32 (or int64) ``[B, max_pages]`` physical page of each logical page.
+        seq_lens (Tensor): int32 (or int64) ``[B]`` tokens per request.
         w_avg, w_peak (float): weights of the mean and the peak (Quest bound) terms.
         gqa_reduce (str): ``"mean_q"`` or ``"max"``.
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
@@ -238,7 +241,7 @@ def page_scores(q, key_cache, summary, block_tables, seq_lens, *, w_avg: float =
     V.check_tensor(op, "summary", summary)
     V.check_dtype(op, "summary", summary, _SUMMARY_DTYPES)
     V.check_shape(op, "summary", summary, [num_pages, hkv, 3, d], "[num_pages, Hkv, 3, D] of key_cache")
-    batch = _check_paged(op, block_tables, seq_lens)
+    batch, block_tables, seq_lens = _check_paged(op, block_tables, seq_lens)
     group = _check_q(op, q, hkv, d, batch)
     w_avg = V.check_float(op, "w_avg", w_avg)
     w_peak = V.check_float(op, "w_peak", w_peak)
@@ -299,7 +302,7 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, *, softmax_sca
         q (Tensor): ``[B, Hq, D]`` decode queries, bfloat16 / float16 / float32.
         key_cache (Tensor): ``[num_pages, Hkv, page_size, D]`` holding this step's keys.
         state (Tensor): ``[num_pages, Hkv, page_size]`` float32 or bfloat16 score state.
-        block_tables (Tensor): int32 ``[B, max_pages]``; seq_lens (Tensor): int32 ``[B]``.
+        block_tables (Tensor): int32 (or int64) ``[B, max_pages]``; seq_lens (Tensor): int32 (or int64) ``[B]``.
         softmax_scale (float, optional): logit scale, default ``D ** -0.5``.
         decay (float): ``>= 0``; default ``0.984375`` (steady mass ``1 / (1 - decay) = 64``).
         gqa_reduce (str): ``"mean_q"``, ``"max"``, ``"sum"`` or ``"mean_p"``.
@@ -312,7 +315,7 @@ def token_accumulate(q, key_cache, state, block_tables, seq_lens, *, softmax_sca
     """
     op = "h2o.token_accumulate"
     num_pages, hkv, page_size, d = _check_key_cache(op, key_cache)
-    batch = _check_paged(op, block_tables, seq_lens)
+    batch, block_tables, seq_lens = _check_paged(op, block_tables, seq_lens)
     group = _check_q(op, q, hkv, d, batch)
     V.check_tensor(op, "state", state)
     V.check_dtype(op, "state", state, _STATE_DTYPES)
@@ -364,7 +367,7 @@ def token_page_scores(state, block_tables, seq_lens, *, backend: Literal["auto",
     V.check_tensor(op, "state", state)
     V.check_rank(op, "state", state, (3,), "[num_pages, Hkv, page_size]")
     V.check_dtype(op, "state", state, _STATE_DTYPES)
-    batch = _check_paged(op, block_tables, seq_lens)
+    batch, block_tables, seq_lens = _check_paged(op, block_tables, seq_lens)
     V.check_same_place(op, {"state": state, "block_tables": block_tables, "seq_lens": seq_lens})
     _check_seq_values(op, seq_lens, block_tables, state.shape[2], "state.shape[2]")
     return _token_page_scores(op, state, block_tables, seq_lens, batch, backend)
@@ -406,13 +409,14 @@ def select_pages(scores, block_tables, seq_lens, *, page_size: int, topk: int, b
     The middle holds the ``topk`` largest scores in **ascending page order** (ties go to the lower
     page), so each row is in sequence order and, for ``eos >= 1``, the real (possibly partial)
     last page is last. Entries are physical page ids from ``block_tables``: the result is a sparse
-    block table (one row per kv head) and ``sparse_seq_lens`` its token counts,
-    ``(count - 1) * page_size + tokens of the last page``.
+    block table (one row per kv head) and ``sparse_seq_lens`` its token counts: the tokens of the
+    selected pages, ``count * page_size`` less the empty slots of the request's real last page when
+    that page is selected (always for ``eos >= 1``; with ``eos = 0`` only if the top-k picks it).
 
     Args:
         scores (Tensor): float32 ``[B, Hkv, max_pages]`` per logical page (:func:`page_scores` or
             :func:`token_page_scores`); larger is kept.
-        block_tables (Tensor): int32 ``[B, max_pages]``; seq_lens (Tensor): int32 ``[B]`` tokens.
+        block_tables (Tensor): int32 (or int64) ``[B, max_pages]``; seq_lens (Tensor): int32 (or int64) ``[B]`` tokens.
         page_size (int): tokens per page: the key cache's ``page_size`` (``scores`` has no page
             axis, so nothing here can check it). topk (int): ``>= 1`` pages picked from the window.
         bos, eos (int): pages always kept at the start / end (``>= 0``).
@@ -426,14 +430,17 @@ def select_pages(scores, block_tables, seq_lens, *, page_size: int, topk: int, b
     V.check_tensor(op, "scores", scores)
     V.check_rank(op, "scores", scores, (3,), "[B, Hkv, max_pages]")
     V.check_dtype(op, "scores", scores, ("float32",))
-    batch = _check_paged(op, block_tables, seq_lens, batch=scores.shape[0])
+    batch, block_tables, seq_lens = _check_paged(op, block_tables, seq_lens, batch=scores.shape[0])
     if scores.shape[2] != block_tables.shape[1]:
         raise ValueError(f"{op}: scores must have max_pages = {block_tables.shape[1]} (block_tables) in its "
                          f"last dim, got shape {list(scores.shape)}")
-    page_size = V.check_int(op, "page_size", page_size, low=1)
-    topk = V.check_int(op, "topk", topk, low=1)
-    bos = V.check_int(op, "bos", bos, low=0)
-    eos = V.check_int(op, "eos", eos, low=0)
+    page_size = V.check_int(op, "page_size", page_size, low=1, high=V.INT32_MAX)
+    topk = V.check_int(op, "topk", topk, low=1, high=V.INT32_MAX)
+    bos = V.check_int(op, "bos", bos, low=0, high=V.INT32_MAX)
+    eos = V.check_int(op, "eos", eos, low=0, high=V.INT32_MAX)
+    if bos + topk + eos > V.INT32_MAX:
+        raise ValueError(f"{op}: bos + topk + eos (the row width) must be <= {V.INT32_MAX} (int32 in the kernel), "
+                         f"got {bos} + {topk} + {eos}")
     V.check_same_place(op, {"scores": scores, "block_tables": block_tables, "seq_lens": seq_lens})
     _check_seq_values(op, seq_lens, block_tables, page_size, "the page_size argument")
     hkv = scores.shape[1]
@@ -452,10 +459,12 @@ def select_pages(scores, block_tables, seq_lens, *, page_size: int, topk: int, b
 
         return glue.unsupported_reason(arch, "select_pages")
 
-    if resolve_backend(op, backend, scores, reason) == "cute":
-        from ._cute import h2o as glue
+    with V.sized_by(op, f"the output [B, Hkv, bos + topk + eos] = {[batch, hkv, bos + topk + eos]} int32",
+                    f"topk={topk}, bos={bos}, eos={eos}"):
+        if resolve_backend(op, backend, scores, reason) == "cute":
+            from ._cute import h2o as glue
 
-        return glue.select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos)
-    from .reference import h2o as ref
+            return glue.select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos)
+        from .reference import h2o as ref
 
-    return ref.select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos)
+        return ref.select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos)

@@ -4,7 +4,8 @@
 runs a private ``paddle.autograd.PyLayer`` whose forward and backward call the chosen
 implementation: the pure-Paddle reference (``paddle_fa4.reference.indexed``) or the CuTe glue
 (``paddle_fa4._cute.indexed``). The reference goes through the same PyLayer, so the CPU tests
-exercise the autograd contract the kernels use.
+exercise the autograd contract the kernels use. :func:`indexed_attention_plan` builds the windowed
+plan (types and the Paddle-op builder: ``paddle_fa4._plan.indexed``) with the kernels or Paddle ops.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from paddle.autograd import PyLayer
 
 from . import _validate as V
 from ._bridge import as_contiguous
+from ._plan import indexed as P
+from ._plan.indexed import IndexedAttentionPlan
 from .backend import resolve_backend
 from ._static import dynamic_only
 
 OP = "indexed_attention"
+PLAN_OP = "indexed_attention_plan"
 _GLUE_MODULE = "paddle_fa4._cute.indexed"
 
 
@@ -58,7 +62,7 @@ def indexed_attention(q, k, v, indices, *, softmax_scale=None, return_lse=False,
         q (Tensor): ``[B, Lq, Hq, D]``, bfloat16 or float16 (float32 on the reference backend).
         k (Tensor): ``[B, Lkv, Hkv, D]``, q's dtype; ``Hq % Hkv == 0``.
         v (Tensor): ``[B, Lkv, Hkv, D]``, q's dtype.
-        indices (Tensor): int32 token indices into the key axis (global coordinates, so
+        indices (Tensor): int32 (or int64, converted) token indices into the key axis (global coordinates, so
             ``Lq != Lkv`` is allowed): ``[B, Lq, W]`` shared by all heads of a token, or
             ``[B, Hkv, Lq, W]`` one row per kv head.
         softmax_scale (float, optional): default ``D ** -0.5``.
@@ -72,7 +76,7 @@ def indexed_attention(q, k, v, indices, *, softmax_scale=None, return_lse=False,
         ``lse [B, Hq, Lq]`` float32 natural log (-inf on empty rows, not differentiable).
 
     Raises:
-        TypeError: a non-tensor input, a wrong dtype (``indices`` must be int32), a bad ``plan``.
+        TypeError: a non-tensor input, a wrong dtype (``indices`` must be int32 or int64), a bad ``plan``.
         ValueError: shapes, places or head counts that disagree, a non-finite ``softmax_scale``, an
             unknown ``backend``.
         NotImplementedError: ``backend="cute"`` when no kernel applies.
@@ -88,12 +92,75 @@ def indexed_attention(q, k, v, indices, *, softmax_scale=None, return_lse=False,
             >>> lse.shape
             paddle.Size([1, 2, 4])
     """
+    indices = V.index_tensor(OP, "indices", indices, padding=True)
     spec = _validate(q, k, v, indices, softmax_scale, return_lse, plan)
     name = resolve_backend(OP, backend, q, functools.partial(_unsupported_reason, spec=spec))
     if _no_work(spec):  # zero-size or W == 0: zeros / -inf and zero gradients, no launch
         name = "reference"
     out, lse = _IndexedAttentionFn.apply(q, k, v, indices, spec, name, plan)
     return (out, lse) if return_lse else out
+
+
+@dynamic_only("indexed_attention_plan")
+def indexed_attention_plan(indices, *, kv_len: int, heads_per_kv: int, backend: str = "auto",
+                           name: Optional[str] = None) -> IndexedAttentionPlan:
+    r"""Build the windowed plan :func:`indexed_attention` uses for ``indices``.
+
+    The plan can be built once and passed to several calls with the same indices (``plan=``);
+    ``indexed_attention`` builds it itself when none is given and keeps it for the backward.
+
+    Args:
+        indices (Tensor): int32 (or int64, converted) ``[B, Lq, W]`` (shared by all heads) or ``[B, Hkv, Lq, W]`` (one
+            selection per kv head) token indices; any index ``< 0`` or ``>= kv_len`` is padding,
+            duplicates in a row count once.
+        kv_len (int): length ``Lkv`` of the key axis, ``>= 0``.
+        heads_per_kv (int): query heads per kv head ``G = Hq // Hkv`` (sets the window size
+            ``min(64 // G, 32)``), ``1 <= G <= 64``.
+        backend (str): ``"auto"`` (CuTe kernels on a supported GPU, else the reference),
+            ``"cute"`` or ``"reference"``.
+        name (str|None, optional): Name for the operation. Default: None.
+
+    Returns:
+        IndexedAttentionPlan: see the class docstring for the tensors and their meaning.
+
+    Raises:
+        TypeError: ``indices`` is not an int32 or int64 tensor.
+        ValueError: bad rank, ``kv_len`` or ``heads_per_kv`` out of range.
+
+    Examples:
+        .. code-block:: pycon
+
+            >>> import paddle, paddle_fa4
+            >>> idx = paddle.to_tensor([[[3, 1, -1], [1, 2, 2]]], dtype="int32")
+            >>> plan = paddle_fa4.indexed_attention_plan(idx, kv_len=4, heads_per_kv=12, backend="reference")
+            >>> plan.window_queries, plan.win_count.tolist()
+            (5, [[3]])
+            >>> plan.win_key[0, 0, :3].tolist(), plan.win_mask[0, 0, :3].tolist()
+            ([1, 2, 3], [3, 2, 1])
+    """
+    indices = V.index_tensor(PLAN_OP, "indices", indices, padding=True)
+    V.check_rank(PLAN_OP, "indices", indices, (3, 4), "[B, Lq, W] or [B, Hkv, Lq, W]")
+    kv_len = V.check_int(PLAN_OP, "kv_len", kv_len, low=0, high=V.INT32_MAX)  # int32 indices name no key past it
+    heads_per_kv = V.check_int(PLAN_OP, "heads_per_kv", heads_per_kv, low=1, high=P.TILE_M)
+    per_kv_head = indices.ndim == 4
+    shape = list(indices.shape)
+    num_sets = shape[0] * (shape[1] if per_kv_head else 1)
+    geometry = dict(num_sets=num_sets, num_queries=shape[-2], width=shape[-1], kv_len=kv_len,
+                    heads_per_kv=heads_per_kv, per_kv_head=per_kv_head)
+
+    chosen = resolve_backend(PLAN_OP, backend, indices, _plan_unsupported_reason)
+    flat = indices.reshape([num_sets, shape[-2], shape[-1]])
+    with V.sized_by(PLAN_OP, "the plan", f"kv_len={kv_len} and indices {shape} (docs/api.md: the plan's memory)"):
+        if chosen == "cute":
+            return _glue().build_plan(flat, **geometry)
+        return P.build_plan(flat, **geometry)
+
+
+def _plan_unsupported_reason(arch: int) -> Optional[str]:
+    glue = _glue()
+    if glue is None:
+        return f"the CuTe indexed plan kernels are not available ({_GLUE_MODULE} is missing)"
+    return glue.plan_unsupported_reason(arch)
 
 
 def _no_work(spec: IndexedSpec) -> bool:
@@ -207,12 +274,6 @@ def _validate(q, k, v, indices, softmax_scale, return_lse, plan) -> IndexedSpec:
 def _check_plan(plan) -> None:
     if plan is None:
         return
-    try:
-        from .indexed_plan import IndexedAttentionPlan
-    except ModuleNotFoundError as err:  # the plan module is not part of this install yet
-        if err.name != "paddle_fa4.indexed_plan":
-            raise
-        IndexedAttentionPlan = None
-    if IndexedAttentionPlan is None or not isinstance(plan, IndexedAttentionPlan):
+    if not isinstance(plan, IndexedAttentionPlan):
         raise TypeError(f"{OP}: plan must be an IndexedAttentionPlan from indexed_attention_plan, "
                         f"got {type(plan).__name__}")

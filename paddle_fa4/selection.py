@@ -31,11 +31,13 @@ def _dtype_name(t) -> str:
     return dtype_name(t.dtype)
 
 
-def _require_int(op: str, name: str, value, minimum: int) -> int:
+def _require_int(op: str, name: str, value, minimum: int, maximum: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{op}: {name} must be <= {maximum} (the kernels count in int32), got {value}")
     return value
 
 
@@ -49,6 +51,7 @@ def _check_backend(op: str, backend) -> None:
 def _check_logit_lse(op: str, block_logit, lse) -> bool:
     """Validate the (block_logit, lse) pair; True for the varlen (3-D) layout."""
     for name, t in (("block_logit", block_logit), ("lse", lse)):
+        V.check_tensor(op, name, t)
         if _dtype_name(t) != "float32":
             raise TypeError(f"{op}: {name} must be float32, got {_dtype_name(t)}")
     if block_logit.ndim == 4:
@@ -173,7 +176,7 @@ def select_topk_blocks(block_logit, lse, *, topk: int, num_kv_heads: Optional[in
     op = "select_topk_blocks"
     _check_backend(op, backend)
     varlen = _check_logit_lse(op, block_logit, lse)
-    _require_int(op, "topk", topk, 1)
+    _require_int(op, "topk", topk, 1, V.INT32_MAX)
     sink_blocks = _require_int(op, "sink_blocks", sink_blocks, 0)
     local_blocks = _require_int(op, "local_blocks", local_blocks, 0)
     if not isinstance(head_agg, str) or head_agg not in HEAD_AGG:
@@ -194,7 +197,7 @@ def select_topk_blocks(block_logit, lse, *, topk: int, num_kv_heads: Optional[in
                              "varlen rows find their diagonal block from block_logit")
         if block_size not in BLOCK_SIZES:
             raise ValueError(f"{op}: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
-        _require_int(op, "seqlen_k", seqlen_k, 0)
+        _require_int(op, "seqlen_k", seqlen_k, 0, V.INT32_MAX)
         if nb != -(-seqlen_k // block_size):
             raise ValueError(f"{op}: block_logit has {nb} blocks but seqlen_k={seqlen_k} at "
                              f"block_size={block_size} gives {-(-seqlen_k // block_size)}")
@@ -211,17 +214,17 @@ def select_topk_blocks(block_logit, lse, *, topk: int, num_kv_heads: Optional[in
     from ._debug import check_no_nan
 
     check_no_nan(op, block_logit=block_logit, lse=lse)
-    if b * sq == 0:
-        out = paddle.empty([b, groups, sq, topk], dtype="int32", device=block_logit.place)
-    elif nb == 0:
-        out = paddle.full([b, groups, sq, topk], -1, dtype="int32", device=block_logit.place)
-    else:
+    with V.sized_by(op, f"the output [B, Hs, Sq, topk] = {[b, groups, sq, topk]} int32", f"topk={topk}"):
+        if nb == 0:  # no key block: every slot -1
+            out = paddle.full([b, groups, sq, topk], -1, dtype="int32", device=block_logit.place)
+        else:
+            out = paddle.empty([b, groups, sq, topk], dtype="int32", device=block_logit.place)
+    if b * sq > 0 and nb > 0:
         def reason(arch):
             from ._cute import selection as glue
 
             return glue.topk_unsupported_reason(arch, nb=nb, topk=topk, head_agg=head_agg)
 
-        out = paddle.empty([b, groups, sq, topk], dtype="int32", device=block_logit.place)
         if resolve_backend(op, backend, block_logit, reason) == "cute":
             from ._cute import selection as glue
 
@@ -250,7 +253,7 @@ def blocks_to_indices(block_idx, *, block_size: int, seqlen_k: int, causal: bool
         -> [0, 1, 2, 3,  4, 5, -1, -1,  -1, -1, -1, -1]
 
     Args:
-        block_idx (Tensor): int32 ``[B, Hs, Sq, topk]``, e.g. from :func:`select_topk_blocks`
+        block_idx (Tensor): int32 (or int64, converted) ``[B, Hs, Sq, topk]``, e.g. from :func:`select_topk_blocks`
             (dense layout; split a varlen selection per sequence).
         block_size (int): key block size the selection was made with (16, 32, 64, 128 or 256).
         seqlen_k (int): number of keys ``Sk``.
@@ -274,14 +277,14 @@ def blocks_to_indices(block_idx, *, block_size: int, seqlen_k: int, causal: bool
     """
     op = "blocks_to_indices"
     _check_backend(op, backend)
-    if _dtype_name(block_idx) != "int32":
-        raise TypeError(f"{op}: block_idx must be int32, got {_dtype_name(block_idx)}")
+    block_idx = V.index_tensor(op, "block_idx", block_idx, padding=True)
     if block_idx.ndim != 4:
         raise ValueError(f"{op}: block_idx must be [B, Hs, Sq, topk], got shape {list(block_idx.shape)} "
                          "(split a varlen selection per sequence)")
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"{op}: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
-    _require_int(op, "seqlen_k", seqlen_k, 0)
+    # token ids are int32: keys past 2**31 - 1 cannot be named (they would wrap)
+    _require_int(op, "seqlen_k", seqlen_k, 0, V.INT32_MAX)
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
     b, hs, sq, topk = block_idx.shape
@@ -289,7 +292,9 @@ def blocks_to_indices(block_idx, *, block_size: int, seqlen_k: int, causal: bool
 
     import paddle
 
-    out = paddle.empty([b, hs, sq, width], dtype="int32", device=block_idx.place)
+    with V.sized_by(op, f"the output [B, Hs, Sq, topk * block_size] = {[b, hs, sq, width]} int32",
+                    f"block_idx's topk {topk} and block_size={block_size}"):
+        out = paddle.empty([b, hs, sq, width], dtype="int32", device=block_idx.place)
     if not V.is_empty(out):
         def reason(arch):
             from ._cute import selection as glue
@@ -370,7 +375,7 @@ def select_topk_blocks_chunked(q, k, v, *, topk: int, softmax_scale: Optional[fl
                              f"chunked driver), got shape {list(getattr(t, 'shape', []))}")
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
-    _require_int(op, "topk", topk, 1)
+    _require_int(op, "topk", topk, 1, V.INT32_MAX)
     if not isinstance(head_agg, str) or head_agg not in HEAD_AGG:
         raise ValueError(f"{op}: head_agg must be one of {HEAD_AGG}, got {head_agg!r}")
     if block_size not in BLOCK_SIZES:
@@ -390,7 +395,8 @@ def select_topk_blocks_chunked(q, k, v, *, topk: int, softmax_scale: Optional[fl
     groups = 1 if num_kv_heads is None else num_kv_heads
     out = paddle.zeros([b, sq, hq, dv], dtype=q.dtype, device=q.place)
     lse = paddle.full([b, hq, sq], _NEG_INF, dtype="float32", device=q.place)
-    block_idx = paddle.full([b, groups, sq, topk], -1, dtype="int32", device=q.place)
+    with V.sized_by(op, f"block_idx [B, Hs, Sq, topk] = {[b, groups, sq, topk]} int32", f"topk={topk}"):
+        block_idx = paddle.full([b, groups, sq, topk], -1, dtype="int32", device=q.place)
     for c0, c1, keys, read_limit in plan:
         if keys == 0:
             continue  # these rows see no key: out 0, lse -inf, no block (already filled)
@@ -422,7 +428,8 @@ def chunk_plan(seqlen_q: int, seqlen_k: int, chunk_q: int, causal: bool, window_
     """
     if window_size is None:
         window_size = (None, None)
-    left, right = (None if w is None or w == -1 else w for w in window_size)
+    reach = seqlen_q + seqlen_k  # a bound this far or farther hides no key: unbounded (as flash_attn_fwd)
+    left, right = (None if w is None or w == -1 or (isinstance(w, int) and w >= reach) else w for w in window_size)
     if causal:
         right = 0 if right is None else min(right, 0)
     if right != 0 and (left is not None or right is not None):

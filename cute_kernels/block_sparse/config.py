@@ -7,7 +7,7 @@ Row tile (one CTA): the 64 MMA rows are ``WQ = tile_queries(G)`` consecutive que
 query heads of one kv head, ``GC = min(G, 64)`` (row ``r`` = query ``w * WQ + r // GC``, head
 ``h * G + c * GC + r % GC`` for head chunk ``c < G / GC``): GQA packs ``64 // G`` queries over the
 union of their blocks (one bit per query and block), MQA with ``G >= 64`` takes one query's heads
-(two CTAs for G = 128). Plan tensors: ``paddle_fa4/block_sparse_planner.py``.
+(two CTAs for G = 128). Plan tensors: ``paddle_fa4/_plan/block_sparse.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 
 over the keys c of the live blocks the plan lists for query t's row tile, ``c < q_limit[b, t]``
 (causal: ``t + 1``; else its document's end) and selected by t's bit (plan and block rule:
-``paddle_fa4/block_sparse_planner.py``; row-tile geometry: ``config.py``).
+``paddle_fa4/_plan/block_sparse.py``; row-tile geometry: ``config.py``).
 
 One CTA per (query tile w, kv head h x head chunk c, batch b), 256 threads:
 

@@ -8,7 +8,9 @@ K = bos + topk + eos (all in pages):
                                     the topk pages of [bos, n_pages - eos) with the largest
                                     score, in ascending page order (ties -> lower page) |
                                     pages n_pages-eos .. n_pages-1 ]         (physical page ids)
-    out_lens[b, g] = tokens covered: (count - 1) * P + (n - (n_pages - 1) * P), 0 for n = 0
+    out_lens[b, g] = tokens of the selected pages: count * P, less the n_pages * P - n empty slots of
+                     the real last page when it is selected (always if n_pages <= K or eos >= 1; with
+                     eos = 0 only when the top-k picks it); 0 for n = 0
 
 so the real (possibly partial) last page is last whenever eos >= 1, and ``out``/``out_lens`` are a
 sparse block table and its seq_lens for any paged-attention kernel that takes one row per kv head.
@@ -98,11 +100,10 @@ class SelectPages:
         budget = bos + topk + eos
         width = mOut.shape[2]
         count = cutlass.min(n_pages, budget)
+        empty_slots = n_pages * page_size - n  # of the real last page
         if tidx == 0:
-            out_len = Int32(0)
-            if n > 0:
-                out_len = (count - 1) * page_size + (n - (n_pages - 1) * page_size)
-            mOutLen[b, g] = out_len
+            if (n_pages <= budget) | (eos > 0):  # the real last page is in the row (none when n = 0)
+                mOutLen[b, g] = count * page_size - empty_slots
 
         if n_pages <= budget:
             i = tidx
@@ -198,13 +199,19 @@ class SelectPages:
                     j = j0 + it
                     if j < w1:
                         key = rKey[it]
+                        took = Int32(0)
                         if key > threshold:
                             mOut[b, g, bos + gt_before + cutlass.min(tie_before, need)] = mTable[b, j]
                             gt_before += 1
+                            took = Int32(1)
                         elif key == threshold:
                             if tie_before < need:
                                 mOut[b, g, bos + gt_before + tie_before] = mTable[b, j]
+                                took = Int32(1)
                             tie_before += 1
+                        if (j == n_pages - 1) & (eos == 0):  # the real last page is in the window:
+                            # the row's tokens are those of its selected pages (count = budget here)
+                            mOutLen[b, g] = budget * page_size - took * empty_slots
                 gt_run += total & Int32(0xFFFF)
                 tie_run += total >> 16
                 parity = parity ^ 1  # double-buffered sWarp: one barrier per chunk is enough

@@ -47,7 +47,7 @@ def build_plan(flat_indices, *, num_sets: int, num_queries: int, width: int, kv_
     """The windowed plan of ``flat_indices [S, Lq, W]`` built by the plan kernels (no host sync)."""
     import paddle
 
-    from ..indexed_plan import IndexedAttentionPlan, plan_shapes, window_queries
+    from .._plan.indexed import IndexedAttentionPlan, plan_shapes, window_queries
 
     wq = window_queries(heads_per_kv)
     shapes = plan_shapes(num_sets, num_queries, width, kv_len, wq)

@@ -103,6 +103,42 @@ def visible_mask(spec, row0: int, rows: int, sq: int, sk: int, place):
     return mask
 
 
+def _all_finite(x) -> bool:
+    """Whether ``x`` holds no NaN / Inf (read on the host: a device sync on GPU places, acceptable for a
+    reference; it keeps the common case at one matmul, see :func:`key_matmul`)."""
+    return bool(paddle.isfinite(x).all())
+
+
+def key_matmul(a, b, live, b_finite: bool):
+    """``a @ b`` over the key axis (``a [H, R, Sk]``, ``b [H, Sk, X]``), where ``a`` is 0 on the keys a row does
+    not see (``live [H, R, Sk]`` False), such that a NaN / Inf of ``b`` reaches only the rows that see its key.
+
+    A plain matmul multiplies those zeros by every key row: ``0 * NaN = NaN`` (also ``0 * Inf``) would turn
+    every row of the tile non-finite. With ``b_finite`` there is nothing to guard. Otherwise the finite part
+    is one matmul with the non-finite entries zeroed, and each ``(row, column)`` that sees a non-finite entry
+    gets the IEEE value of its visible products (counted with 0/1 matmuls): NaN for a NaN, for ``0 * Inf``
+    or for infinities of both signs, else the sign of its infinities.
+    """
+    if b_finite:
+        return paddle.matmul(a, b)
+    zero = paddle.zeros([], dtype="float32", device=a.place)
+    finite = paddle.isfinite(b)
+    out = paddle.matmul(a, paddle.where(finite, b, zero))
+
+    def count(rows_mask, entries_mask):
+        return paddle.matmul(rows_mask.astype("float32"), entries_mask.astype("float32"))
+
+    pos_inf, neg_inf = b == math.inf, b == -math.inf
+    a_pos, a_neg = live & (a > 0), live & (a < 0)
+    plus = (count(a_pos, pos_inf) + count(a_neg, neg_inf)) > 0
+    minus = (count(a_pos, neg_inf) + count(a_neg, pos_inf)) > 0
+    nan = (paddle.isnan(out) | (plus & minus) | (count(live, paddle.isnan(b)) > 0)
+           | (count(live & ~((a > 0) | (a < 0)), ~finite) > 0))  # 0 * Inf, NaN * Inf
+    out = paddle.where(plus, paddle.full_like(out, math.inf), out)
+    out = paddle.where(minus, paddle.full_like(out, -math.inf), out)
+    return paddle.where(nan, paddle.full_like(out, math.nan), out)
+
+
 def _chunk(spec, q, kf, vf, row0: int, sq: int, sk: int):
     """Rows ``row0 .. row0 + q.shape[0]`` of one sequence.
 
@@ -122,7 +158,8 @@ def _chunk(spec, q, kf, vf, row0: int, sq: int, sk: int):
     p = paddle.where(mask, paddle.exp(s - safe_max.unsqueeze(-1)), paddle.zeros([], dtype="float32", device=q.place))
     row_sum = paddle.sum(p, axis=-1)
     row_lse = safe_max + paddle.log(row_sum)  # log(0) = -inf for empty rows
-    o = paddle.matmul(p.reshape([hkv, group * rows, sk]), vf).reshape([hq, rows, -1])
+    live = mask.expand([hq, rows, sk]).reshape([hkv, group * rows, sk])
+    o = key_matmul(p.reshape([hkv, group * rows, sk]), vf, live, _all_finite(vf)).reshape([hq, rows, -1])
     o = o / paddle.where(row_sum > 0, row_sum, paddle.ones_like(row_sum)).unsqueeze(-1)
     row_bl = _block_max(s, spec.block_size, spec.num_blocks) if spec.block_size else None
     return o.transpose([1, 0, 2]), row_lse, row_bl
@@ -240,7 +277,8 @@ def _chunk_bwd(spec, dout, q, kf, vf, out, lse, dlse, dk, dv, row0: int, sq: int
     zero = paddle.zeros([], dtype="float32", device=q.place)
     safe_lse = paddle.where(paddle.isfinite(row_lse), row_lse, paddle.zeros_like(row_lse))
     p = paddle.where(live, paddle.exp(s - safe_lse), zero)  # [Hq, rows, Sk]
-    dp = paddle.matmul(dof, vf, transpose_y=True).reshape([hq, rows, sk])
+    # dP on the visible keys only: a NaN / Inf value row a query does not see must not reach its D or dS
+    dp = paddle.where(live, paddle.matmul(dof, vf, transpose_y=True).reshape([hq, rows, sk]), zero)
     # D = rowsum(P dP), equal to rowsum(dout * out) in exact arithmetic but taken from the float32 P and dP:
     # on peaked rows dS = P (dP - D) is far smaller than dP, and the bf16 rounding of out (2^-9 |out|)
     # would exceed it (docs/api.md, "Gradients of peaked rows"). out is then not read.
@@ -248,10 +286,11 @@ def _chunk_bwd(spec, dout, q, kf, vf, out, lse, dlse, dk, dv, row0: int, sq: int
     if dlse is not None:
         delta = delta - dlse
     ds = p * (dp - delta.unsqueeze(-1))
-    if spec.softcap > 0:
-        ds = ds * (1.0 - tanh * tanh)
+    if spec.softcap > 0:  # tanh only where visible: a NaN / Inf key's tanh must not reach dS through a 0 * NaN
+        ds = ds * paddle.where(live, 1.0 - tanh * tanh, zero)
     ds = ds.reshape([hkv, group * rows, sk])
-    dq = paddle.matmul(ds, kf) * spec.softmax_scale  # [Hkv, G * rows, D]
+    live = live.expand([hq, rows, sk]).reshape([hkv, group * rows, sk])
+    dq = key_matmul(ds, kf, live, _all_finite(kf)) * spec.softmax_scale  # [Hkv, G * rows, D]
     dk = dk + paddle.matmul(ds, qf, transpose_x=True) * spec.softmax_scale
     dv = dv + paddle.matmul(p.reshape([hkv, group * rows, sk]), dof, transpose_x=True)
     return dq.reshape([hq, rows, -1]).transpose([1, 0, 2]), dk, dv

@@ -192,6 +192,11 @@ def select_pages(scores, block_tables, seq_lens, page_size, topk, bos, eos):
         if count < budget:
             phys = paddle.concat([phys, paddle.full([hkv, budget - count], -1, dtype="int64")], axis=1)
         rows.append(phys)
-        covered = (count - 1) * page_size + (n - (n_pages - 1) * page_size) if n > 0 else 0
-        out_lens.append(paddle.full([hkv], covered, dtype="int64"))
+        # tokens of the selected pages: all full but the request's real last page, when selected (always
+        # when n_pages <= budget or eos >= 1; with eos = 0 only if the top-k picks it)
+        empty_slots = n_pages * page_size - n
+        has_last = (logical == n_pages - 1).any(axis=1) if count > 0 else paddle.zeros([hkv], dtype="bool")
+        covered = count * page_size - paddle.where(has_last, paddle.full([hkv], empty_slots, dtype="int64"),
+                                                   paddle.zeros([hkv], dtype="int64"))
+        out_lens.append(covered.astype("int64"))
     return (paddle.stack(rows).astype("int32"), paddle.stack(out_lens).astype("int32"))

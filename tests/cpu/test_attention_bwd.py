@@ -840,7 +840,7 @@ def test_bwd_glue_matches_the_real_launcher_contract(monkeypatch):
     from paddle_fa4.attention import _validate
 
     q, k = _t([2, 8, 4, 128], "bfloat16"), _t([2, 8, 2, 128], "bfloat16")
-    spec = _validate(q, k, k, None, True, (16, None), 5.0, None, None, None, None, None, 64, False, None)
+    spec = _validate(q, k, k, None, True, (5, None), 5.0, None, None, None, None, None, 64, False, None)
     cfg = glue.bwd_config(90, spec, True, False)
     assert isinstance(cfg, BwdConfig)
     assert (cfg.arch, cfg.dtype, cfg.head_dim, cfg.qhead_per_kvhead, cfg.causal, cfg.has_window, cfg.has_softcap,
@@ -855,14 +855,14 @@ def test_bwd_glue_matches_the_real_launcher_contract(monkeypatch):
 
     monkeypatch.setattr(launch, "run_bwd", record)
     monkeypatch.setattr(glue, "arch_of", lambda tensor: 90)
-    out, lse = paddle_fa4.flash_attn_fwd(q, k, k, causal=True, window_size=(16, None), softcap=5.0,
+    out, lse = paddle_fa4.flash_attn_fwd(q, k, k, causal=True, window_size=(5, None), softcap=5.0,
                                          backend="reference")
     dq, dk, dv = glue.flash_attn_bwd(spec, out, q, k, k, out, lse, None, None, None, None, None, None,
                                      deterministic=True)
     bound = calls[-1].arguments
     assert bound["cfg"] == cfg and bound["dlse"] is None and bound["cu_seqlens_q"] is None
     assert bound["dq"].data_ptr() == dq.data_ptr() and bound["dk"].shape == [2, 8, 2, 128]
-    assert (bound["window_left"], bound["window_right"], bound["max_seqlen_q"], bound["max_seqlen_k"]) == (16, 0, 8, 8)
+    assert (bound["window_left"], bound["window_right"], bound["max_seqlen_q"], bound["max_seqlen_k"]) == (5, 0, 8, 8)
     expected = launch.workspace_shapes(cfg, batch=2, seqlen_q=8, num_heads=4, total_q=16, seqlen_k=8, num_kv_heads=2,
                                        total_k=16)
     assert "dkv_sem" in expected  # deterministic GQA with causal: the group split's workspace is allocated too

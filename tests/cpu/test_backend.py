@@ -253,7 +253,7 @@ def test_glue_matches_the_real_launcher_contract():
     """The glue's fwd_config keywords are the ones cute_kernels.attention.launch takes (no GPU needed)."""
     launch = pytest.importorskip("cute_kernels.attention.launch", reason="attention launcher not in this tree")
     q, k = t([1, 8, 4, 128], "bfloat16"), t([1, 8, 2, 128], "bfloat16")
-    spec = spec_for(q, k, k, causal=True, window=(16, None), softcap=5.0, block_size=128, return_block_logit=True)
+    spec = spec_for(q, k, k, causal=True, window=(5, None), softcap=5.0, block_size=128, return_block_logit=True)
     cfg = glue.fwd_config(90, spec)
     assert isinstance(cfg, launch.FwdConfig)
     assert (cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, cfg.qhead_per_kvhead) == (90, "bfloat16", 128, 128, 2)

@@ -288,7 +288,7 @@ def _args(**over):
 
 
 @pytest.mark.parametrize("over, exc, match", [
-    (dict(block_ids=_t(np.zeros((1, 20, 2)), "int64")), TypeError, "block_ids must be int32"),
+    (dict(block_ids=_t(np.zeros((1, 20, 2)), "float32")), TypeError, "block_ids must be int32 \\(int64 is accepted"),
     (dict(block_ids=_t(np.full((1, 20, 2), 2), "int32")), ValueError, "block of the query's document"),
     (dict(block_ids=_t(np.full((1, 20, 2), -2), "int32")), ValueError, "block of the query's document"),
     (dict(block_ids=_t(np.zeros((1, 19, 2)), "int32")), ValueError, "block_ids must have shape"),
@@ -335,7 +335,7 @@ def test_zero_size_and_topk_zero():
     assert out.shape == [0, 5, 4, 8]
 
 
-@pytest.mark.parametrize("module", ["paddle_fa4.block_sparse", "paddle_fa4.block_sparse_planner"])
+@pytest.mark.parametrize("module", ["paddle_fa4.block_sparse"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
@@ -346,7 +346,7 @@ def test_docstring_examples_run(module):
 
 def test_cute_glue_refuses_what_it_does_not_cover():
     """The reasons auto falls back on (and backend='cute' raises with)."""
-    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4._cute import block_sparse as glue
     from paddle_fa4.block_sparse import BlockSparseSpec
 
     base = dict(B=1, S=128, Hq=32, Hkv=4, Dk=128, Dv=128, topk=16, block_size=64, per_kv_head=False, latent=False,
@@ -417,7 +417,7 @@ def test_peaked_rows_bf16():
 
 
 # ---------------------------------------------------------------------------------------------
-# SM100: the CuTe backend's token path (Note [SM100 token path] in paddle_fa4/block_sparse_cute.py)
+# SM100: the CuTe backend's token path (Note [SM100 token path] in paddle_fa4/_cute/block_sparse.py)
 
 
 def mla_base(base):
@@ -441,7 +441,7 @@ def _spec(c, dtype="float32"):
 ])
 def test_sm100_token_path_names_what_it_does_not_cover(case, fragment):
     pytest.importorskip("cutlass")
-    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4._cute import block_sparse as glue
 
     kw = dict(B=1, S=48, Hq=4, Hkv=2, Dk=16, Dv=16, topk=3, bs=16)
     kw.update(case)
@@ -471,8 +471,8 @@ def test_sm100_token_path_matches_the_reference(per_kv, causal, cu, sink, monkey
     lse and gradients (the token rule with documents at bos % 16 != 0, layouts, per-kv-head ids, the plan);
     with a sink folded in around it (Note [sink on the token path]: out, lse, dq / dk / dv and dsink, also
     for the rows padding leaves without keys)."""
-    from paddle_fa4 import block_sparse_cute as glue
-    from paddle_fa4 import block_sparse_ref
+    from paddle_fa4._cute import block_sparse as glue
+    from paddle_fa4.reference import block_sparse as block_sparse_ref
     from paddle_fa4._cute import indexed as indexed_glue
     from paddle_fa4.reference import indexed as ref_indexed
 
@@ -512,7 +512,7 @@ def test_sm100_token_path_matches_the_reference(per_kv, causal, cu, sink, monkey
 @pytest.mark.parametrize("S,topk", [(0, 2), (20, 0)], ids=["S0", "topk0"])
 def test_sm100_token_path_without_work(S, topk, monkeypatch):
     """Zero-size or topk-0 calls on the SM100 path launch nothing: out 0, lse -inf, zero gradients."""
-    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4._cute import block_sparse as glue
     from paddle_fa4._cute import indexed as indexed_glue
 
     monkeypatch.setattr(glue, "arch_of", lambda t: 100)
@@ -537,10 +537,10 @@ def test_sm100_kernel_forward_then_token_backward(sink, monkeypatch):
     pytest.importorskip("cutlass")
     from cute_kernels.block_sparse import launch
     from paddle_fa4 import backend as backend_mod
-    from paddle_fa4 import block_sparse_cute as glue
-    from paddle_fa4 import block_sparse_ref
+    from paddle_fa4._cute import block_sparse as glue
+    from paddle_fa4.reference import block_sparse as block_sparse_ref
     from paddle_fa4._cute import indexed as indexed_glue
-    from paddle_fa4.block_sparse_planner import build_plan
+    from paddle_fa4._plan.block_sparse import build_plan
     from paddle_fa4.reference import indexed as ref_indexed
 
     c = _case(5, B=1, S=150, Hq=8, Hkv=1, Dk=64, Dv=64, topk=3, bs=64, cu=[0, 37, 150], sink=sink)
@@ -591,8 +591,8 @@ def test_sm100_kernel_forward_and_backward(sink, exact, monkeypatch):
     pytest.importorskip("cutlass")
     from cute_kernels.block_sparse import launch
     from paddle_fa4 import backend as backend_mod
-    from paddle_fa4 import block_sparse_cute as glue
-    from paddle_fa4 import block_sparse_ref
+    from paddle_fa4._cute import block_sparse as glue
+    from paddle_fa4.reference import block_sparse as block_sparse_ref
 
     c = _case(7, B=1, S=150, Hq=8, Hkv=1, Dk=128, Dv=128, topk=3, bs=64, cu=[0, 37, 150], sink=sink)
     spec = dataclasses.replace(_spec(c, "bfloat16"), exact_delta=exact)
@@ -651,7 +651,7 @@ def test_sm90_latent_forward_glue(dk, dv, monkeypatch):
     check against the oracle (tests/gpu/test_block_sparse.py, test_latent_forward_matches_oracle)."""
     pytest.importorskip("cutlass")
     from cute_kernels.block_sparse import launch
-    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4._cute import block_sparse as glue
 
     seen = {}
 
@@ -683,7 +683,7 @@ def test_sm90_latent_backward_glue(dk, dv, monkeypatch):
     (tests/gpu/test_block_sparse.py, test_latent_backward_matches_oracle)."""
     pytest.importorskip("cutlass")
     from cute_kernels.block_sparse import launch
-    from paddle_fa4 import block_sparse_cute as glue
+    from paddle_fa4._cute import block_sparse as glue
 
     seen = {}
 
@@ -703,7 +703,7 @@ def test_sm90_latent_backward_glue(dk, dv, monkeypatch):
     spec = _spec(c, "bfloat16")
     assert glue.unsupported_reason(90, spec, needs_grad=True) is None
     q, k = _t(c["q"], "bfloat16"), _t(c["k"], "bfloat16")
-    from paddle_fa4.block_sparse_planner import build_plan
+    from paddle_fa4._plan.block_sparse import build_plan
 
     plan = build_plan(_t(c["ids"], "int32"), heads_per_kv=16, block_size=64, causal=True, cu_seqlens=None)
     out = paddle.zeros([1, 130, 16, dv], dtype="bfloat16")
@@ -732,8 +732,8 @@ def test_exact_delta_reaches_the_dq_kernel(monkeypatch):
     pytest.importorskip("cutlass")
     from cute_kernels.block_sparse import launch
     from paddle_fa4 import block_sparse as bs_mod
-    from paddle_fa4 import block_sparse_cute as glue
-    from paddle_fa4.block_sparse_planner import build_plan
+    from paddle_fa4._cute import block_sparse as glue
+    from paddle_fa4._plan.block_sparse import build_plan
 
     c = _case(6, B=1, S=100, Hq=8, Hkv=2, Dk=64, Dv=64, topk=2, bs=64)
     args = (_t(c["q"], "bfloat16"), _t(c["k"], "bfloat16"), _t(c["v"], "bfloat16"), _t(c["ids"], "int32"), 64, None,

@@ -74,7 +74,7 @@ def test_registered_sm90_and_sm100_forward():
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 12, 16, 64, 128])
 def test_row_tile_matches_planner(group):
     from cute_kernels.block_sparse.config import q_stages_sm100, stage_queries_sm100
-    from paddle_fa4.block_sparse_planner import tile_queries as planner_tile_queries
+    from paddle_fa4._plan.block_sparse import tile_queries as planner_tile_queries
 
     assert tile_queries(group) == planner_tile_queries(group)
     for arch in (100, 103):

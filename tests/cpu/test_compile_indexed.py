@@ -74,7 +74,7 @@ def test_plan_shapes_bound_the_transpose():
 
 
 def test_paddle_plan_shapes_agree_with_launcher():
-    from paddle_fa4.indexed_plan import plan_shapes as paddle_shapes
+    from paddle_fa4._plan.indexed import plan_shapes as paddle_shapes
 
     for args in [(1, 400, 2051, 400, 5), (3, 7, 3, 33, 32), (2, 0, 5, 9, 4)]:
         a = plan_shapes(*args)._asdict()

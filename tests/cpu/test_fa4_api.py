@@ -84,6 +84,29 @@ def test_return_lse_makes_lse_differentiable():
     assert not np.allclose(q2.grad.numpy(), q.grad.numpy())
 
 
+def test_flash_attn_fwd_return_lse():
+    """flash_attn_fwd(..., return_lse=True): docs/api.md's vocabulary -- the same (out, lse) as without it, lse
+    differentiable with the gradients of flash_attn_func(return_lse=True); block_logit still comes third."""
+    q, k, v = (_t([1, 6, 2, 8], seed=s, grad=True) for s in range(3))
+    out, lse = paddle_fa4.flash_attn_fwd(q, k, v, causal=True, return_lse=True, **REF)
+    assert not lse.stop_gradient
+    (out.sum() + (lse * lse).sum()).backward()
+    rq, rk, rv = (_t([1, 6, 2, 8], seed=s, grad=True) for s in range(3))
+    rout, rlse = paddle_fa4.flash_attn_func(rq, rk, rv, causal=True, return_lse=True, **REF)
+    (rout.sum() + (rlse * rlse).sum()).backward()
+    np.testing.assert_array_equal(lse.numpy(), rlse.numpy())
+    for a, b in ((q, rq), (k, rk), (v, rv)):
+        np.testing.assert_array_equal(a.grad.numpy(), b.grad.numpy())
+    res = paddle_fa4.flash_attn_fwd(q, k, v, causal=True, return_lse=True, return_block_logit=True, block_size=16,
+                                    **REF)
+    assert len(res) == 3 and not res[1].stop_gradient and res[2].stop_gradient
+    out0, lse0 = paddle_fa4.flash_attn_fwd(q, k, v, causal=True, **REF)
+    assert lse0.stop_gradient
+    np.testing.assert_array_equal(out0.numpy(), out.numpy())
+    with pytest.raises(TypeError, match="flash_attn_fwd: return_lse must be a bool"):
+        paddle_fa4.flash_attn_fwd(q, k, v, return_lse=1, **REF)
+
+
 def test_fa4_only_keywords():
     q = _t([1, 4, 2, 16])
     with pytest.raises(NotImplementedError, match="flash_attn_func: qv is an FA4 option"):

@@ -247,6 +247,38 @@ def test_select_pages(case):
     np.testing.assert_array_equal(_np(lens), ref_l)
 
 
+def _eos0_scores(max_pages):
+    """Request of 43 tokens (P 4: 11 pages, the last holding 3), window [1, 11), top-3 with bos 1, eos 0.
+    Head 0 picks the real last page by score, head 1 by a tie it wins (ties 7 and 10 both fit), head 2 not
+    at all (all-equal scores: the lowest pages), head 3 not (it scores lowest)."""
+    s = np.full((1, 4, max_pages), -1.0, np.float32)
+    s[0, 0, 10] = 9.0
+    s[0, 1, 3], s[0, 1, 7], s[0, 1, 10] = 5.0, 0.0, 0.0
+    s[0, 2, :] = 0.5
+    s[0, 3, 10] = -7.0
+    return s
+
+
+def test_select_pages_eos0_counts_the_selected_tokens():
+    """eos = 0: sparse_seq_lens counts the tokens of the selected pages; when the real (partial) last page is
+    not selected every selected page is full (it used to report (count - 1) * P + 3 for every head)."""
+    _, tables, seq_lens = make_paged(np.random.default_rng(3), [43], 4, 4, 8)
+    scores = _eos0_scores(tables.shape[1])
+    tabs, lens = h2o.select_pages(_t(scores, "float32"), tables, seq_lens, page_size=4, topk=3, bos=1, eos=0,
+                                  backend=REF)
+    bt = _np(tables)[0]
+    logical = [[bt.tolist().index(p) for p in row] for row in _np(tabs)[0].tolist()]
+    assert logical == [[0, 1, 2, 10], [0, 3, 7, 10], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert _np(lens).tolist() == [[15, 15, 16, 16]]
+    ref_t, ref_l = oracle.select_pages(scores, _np(tables), [43], 4, 3, 1, 0)
+    np.testing.assert_array_equal(_np(tabs), ref_t)
+    np.testing.assert_array_equal(_np(lens), ref_l)
+    # eos >= 1 keeps the last page: count * P minus its empty slot, every head
+    _, lens1 = h2o.select_pages(_t(scores, "float32"), tables, seq_lens, page_size=4, topk=3, bos=1, eos=1,
+                                backend=REF)
+    assert _np(lens1).tolist() == [[19] * 4]
+
+
 def test_select_pages_nan_never_displaces_a_number():
     """The issue's case: a NaN page ranked above a page scoring 99."""
     _, tables, seq_lens = make_paged(np.random.default_rng(2), [4 * 10], 1, 4, 8)
@@ -292,7 +324,7 @@ def test_errors_name_op_and_argument():
     q = _t(rng.standard_normal((1, 4, 8)), "float32")
     state = _t(np.zeros((key.shape[0], 2, 4)), "float32")
     with pytest.raises(TypeError, match="h2o.token_accumulate: block_tables must be int32"):
-        h2o.token_accumulate(q, key, state, tables.astype("int64"), seq_lens, backend=REF)
+        h2o.token_accumulate(q, key, state, tables.astype("float32"), seq_lens, backend=REF)
     with pytest.raises(ValueError, match="h2o.token_accumulate: q heads Hq = 3"):
         h2o.token_accumulate(_t(np.zeros((1, 3, 8)), "float32"), key, state, tables, seq_lens, backend=REF)
     with pytest.raises(ValueError, match="h2o.token_accumulate: gqa_reduce"):
@@ -316,7 +348,7 @@ def test_errors_name_op_and_argument():
     with pytest.raises(ValueError, match="h2o.update_page_summary: summary must have shape"):
         h2o.update_page_summary(key, _t([0], "int32"), _t(np.zeros((1, 2, 3, 8)), "float32"), backend=REF)
     with pytest.raises(TypeError, match="h2o.reset_scores: slot_mapping must be int32"):
-        h2o.reset_scores(state, _t([0], "int64"), backend=REF)
+        h2o.reset_scores(state, _t([0], "int16"), backend=REF)
     with pytest.raises(ValueError, match="backend must be one of"):
         h2o.reset_scores(state, _t([0], "int32"), backend="triton")
 

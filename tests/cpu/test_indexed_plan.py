@@ -8,7 +8,7 @@ import paddle
 import pytest
 
 import paddle_fa4
-from paddle_fa4.indexed_plan import IndexedAttentionPlan, window_queries
+from paddle_fa4._plan.indexed import IndexedAttentionPlan, window_queries
 from tests.oracles import index_sources as src
 
 KEY_TILE = 32
@@ -148,7 +148,7 @@ def test_shuffle_rows_keeps_sets():
 def test_plan_argument_errors():
     idx = paddle.zeros([1, 4, 3], dtype="int32")
     with pytest.raises(TypeError, match="indexed_attention_plan: indices must be int32"):
-        paddle_fa4.indexed_attention_plan(idx.astype("int64"), kv_len=8, heads_per_kv=12)
+        paddle_fa4.indexed_attention_plan(idx.astype("int16"), kv_len=8, heads_per_kv=12)
     with pytest.raises(ValueError, match="indexed_attention_plan: indices"):
         paddle_fa4.indexed_attention_plan(paddle.zeros([4, 3], dtype="int32"), kv_len=8, heads_per_kv=12)
     with pytest.raises(ValueError, match="kv_len"):

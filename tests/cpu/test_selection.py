@@ -212,14 +212,14 @@ def test_select_errors(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("blk,kwargs,exc,match", [
-    ("int64", {}, TypeError, "block_idx must be int32"),
+    ("float32", {}, TypeError, "block_idx must be int32 \\(int64 is accepted"),
     ("3d", {}, ValueError, "block_idx must be \\[B, Hs, Sq, topk\\]"),
     ("int32", {"block_size": 48}, ValueError, "block_size must be one of"),
     ("int32", {"seqlen_k": -1}, ValueError, "seqlen_k must be >= 0"),
     ("int32", {"causal": 1}, TypeError, "causal must be a bool"),
 ])
 def test_blocks_to_indices_errors(blk, kwargs, exc, match):
-    t = paddle.zeros([1, 2, 3] if blk == "3d" else [1, 1, 2, 3], dtype="int64" if blk == "int64" else "int32")
+    t = paddle.zeros([1, 2, 3] if blk == "3d" else [1, 1, 2, 3], dtype="float32" if blk == "float32" else "int32")
     args = {"block_size": 16, "seqlen_k": 32, **kwargs}
     with pytest.raises(exc, match=f"blocks_to_indices: {match}"):
         paddle_fa4.blocks_to_indices(t, **args)

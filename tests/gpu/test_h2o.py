@@ -216,6 +216,31 @@ def test_select_pages_exact(case):
     np.testing.assert_array_equal(_np(lens), ref_l)
 
 
+def test_select_pages_eos0_counts_the_selected_tokens():
+    """eos = 0 (issue 43): out_lens counts the tokens of the selected pages -- the real (partial) last page
+    taken by score (head 0) or by a tie (head 1) gives count * P - its empty slots, not taken (heads 2, 3)
+    count * P -- and a long request whose last page is or is not in the top-k, per head."""
+    rng = np.random.default_rng(3)
+    _, tables, seq_lens = make_paged(rng, [43, 16 * 300 + 7], 4, 4, 64)
+    max_pages = tables.shape[1]
+    scores = np.full((2, 4, max_pages), -1.0, np.float32)
+    scores[0, 0, 10] = 9.0
+    scores[0, 1, 3], scores[0, 1, 7], scores[0, 1, 10] = 5.0, 0.0, 0.0
+    scores[0, 2, :] = 0.5
+    scores[0, 3, 10] = -7.0
+    scores[1] = rng.standard_normal((4, max_pages)).astype(np.float32)
+    n_last = -(-(16 * 300 + 7) // 4) - 1
+    scores[1, 0, n_last], scores[1, 1, n_last] = 50.0, -50.0
+    out = torch.full((2, 4, 4), 99, dtype=torch.int32, device=DEV)
+    lens = torch.full((2, 4), 99, dtype=torch.int32, device=DEV)
+    _launch().run_select_pages(_t(scores, torch.float32), tables, seq_lens, out, lens, page_size=4, topk=3, bos=1,
+                               eos=0)
+    ref_t, ref_l = oracle.select_pages(scores, _np(tables), [43, 16 * 300 + 7], 4, 3, 1, 0)
+    assert ref_l[0].tolist() == [15, 15, 16, 16] and ref_l[1, 0] == 15 and ref_l[1, 1] == 16
+    np.testing.assert_array_equal(_np(out), ref_t)
+    np.testing.assert_array_equal(_np(lens), ref_l)
+
+
 # ------------------------------------------------------------------------ the seed recurrence
 def _recurrence(gqa, steps, page_size, state_dtype=torch.float32, decay=0.984375, seed=0):
     """128 tokens, G=4, D=128, bos 4 / eos 8 tokens; per-step affinity queries. Returns arrays."""

@@ -112,7 +112,7 @@ def gradients(q, k, v, mask, dout, scale=None, sink=None, latent_dv=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# plan (same layout as paddle_fa4.block_sparse_planner.BlockSparsePlan)
+# plan (same layout as paddle_fa4._plan.block_sparse.BlockSparsePlan)
 
 
 def tile_queries(group: int) -> int:

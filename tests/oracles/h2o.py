@@ -158,8 +158,8 @@ def select_pages(scores, block_tables, seq_lens, page_size, topk, bos=0, eos=0):
                                                                0.0 if np.isnan(mid[i]) else -mid[i], i))[:topk]
                 logical = list(range(bos)) + sorted(bos + i for i in order) + list(range(n_pages - eos, n_pages))
             tables[b, g, :len(logical)] = bt[b, logical]
-            if n > 0:
-                lens[b, g] = (len(logical) - 1) * page_size + (n - (n_pages - 1) * page_size)
+            # tokens of the selected pages: each full, but the real last page holds n - (n_pages - 1) * P
+            lens[b, g] = len(logical) * page_size - (n_pages * page_size - n if n_pages - 1 in logical else 0)
     return tables, lens
 
 

@@ -1,7 +1,7 @@
 """SM100 (Blackwell) block_sparse_attention through the CuTe backend: the block-sparse tcgen05 forward
 (cute_kernels/block_sparse/fwd_sm100.py), the tcgen05 backward at head dim 128 (bwd_dq_sm100.py, exact_delta or
 not; bwd_dkdv_sm100.py) and the token path for the other backwards (Note [SM100 token path] in
-paddle_fa4/block_sparse_cute.py: token rows by the planner's rule + the indexed-attention kernels).
+paddle_fa4/_cute/block_sparse.py: token rows by the planner's rule + the indexed-attention kernels).
 
     python -m pytest tests/sm100/test_block_sparse_sm100.py -q   # skips without Paddle on a CC 10.0 / 10.3 GPU
 
@@ -117,7 +117,7 @@ def test_backward_matches_oracle(per_kv, causal, cu, d):
 @pytest.mark.parametrize("d", [64, 128], ids=["d64-token-path", "d128-kernels"])
 def test_backward_with_sink_matches_oracle(d):
     """A learnable sink (folded in around the token path at head dim 64, Note [sink on the token path] in
-    paddle_fa4/block_sparse_cute.py; in the forward kernel's lse at 128, the kernels' backward needing nothing
+    paddle_fa4/_cute/block_sparse.py; in the forward kernel's lse at 128, the kernels' backward needing nothing
     more): out / lse / dq / dk / dv / dsink against the fp64 oracle, rows without keys (lse = the sink),
     documents, bitwise over two runs."""
     paddle = pytest.importorskip("paddle")

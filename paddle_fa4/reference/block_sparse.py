@@ -1,7 +1,7 @@
 """Reference (pure Paddle, float32) block-sparse attention forward and analytic backward.
 
 Per batch, query rows are processed in chunks: each row's live blocks (the block rule of
-``block_sparse_planner.block_starts``), deduplicated, expand to their visible keys (``< q_limit``),
+``paddle_fa4._plan.block_sparse.block_starts``), deduplicated, expand to their visible keys (``< q_limit``),
 which are gathered as float32 ``[rows, Hkv, topk * block_size, D]`` tiles under :data:`TILE_BYTES`.
 Unused slots are zeroed before use (never read values). The plan is not needed and is passed
 through. Semantics: ``docs/api.md`` (block_sparse_attention).
@@ -13,7 +13,7 @@ import math
 
 import paddle
 
-from .block_sparse_planner import block_starts, block_tokens, doc_bounds, query_limits
+from .._plan.block_sparse import block_starts, block_tokens, doc_bounds, query_limits
 
 #: Upper bound on the float32 bytes of one chunk's gathered keys, values and scores.
 TILE_BYTES = 64 << 20

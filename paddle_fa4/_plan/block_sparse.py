@@ -9,13 +9,13 @@ id counts once; ids that are not live (past the document, or wholly after the qu
 
 Plan (built once per selection, reused by every sparse layer sharing it): queries are grouped into
 tiles of ``WQ = window_queries(G)`` consecutive queries (``WQ * G`` query heads fill the kernels'
-64 MMA rows, as in :mod:`paddle_fa4.indexed_plan`), and for each index set ``s`` (``b`` for ids
+64 MMA rows, as in :mod:`paddle_fa4._plan.indexed`), and for each index set ``s`` (``b`` for ids
 ``[B, S, topk]``, ``b * Hkv + h`` for ``[B, Hkv, S, topk]``) the plan stores
 
 - per query tile ``w``: the ascending absolute start rows of the union of its queries' live blocks
   (``tile_start[s, w, :tile_count[s, w]]``) and, per start, the bitmask of the tile queries that
   selected it (bit ``i`` = query ``w * WQ + i``): exactly the windowed union of
-  :func:`paddle_fa4.indexed_plan.reference_plan` over the start rows, which builds it;
+  :func:`paddle_fa4._plan.indexed.build_plan` over the start rows, which builds it;
 - per query ``q_limit[b, t] = limit(t)``, the exclusive key bound of every row;
 - the key-major transpose: the distinct selected key blocks of each set (``key_start``/``key_end``
   = their rows ``[start, min(start + bs, eos))``, ascending, ``key_count[s]`` of them) and, per key
@@ -24,18 +24,20 @@ tiles of ``WQ = window_queries(G)`` consecutive queries (``WQ * G`` query heads 
 - ``key_order``: the order in which the dK/dV kernels run the segments of those lists (Note
   [tile-ordered segments] in ``cute_kernels/block_sparse/bwd_dkdv_sm90.py``): a schedule, not a result.
   The kernels trust it to be this builder's (a permutation that runs each block's segments in order: a
-  segment waits for the one before it); build plans with :func:`block_sparse_plan`, not by hand.
+  segment waits for the one before it); build plans with :func:`paddle_fa4.block_sparse_plan`, not by hand.
+
+The public op :func:`paddle_fa4.block_sparse_plan` and the argument checks live in
+``paddle_fa4/block_sparse.py``; this module holds the plan type, the block rule and the builder (Paddle
+tensor ops, any place) and imports neither the CuTe glue nor the reference (``docs/design.md``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from ._static import dynamic_only
-from .indexed_plan import reference_plan, window_queries
+from .indexed import build_plan as windowed_plan, window_queries
 
-OP = "block_sparse_plan"
 #: Block sizes accepted (the CuTe kernels take 64).
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 
@@ -98,124 +100,9 @@ class BlockSparsePlan:
                 self.per_kv_head, self.causal, self.num_docs)
 
 
-@dynamic_only("block_sparse_plan")
-def block_sparse_plan(block_ids, *, heads_per_kv: int, block_size: int = 64, causal: bool = True,
-                      cu_seqlens=None, head_dim_v: int = 128, name: Optional[str] = None) -> BlockSparsePlan:
-    r"""Build the plan :func:`block_sparse_attention` uses for ``block_ids`` (reusable via ``plan=``).
-
-    Built with Paddle tensor ops on the ids' place (it reads a few sizes back to the host); a
-    pure function of ``(block_ids, cu_seqlens, block_size, causal, heads_per_kv)`` and, for the query
-    tile, of the ids' GPU (and ``head_dim_v`` on SM100), so the N sparse
-    layers sharing one selection can share one plan, and a recompute may rebuild it.
-
-    Args:
-        block_ids (Tensor): int32 ``[B, S, topk]`` (shared by all heads) or ``[B, Hkv, S, topk]``,
-            document-relative block ids, ``-1`` = padding.
-        heads_per_kv (int): ``G = Hq // Hkv >= 1``; sets the query tile, ``tile_queries(G)``.
-        block_size (int): keys per block (16, 32, 64, 128 or 256). Default 64.
-        causal (bool): query ``t`` sees keys ``<= t`` only. Default True.
-        cu_seqlens (Tensor, optional): int32 document boundaries along S, ``[n + 1]`` (the same for
-            every batch row) or ``[B, n + 1]``: starts at 0, non-decreasing, ends at S. None: one
-            document per row.
-        head_dim_v (int): the value head dim of the calls the plan serves. Only an SM100 GPU reads
-            it (its forward tiles queries by it: one Q stage above 128); default 128.
-        name (str|None, optional): Name for the operation. Default: None.
-
-    Returns:
-        BlockSparsePlan: see the module docstring.
-
-    Examples:
-        .. code-block:: pycon
-
-            >>> import paddle, paddle_fa4
-            >>> ids = paddle.to_tensor([[[1, 0]] * 20], dtype="int32")        # S = 20, topk = 2
-            >>> plan = paddle_fa4.block_sparse_plan(ids, heads_per_kv=64, block_size=16)
-            >>> plan.tile_count[0, 14:18].tolist()      # one query per tile; block 1 live from row 16
-            [1, 1, 2, 2]
-            >>> plan.tile_start[0, 17, :2].tolist(), plan.key_start.tolist(), plan.key_end.tolist()
-            ([0, 16], [[0, 16, -1]], [[16, 20, -1]])
-    """
-    from . import _validate as V
-
-    V.check_tensor(OP, "block_ids", block_ids)
-    V.check_dtype(OP, "block_ids", block_ids, ("int32",))
-    V.check_rank(OP, "block_ids", block_ids, (3, 4), "[B, S, topk] or [B, Hkv, S, topk]")
-    heads_per_kv = V.check_int(OP, "heads_per_kv", heads_per_kv, low=1)
-    check_block_size(OP, block_size)
-    V.check_bool(OP, "causal", causal)
-    b, s = block_ids.shape[0], block_ids.shape[-2]
-    check_cu_seqlens(OP, cu_seqlens, b, s, block_ids)
-    check_ids(OP, block_ids, cu_seqlens, block_size)
-    head_dim_v = V.check_int(OP, "head_dim_v", head_dim_v, low=1)
-    return build_plan(block_ids, heads_per_kv=heads_per_kv, block_size=block_size, causal=causal,
-                      cu_seqlens=cu_seqlens, head_dim_v=head_dim_v)
-
-
-# ----------------------------------------------------------------------------------------------
-# checks shared with block_sparse_attention
-
-
-def check_block_size(op: str, block_size) -> int:
-    from . import _validate as V
-
-    V.check_int(op, "block_size", block_size)
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"{op}: block_size must be one of {BLOCK_SIZES}, got {block_size}")
-    return block_size
-
-
 def num_docs(cu_seqlens) -> int:
     return 1 if cu_seqlens is None else int(cu_seqlens.shape[-1]) - 1
 
-
-def check_cu_seqlens(op: str, cu_seqlens, batch: int, seqlen: int, like) -> None:
-    """int32 ``[n + 1]`` or ``[B, n + 1]``, n >= 1; values (0 first, non-decreasing, S last) are
-    checked when they are on the host."""
-    if cu_seqlens is None:
-        return
-    from . import _validate as V
-
-    V.check_tensor(op, "cu_seqlens", cu_seqlens)
-    V.check_dtype(op, "cu_seqlens", cu_seqlens, ("int32",))
-    V.check_rank(op, "cu_seqlens", cu_seqlens, (1, 2), "[n + 1] or [B, n + 1]")
-    if cu_seqlens.shape[-1] < 2 or (cu_seqlens.ndim == 2 and cu_seqlens.shape[0] != batch):
-        raise ValueError(f"{op}: cu_seqlens must be [n + 1] or [B, n + 1] with n >= 1 and B = {batch}, "
-                         f"got shape {list(cu_seqlens.shape)}")
-    V.check_same_place(op, {"block_ids": like, "cu_seqlens": cu_seqlens})
-    values = V.host_values(cu_seqlens)
-    if values is not None:
-        import numpy as np
-
-        rows = values.reshape(-1, values.shape[-1])
-        if (rows[:, 0] != 0).any() or (rows[:, -1] != seqlen).any() or (np.diff(rows, axis=1) < 0).any():
-            raise ValueError(f"{op}: cu_seqlens must start at 0, be non-decreasing and end at S = {seqlen}, "
-                             f"got {values.tolist()}")
-
-
-def check_ids(op: str, block_ids, cu_seqlens, block_size: int) -> None:
-    """Ids must be -1 or name a block of the query's document (checked when on the host)."""
-    from . import _validate as V
-
-    ids = V.host_values(block_ids)
-    if ids is None or ids.size == 0:
-        return
-    import numpy as np
-
-    b, s = ids.shape[0], ids.shape[-2]
-    if cu_seqlens is None:
-        doc_len = np.full((b, s), s, dtype=np.int64)
-    else:
-        cu = V.host_values(cu_seqlens)
-        cu = np.broadcast_to(cu.reshape(-1, cu.shape[-1]), (b, cu.shape[-1]))
-        doc_len = np.stack([np.diff(row)[np.searchsorted(row, np.arange(s), side="right") - 1] for row in cu])
-    nb = -(-doc_len // block_size)  # [B, S]
-    nb = nb[:, None, :, None] if ids.ndim == 4 else nb[:, :, None]
-    bad = (ids < -1) | (ids >= nb)
-    if bad.any():
-        where = tuple(int(i[0]) for i in np.nonzero(bad))
-        raise ValueError(f"{op}: block_ids must be -1 or a block of the query's document (0 <= id < "
-                         f"ceil(doc_len / block_size)); block_ids{list(where)} = {int(ids[where])}, "
-                         f"doc_len {int(doc_len[where[0], where[-2]])}, block_size {block_size}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,7 +165,7 @@ def build_plan(block_ids, *, heads_per_kv: int, block_size: int, causal: bool, c
     ids' GPU (``tile_queries``)."""
     import paddle
 
-    from .backend import tensor_arch
+    from ..backend import tensor_arch
 
     per_kv_head = block_ids.ndim == 4
     shape = list(block_ids.shape)
@@ -291,7 +178,7 @@ def build_plan(block_ids, *, heads_per_kv: int, block_size: int, causal: bool, c
         bos, eos = doc_bounds(batch, seqlen, cu_seqlens, place)
         limit = query_limits(bos, eos, causal)
         starts = block_starts(block_ids, bos, limit, block_size).astype("int32").reshape([sets, seqlen, topk])
-        union = reference_plan(starts, num_sets=sets, num_queries=seqlen, width=topk, kv_len=seqlen,
+        union = windowed_plan(starts, num_sets=sets, num_queries=seqlen, width=topk, kv_len=seqlen,
                                heads_per_kv=min(heads_per_kv, 64), per_kv_head=per_kv_head,
                                window=tile_queries(heads_per_kv, tensor_arch(block_ids), head_dim_v))
         keys = _key_transpose(union.win_key, union.win_count, eos, sets, batch, seqlen, kcap, block_size)
@@ -300,6 +187,14 @@ def build_plan(block_ids, *, heads_per_kv: int, block_size: int, causal: bool, c
                            window_queries=union.window_queries, tile_start=union.win_key,
                            tile_mask=union.win_mask, tile_count=union.win_count,
                            q_limit=limit.astype("int32"), **keys)
+
+
+def plan_for(spec, block_ids, cu_seqlens, plan) -> BlockSparsePlan:
+    """``plan`` (the caller checked it fits ``spec``, a ``BlockSparseSpec``) or a new one for this call."""
+    if plan is None:
+        return build_plan(block_ids, heads_per_kv=spec.group, block_size=spec.block_size, causal=spec.causal,
+                          cu_seqlens=cu_seqlens, head_dim_v=spec.Dv)
+    return plan
 
 
 def _key_transpose(tile_start, tile_count, eos, sets: int, batch: int, seqlen: int, kcap: int,

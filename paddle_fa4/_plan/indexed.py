@@ -12,7 +12,11 @@ rows), and for every index set ``s`` (``b`` for ``[B, Lq, W]`` indices, ``b * Hk
   in its key list of its first key in the tile (``tile_start``).
 
 Two builders give identical plans (entries past each count / pointer are unspecified): the CuTe
-kernels on the GPU (no host sync) and a pure-Paddle reference (any place).
+kernels on the GPU (no host sync, ``paddle_fa4._cute.indexed.build_plan``) and :func:`build_plan` here,
+Paddle tensor ops on any place (the reference backend's plan, and the windowed union under the
+block-sparse plan, ``paddle_fa4._plan.block_sparse``). The public op, :func:`paddle_fa4.indexed_attention_plan`
+(``paddle_fa4/indexed.py``), validates and picks the builder. This module imports neither the CuTe glue
+nor the reference backend (the layout rule of ``docs/design.md``).
 """
 
 from __future__ import annotations
@@ -20,16 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._static import dynamic_only
-
-OP = "indexed_attention_plan"
 KEY_TILE = 32
-_TILE_M = 64
+#: MMA rows of a window (``WQ * G``); ``heads_per_kv`` is at most this.
+TILE_M = 64
 
 
 def window_queries(heads_per_kv: int) -> int:
     """Queries per window: ``64 // heads_per_kv``, at most 32 (one mask bit per query)."""
-    return min(_TILE_M // heads_per_kv, 32)
+    return min(TILE_M // heads_per_kv, 32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,70 +83,7 @@ def plan_shapes(num_sets: int, num_queries: int, width: int, kv_len: int, wq: in
             "tile_win": [pairs], "tile_start": [pairs]}
 
 
-@dynamic_only("indexed_attention_plan")
-def indexed_attention_plan(indices, *, kv_len: int, heads_per_kv: int, backend: str = "auto",
-                           name: Optional[str] = None) -> IndexedAttentionPlan:
-    r"""Build the windowed plan :func:`indexed_attention` uses for ``indices``.
-
-    The plan can be built once and passed to several calls with the same indices (``plan=``);
-    ``indexed_attention`` builds it itself when none is given and keeps it for the backward.
-
-    Args:
-        indices (Tensor): int32 ``[B, Lq, W]`` (shared by all heads) or ``[B, Hkv, Lq, W]`` (one
-            selection per kv head) token indices; any index ``< 0`` or ``>= kv_len`` is padding,
-            duplicates in a row count once.
-        kv_len (int): length ``Lkv`` of the key axis, ``>= 0``.
-        heads_per_kv (int): query heads per kv head ``G = Hq // Hkv`` (sets the window size
-            ``min(64 // G, 32)``), ``1 <= G <= 64``.
-        backend (str): ``"auto"`` (CuTe kernels on a supported GPU, else the reference),
-            ``"cute"`` or ``"reference"``.
-        name (str|None, optional): Name for the operation. Default: None.
-
-    Returns:
-        IndexedAttentionPlan: see the class docstring for the tensors and their meaning.
-
-    Raises:
-        TypeError: ``indices`` is not an int32 tensor.
-        ValueError: bad rank, ``kv_len`` or ``heads_per_kv`` out of range.
-
-    Examples:
-        .. code-block:: pycon
-
-            >>> import paddle, paddle_fa4
-            >>> idx = paddle.to_tensor([[[3, 1, -1], [1, 2, 2]]], dtype="int32")
-            >>> plan = paddle_fa4.indexed_attention_plan(idx, kv_len=4, heads_per_kv=12, backend="reference")
-            >>> plan.window_queries, plan.win_count.tolist()
-            (5, [[3]])
-            >>> plan.win_key[0, 0, :3].tolist(), plan.win_mask[0, 0, :3].tolist()
-            ([1, 2, 3], [3, 2, 1])
-    """
-    from . import _validate as V
-    from .backend import resolve_backend
-
-    V.check_tensor(OP, "indices", indices)
-    V.check_dtype(OP, "indices", indices, ("int32",))
-    V.check_rank(OP, "indices", indices, (3, 4), "[B, Lq, W] or [B, Hkv, Lq, W]")
-    kv_len = V.check_int(OP, "kv_len", kv_len, low=0)
-    heads_per_kv = V.check_int(OP, "heads_per_kv", heads_per_kv, low=1, high=_TILE_M)
-    per_kv_head = indices.ndim == 4
-    shape = list(indices.shape)
-    num_sets = shape[0] * (shape[1] if per_kv_head else 1)
-    geometry = dict(num_sets=num_sets, num_queries=shape[-2], width=shape[-1], kv_len=kv_len,
-                    heads_per_kv=heads_per_kv, per_kv_head=per_kv_head)
-
-    def reason(arch: int) -> Optional[str]:
-        from ._cute.indexed import plan_unsupported_reason
-        return plan_unsupported_reason(arch)
-
-    chosen = resolve_backend(OP, backend, indices, reason)
-    flat = indices.reshape([num_sets, shape[-2], shape[-1]])
-    if chosen == "cute":
-        from ._cute.indexed import build_plan
-        return build_plan(flat, **geometry)
-    return reference_plan(flat, **geometry)
-
-
-def reference_plan(indices, *, num_sets: int, num_queries: int, width: int, kv_len: int,
+def build_plan(indices, *, num_sets: int, num_queries: int, width: int, kv_len: int,
                    heads_per_kv: int, per_kv_head: bool, window: int | None = None) -> IndexedAttentionPlan:
     """The plan of ``indices [S, Lq, W]`` with Paddle tensor ops (sort/unique based), on any place;
     ``window``: queries per window (at most 32, one mask bit each), default ``window_queries(heads_per_kv)``."""

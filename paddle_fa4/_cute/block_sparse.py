@@ -17,13 +17,13 @@ The backward: ``delta = rowsum(dout * out)`` and the sink gradient ``-sum exp(si
 with Paddle ops, dQ (query-major) and dK / dV (key-major, into zero-filled buffers) by the kernels;
 no float atomics anywhere, so gradients are bitwise reproducible.
 
-The plan is built with Paddle ops (``block_sparse_planner.build_plan``) when none is given; the
+The plan is built with Paddle ops (``paddle_fa4._plan.block_sparse.build_plan``) when none is given; the
 launchers in ``cute_kernels.block_sparse.launch`` are imported lazily.
 """
 
 from __future__ import annotations
 
-from ._bridge import arch_of, kernel_arg, kernel_input
+from .._bridge import arch_of, kernel_arg, kernel_input
 
 OP = "block_sparse_attention"
 
@@ -57,7 +57,7 @@ def unsupported_reason(arch: int, spec, needs_grad: bool) -> str | None:
 # backward: head dims other than 128 -- without exact_delta, which the token path cannot do -- and what the
 # forward does not take), an SM100 call expands the
 # blocks to token index rows with Paddle ops -- the rule of the planner and the reference
-# (block_sparse_planner.block_starts / query_limits: absolute block starts from document-relative ids,
+# (paddle_fa4._plan.block_sparse.block_starts / query_limits: absolute block starts from document-relative ids,
 # each row's causal or document-end limit; -1 for what the row does not see) -- and runs the
 # indexed-attention kernels over them (forward, deterministic key-major backward; they compile for
 # sm_100a / sm_103a; repeated blocks are repeated tokens, which indexed attention counts once). As slow
@@ -111,14 +111,14 @@ def _token_path_reason(arch: int, spec) -> str | None:
         return f"the absorbed-MLA latent (v=None) on compute capability {arch} (SM100: token path only)"
     if spec.Dk != spec.Dv:
         return f"Dk {spec.Dk} != Dv {spec.Dv} on compute capability {arch} (SM100: token path only)"
-    from ._cute import indexed as indexed_glue
+    from . import indexed as indexed_glue
 
     reason = indexed_glue.unsupported_reason(arch, _indexed_spec(spec))
     return None if reason is None else f"SM100 token path: {reason}"
 
 
 def _indexed_spec(spec):
-    from .indexed import IndexedSpec
+    from ..indexed import IndexedSpec
 
     return IndexedSpec(B=spec.B, Lq=spec.S, Lkv=spec.S, Hq=spec.Hq, Hkv=spec.Hkv, D=spec.Dk,
                        W=spec.topk * spec.block_size, per_kv_head=spec.per_kv_head, scale=spec.scale,
@@ -130,7 +130,7 @@ def token_rows(spec, block_ids, cu_seqlens):
     row's blocks, -1 where the row does not see them (Note [SM100 token path])."""
     import paddle
 
-    from .block_sparse_planner import block_starts, block_tokens, doc_bounds, query_limits
+    from .._plan.block_sparse import block_starts, block_tokens, doc_bounds, query_limits
 
     bos, eos = doc_bounds(spec.B, spec.S, cu_seqlens, block_ids.place)
     limit = query_limits(bos, eos, spec.causal)
@@ -141,10 +141,10 @@ def token_rows(spec, block_ids, cu_seqlens):
 
 
 def _token_forward(spec, q, k, v, block_ids, cu_seqlens, sink):
-    from ._cute import indexed as indexed_glue
+    from . import indexed as indexed_glue
 
     if spec.B * spec.S * spec.Hq == 0 or spec.topk == 0:  # no work: zeros / -inf or the sink (the reference's rule)
-        from . import block_sparse_ref
+        from ..reference import block_sparse as block_sparse_ref
 
         out, lse, _ = block_sparse_ref.forward(spec, q, k, v, block_ids, cu_seqlens, sink)
         return out, lse, _TokenPlan(None, None, None)
@@ -159,7 +159,7 @@ def _token_forward(spec, q, k, v, block_ids, cu_seqlens, sink):
 def _token_plan(spec, block_ids, cu_seqlens):
     """The token rows and indexed plan of the SM100 backward (Note [SM100 token path]) after the block-sparse
     forward kernel; None members for a call with no work."""
-    from ._cute import indexed as indexed_glue
+    from . import indexed as indexed_glue
 
     if spec.B * spec.S * spec.Hq == 0 or spec.topk == 0:
         return _TokenPlan(None, None, None)
@@ -202,7 +202,7 @@ def forward(spec, q, k, v, block_ids, cu_seqlens, sink, plan):
     from cute_kernels.block_sparse.config import tile_queries
     from cute_kernels.block_sparse.launch import fwd_config, run_fwd
 
-    from .block_sparse import plan_for
+    from .._plan.block_sparse import plan_for
 
     plan = plan_for(spec, block_ids, cu_seqlens, plan)
     want = tile_queries(spec.group, arch, spec.Dv)
@@ -234,10 +234,10 @@ def backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout, plan):
         plan = _token_plan(spec, block_ids, cu_seqlens)
     if isinstance(plan, _TokenPlan):  # Note [SM100 token path]
         if plan.ispec is None:  # no work: zero gradients (and the sink's, from its rows)
-            from . import block_sparse_ref
+            from ..reference import block_sparse as block_sparse_ref
 
             return block_sparse_ref.backward(spec, q, k, v, block_ids, cu_seqlens, sink, out, lse, dout)
-        from ._cute import indexed as indexed_glue
+        from . import indexed as indexed_glue
 
         if sink is None:
             return indexed_glue.backward(plan.ispec, q, k, v, out, lse, dout, plan.iplan) + (None,)
