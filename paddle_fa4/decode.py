@@ -34,7 +34,6 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 #: Paged cache layouts: ``"hnd"`` = ``[num_pages, Hkv, P, D]`` (FastDeploy, paddle_fa4.h2o; default),
 #: ``"nhd"`` = ``[num_pages, P, Hkv, D]`` (FlashAttention's paged layout).
 KV_LAYOUTS = ("hnd", "nhd")
-_INDEX_HINT = "convert it once, outside the decode loop, with x.astype('int32')"
 
 __all__ = ["flash_attn_with_kvcache", "sparse_decode_attention", "block_selection_to_page_table"]
 
@@ -91,8 +90,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=N
         (``-inf`` where none). No autograd: every output has ``stop_gradient=True``.
 
     Raises:
-        TypeError: a non-tensor, a dtype other than the ones above; int64 index tensors (convert
-            once with ``astype("int32")``).
+        TypeError: a non-tensor, a dtype other than the ones above (index tensors: int32, or int64
+            converted once; pass int32 to avoid the copy).
         ValueError: shapes, places, options; ``cache_seqlens`` above ``max_pages * P`` or a page id
             a sequence needs outside ``[0, num_pages)`` (checked when the index tensors are on the CPU).
         NotImplementedError: ``Sq > 16``, a head dim above 256, or ``backend="cute"`` when no
@@ -116,9 +115,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=N
     layout, k_cache, v_cache, geo = _check_cache(op, k_cache, v_cache, q, kv_layout, paged, batch)
     hkv, page, num_units = geo["hkv"], geo["page"], geo["units"]
     _check_heads(op, hq, hkv)
-    _check_index(op, "cache_seqlens", cache_seqlens, [batch], "[B]")
+    cache_seqlens = _check_index(op, "cache_seqlens", cache_seqlens, [batch], "[B]", padding=False)
     if paged:
-        _check_index(op, "block_table", block_table, [batch, -1], "[B, max_pages]")
+        block_table = _check_index(op, "block_table", block_table, [batch, -1], "[B, max_pages]", padding=True)
         sk_max = block_table.shape[1] * page
     else:
         sk_max = k_cache.shape[1]
@@ -200,9 +199,10 @@ def sparse_decode_attention(q, k_cache, v_cache, sparse_block_tables, sparse_seq
     layout, k_cache, v_cache, geo = _check_cache(op, k_cache, v_cache, q, kv_layout, True, batch)
     hkv, page, num_units = geo["hkv"], geo["page"], geo["units"]
     _check_heads(op, hq, hkv)
-    _check_index(op, "sparse_block_tables", sparse_block_tables, [batch, hkv, -1], "[B, Hkv, n]")
+    sparse_block_tables = _check_index(op, "sparse_block_tables", sparse_block_tables, [batch, hkv, -1], "[B, Hkv, n]",
+                                       padding=True)
     n = sparse_block_tables.shape[2]
-    _check_index(op, "sparse_seq_lens", sparse_seq_lens, [batch, hkv], "[B, Hkv]")
+    sparse_seq_lens = _check_index(op, "sparse_seq_lens", sparse_seq_lens, [batch, hkv], "[B, Hkv]", padding=False)
     sk_max = n * page
     opts = _check_options(op, q, d, softmax_scale, causal, window_size, softcap, num_splits, return_lse)
     V.check_same_place(op, {"q": q, "k_cache": k_cache, "v_cache": v_cache,
@@ -331,16 +331,14 @@ def _check_heads(op, hq, hkv):
         raise ValueError(f"{op}: q's head count {hq} must be a positive multiple of the cache's kv heads {hkv}")
 
 
-def _check_index(op, name, t, shape, layout):
-    """int32 index tensor of ``shape`` (-1 = any extent); int64 is rejected with the conversion to use."""
-    V.check_tensor(op, name, t)
-    got = V.dtype_name(t)
-    if got == "int64":
-        raise TypeError(f"{op}: {name} must be int32, got int64 ({_INDEX_HINT})")
-    V.check_dtype(op, name, t, ("int32",))
+def _check_index(op, name, t, shape, layout, *, padding):
+    """``t`` as an int32 index tensor of ``shape`` (-1 = any extent): int64 is converted once
+    (``_validate.index_tensor``: ``padding`` says whether an out-of-int32 value means padding)."""
+    t = V.index_tensor(op, name, t, padding=padding)
     if t.ndim != len(shape) or any(s not in (-1, g) for s, g in zip(shape, t.shape)):
         raise ValueError(f"{op}: {name} must be {layout} = {[s if s >= 0 else '*' for s in shape]}, got "
                          f"{list(t.shape)}")
+    return t
 
 
 def _check_options(op, q, d, softmax_scale, causal, window_size, softcap, num_splits, return_lse) -> dict:
@@ -447,12 +445,10 @@ def block_selection_to_page_table(block_idx, block_table, cache_seqlens, *, page
     op = "block_selection_to_page_table"
     V.check_tensor(op, "block_idx", block_idx)
     V.check_rank(op, "block_idx", block_idx, (4,), "[B, Hs, Sq, topk]")
-    if V.dtype_name(block_idx) == "int64":
-        raise TypeError(f"{op}: block_idx must be int32, got int64 ({_INDEX_HINT})")
-    V.check_dtype(op, "block_idx", block_idx, ("int32",))
+    block_idx = V.index_tensor(op, "block_idx", block_idx, padding=True)
     batch, hs, sq, topk = block_idx.shape
-    _check_index(op, "block_table", block_table, [batch, -1], "[B, max_pages]")
-    _check_index(op, "cache_seqlens", cache_seqlens, [batch], "[B]")
+    block_table = _check_index(op, "block_table", block_table, [batch, -1], "[B, max_pages]", padding=True)
+    cache_seqlens = _check_index(op, "cache_seqlens", cache_seqlens, [batch], "[B]", padding=False)
     page = V.check_int(op, "page_size", page_size, low=1)
     hkv = V.check_int(op, "num_kv_heads", num_kv_heads, low=1)
     bs = V.check_int(op, "block_size", block_size, low=1)

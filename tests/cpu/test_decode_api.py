@@ -120,6 +120,10 @@ def _table_with(a, b, j, value):
 
 
 DENSE_ERRORS = [
+    ("lens int64 outside int32", lambda a: _dense(_set(a, lens=a["lens"].astype("int64") + 2**32)), ValueError,
+     r"cache_seqlens is int64 with the value \d+ outside int32"),
+    ("table int16", lambda a: _dense(a, block_table=a["table"].astype("int16")), TypeError,
+     r"block_table must be int32 \(int64 is accepted"),
     ("q numpy", lambda a: _dense(_set(a, q=a["q"].numpy())), TypeError, r"q must be a paddle.Tensor"),
     ("q rank", lambda a: _dense(_set(a, q=a["q"][:, 0])), ValueError, r"q must be \[B, Sq, Hq, D\]"),
     ("q dtype", lambda a: _dense(_set(a, q=a["q"].astype("int32"))), TypeError, r"q must be bfloat16"),
@@ -135,10 +139,6 @@ DENSE_ERRORS = [
      r"v head_dim 512"),
     ("Hq", lambda a: _dense(_set(a, q=a["q"][:, :, :3])), ValueError, r"q's head count 3 must be a positive multiple"),
     ("k D", lambda a: _dense(_set(a, k=a["k"][..., :16])), ValueError, r"k_cache must have q's head_dim 32"),
-    ("lens int64", lambda a: _dense(_set(a, lens=a["lens"].astype("int64"))), TypeError,
-     r"cache_seqlens must be int32, got int64 \(convert it once.*astype\('int32'\)"),
-    ("table int64", lambda a: _dense(a, block_table=a["table"].astype("int64")), TypeError,
-     r"block_table must be int32, got int64"),
     ("table float", lambda a: _dense(a, block_table=a["table"].astype("float32")), TypeError,
      r"block_table must be int32"),
     ("table batch", lambda a: _dense(a, block_table=a["table"][:1]), ValueError,
@@ -211,11 +211,7 @@ def _st_with(a, idx, value):
 SPARSE_ERRORS = [
     ("tables Hkv", lambda a: _sparse(_set(a, st=a["st"][:, :1])), ValueError,
      r"sparse_block_tables must be \[B, Hkv, n\]"),
-    ("tables int64", lambda a: _sparse(_set(a, st=a["st"].astype("int64"))), TypeError,
-     r"sparse_block_tables must be int32, got int64"),
     ("lens shape", lambda a: _sparse(_set(a, sl=a["sl"][:, 0])), ValueError, r"sparse_seq_lens must be \[B, Hkv\]"),
-    ("lens int64", lambda a: _sparse(_set(a, sl=a["sl"].astype("int64"))), TypeError,
-     r"sparse_seq_lens must be int32, got int64"),
     ("lens > n*P", lambda a: _sparse(_set(a, sl=paddle.to_tensor([[20, 41], [9, 9]], dtype="int32"))), ValueError,
      r"sparse_seq_lens must be <= n \* page_size = 5 \* 8 = 40, got sparse_seq_lens\[0, 1\] = 41"),
     ("page id", lambda a: _sparse(_set(a, st=_st_with(a, (0, 1, 2), 99))), ValueError,
@@ -249,8 +245,6 @@ def _helper(a, **kw):
 
 
 HELPER_ERRORS = [
-    ("blk int64", lambda a: _helper(a, blk=paddle.zeros([2, 1, 1, 2], dtype="int64")), TypeError,
-     r"block_idx must be int32, got int64"),
     ("blk rank", lambda a: _helper(a, blk=paddle.zeros([2, 1, 2], dtype="int32")), ValueError,
      r"block_idx must be \[B, Hs, Sq, topk\]"),
     ("blk Hs", lambda a: _helper(a, blk=paddle.zeros([2, 3, 1, 2], dtype="int32")), ValueError,
@@ -261,7 +255,7 @@ HELPER_ERRORS = [
     ("lens", lambda a: _helper(a, page_size=3), ValueError,
      r"cache_seqlens must be <= max_pages \* page_size = 5 \* 3 = 15"),
     ("table batch", lambda a: _helper(a, table=a["table"][:1]), ValueError, r"block_table must be \[B, max_pages\]"),
-    ("lens int64", lambda a: _helper(a, lens=a["lens"].astype("int64")), TypeError, r"cache_seqlens must be int32"),
+    ("lens float", lambda a: _helper(a, lens=a["lens"].astype("float32")), TypeError, r"cache_seqlens must be int32"),
 ]
 
 
@@ -384,3 +378,23 @@ def test_full_graph_raises_not_implemented():
     with pytest.raises(NotImplementedError,
                        match=r"flash_attn_with_kvcache: paddle.jit.to_static\(full_graph=True\) is not supported"):
         paddle.jit.to_static(_decode_step, full_graph=True)(q, k, v, lens, table)
+
+
+def test_int64_index_tensors_give_the_int32_result():
+    """Index tensors follow the package rule (docs/api.md "Index arguments"): int64 (what
+    ``paddle.to_tensor`` of Python ints gives) is converted once and gives exactly the int32 result."""
+    a = _base()
+    want = _dense(a, return_lse=True)
+    got = _dense(_set(a, lens=a["lens"].astype("int64")), block_table=a["table"].astype("int64"), return_lse=True)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w.numpy(), g.numpy())
+    s = _sparse_base()
+    want = _sparse(s, return_lse=True)
+    got = _sparse(_set(s, st=s["st"].astype("int64"), sl=s["sl"].astype("int64")), return_lse=True)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w.numpy(), g.numpy())
+    blk = paddle.to_tensor(np.array([[[[0, 1]]], [[[0, -1]]]], dtype=np.int32))
+    want = _helper(a, blk=blk)
+    got = _helper(a, blk=blk.astype("int64"), table=a["table"].astype("int64"), lens=a["lens"].astype("int64"))
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w.numpy(), g.numpy())
