@@ -58,8 +58,24 @@ def fwd_config(arch: int, spec):
         has_softcap=spec.softcap > 0, block_size=spec.block_size, varlen=spec.varlen)
 
 
+def _mask_case_reason(spec) -> str | None:
+    """Why no CuTe kernel takes ``spec``'s FlashMask arguments (None without them).
+
+    The FlashMask kernels (issue 42) are not built yet: under ``backend="auto"`` such calls run
+    the reference, under ``"cute"`` they raise NotImplementedError naming the case."""
+    if spec.startend:
+        return (f"FlashMask startend_row_indices ({spec.startend}, {spec.startend_cols} columns) has no CuTe "
+                f"kernel yet")
+    if spec.has_block_bos:
+        return "block_logit with block_bos (document-relative blocks) has no CuTe kernel yet"
+    return None
+
+
 def _kernel_case_reason(spec) -> str | None:
-    """Why no CuTe attention kernel (forward or backward) takes ``spec``'s dtype / head dims."""
+    """Why no CuTe attention kernel (forward or backward) takes ``spec``'s dtype / head dims / mask."""
+    reason = _mask_case_reason(spec)
+    if reason is not None:
+        return reason
     if spec.dtype not in KERNEL_DTYPES:
         return f"the CuTe kernels take bfloat16 or float16 inputs, got {spec.dtype}"
     if (spec.head_dim, spec.head_dim_v) not in KERNEL_HEAD_DIMS:
@@ -79,7 +95,8 @@ def unsupported_reason(arch: int, spec) -> str | None:
     return launch.unsupported_reason(fwd_config(arch, spec))
 
 
-def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k) -> None:
+def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, startend_row_indices=None,
+                   block_bos=None) -> None:
     """Launch the CuTe forward; same out-parameter contract as the reference.
 
     Strided (or misaligned) q / k / v / cu_seqlens are read through contiguous copies; a strided
@@ -89,7 +106,10 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
 
     Raises:
         ValueError: ``out`` or ``lse`` is not contiguous or not aligned (never for the op's own).
+        NotImplementedError: FlashMask arguments (``unsupported_reason`` keeps them from here).
     """
+    if startend_row_indices is not None or block_bos is not None or _mask_case_reason(spec):
+        raise NotImplementedError(f"{OP}: {_mask_case_reason(spec)}")
     q, k, v = (kernel_input(t) for t in (q, k, v))
     cu_seqlens_q, cu_seqlens_k = kernel_input(cu_seqlens_q, 4), kernel_input(cu_seqlens_k, 4)
     caller_block_logit, block_logit = block_logit, stage_output(block_logit, 4)
@@ -134,12 +154,14 @@ def bwd_unsupported_reason(arch: int, spec, deterministic: bool, has_dlse: bool)
 
 
 def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
-                   deterministic=False):
+                   deterministic=False, startend_row_indices=None):
     """Launch the CuTe backward: allocate the workspace (and dq/dk/dv when None) with ``paddle.empty``
     and call ``run_bwd``; same contract as the reference. Strided (or misaligned) inputs are read
     through contiguous copies; strided dq/dk/dv out-parameters are written through contiguous
     temporaries and copied back (the caller's tensors then hold the result, as for compact ones).
     """
+    if startend_row_indices is not None or _mask_case_reason(spec):
+        raise NotImplementedError(f"{BWD_OP}: {_mask_case_reason(spec)}")
     dout, q, k, v, out = (kernel_input(t) for t in (dout, q, k, v, out))
     lse, dlse, cu_seqlens_q, cu_seqlens_k = (kernel_input(t, 4) for t in (lse, dlse, cu_seqlens_q, cu_seqlens_k))
     results, outputs = {}, {}
