@@ -141,8 +141,8 @@ def _full_mask(spec, row0: int, rows: int, sq: int, sk: int, hq: int, place, sta
     if startend is None:
         return mask
     fm = startend_visible(spec, startend, row0, rows)
-    if fm.shape[0] != hq:
-        fm = paddle.repeat_interleave(fm, hq // fm.shape[0], axis=0)
+    if 1 < fm.shape[0] < hq:  # kv-head masks: repeat each for its query heads (bool has no repeat kernel)
+        fm = paddle.repeat_interleave(fm.astype("int32"), hq // fm.shape[0], axis=0).astype("bool")
     return mask & fm
 
 
