@@ -1,0 +1,116 @@
+"""The FlashMask column-bound rule (``startend_row_indices``), one definition for every kernel.
+
+Key column ``j`` carries up to four int32 bounds; query row ``i`` (sequence-relative) is masked in it
+when ``LTS <= i < LTE`` or ``UTS <= i < UTE``. ``layout`` (a compile-time string, as
+``paddle_fa4._spec.STARTEND_LAYOUTS``) says which bounds the tensor holds (its columns in order):
+
+    "lts"              [LTS]                  LTE = +inf, no upper interval    (causal)
+    "lts_lte"          [LTS, LTE]             no upper interval                (causal)
+    "lts_ute"          [LTS, UTE]             LTE = +inf, UTS = 0              (non-causal)
+    "lts_lte_uts_ute"  [LTS, LTE, UTS, UTE]                                    (non-causal)
+
+Bounds are only compared with row indices, never used as addresses: any int32 value is memory safe
+(values below 0 act as 0, above Sq as Sq, an interval whose start is not below its end masks nothing).
+
+Three uses share :func:`row_masked`: the per-element masks of the forward and backward S tiles
+(``apply_startend_mask`` / ``apply_startend_mask_kv_major``, before block_logit, so block_logit's
+-inf pattern follows the same rule) and the tile classification (:func:`classify_tile`) from the
+per-key-tile minima / maxima of each bound (``attention/fm_meta.py``): a (query tile, key tile) pair
+is *skipped* (every row masked in every column), *full* (no row masked in any column: no element
+mask) or partial.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, const_expr
+
+#: layout -> number of int32 columns
+COLS = {"lts": 1, "lts_lte": 2, "lts_ute": 2, "lts_lte_uts_ute": 4}
+#: int32 extremes used as neutral elements of the per-tile min / max
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+
+
+def num_cols(layout: str) -> int:
+    return COLS[layout]
+
+
+@cute.jit
+def row_masked(i: Int32, b: list, layout: cutlass.Constexpr) -> Boolean:
+    """Row ``i`` is masked in a column whose bounds are ``b`` (a list of ``num_cols(layout)`` Int32)."""
+    masked = i >= b[0]
+    if const_expr(layout == "lts_lte"):
+        masked = masked and i < b[1]
+    elif const_expr(layout == "lts_ute"):
+        masked = masked or i < b[1]
+    elif const_expr(layout == "lts_lte_uts_ute"):
+        masked = (masked and i < b[1]) or (i >= b[2] and i < b[3])
+    return masked
+
+
+@cute.jit
+def classify_tile(m_start: Int32, m_end: Int32, lo: list, hi: list, layout: cutlass.Constexpr):
+    """``(skip, full)`` for query rows ``[m_start, m_end)`` against a key tile whose bound ``c`` has
+    minimum ``lo[c]`` and maximum ``hi[c]`` over the tile's columns (``m_end > m_start``).
+
+    ``skip``: every row is inside the same interval in every column (one interval covers the rows:
+    its largest start <= m_start and its smallest end >= m_end). ``full``: every interval of every
+    column misses the rows (smallest start >= m_end or largest end <= m_start). Both are sufficient
+    conditions (a pair covered only by the union of the two intervals counts as partial)."""
+    big = Int32(INT32_MAX)
+    lts_lo, lts_hi = lo[0], hi[0]
+    lte_lo, lte_hi = big, big
+    if const_expr(layout == "lts_lte" or layout == "lts_lte_uts_ute"):
+        lte_lo, lte_hi = lo[1], hi[1]
+    skip = lts_hi <= m_start and lte_lo >= m_end
+    full = lts_lo >= m_end or lte_hi <= m_start
+    if const_expr(layout == "lts_ute"):
+        # upper interval [0, UTE)
+        skip = skip or lo[1] >= m_end
+        full = full and hi[1] <= m_start
+    if const_expr(layout == "lts_lte_uts_ute"):
+        skip = skip or (hi[2] <= m_start and lo[3] >= m_end)
+        full = full and (lo[2] >= m_end or hi[3] <= m_start)
+    return skip, full
+
+
+@cute.jit
+def load_bounds(mBounds: cute.Tensor, j: Int32, layout: cutlass.Constexpr) -> list:
+    """The bounds of key column ``j`` from an ``(Sk, n)`` view (``j`` must be a valid column)."""
+    return [mBounds[j, c] for c in range(num_cols(layout))]
+
+
+@cute.jit
+def load_tile_minmax(mMinMax: cute.Tensor, n_tile: Int32, layout: cutlass.Constexpr):
+    """``(lo, hi)`` lists of key tile ``n_tile`` from an ``(n_tiles, 2 * n)`` view laid out as
+    ``[min_0, max_0, min_1, max_1, ...]`` (``attention/fm_meta.py``)."""
+    n = num_cols(layout)
+    return ([mMinMax[n_tile, 2 * c] for c in range(n)], [mMinMax[n_tile, 2 * c + 1] for c in range(n)])
+
+
+@cute.jit
+def apply_startend_mask(acc_mn: cute.Tensor, cols: cutlass.Constexpr, rows: list, col_offset: Int32,
+                        mBounds: cute.Tensor, seqlen_k: Int32, layout: cutlass.Constexpr):
+    """Set entries of ``acc_mn`` (register row r = sequence row ``rows[r]``, register column c = key
+    ``cols[c] + col_offset``, as ``mask.apply_mask``) that the column bounds mask to -inf. Columns at or
+    past ``seqlen_k`` are left to the seqlen mask (their bounds are not read)."""
+    for c in cutlass.range_constexpr(len(cols)):
+        j = cols[c] + col_offset
+        jj = cutlass.min(j, seqlen_k - 1)  # a valid address; the tail's values are masked elsewhere
+        b = load_bounds(mBounds, jj, layout)
+        for r in cutlass.range_constexpr(len(rows)):
+            acc_mn[r, c] = -Float32.inf if row_masked(rows[r], b, layout) else acc_mn[r, c]
+
+
+@cute.jit
+def apply_startend_mask_kv_major(acc_mn: cute.Tensor, cols: cutlass.Constexpr, keys: list, col_offset: Int32,
+                                 mBounds: cute.Tensor, seqlen_k: Int32, layout: cutlass.Constexpr):
+    """The same rule on a transposed tile (the backward's S^T): register row r holds key ``keys[r]``,
+    register column c query row ``cols[c] + col_offset``."""
+    for r in cutlass.range_constexpr(len(keys)):
+        jj = cutlass.min(keys[r], seqlen_k - 1)
+        b = load_bounds(mBounds, jj, layout)
+        for c in cutlass.range_constexpr(len(cols)):
+            acc_mn[r, c] = -Float32.inf if row_masked(cols[c] + col_offset, b, layout) else acc_mn[r, c]
