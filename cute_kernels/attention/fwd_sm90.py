@@ -22,8 +22,13 @@ num_wg = 3 consumer warpgroups at head_dim <= 64 (tile 192 x 128, as FA4 b36 doe
     load ──K,V (mbarrier pipelines)──▶ WG1/WG2 ──▶ O (staged in Q's buffer, one TMA store; Note [staged O
                                                      epilogue]), lse, block_logit (plain stores)
 
+FlashMask (``cfg.startend``): the query tile's key-tile range is narrowed to the tiles its column
+bounds do not skip (``fm_meta``; the producer and the consumers read the same range, so they walk the
+same tiles) and each visited tile applies the column bounds per element unless its per-tile minima /
+maxima leave it whole (``common/flashmask.py``); tiles skipped inside the range are masked entirely.
+
 Not supported (``unsupported_reason``): other head dims, head_dim != head_dim_v except (192, 128),
-pack_gqa.
+pack_gqa, FlashMask with varlen.
 
 Note [block_logit and bit-identity]: block maxima are taken from the masked (and softcapped) S
 registers before exponentiation. The row max fed to the softmax is then the max of the block maxima,
@@ -62,6 +67,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.common import block_logit as bl
+from cute_kernels.common import flashmask as fm
 from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import OnlineSoftmax, softcap_logit
@@ -157,6 +163,8 @@ class FlashFwdSm90:
         if cfg.has_block_logit:
             if cfg.block_size not in (16, 32, 64, 128, 256):
                 return f"block_size {cfg.block_size} (supported: 16, 32, 64, 128, 256)"
+        if cfg.has_startend and cfg.varlen:
+            return "FlashMask startend_row_indices with varlen"
         return None
 
     @staticmethod
@@ -194,7 +202,9 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, stream):
+                 max_seqlen_q: Int32, stream, mStartend=None, mFmMinMax=None, mFmRanges=None):
+        """``mStartend``/``mFmMinMax``/``mFmRanges``: the FlashMask tensors (config.py) of a ``startend``
+        build, else None."""
         varlen = const_expr(mCuSeqlensQ is not None)
         # (B, S, H, D) -> (S, D, H, B); varlen (T, H, D) -> (T, D, H)
         order = (0, 2, 1) if const_expr(varlen) else (1, 3, 2, 0)
@@ -231,10 +241,13 @@ class FlashFwdSm90:
             batch = mQ.shape[0]
             num_heads = mQ.shape[2]
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), num_heads, batch)
+        fm_head_div = Int32(1)
+        if const_expr(self.cfg.has_startend):
+            fm_head_div = num_heads // mStartend.shape[1]  # query heads per mask head
         self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, sQ_layout, sK_layout, sV_layout,
                     softmax_scale, softcap, window_left, window_right,
-                    mQt.shape[0], mKt.shape[0]).launch(
+                    mQt.shape[0], mKt.shape[0], mStartend, mFmMinMax, mFmRanges, fm_head_div).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=self.shared_storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
@@ -245,7 +258,8 @@ class FlashFwdSm90:
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, softmax_scale: Float32, softcap: Float32,
-               window_left: Int32, window_right: Int32, seqlen_q_static: Int32, seqlen_k_static: Int32):
+               window_left: Int32, window_right: Int32, seqlen_q_static: Int32, seqlen_k_static: Int32,
+               mStartend, mFmMinMax, mFmRanges, fm_head_div: Int32):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -290,6 +304,16 @@ class FlashFwdSm90:
             mask_right = const_expr(cfg.causal or cfg.has_window)
             tiles = TileRange.create(m_start, seqlen.seqlen_q, seqlen.seqlen_k, left, right,
                                      self.tile_m, self.tile_n, mask_right, cfg.has_window)
+            fmask = None
+            if const_expr(cfg.has_startend):
+                # FlashMask: key tiles the column bounds skip for every row of this tile lie outside
+                # [first, last + 1) (fm_meta.FmQueryRanges); tiles inside are classified one by one.
+                fm_head = head_idx // fm_head_div
+                rng = mFmRanges[batch_idx, fm_head, m_tile, None]
+                tiles = fm.narrow_tile_range(tiles, rng[0], rng[1])
+                fmask = SimpleNamespace(bounds=mStartend[batch_idx, fm_head, None, None],
+                                        minmax=mFmMinMax[batch_idx, fm_head, None, None], m_start=m_start,
+                                        m_end=cutlass.min(m_start + self.tile_m, seqlen.seqlen_q))
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
@@ -303,7 +327,7 @@ class FlashFwdSm90:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                              seqlen, tiles, left, right, m_tile, head_idx, batch_idx, tidx - THREADS_PER_WG,
-                             softmax_scale, softcap, tma_atom_O, sO)
+                             softmax_scale, softcap, tma_atom_O, sO, fmask)
 
     # ------------------------------------------------------------------ producer
     def _batch_view(self, t: cute.Tensor, offset, batch_idx, varlen: bool):
@@ -397,7 +421,7 @@ class FlashFwdSm90:
     def consume(self, mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                 seqlen: SeqlenInfo, tiles: TileRange, left: Int32, right: Int32, m_tile: Int32,
                 head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32,
-                tma_atom_O, sO):
+                tma_atom_O, sO, fmask=None):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         lane = ctidx % 32
@@ -472,7 +496,8 @@ class FlashFwdSm90:
         ctx = SimpleNamespace(rows=rows, thr_col=thr_col, tiled_mma_qk=tiled_mma_qk, cols=cols, shift=shift,
                               left=left, right=right, seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr,
                               bl_layout=bl_layout, bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry,
-                              bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax)
+                              bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax,
+                              fmask=fmask)
         if const_expr(self.bl_early_reduce):
             ctx.bl_pending = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
         elif const_expr(self.bl_deferred):
@@ -574,6 +599,14 @@ class FlashFwdSm90:
             apply_mask(acc_S_mn, ctx.cols, ctx.rows, thr_col + n_tile * self.tile_n, ctx.seqlen.seqlen_k,
                        ctx.shift, ctx.left, ctx.right, mask_seqlen, cfg.causal or cfg.has_window,
                        cfg.has_window)
+        if const_expr(cfg.has_startend):
+            # FlashMask: the element mask only on tiles the per-tile bounds do not leave whole (a tile
+            # the bounds skip inside the visited range is masked entirely here).
+            fmask = ctx.fmask
+            lo, hi = fm.load_tile_minmax(fmask.minmax, n_tile, cfg.startend)
+            _skip, whole = fm.classify_tile(fmask.m_start, fmask.m_end, lo, hi, cfg.startend)
+            if not whole:
+                self.startend_mask(ctx, acc_S_mn, n_tile)
         local_max = None
         if const_expr(cfg.has_block_logit):
             if const_expr(self.bl_deferred):
@@ -590,6 +623,15 @@ class FlashFwdSm90:
                                                   bl.row_at(ctx.bl_addr, ctx.bl_layout), ctx.bl_limit,
                                                   ctx.bl_row_sel, ctx.carry, ctx.bl_scale)
         return ctx.softmax.update(acc_S_mn, is_first, local_max)
+
+    @cute.jit
+    def startend_mask(self, ctx, acc_S_mn: cute.Tensor, n_tile: Int32):
+        """The FlashMask element mask of key tile ``n_tile`` (common/flashmask.apply_startend_mask)."""
+        fm_col = ctx.thr_col
+        if const_expr(self.reread_coords):
+            fm_col = self._thr_col(ctx.tiled_mma_qk, reread_tid_x() - THREADS_PER_WG)
+        fm.apply_startend_mask(acc_S_mn, ctx.cols, ctx.rows, fm_col + n_tile * self.tile_n, ctx.fmask.bounds,
+                               ctx.seqlen.seqlen_k, self.cfg.startend)
 
     @cute.jit
     def block_logit_step(self, acc_S_mn, cols: cutlass.Constexpr, n_tile: Int32, n_tile_min: Int32,

@@ -77,6 +77,20 @@ def classify_tile(m_start: Int32, m_end: Int32, lo: list, hi: list, layout: cutl
 
 
 @cute.jit
+def narrow_tile_range(tiles, first: Int32, end: Int32):
+    """``tile_range.TileRange`` ``tiles`` intersected with the key tiles ``[first, end)`` the column
+    bounds do not skip (``attention/fm_meta.py``); the mask split points are clamped into the result
+    (an empty intersection has ``n_min >= n_max``)."""
+    from cute_kernels.common.tile_range import TileRange
+
+    n_min = cutlass.max(tiles.n_min, first)
+    n_max = cutlass.min(tiles.n_max, end)
+    n_right = cutlass.max(cutlass.min(tiles.n_right_mask, n_max), n_min)
+    n_left = cutlass.min(cutlass.max(tiles.n_left_mask, n_min), n_right)
+    return TileRange(n_min, n_max, n_right, n_left)
+
+
+@cute.jit
 def load_bounds(mBounds: cute.Tensor, j: Int32, layout: cutlass.Constexpr) -> list:
     """The bounds of key column ``j`` from an ``(Sk, n)`` view (``j`` must be a valid column)."""
     return [mBounds[j, c] for c in range(num_cols(layout))]

@@ -55,27 +55,30 @@ def fwd_config(arch: int, spec):
     return _launch().fwd_config(
         arch=arch, dtype=spec.dtype, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
         qhead_per_kvhead=spec.qhead_per_kvhead, causal=spec.causal, has_window=spec.has_window,
-        has_softcap=spec.softcap > 0, block_size=spec.block_size, varlen=spec.varlen)
+        has_softcap=spec.softcap > 0, block_size=spec.block_size, varlen=spec.varlen, startend=spec.startend)
 
 
-def _mask_case_reason(spec) -> str | None:
-    """Why no CuTe kernel takes ``spec``'s FlashMask arguments (None without them).
+def _fwd_mask_reason(spec) -> str | None:
+    """Why no CuTe forward takes ``spec``'s FlashMask arguments (None when none is missing).
 
-    The FlashMask kernels (issue 42) are not built yet: under ``backend="auto"`` such calls run
-    the reference, under ``"cute"`` they raise NotImplementedError naming the case."""
-    if spec.startend:
-        return (f"FlashMask startend_row_indices ({spec.startend}, {spec.startend_cols} columns) has no CuTe "
-                f"kernel yet")
+    ``startend_row_indices`` runs on the SM90 forward (the launcher names the other cases); a case
+    without a kernel runs the reference under ``backend="auto"`` and raises NotImplementedError
+    naming it under ``"cute"``."""
     if spec.has_block_bos:
         return "block_logit with block_bos (document-relative blocks) has no CuTe kernel yet"
     return None
 
 
+def _bwd_mask_reason(spec) -> str | None:
+    """Why no CuTe backward takes ``spec``'s FlashMask mask (None without one)."""
+    if spec.startend:
+        return (f"FlashMask startend_row_indices ({spec.startend}, {spec.startend_cols} columns) has no CuTe "
+                f"backward kernel yet")
+    return None
+
+
 def _kernel_case_reason(spec) -> str | None:
-    """Why no CuTe attention kernel (forward or backward) takes ``spec``'s dtype / head dims / mask."""
-    reason = _mask_case_reason(spec)
-    if reason is not None:
-        return reason
+    """Why no CuTe attention kernel (forward or backward) takes ``spec``'s dtype / head dims."""
     if spec.dtype not in KERNEL_DTYPES:
         return f"the CuTe kernels take bfloat16 or float16 inputs, got {spec.dtype}"
     if (spec.head_dim, spec.head_dim_v) not in KERNEL_HEAD_DIMS:
@@ -86,7 +89,7 @@ def _kernel_case_reason(spec) -> str | None:
 
 def unsupported_reason(arch: int, spec) -> str | None:
     """None when the CuTe forward handles ``spec`` on compute capability ``arch``, else why not."""
-    reason = _kernel_case_reason(spec)
+    reason = _kernel_case_reason(spec) or _fwd_mask_reason(spec)
     if reason is not None:
         return reason
     launch = _launch()
@@ -106,11 +109,12 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
 
     Raises:
         ValueError: ``out`` or ``lse`` is not contiguous or not aligned (never for the op's own).
-        NotImplementedError: FlashMask arguments (``unsupported_reason`` keeps them from here).
+        NotImplementedError: ``block_bos`` (``unsupported_reason`` keeps it from here).
     """
-    if startend_row_indices is not None or block_bos is not None or _mask_case_reason(spec):
-        raise NotImplementedError(f"{OP}: {_mask_case_reason(spec)}")
+    if block_bos is not None or _fwd_mask_reason(spec):
+        raise NotImplementedError(f"{OP}: {_fwd_mask_reason(spec)}")
     q, k, v = (kernel_input(t) for t in (q, k, v))
+    startend_row_indices = kernel_input(startend_row_indices, 4)
     cu_seqlens_q, cu_seqlens_k = kernel_input(cu_seqlens_q, 4), kernel_input(cu_seqlens_k, 4)
     caller_block_logit, block_logit = block_logit, stage_output(block_logit, 4)
     for name, t in (("out", out), ("lse", lse)):
@@ -119,13 +123,21 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
     require_aligned(OP, "lse", lse, nbytes=4)
     launch = _launch()
     cfg = fwd_config(arch_of(q), spec)
+    fm_kw = {}
+    if spec.startend:  # FlashMask: the tile metadata workspace (fm_meta), filled by run_fwd
+        from cute_kernels.attention import fm_meta
+
+        shapes = fm_meta.workspace_shapes(launch.fm_meta_config(cfg), spec.batch, spec.startend_heads,
+                                          spec.seqlen_q, spec.seqlen_k)
+        fm_kw = {name: kernel_arg(_bridge.empty(shape, dtype, q)) for name, (shape, dtype) in shapes.items()}
+        fm_kw["startend"] = kernel_arg(startend_row_indices)
     launch.run_fwd(
         cfg, kernel_arg(q), kernel_arg(k), kernel_arg(v), kernel_arg(out), kernel_arg(lse),
         kernel_arg(block_logit), kernel_arg(cu_seqlens_q), kernel_arg(cu_seqlens_k),
         softmax_scale=spec.softmax_scale, softcap=spec.softcap,
         window_left=-1 if spec.window_left is None else spec.window_left,
         window_right=-1 if spec.window_right is None else spec.window_right,
-        max_seqlen_q=spec.seqlen_q)
+        max_seqlen_q=spec.seqlen_q, **fm_kw)
     commit_output(caller_block_logit, block_logit)
 
 
@@ -144,7 +156,7 @@ def bwd_config(arch: int, spec, deterministic: bool, has_dlse: bool):
 
 def bwd_unsupported_reason(arch: int, spec, deterministic: bool, has_dlse: bool) -> str | None:
     """None when the CuTe backward handles ``spec`` on compute capability ``arch``, else why not."""
-    reason = _kernel_case_reason(spec)
+    reason = _kernel_case_reason(spec) or _bwd_mask_reason(spec)
     if reason is not None:
         return reason
     launch = _bwd_launch()
@@ -160,8 +172,8 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
     through contiguous copies; strided dq/dk/dv out-parameters are written through contiguous
     temporaries and copied back (the caller's tensors then hold the result, as for compact ones).
     """
-    if startend_row_indices is not None or _mask_case_reason(spec):
-        raise NotImplementedError(f"{BWD_OP}: {_mask_case_reason(spec)}")
+    if startend_row_indices is not None or _bwd_mask_reason(spec):
+        raise NotImplementedError(f"{BWD_OP}: {_bwd_mask_reason(spec)}")
     dout, q, k, v, out = (kernel_input(t) for t in (dout, q, k, v, out))
     lse, dlse, cu_seqlens_q, cu_seqlens_k = (kernel_input(t, 4) for t in (lse, dlse, cu_seqlens_q, cu_seqlens_k))
     results, outputs = {}, {}

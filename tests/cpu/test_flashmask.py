@@ -332,13 +332,15 @@ def test_validation_errors():
 
 
 def test_cute_backend_names_the_case():
-    """No FlashMask kernel yet: the glue names the case (auto runs the reference, cute raises)."""
+    """Cases without a FlashMask kernel are named (auto runs the reference, cute raises): the backward,
+    block_bos, SM100 and varlen; the SM90 forward takes every layout."""
     base = dict(batch=1, seqlen_q=128, seqlen_k=128, total_q=128, total_k=128, num_heads=2, num_heads_k=2,
                 head_dim=128, head_dim_v=128, dtype="bfloat16", varlen=False, softmax_scale=0.1, softcap=0.0,
                 causal=True, window_left=None, window_right=0, block_size=0, num_blocks=0, pack_gqa=False)
     spec = _spec.AttnFwdSpec(**base, startend="lts", startend_heads=1)
-    assert "startend_row_indices (lts, 1 columns)" in glue.unsupported_reason(90, spec)
-    assert "startend_row_indices" in glue.bwd_unsupported_reason(90, spec, False, False)
+    assert glue.unsupported_reason(90, spec) is None
+    assert "SM100 forward does not take it yet" in glue.unsupported_reason(100, spec)
+    assert "(lts, 1 columns) has no CuTe backward kernel yet" in glue.bwd_unsupported_reason(90, spec, False, False)
     spec = _spec.AttnFwdSpec(**dict(base, block_size=64, num_blocks=2), has_block_bos=True)
     assert "block_bos" in glue.unsupported_reason(90, spec)
     with pytest.raises(NotImplementedError, match="backend='cute'"):
