@@ -83,6 +83,11 @@ def main(name: str, argv: list) -> int:
         L.compile_fwd = mock.MagicMock()
         L.run_fwd = mock.MagicMock()
         mod.block_max_torch = mock.MagicMock()
+    elif name == "bench_flashmask":
+        import cute_kernels.attention.launch as L
+
+        L.compile_fwd = mock.MagicMock()
+        L.run_fwd = mock.MagicMock()
     elif name == "bench_bwd":
         import cute_kernels.attention.bwd_launch as BL
 

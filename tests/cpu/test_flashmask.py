@@ -346,3 +346,12 @@ def test_cute_backend_names_the_case():
     with pytest.raises(NotImplementedError, match="backend='cute'"):
         q = t(np.zeros((1, 4, 1, 16), np.float32))
         paddle_fa4.flashmask_attention(q, q, q, t(np.full((1, 1, 4, 1), 4, np.int32)), causal=True, backend="cute")
+
+
+@pytest.mark.parametrize("causal,cols", [(True, 1), (True, 2), (False, 2), (False, 4)])
+def test_visible_pairs_counts_the_dense_mask(causal, cols):
+    """The benchmark's visible-pair count (no dense mask) equals the dense mask's."""
+    rng = np.random.default_rng(cols + 7 * causal)
+    for sq, sk in ((13, 13), (9, 21), (21, 9)):
+        se = F.random_mask(rng, 2, 3, sq, sk, causal, cols)
+        assert F.visible_pairs(se, causal, sq) == int(F.expand(se, causal, sq).sum())

@@ -115,7 +115,8 @@ def grads(q, k, v, dout, vis, scale=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# mask generators (each: startend [1, 1, S, n] int32, causal flag, intended dense [S, S])
+# mask generators (each: startend [1, 1, S, n] int32, causal flag, intended dense [S, S] or None
+# with dense=False, for lengths where an S x S matrix does not fit)
 
 
 def _doc_bounds(doc_lens):
@@ -123,26 +124,30 @@ def _doc_bounds(doc_lens):
     return ends - np.asarray(doc_lens), ends
 
 
-def causal_document(doc_lens):
+def causal_document(doc_lens, dense=True):
     """Packed documents, causal inside each: column j's ``LTS`` is its document's end."""
     starts, ends = _doc_bounds(doc_lens)
     s = int(ends[-1])
     doc = np.repeat(np.arange(len(doc_lens)), doc_lens)
     se = np.repeat(ends, doc_lens).reshape(1, 1, s, 1)
+    if not dense:
+        return se.astype(np.int32), True, None
     i, j = np.arange(s)[:, None], np.arange(s)[None, :]
     return se.astype(np.int32), True, (doc[:, None] == doc[None, :]) & (j <= i)
 
 
-def bidirectional_document(doc_lens):
+def bidirectional_document(doc_lens, dense=True):
     """Packed documents, full attention inside each: ``[LTS, UTE] = [end, start]``."""
     starts, ends = _doc_bounds(doc_lens)
     s = int(ends[-1])
     doc = np.repeat(np.arange(len(doc_lens)), doc_lens)
     se = np.stack([np.repeat(ends, doc_lens), np.repeat(starts, doc_lens)], axis=-1).reshape(1, 1, s, 2)
+    if not dense:
+        return se.astype(np.int32), False, None
     return se.astype(np.int32), False, doc[:, None] == doc[None, :]
 
 
-def share_question(groups):
+def share_question(groups, dense=True):
     """DPO / reward-model packing: ``groups = [(question_len, [answer_len, ...]), ...]``; each
     answer sees its group's question and itself (causally), never the other answers or groups.
     Causal, ``[LTS, LTE]``: question columns hidden from rows past the group, answer columns hidden
@@ -159,7 +164,7 @@ def share_question(groups):
         spans.append((qs, ans))
     s = pos
     lts = np.zeros(s, dtype=np.int64)
-    intended = np.zeros((s, s), dtype=bool)
+    intended = np.zeros((s, s) if dense else (0, 0), dtype=bool)
     for (q0, q1), ans in spans:
         group_end = ans[-1][1] if ans else q1
         lts[q0:q1] = group_end
@@ -167,20 +172,24 @@ def share_question(groups):
         for a0, a1 in ans:
             lts[a0:a1] = a1
             intended[a0:a1, a0:a1] = True
+    se = np.stack([lts, np.full(s, s)], axis=-1).reshape(1, 1, s, 2).astype(np.int32)
+    if not dense:
+        return se, True, None
     i, j = np.arange(s)[:, None], np.arange(s)[None, :]
-    se = np.stack([lts, np.full(s, s)], axis=-1).reshape(1, 1, s, 2)
-    return se.astype(np.int32), True, intended & (j <= i)
+    return se, True, intended & (j <= i)
 
 
-def sliding_window(s, w):
+def sliding_window(s, w, dense=True):
     """Causal sliding window of ``w`` past keys: ``LTS = min(j + w + 1, S)``."""
     j = np.arange(s)
     se = np.minimum(j + w + 1, s).reshape(1, 1, s, 1)
+    if not dense:
+        return se.astype(np.int32), True, None
     i, jj = np.arange(s)[:, None], j[None, :]
     return se.astype(np.int32), True, (jj <= i) & (i - jj <= w)
 
 
-def global_sliding_window(s, g, w):
+def global_sliding_window(s, g, w, dense=True):
     """Bidirectional: the first ``g`` tokens see and are seen by all; the others see keys within
     ``w`` on each side. Four columns: rows ``[j + w + 1, S)`` and ``[g, j - w)`` are masked."""
     j = np.arange(s)
@@ -189,12 +198,14 @@ def global_sliding_window(s, g, w):
     uts = np.where(j < g, 0, g)
     ute = np.where(j < g, 0, np.maximum(g, j - w))
     se = np.stack([lts, lte, uts, ute], axis=-1).reshape(1, 1, s, 4)
+    if not dense:
+        return se.astype(np.int32), False, None
     i, jj = np.arange(s)[:, None], j[None, :]
     intended = (i < g) | (jj < g) | (np.abs(i - jj) <= w)
     return se.astype(np.int32), False, intended
 
 
-def causal_blockwise(block_lens):
+def causal_blockwise(block_lens, dense=True):
     """Causal blocks that see only themselves, except the last block, which sees every block:
     ``[LTS, LTE] = [block end, last block start]``."""
     starts, ends = _doc_bounds(block_lens)
@@ -205,42 +216,49 @@ def causal_blockwise(block_lens):
     lte = np.where(blk == len(block_lens) - 1, s, last)
     lts = np.where(blk == len(block_lens) - 1, s, lts)
     se = np.stack([lts, lte], axis=-1).reshape(1, 1, s, 2)
+    if not dense:
+        return se.astype(np.int32), True, None
     i, j = np.arange(s)[:, None], np.arange(s)[None, :]
     intended = ((blk[:, None] == blk[None, :]) | (i >= last)) & (j <= i)
     return se.astype(np.int32), True, intended
 
 
-def prefix_lm(s, prefix):
+def prefix_lm(s, prefix, dense=True):
     """One document: the first ``prefix`` tokens attend bidirectionally, the rest causally.
     ``[LTS, UTE] = [S, 0]`` on the prefix, ``[S, j]`` after it."""
     j = np.arange(s)
     se = np.stack([np.full(s, s), np.where(j < prefix, 0, j)], axis=-1).reshape(1, 1, s, 2)
+    if not dense:
+        return se.astype(np.int32), False, None
     i, jj = np.arange(s)[:, None], j[None, :]
     return se.astype(np.int32), False, (jj <= i) | (jj < prefix)
 
 
-def prefix_lm_documents(docs):
+def prefix_lm_documents(docs, dense=True):
     """Packed prefix-LM documents ``[(length, prefix), ...]`` (four columns): column j of document
     ``[a, e)`` is hidden from rows ``[e, S)`` and from rows ``[0, a)`` (prefix) or ``[0, j)``."""
     lens = [n for n, _ in docs]
     starts, ends = _doc_bounds(lens)
     s = int(ends[-1])
     se = np.zeros((s, 4), dtype=np.int64)
-    intended = np.zeros((s, s), dtype=bool)
+    intended = np.zeros((s, s) if dense else (0, 0), dtype=bool)
     for (n, p), a, e in zip(docs, starts, ends):
-        for j in range(a, e):
-            in_prefix = j < a + p
-            se[j] = (e, s, 0, a if in_prefix else j)
-            lo = a if in_prefix else j
-            intended[lo:e, j] = True
-    return se.reshape(1, 1, s, 4).astype(np.int32), False, intended
+        j = np.arange(a, e)
+        lo = np.where(j < a + p, a, j)  # first row seeing column j
+        se[a:e] = np.stack([np.full(n, e), np.full(n, s), np.zeros(n, np.int64), lo], axis=-1)
+        if dense:
+            for jj, first in zip(j, lo):
+                intended[first:e, jj] = True
+    return se.reshape(1, 1, s, 4).astype(np.int32), False, intended if dense else None
 
 
-def random_eviction(s, seed=0):
+def random_eviction(s, seed=0, dense=True):
     """QK-sparse eviction: key j is seen causally until a random row ``LTS in [j + 1, S]``."""
     rng = np.random.default_rng(seed)
     j = np.arange(s)
     lts = np.array([rng.integers(x + 1, s + 1) for x in j])
+    if not dense:
+        return lts.reshape(1, 1, s, 1).astype(np.int32), True, None
     i, jj = np.arange(s)[:, None], j[None, :]
     return lts.reshape(1, 1, s, 1).astype(np.int32), True, (jj <= i) & (i < lts[None, :])
 
@@ -259,3 +277,33 @@ def random_mask(rng, b, hm, sq, sk, causal: bool, cols: int):
     else:
         se = np.stack([a[..., 0], z[..., 0], a[..., 1], z[..., 1]], axis=-1)
     return se.astype(np.int32)
+
+
+def visible_pairs(startend, causal: bool, sq: int) -> int:
+    """Number of visible (row, key) pairs of ``startend [B, Hm, Sk, n]`` summed over batch and mask
+    heads, without building the dense mask (per column: the rows the causal cut leaves, minus those
+    inside the union of the column's two masked intervals)."""
+    se = np.asarray(startend, dtype=np.int64)
+    b, hm, sk, n = se.shape
+    j = np.arange(sk)
+    lo = np.maximum(j + sq - sk, 0) if causal else np.zeros(sk, dtype=np.int64)  # first row seeing key j
+    lo = np.broadcast_to(lo, se.shape[:3])
+
+    def clip(a, z):  # the part of [a, z) inside [lo, sq)
+        a2, z2 = np.clip(a, lo, sq), np.clip(z, lo, sq)
+        return a2, np.maximum(z2, a2)
+
+    big = np.full(se.shape[:3], sq, dtype=np.int64)
+    zero = np.zeros(se.shape[:3], dtype=np.int64)
+    if causal and n == 1:
+        intervals = [(se[..., 0], big), (zero, zero)]
+    elif causal:
+        intervals = [(se[..., 0], se[..., 1]), (zero, zero)]
+    elif n == 2:
+        intervals = [(se[..., 0], big), (zero, se[..., 1])]
+    else:
+        intervals = [(se[..., 0], se[..., 1]), (se[..., 2], se[..., 3])]
+    (a1, z1), (a2, z2) = (clip(a, z) for a, z in intervals)
+    overlap = np.maximum(np.minimum(z1, z2) - np.maximum(a1, a2), 0)
+    masked = (z1 - a1) + (z2 - a2) - overlap
+    return int(((sq - lo) - masked).sum())

@@ -1,0 +1,228 @@
+"""SM90 FlashMask forward (``startend_row_indices``) on the GPU, through ``run_fwd`` (torch tensors).
+
+Reference: the dense mask of tests/oracles/flashmask.py (``expand``: Paddle's column-interval
+definition) applied to a float64 torch attention on the upcast inputs. Checks per mask type (the
+generators of the oracle, scaled up), every layout with Sq != Sk, GQA with Hm = 1 / Hkv / Hq, empty
+rows and empty query tiles, window + mask, block_logit (exact -inf pattern), a causal mask given as
+startend == our causal kernel (bitwise), a causal document mask == varlen over the same documents,
+and NaN in key tiles a query tile skips. The backward with a mask runs the reference (no CuTe
+backward kernel yet), so nothing here times or checks a masked backward kernel.
+
+Tolerances: out within 2x the error of a same-precision eager computation (P rounded to bf16) plus
+2e-3; lse 1e-3 + 1e-3 |ref| with the exact -inf pattern; block_logit 2e-3 + 1e-3 |ref|.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs a CUDA GPU; torch is used to drive the launchers")
+
+from tests.conftest import sm90_gpu_marks  # noqa: E402
+from tests.oracles import flashmask as F  # noqa: E402
+
+pytestmark = sm90_gpu_marks()
+
+LAYOUT = {(True, 1): "lts", (True, 2): "lts_lte", (False, 2): "lts_ute", (False, 4): "lts_lte_uts_ute"}
+SENTINEL = 987654.0
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def make_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(b, s, h, d, device="cuda", generator=g).to(dtype)
+                 for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+
+
+def run_fm(q, k, v, se, causal, window=(-1, -1), block_size=0):
+    """One masked forward through ``run_fwd`` (``se``: int32 numpy or cuda tensor [B, Hm, Sk, n]).
+    Returns (out, lse, block_logit or None); block_logit starts at SENTINEL so unwritten entries show."""
+    from cute_kernels.attention import fm_meta
+    from cute_kernels.attention.launch import fm_meta_config, fwd_config, run_fwd
+
+    se = torch.as_tensor(se, device="cuda", dtype=torch.int32).contiguous()
+    b, sq, hq, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    layout = LAYOUT[(causal, se.shape[-1])]
+    cfg = fwd_config(90, q.dtype, d, dv, hq // hkv, causal, tuple(window) != (-1, -1), False, block_size, False,
+                     startend=layout)
+    shapes = fm_meta.workspace_shapes(fm_meta_config(cfg), b, se.shape[1], sq, sk)
+    ws = {name: torch.full(shape, -7, device="cuda", dtype=torch.int32) for name, (shape, _) in shapes.items()}
+    out = torch.empty(b, sq, hq, dv, device="cuda", dtype=q.dtype)
+    lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
+    bl = None
+    if block_size:
+        bl = torch.full((b, hq, sq, -(-sk // block_size)), SENTINEL, device="cuda", dtype=torch.float32)
+    run_fwd(cfg, q, k, v, out, lse, bl, None, None, softmax_scale=1.0 / math.sqrt(d), softcap=0.0,
+            window_left=window[0], window_right=window[1], max_seqlen_q=sq, startend=se, **ws)
+    return out, lse, bl
+
+
+def dense_ref(q, k, v, vis, block_size=0):
+    """float64 attention over ``vis`` [B, Hq, Sq, Sk] (numpy or torch bool): (out, lse, block_logit,
+    eager same-precision out)."""
+    vis = torch.as_tensor(vis, device="cuda")
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    qf = q.double().permute(0, 2, 1, 3)
+    kf = k.double().repeat_interleave(rep, dim=2).permute(0, 2, 1, 3)
+    vf = v.double().repeat_interleave(rep, dim=2).permute(0, 2, 1, 3)
+    s = (qf @ kf.transpose(-1, -2)) / math.sqrt(d)
+    s = s.masked_fill(~vis, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)  # -inf on empty rows
+    p = torch.where(vis, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None]), 0.0)
+    vz = torch.nan_to_num(vf, nan=0.0, posinf=0.0, neginf=0.0)
+    out = (p @ vz).permute(0, 2, 1, 3)
+    out_lp = (p.to(q.dtype).double() @ vz).permute(0, 2, 1, 3)
+    bl = None
+    if block_size:
+        nb = -(-sk // block_size)
+        pad = torch.full((b, hq, sq, nb * block_size - sk), -math.inf, device="cuda", dtype=s.dtype)
+        bl = torch.cat([s, pad], dim=-1).view(b, hq, sq, nb, block_size).amax(-1)
+    return out, lse, bl, out_lp
+
+
+def check(q, k, v, se, causal, window=(-1, -1), block_size=0):
+    se_np = np.asarray(se.cpu() if torch.is_tensor(se) else se)
+    hq = q.shape[2]
+    w = tuple(None if x < 0 else x for x in window)
+    vis = F.per_query_head(F.expand(se_np, causal, q.shape[1], w), hq)
+    out, lse, bl = run_fm(q, k, v, se_np, causal, window, block_size)
+    out_ref, lse_ref, bl_ref, out_lp = dense_ref(q, k, v, vis, block_size)
+    err = (out.double() - out_ref).abs().max().item()
+    err_lp = (out_lp - out_ref).abs().max().item()
+    assert not torch.isnan(out).any()
+    assert err <= 2 * err_lp + 2e-3, f"out err {err:.3e} vs eager {err_lp:.3e}"
+    inf_ref = torch.isneginf(lse_ref)
+    assert torch.equal(torch.isneginf(lse), inf_ref), "lse -inf pattern"
+    fin = ~inf_ref
+    lerr = (lse.double()[fin] - lse_ref[fin]).abs()
+    assert bool((lerr <= 1e-3 + 1e-3 * lse_ref[fin].abs()).all()), f"lse err {float(lerr.max()):.3e}"
+    if inf_ref.any():
+        assert float(out.float()[inf_ref.permute(0, 2, 1)].abs().max()) == 0.0, "empty rows must be 0"
+    if block_size:
+        assert not (bl == SENTINEL).any(), "block_logit entries left unwritten"
+        assert torch.equal(torch.isneginf(bl), torch.isneginf(bl_ref)), "block_logit -inf pattern"
+        f = ~torch.isneginf(bl_ref)
+        berr = (bl.double()[f] - bl_ref[f]).abs()
+        assert bool((berr <= 2e-3 + 1e-3 * bl_ref[f].abs()).all()), f"block_logit err {float(berr.max()):.3e}"
+    return out, lse, bl
+
+
+USER_MASKS = {
+    "causal_document": lambda: F.causal_document([300, 77, 517, 130]),
+    "bidirectional_document": lambda: F.bidirectional_document([256, 400, 368]),
+    "share_question": lambda: F.share_question([(200, [150, 170]), (130, [180, 194])]),
+    "sliding_window": lambda: F.sliding_window(1000, 200),
+    "global_sliding_window": lambda: F.global_sliding_window(1024, 64, 150),
+    "causal_blockwise": lambda: F.causal_blockwise([256, 200, 312, 256]),
+    "prefix_lm": lambda: F.prefix_lm(1000, 333),
+    "prefix_lm_documents": lambda: F.prefix_lm_documents([(400, 100), (300, 300), (324, 20)]),
+    "random_eviction": lambda: F.random_eviction(777, seed=1),
+}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", sorted(USER_MASKS))
+def test_user_masks(mask, d):
+    se, causal, _ = USER_MASKS[mask]()
+    s = se.shape[2]
+    q, k, v = make_qkv(2, s, s, 4, 2, d, seed=d)
+    check(q, k, v, np.repeat(se, 2, axis=0), causal)
+
+
+@pytest.mark.parametrize("causal,cols", list(LAYOUT))
+@pytest.mark.parametrize("sq,sk", [(300, 700), (700, 300)])
+def test_random_masks_sq_ne_sk(causal, cols, sq, sk):
+    rng = np.random.default_rng(sq + cols)
+    se = F.random_mask(rng, 2, 2, sq, sk, causal, cols)
+    q, k, v = make_qkv(2, sq, sk, 6, 2, 128, seed=cols)
+    check(q, k, v, se, causal)
+
+
+@pytest.mark.parametrize("hq,hkv,hm", [(8, 1, 1), (8, 1, 8), (4, 4, 4), (4, 4, 1), (8, 2, 8), (8, 2, 2)])
+def test_mask_heads(hq, hkv, hm):
+    rng = np.random.default_rng(hq * 100 + hkv * 10 + hm)
+    se = F.random_mask(rng, 1, hm, 513, 513, False, 4)
+    q, k, v = make_qkv(1, 513, 513, hq, hkv, 128, dtype=torch.float16)
+    check(q, k, v, se, False)
+
+
+def test_empty_rows_and_query_tiles():
+    """Rows 256.. see nothing (whole query tiles with an empty key-tile range): out 0, lse -inf."""
+    s = 640
+    se = np.full((1, 1, s, 2), s, np.int32)
+    se[..., 0] = 256  # causal [LTS, LTE): rows 256..639 masked everywhere
+    se[0, 0, 5, :] = (0, s)  # key 5 hidden from every row
+    q, k, v = make_qkv(1, s, s, 2, 2, 128)
+    out, lse, _ = check(q, k, v, se, True)
+    assert torch.isneginf(lse[:, :, 256:]).all() and (out[:, 256:] == 0).all()
+
+
+@pytest.mark.parametrize("causal,window", [(True, (300, -1)), (False, (200, 100))])
+def test_window_and_mask(causal, window):
+    se = (F.causal_document if causal else F.bidirectional_document)([400, 600, 280])[0]
+    q, k, v = make_qkv(1, 1280, 1280, 4, 4, 128)
+    check(q, k, v, se, causal, window=window)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_block_logit(block_size):
+    se, causal, _ = F.causal_document([190, 333, 501])
+    q, k, v = make_qkv(1, se.shape[2], se.shape[2], 4, 2, 128)
+    check(q, k, v, se, causal, block_size=block_size)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_causal_mask_as_startend_equals_causal_kernel(d):
+    """LTS = Sq in every column: the bounds leave every tile whole, so the masked build runs exactly the
+    causal kernel's arithmetic (bitwise equal out and lse)."""
+    from tests.gpu._fwd_launch import run_ours
+
+    s = 1000
+    q, k, v = make_qkv(2, s, s, 4, 2, d)
+    se = np.full((2, 1, s, 1), s, np.int32)
+    out, lse, _ = run_fm(q, k, v, se, True)
+    out0, lse0, _ = run_ours(q, k, v, causal=True)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
+def test_document_mask_equals_varlen():
+    from tests.gpu._fwd_launch import run_ours
+
+    docs = [300, 77, 517, 130, 1024]
+    se, causal, _ = F.causal_document(docs)
+    s = se.shape[2]
+    q, k, v = make_qkv(1, s, s, 4, 2, 128)
+    out, lse, _ = run_fm(q, k, v, se, True)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), device="cuda", dtype=torch.int32)
+    o2, lse2, _ = run_ours(q[0], k[0], v[0], causal=True, cu_q=cu, cu_k=cu, max_sq=max(docs), max_sk=max(docs))
+    assert (out[0].float() - o2.float()).abs().max().item() <= 1e-2
+    assert (lse[0] - lse2).abs().max().item() <= 1e-4
+
+
+def test_nan_in_skipped_key_tiles_does_not_leak():
+    """Key tiles a query tile skips are never read: NaN / inf there leaves the other documents'
+    outputs equal to a clean run (documents aligned to the 128-key tiles)."""
+    se, causal, _ = F.causal_document([256, 256, 512])
+    s = se.shape[2]
+    q, k, v = make_qkv(1, s, s, 2, 2, 128)
+    out0, lse0, _ = run_fm(q, k, v, se, True)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 300, :, 3] = float("nan")
+    v2[0, 400, :, 1] = float("inf")
+    out, lse, _ = run_fm(q, k2, v2, se, True)
+    for rows in (slice(0, 256), slice(512, 1024)):
+        assert torch.equal(out[:, rows], out0[:, rows]) and torch.equal(lse[:, :, rows], lse0[:, :, rows])
+    assert not torch.isfinite(out[:, 256:512].float()).all()
