@@ -6,6 +6,7 @@ validation error."""
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import numpy as np
@@ -355,3 +356,46 @@ def test_visible_pairs_counts_the_dense_mask(causal, cols):
     for sq, sk in ((13, 13), (9, 21), (21, 9)):
         se = F.random_mask(rng, 2, 3, sq, sk, causal, cols)
         assert F.visible_pairs(se, causal, sq) == int(F.expand(se, causal, sq).sum())
+
+
+def test_cute_glue_plumbing(monkeypatch):
+    """The CuTe forward path of a FlashMask call (fake launcher, pretend SM90): the config names the
+    layout, run_fwd gets the bounds and the fm_meta workspace in the kernel's tiles; with gradients,
+    backend="cute" raises naming the missing masked backward kernel ("auto" runs the reference one)."""
+    from cute_kernels.attention import fm_meta
+    from paddle_fa4 import backend as backend_mod
+
+    seen = {}
+
+    class Launch:
+        def fwd_config(self, **kw):
+            seen["cfg"] = kw
+            return types.SimpleNamespace(**kw)
+
+        def unsupported_reason(self, cfg):
+            return None
+
+        def fm_meta_config(self, cfg):
+            return fm_meta.FmMetaConfig(90, cfg.startend, 128, 128)
+
+        def run_fwd(self, cfg, q, k, v, out, lse, block_logit, cu_q, cu_k, **kw):
+            seen["run"] = kw
+            paddle.assign(paddle.full(out.shape, 7.0).astype(out.dtype), out)
+            paddle.assign(paddle.full(lse.shape, 3.0), lse)
+
+    launch = Launch()
+    monkeypatch.setattr(backend_mod, "tensor_arch", lambda tensor: 90)
+    monkeypatch.setattr(glue, "arch_of", lambda tensor: 90)
+    monkeypatch.setattr(glue, "_launch", lambda: launch)
+    q = t(np.zeros((2, 300, 4, 128), np.float32), "bfloat16")
+    k = t(np.zeros((2, 200, 2, 128), np.float32), "bfloat16")
+    se = t(np.full((2, 2, 200, 4), 300, np.int32))
+    out = paddle_fa4.flashmask_attention(q, k, k, se, backend="cute")
+    assert seen["cfg"]["startend"] == "lts_lte_uts_ute" and seen["cfg"]["causal"] is False
+    run = seen["run"]
+    assert run["startend"] is not None and list(run["startend"].shape) == [2, 2, 200, 4]
+    assert list(run["fm_minmax"].shape) == [2, 2, 2, 8] and list(run["fm_ranges"].shape) == [2, 2, 3, 2]
+    assert float(out.astype("float32").mean()) == 7.0
+    with pytest.raises(NotImplementedError, match="no CuTe backward kernel yet"):
+        q.stop_gradient = False
+        paddle_fa4.flashmask_attention(q, k, k, se, backend="cute")
