@@ -102,6 +102,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels import arch as _arch
+from cute_kernels.common import flashmask as fm
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import softcap_logit
@@ -221,6 +222,8 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
     def unsupported_reason(cfg: BwdConfig) -> str | None:
+        if cfg.startend and cfg.varlen:
+            return "FlashMask startend_row_indices with varlen"
         if _arch.family(cfg.arch) != 90:
             return f"FlashBwdSm90 is the SM90 kernel, got arch {cfg.arch}"
         if cfg.dtype not in ("bfloat16", "float16"):
@@ -272,7 +275,9 @@ class FlashBwdSm90:
                  mLSElog2: cute.Tensor, mdPsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem, mdKaccum, mdVaccum, mdKVsem,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream):
+                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream, mStartend=None, mFmMinMax=None):
+        """``mStartend`` / ``mFmMinMax``: a FlashMask build's column bounds [B, Hm, Sk, n] and their per
+        key tile (tile_n) min / max [B, Hm, NT, 2n] (attention/fm_meta.py), else None."""
         cfg = self.cfg
         varlen = const_expr(cfg.varlen)
         # (B, S, H, D) -> (S, D, H, B); varlen (T, H, D) -> (T, D, H)
@@ -336,11 +341,15 @@ class FlashBwdSm90:
             num_heads = mQ.shape[2]
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), num_heads if const_expr(self.split) else num_kv_heads,
                 batch)
+        fm_head_div = Int32(1)
+        if const_expr(cfg.startend != ""):
+            fm_head_div = num_heads // mStartend.shape[1]  # query heads per mask head
         self.kernel(tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_dPsum, tma_dQ, mdK, mdV, mCuSeqlensQ,
                     mCuSeqlensK, mdQsem, mdKaccum, mdVaccum, mdKVsem, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
                     tma_atom_dPsum, tma_atom_dQ, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                     sdQ_layout, softmax_scale, softcap, window_left, window_right,
-                    mQt.shape[0], mKt.shape[0], tma_atom_dK, tma_dK, tma_atom_dV, tma_dV).launch(
+                    mQt.shape[0], mKt.shape[0], tma_atom_dK, tma_dK, tma_atom_dV, tma_dV, mStartend, mFmMinMax,
+                    fm_head_div).launch(
             grid=grid, block=[NUM_THREADS, 1, 1], smem=self.shared_storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
@@ -355,7 +364,8 @@ class FlashBwdSm90:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-               seqlen_q_static: Int32, seqlen_k_static: Int32, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV):
+               seqlen_q_static: Int32, seqlen_k_static: Int32, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV,
+               mStartend, mFmMinMax, fm_head_div: Int32):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -418,6 +428,12 @@ class FlashBwdSm90:
             row0 = Int32(0)
             if const_expr(cfg.varlen):
                 row0 = (seqlen.offset_q + ACCUM_ROW_PAD * batch_idx) // ACCUM_ROW_PAD * ACCUM_ROW_PAD
+            fmask = None
+            if const_expr(cfg.startend != ""):
+                # FlashMask (stage A): every step applies the column bounds unless the key tile's min / max
+                # leave the step's query tile whole; steps they skip are masked entirely (P = dS = 0).
+                fmask = SimpleNamespace(mStartend=mStartend, mFmMinMax=mFmMinMax, batch=batch_idx, n_tile=n_tile,
+                                        head_div=fm_head_div)
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp_idx == 0:
@@ -437,11 +453,11 @@ class FlashBwdSm90:
                     self.consume_wide(kv_out, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q,
                                       pipeline_do, pipeline_kv, seqlen, qtiles, steps, left, right, n_tile,
                                       head_kv, head_y, batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap,
-                                      mCuSeqlensK)
+                                      mCuSeqlensK, fmask)
                 else:
                     self.consume(kv_out, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                                  pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, head_y,
-                                 batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap, mCuSeqlensK)
+                                 batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap, mCuSeqlensK, fmask)
 
     # ------------------------------------------------------------------ producer
     def _seq_view(self, t: cute.Tensor, offset, batch_idx):
@@ -599,7 +615,7 @@ class FlashBwdSm90:
     def consume(self, kv_out, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do, pipeline_kv,
                 seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32, right: Int32,
                 n_tile: Int32, head_kv: Int32, head_y: Int32, batch_idx: Int32, ctidx: Int32,
-                softmax_scale: Float32, softcap: Float32, mCuSeqlensK):
+                softmax_scale: Float32, softcap: Float32, mCuSeqlensK, fmask=None):
         cfg = self.cfg
         dt = self.dtype
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
@@ -671,14 +687,17 @@ class FlashBwdSm90:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             step = Int32(0)
             for hi in cutlass.range(self.heads_per_cta, unroll=1):
+                fmh = self.fm_key_bounds(self.fm_head(fmask, head_y, hi), sc)
                 for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
                     m = qtiles.m_min + mi
                     stage = state.index
                     ds_stage = step % STAGES
+                    step_masked = self.step_masked(sc, qtiles, m)
+                    fm_partial = self.fm_step_partial(fmh, sc, m)
                     acc_S, acc_dP = self.score_gemms(mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q, state,
                                                      pipeline_do, state)
-                    self.probs_and_grads(acc_S, acc_dP, sc, m, self.step_masked(sc, qtiles, m), sLSE, sdPsum,
-                                         stage, stage, self.tile_m == 128)
+                    self.probs_and_grads(acc_S, acc_dP, sc, m, step_masked, sLSE, sdPsum,
+                                         stage, stage, self.tile_m == 128, fmh, fm_partial)
                     convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
                     if const_expr(self.dq_before_dk):
                         wgmma_gemm(mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, stage], False)
@@ -764,7 +783,7 @@ class FlashBwdSm90:
     def consume_wide(self, kv_out, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                      pipeline_kv, seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32,
                      right: Int32, n_tile: Int32, head_kv: Int32, head_y: Int32, batch_idx: Int32,
-                     ctidx: Int32, softmax_scale: Float32, softcap: Float32, mCuSeqlensK):
+                     ctidx: Int32, softmax_scale: Float32, softcap: Float32, mCuSeqlensK, fmask=None):
         """Both WGs see all 64 keys of the tile: WG w computes S^T / dP^T for query rows [32 w, 32 w + 32)
         of the step, writes P^T / dS^T to smem, then owns columns [w d / 2, (w + 1) d / 2) of dK, dV
         (SS wgmma over the whole P^T / dS^T) and of the dQ tile (Note [wide schedule])."""
@@ -837,15 +856,18 @@ class FlashBwdSm90:
             state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
             step = Int32(0)
             for hi in cutlass.range(self.heads_per_cta, unroll=1):
+                fmh = self.fm_key_bounds(self.fm_head(fmask, head_y, hi), sc)
                 for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
                     m = qtiles.m_min + mi
                     sq = state_q.index
                     sd = state_do.index
                     ps = step % self.pds_stages
+                    step_masked = self.step_masked(sc, qtiles, m)
+                    fm_partial = self.fm_step_partial(fmh, sc, m)
                     acc_S, acc_dP = self.score_gemms(mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q,
                                                      state_q, pipeline_do, state_do)
-                    self.probs_and_grads(acc_S, acc_dP, sc, m, self.step_masked(sc, qtiles, m), sLSE, sdPsum,
-                                         sq, sd, False)
+                    self.probs_and_grads(acc_S, acc_dP, sc, m, step_masked, sLSE, sdPsum,
+                                         sq, sd, False, fmh, fm_partial)
                     rP = cute.make_rmem_tensor(acc_S_shape, dt)
                     rdS = cute.make_rmem_tensor(acc_S_shape, dt)
                     convert_to_16bit(acc_S, rP)
@@ -935,8 +957,44 @@ class FlashBwdSm90:
         return masked
 
     @cute.jit
+    def fm_head(self, fmask, head_y: Int32, hi: Int32):
+        """FlashMask state of the query head the CTA walks at ``hi`` (None without a mask): the kernel's
+        mask tensors and this head's mask head. The views are taken where they are used (probs_and_grads):
+        held across the query-tile loop they spilled (8-18 registers of the 240)."""
+        if const_expr(fmask is None):
+            return None
+        head = head_y + hi if const_expr(self.split) else head_y * self.cfg.qhead_per_kvhead + hi
+        mh = head // fmask.head_div
+        return SimpleNamespace(mStartend=fmask.mStartend, mFmMinMax=fmask.mFmMinMax, batch=fmask.batch,
+                               n_tile=fmask.n_tile, mh=mh, key_bounds=None)
+
+    @cute.jit
+    def fm_key_bounds(self, fmh, sc):
+        """The column bounds of this thread's keys (``sc.keys``) for the head of ``fmh``: loaded once per
+        head and kept in registers (2 keys x n values) instead of loaded in every step."""
+        if const_expr(fmh is not None):
+            bounds = fmh.mStartend[fmh.batch, fmh.mh, None, None]
+            fmh.key_bounds = [fm.load_bounds(bounds, cutlass.min(key, sc.seqlen.seqlen_k - 1), self.cfg.startend)
+                              for key in sc.keys]
+        return fmh
+
+    @cute.jit
+    def fm_step_partial(self, fmh, sc, m: Int32):
+        """Whether the column bounds cut query tile ``m`` against this CTA's key tile (False without a
+        mask): not whole by the key tile's min / max (steps they skip are masked entirely)."""
+        partial = False
+        if const_expr(fmh is not None):
+            m_start = m * self.tile_m
+            lo, hi = fm.load_tile_minmax(fmh.mFmMinMax[fmh.batch, fmh.mh, None, None], fmh.n_tile,
+                                         self.cfg.startend)
+            _skip, whole = fm.classify_tile(m_start, cutlass.min(m_start + self.tile_m, sc.seqlen.seqlen_q),
+                                            lo, hi, self.cfg.startend)
+            partial = not whole
+        return partial
+
+    @cute.jit
     def probs_and_grads(self, acc_S, acc_dP, sc, m: Int32, masked, sLSE, sdPsum, s_lse: Int32, s_dps: Int32,
-                        column_outer: cutlass.Constexpr):
+                        column_outer: cutlass.Constexpr, fmh=None, fm_partial=False):
         """acc_S: S^T -> P^T (softcap, mask where ``masked``, exp2 against the rows' lse from sLSE stage
         ``s_lse``); then, once every wgmma is done, acc_dP: dP^T -> dS^T (dpsum from sdPsum stage ``s_dps``).
         column_outer: query row (column) outer, so each lse / dpsum value is live for its column only
@@ -957,6 +1015,7 @@ class FlashBwdSm90:
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                     S[r, c] = cute.math.exp2(S[r, c] * sc.scale_log2 - lse_c, fastmath=True)
             warpgroup.wait_group(0)
+            self.fm_zero_probs(S, sc, m, fm_partial, fmh)
             for c in cutlass.range_constexpr(ncols):
                 dps_c = sdPsum[sc.thr_col + cols[c], s_dps]
                 lse_c = sLSE[sc.thr_col + cols[c], s_lse] if const_expr(cfg.has_softcap) else None
@@ -968,10 +1027,21 @@ class FlashBwdSm90:
                 for c in cutlass.range_constexpr(ncols):
                     S[r, c] = cute.math.exp2(S[r, c] * sc.scale_log2 - lse[c], fastmath=True)
             warpgroup.wait_group(0)
+            self.fm_zero_probs(S, sc, m, fm_partial, fmh)
             dps = [sdPsum[sc.thr_col + cols[c], s_dps] for c in range(ncols)]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(ncols):
                     dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], sc.inv_cap_log2)
+
+    @cute.jit
+    def fm_zero_probs(self, P, sc, m: Int32, fm_partial, fmh):
+        """FlashMask: P^T = 0 where the column bounds mask the pair (on steps ``fm_partial``), so dS = 0
+        there too; the same values as masking S^T with -inf before exp2. Applied after the step's GEMMs
+        completed: masking S^T while dP^T was still in flight spilled 8-132 B at 240 registers."""
+        if const_expr(fmh is not None):
+            if fm_partial:
+                fm.mask_kv_major_with_bounds(P, sc.cols, fmh.key_bounds, m * self.tile_m + sc.thr_col,
+                                             self.cfg.startend, Float32(0.0))
 
     @cute.jit
     def grad_score(self, p: Float32, dp: Float32, dpsum: Float32, lse2, inv_cap_log2: Float32) -> Float32:

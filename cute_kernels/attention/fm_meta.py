@@ -155,6 +155,13 @@ def compile_meta(cfg: FmMetaConfig):
     return _compile(cfg, "bounds"), _compile(cfg, "ranges")
 
 
+def run_bounds(cfg: FmMetaConfig, startend, minmax) -> None:
+    """Fill ``minmax`` only (the backward reads no query-tile ranges)."""
+    if int(minmax.shape[2]) == 0 or int(minmax.shape[0]) == 0:
+        return
+    _compile(cfg, "bounds")(startend, minmax)
+
+
 def run_meta(cfg: FmMetaConfig, startend, minmax, ranges, *, seqlen_q: int) -> None:
     """Fill ``minmax`` and ``ranges`` (shapes: ``workspace_shapes``) on the caller's current stream."""
     if int(minmax.shape[2]) == 0 or int(ranges.shape[2]) == 0 or int(minmax.shape[0]) == 0:

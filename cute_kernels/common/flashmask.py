@@ -120,11 +120,26 @@ def apply_startend_mask(acc_mn: cute.Tensor, cols: cutlass.Constexpr, rows: list
 
 @cute.jit
 def apply_startend_mask_kv_major(acc_mn: cute.Tensor, cols: cutlass.Constexpr, keys: list, col_offset: Int32,
-                                 mBounds: cute.Tensor, seqlen_k: Int32, layout: cutlass.Constexpr):
+                                 mBounds: cute.Tensor, seqlen_k: Int32, layout: cutlass.Constexpr,
+                                 fill: Float32 = -Float32.inf):
     """The same rule on a transposed tile (the backward's S^T): register row r holds key ``keys[r]``,
-    register column c query row ``cols[c] + col_offset``."""
+    register column c query row ``cols[c] + col_offset``. Each key's bounds are shifted by
+    ``col_offset`` once, so every element costs compares of a compile-time column against them (the
+    form ``mask.apply_mask_kv_major`` uses; adding the offset per element spilled at 240 registers).
+    ``fill``: the value of masked entries (-inf on scores; 0 on probabilities, the backward's P^T)."""
     for r in cutlass.range_constexpr(len(keys)):
         jj = cutlass.min(keys[r], seqlen_k - 1)
-        b = load_bounds(mBounds, jj, layout)
+        b = [x - col_offset for x in load_bounds(mBounds, jj, layout)]
         for c in cutlass.range_constexpr(len(cols)):
-            acc_mn[r, c] = -Float32.inf if row_masked(cols[c] + col_offset, b, layout) else acc_mn[r, c]
+            acc_mn[r, c] = fill if row_masked(cols[c], b, layout) else acc_mn[r, c]
+
+
+@cute.jit
+def mask_kv_major_with_bounds(acc_mn: cute.Tensor, cols: cutlass.Constexpr, key_bounds: list, col_offset: Int32,
+                              layout: cutlass.Constexpr, fill: Float32):
+    """``apply_startend_mask_kv_major`` with the bounds of register row r's key already loaded
+    (``key_bounds[r]``, a list of n Int32)."""
+    for r in cutlass.range_constexpr(len(key_bounds)):
+        b = [x - col_offset for x in key_bounds[r]]
+        for c in cutlass.range_constexpr(len(cols)):
+            acc_mn[r, c] = fill if row_masked(cols[c], b, layout) else acc_mn[r, c]
