@@ -69,14 +69,6 @@ def _fwd_mask_reason(spec) -> str | None:
     return None
 
 
-def _bwd_mask_reason(spec) -> str | None:
-    """Why no CuTe backward takes ``spec``'s FlashMask mask (None without one)."""
-    if spec.startend:
-        return (f"FlashMask startend_row_indices ({spec.startend}, {spec.startend_cols} columns) has no CuTe "
-                f"backward kernel yet")
-    return None
-
-
 def _kernel_case_reason(spec) -> str | None:
     """Why no CuTe attention kernel (forward or backward) takes ``spec``'s dtype / head dims."""
     if spec.dtype not in KERNEL_DTYPES:
@@ -151,12 +143,12 @@ def bwd_config(arch: int, spec, deterministic: bool, has_dlse: bool):
         arch=arch, dtype=spec.dtype, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
         qhead_per_kvhead=spec.qhead_per_kvhead, causal=spec.causal, has_window=spec.has_window,
         has_softcap=spec.softcap > 0, varlen=spec.varlen, deterministic=bool(deterministic),
-        has_dlse=bool(has_dlse))
+        has_dlse=bool(has_dlse), startend=spec.startend)
 
 
 def bwd_unsupported_reason(arch: int, spec, deterministic: bool, has_dlse: bool) -> str | None:
     """None when the CuTe backward handles ``spec`` on compute capability ``arch``, else why not."""
-    reason = _kernel_case_reason(spec) or _bwd_mask_reason(spec)
+    reason = _kernel_case_reason(spec)
     if reason is not None:
         return reason
     launch = _bwd_launch()
@@ -172,9 +164,8 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
     through contiguous copies; strided dq/dk/dv out-parameters are written through contiguous
     temporaries and copied back (the caller's tensors then hold the result, as for compact ones).
     """
-    if startend_row_indices is not None or _bwd_mask_reason(spec):
-        raise NotImplementedError(f"{BWD_OP}: {_bwd_mask_reason(spec)}")
     dout, q, k, v, out = (kernel_input(t) for t in (dout, q, k, v, out))
+    startend_row_indices = kernel_input(startend_row_indices, 4)
     lse, dlse, cu_seqlens_q, cu_seqlens_k = (kernel_input(t, 4) for t in (lse, dlse, cu_seqlens_q, cu_seqlens_k))
     results, outputs = {}, {}
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
@@ -189,13 +180,20 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
                                      total_k=spec.total_k)
     workspace = {name: _bridge.empty(shape, dtype, q) for name, (shape, dtype) in shapes.items()}
     a = kernel_arg
+    fm_kw = {}
+    if spec.startend:  # FlashMask: the per-key-tile bounds workspace (fm_meta), filled by run_bwd
+        from cute_kernels.attention import fm_meta
+
+        shape, dtype = fm_meta.workspace_shapes(launch.fm_meta_config(cfg), spec.batch, spec.startend_heads,
+                                                spec.seqlen_q, spec.seqlen_k)["fm_minmax"]
+        fm_kw = {"startend": a(startend_row_indices), "fm_minmax": a(_bridge.empty(shape, dtype, q))}
     launch.run_bwd(
         cfg, a(dout), a(q), a(k), a(v), a(out), a(lse), a(dlse), a(outputs["dq"]), a(outputs["dk"]),
         a(outputs["dv"]), a(cu_seqlens_q), a(cu_seqlens_k), {name: a(t) for name, t in workspace.items()},
         softmax_scale=spec.softmax_scale, softcap=spec.softcap,
         window_left=-1 if spec.window_left is None else spec.window_left,
         window_right=-1 if spec.window_right is None else spec.window_right,
-        max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k)
+        max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k, **fm_kw)
     for name in ("dq", "dk", "dv"):
         commit_output(results[name], outputs[name])
     return results["dq"], results["dk"], results["dv"]

@@ -708,7 +708,7 @@ def test_bwd_glue_translates_spec(fake_gpu):
                                            softmax_scale=0.1, dlse=dlse, deterministic=True, backend="cute")
     assert fake_gpu.bwd.configs[-1] == dict(
         arch=90, dtype="bfloat16", head_dim=128, head_dim_v=128, qhead_per_kvhead=2, causal=True, has_window=True,
-        has_softcap=True, varlen=False, deterministic=True, has_dlse=True)
+        has_softcap=True, varlen=False, deterministic=True, has_dlse=True, startend="")
     run = fake_gpu.bwd.runs[-1]
     assert (run["softmax_scale"], run["softcap"]) == (pytest.approx(0.1), 3.0)
     assert (run["window_left"], run["window_right"], run["max_seqlen_q"], run["max_seqlen_k"]) == (5, 0, 8, 12)

@@ -333,15 +333,15 @@ def test_validation_errors():
 
 
 def test_cute_backend_names_the_case():
-    """Cases without a FlashMask kernel are named (auto runs the reference, cute raises): the backward,
-    block_bos, SM100 and varlen; the SM90 forward takes every layout."""
+    """Cases without a FlashMask kernel are named (auto runs the reference, cute raises): block_bos,
+    SM100 (forward and backward); the SM90 forward and backward take every layout."""
     base = dict(batch=1, seqlen_q=128, seqlen_k=128, total_q=128, total_k=128, num_heads=2, num_heads_k=2,
                 head_dim=128, head_dim_v=128, dtype="bfloat16", varlen=False, softmax_scale=0.1, softcap=0.0,
                 causal=True, window_left=None, window_right=0, block_size=0, num_blocks=0, pack_gqa=False)
     spec = _spec.AttnFwdSpec(**base, startend="lts", startend_heads=1)
-    assert glue.unsupported_reason(90, spec) is None
+    assert glue.unsupported_reason(90, spec) is None and glue.bwd_unsupported_reason(90, spec, True, False) is None
     assert "SM100 forward does not take it yet" in glue.unsupported_reason(100, spec)
-    assert "(lts, 1 columns) has no CuTe backward kernel yet" in glue.bwd_unsupported_reason(90, spec, False, False)
+    assert "SM100 backward does not take it yet" in glue.bwd_unsupported_reason(100, spec, False, False)
     spec = _spec.AttnFwdSpec(**dict(base, block_size=64, num_blocks=2), has_block_bos=True)
     assert "block_bos" in glue.unsupported_reason(90, spec)
     with pytest.raises(NotImplementedError, match="backend='cute'"):
@@ -360,8 +360,8 @@ def test_visible_pairs_counts_the_dense_mask(causal, cols):
 
 def test_cute_glue_plumbing(monkeypatch):
     """The CuTe forward path of a FlashMask call (fake launcher, pretend SM90): the config names the
-    layout, run_fwd gets the bounds and the fm_meta workspace in the kernel's tiles; with gradients,
-    backend="cute" raises naming the missing masked backward kernel ("auto" runs the reference one)."""
+    layout, run_fwd gets the bounds and the fm_meta workspace in the kernel's tiles; the backward's
+    config names it too and run_bwd gets the bounds and the key-tile workspace."""
     from cute_kernels.attention import fm_meta
     from paddle_fa4 import backend as backend_mod
 
@@ -396,6 +396,31 @@ def test_cute_glue_plumbing(monkeypatch):
     assert run["startend"] is not None and list(run["startend"].shape) == [2, 2, 200, 4]
     assert list(run["fm_minmax"].shape) == [2, 2, 2, 8] and list(run["fm_ranges"].shape) == [2, 2, 3, 2]
     assert float(out.astype("float32").mean()) == 7.0
-    with pytest.raises(NotImplementedError, match="no CuTe backward kernel yet"):
-        q.stop_gradient = False
-        paddle_fa4.flashmask_attention(q, k, k, se, backend="cute")
+    bwd = {}
+
+    class BwdLaunch:
+        def bwd_config(self, **kw):
+            bwd["cfg"] = kw
+            return types.SimpleNamespace(**kw)
+
+        def unsupported_reason(self, cfg):
+            return None
+
+        def fm_meta_config(self, cfg):
+            return fm_meta.FmMetaConfig(90, cfg.startend, 64, 128)
+
+        def workspace_shapes(self, cfg, **kw):
+            return {}
+
+        def run_bwd(self, cfg, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, ws, **kw):
+            bwd["run"] = kw
+            for g in (dq, dk, dv):
+                paddle.assign(paddle.full(g.shape, 2.0).astype(g.dtype), g)
+
+    monkeypatch.setattr(glue, "_bwd_launch", lambda: BwdLaunch())
+    q.stop_gradient = False
+    out = paddle_fa4.flashmask_attention(q, k, k, se, backend="cute", deterministic=True)
+    out.sum().backward()
+    assert bwd["cfg"]["startend"] == "lts_lte_uts_ute" and bwd["cfg"]["deterministic"] is True
+    assert list(bwd["run"]["fm_minmax"].shape) == [2, 2, 2, 8] and list(bwd["run"]["startend"].shape) == [2, 2, 200, 4]
+    assert float(q.grad.astype("float32").mean()) == 2.0
