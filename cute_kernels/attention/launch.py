@@ -53,12 +53,8 @@ def unsupported_reason(cfg: FwdConfig) -> str | None:
         return arch_reason
     if cfg.has_block_logit and cfg.block_size not in BLOCK_SIZES:
         return f"block_size {cfg.block_size} (supported: {', '.join(map(str, BLOCK_SIZES))})"
-    if cfg.has_startend:
-        if cfg.varlen:
-            return "FlashMask startend_row_indices with varlen"
-        if _arch.family(cfg.arch) != 90:
-            return (f"FlashMask startend_row_indices ({cfg.startend}) on {_arch.arch_name(cfg.arch)}: the SM100 "
-                    f"forward does not take it yet")
+    if cfg.has_startend and cfg.varlen:
+        return "FlashMask startend_row_indices with varlen"
     try:
         cls = _kernel_class(cfg.arch)
     except ImportError as exc:
@@ -71,10 +67,14 @@ def smem_bytes(cfg: FwdConfig) -> int | None:
 
 
 def fm_tiles(cfg: FwdConfig) -> tuple[int, int]:
-    """(tile_m, tile_n) of the forward kernel of ``cfg``: the tiles its FlashMask metadata is built for."""
+    """(tile_m, tile_n) of the forward kernel of ``cfg``: the tiles its FlashMask metadata is built for
+    (SM100: a work tile of q_stage x 128 rows, 128-key tiles)."""
+    if _arch.family(cfg.arch) == 100:
+        from .fwd_sm100 import TILE_M, TILE_N, _q_stage
+
+        return _q_stage(cfg) * TILE_M, TILE_N
     from .fwd_sm90 import tile_shape
 
-    assert _arch.family(cfg.arch) == 90, "FlashMask forward: SM90 only"
     tile_m, tile_n, _ = tile_shape(cfg)
     return tile_m, tile_n
 
@@ -166,6 +166,8 @@ def _compile_fwd(cfg: FwdConfig, sm_count: int | None, trace: bool = False):
     cls = _kernel_class(cfg.arch)
     kernel = cls(cfg) if sm_count is None else cls(cfg, sm_count=int(sm_count))
     extra = (cutlass.Int64(0),) if trace else fake_fm_args(cfg)
+    if cfg.has_startend and _arch.family(cfg.arch) == 100:
+        extra = (None,) + extra  # SM100: trace_addr comes first after the stream
     return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(), *extra,
                         options=arch_options(cfg.arch))
 
@@ -200,6 +202,8 @@ def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seq
 
         run_meta(fm_meta_config(cfg), startend, fm_minmax, fm_ranges, seqlen_q=int(q.shape[1]))
         extra = (startend, fm_minmax, fm_ranges)
+        if _arch.family(cfg.arch) == 100:
+            extra = (None,) + extra  # SM100: trace_addr comes first after the stream
     fn(q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q),
        *extra)
@@ -246,6 +250,14 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
     if sm90:
         rep += [("bfloat16", 96, 1, True, False, True, 64, False)]
     out = [fwd_config(arch, dt, d, d, r, c, w, sc, b, vl) for dt, d, r, c, w, sc, b, vl in rep]
+    if not sm90:  # FlashMask on SM100: every layout (4 columns included), block_logit, window, GQA
+        out += [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in (
+            ("bfloat16", 128, 1, True, False, 0, "lts"),
+            ("bfloat16", 128, 4, True, False, 64, "lts_lte"),
+            ("bfloat16", 128, 1, False, False, 0, "lts_ute"),
+            ("bfloat16", 128, 4, False, False, 0, "lts_lte_uts_ute"),
+            ("float16", 64, 1, False, True, 16, "lts_lte_uts_ute"),
+            ("bfloat16", 256, 1, True, True, 0, "lts_lte"))]
     if sm90:  # FlashMask: every layout, both consumer-WG counts (d 64: 3), block_logit, window, GQA
         out += [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in (
             ("bfloat16", 128, 1, True, False, 0, "lts"),

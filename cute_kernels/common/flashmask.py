@@ -143,3 +143,18 @@ def mask_kv_major_with_bounds(acc_mn: cute.Tensor, cols: cutlass.Constexpr, key_
         b = [x - col_offset for x in key_bounds[r]]
         for c in cutlass.range_constexpr(len(cols)):
             acc_mn[r, c] = fill if row_masked(cols[c], b, layout) else acc_mn[r, c]
+
+
+@cute.jit
+def apply_startend_mask_row_warp(acc_mn: cute.Tensor, ncols: cutlass.Constexpr, row: Int32, col_offset: Int32,
+                                 mBounds: cute.Tensor, seqlen_k: Int32, layout: cutlass.Constexpr, lane: Int32):
+    """``apply_startend_mask`` for a layout with one row per thread and the same ``ncols`` columns
+    (keys ``col_offset + c``) in every lane of the warp (SM100's TMEM rows): lane l loads the bounds
+    of columns l, l + 32, ...; column c's come from lane c % 32 by shuffle, so a thread holds 4n
+    loaded values instead of 128n."""
+    n = num_cols(layout)
+    mine = [load_bounds(mBounds, cutlass.min(col_offset + s * 32 + lane, seqlen_k - 1), layout)
+            for s in range(ncols // 32)]
+    for c in cutlass.range_constexpr(ncols):
+        b = [cute.arch.shuffle_sync(mine[c // 32][k], c % 32) for k in range(n)]
+        acc_mn[0, c] = -Float32.inf if row_masked(row, b, layout) else acc_mn[0, c]
