@@ -51,12 +51,8 @@ def unsupported_reason(cfg: BwdConfig) -> str | None:
     arch_reason = _arch.arch_reason(cfg.arch)
     if arch_reason is not None:
         return arch_reason
-    if cfg.startend:
-        if cfg.varlen:
-            return "FlashMask startend_row_indices with varlen"
-        if _arch.family(cfg.arch) != 90:
-            return (f"FlashMask startend_row_indices ({cfg.startend}) on {_arch.arch_name(cfg.arch)}: the SM100 "
-                    f"backward does not take it yet")
+    if cfg.startend and cfg.varlen:
+        return "FlashMask startend_row_indices with varlen"
     try:
         cls = _kernel_class(cfg.arch)
     except ImportError as exc:
@@ -136,9 +132,15 @@ def _prepost_key(cfg: BwdConfig) -> BwdConfig:
 
 
 def fm_meta_config(cfg: BwdConfig):
-    """The ``fm_meta.FmMetaConfig`` whose per-key-tile bounds the main kernel of ``cfg`` reads (SM90)."""
-    from .bwd_sm90 import tile_config
+    """The ``fm_meta.FmMetaConfig`` whose per-key-tile bounds the main kernel of ``cfg`` reads (its
+    key tile; the query tile is not read by the bounds kernel)."""
     from .fm_meta import FmMetaConfig
+
+    if _arch.family(cfg.arch) == 100:
+        from .bwd_sm100 import TILE_N
+
+        return FmMetaConfig(arch=cfg.arch, layout=cfg.startend, tile_m=128, tile_n=TILE_N)
+    from .bwd_sm90 import tile_config
 
     t = tile_config(cfg)
     return FmMetaConfig(arch=cfg.arch, layout=cfg.startend, tile_m=t.tile_m, tile_n=t.tile_n)
@@ -176,6 +178,8 @@ def compile_bwd_main(cfg: BwdConfig, trace: bool = False):
         raise NotImplementedError(f"flash_attn_bwd: {reason}")
     kernel = _kernel_class(cfg.arch)(cfg)
     extra = (cutlass.Int64(0),) if trace else fake_fm_args(cfg)
+    if cfg.startend and _arch.family(cfg.arch) == 100:
+        extra = (None,) + extra  # SM100: trace_addr comes first after the stream
     return cute.compile(kernel, *fake_bwd_args(cfg), fake_stream(), *extra, options=arch_options(cfg.arch))
 
 
@@ -300,6 +304,8 @@ def run_bwd_with(compile_main, cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq
         from .fm_meta import run_bounds
 
         run_bounds(fm_meta_config(cfg), startend, fm_minmax)
+        if _arch.family(cfg.arch) == 100 and not extra:
+            extra = (None,)  # SM100: trace_addr comes first after the stream
         extra = tuple(extra) + (startend, fm_minmax)
     if not k_empty:
         main(q, k, v, dout, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], dk, dv, cu_seqlens_q, cu_seqlens_k,
@@ -338,6 +344,13 @@ def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
     ]
     out = [bwd_config(arch, dt, d, d, r, c, w, sc, vl, det) for dt, d, r, c, w, sc, vl, det in rep]
     out.append(bwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, False, False))
+    if _arch.family(arch) == 100:  # FlashMask on SM100: every layout, deterministic, GQA, both head-dim splits
+        out += [bwd_config(arch, dt, d, d, r, c, w, False, False, det, startend=se) for dt, d, r, c, w, det, se in (
+            ("bfloat16", 128, 1, True, False, False, "lts"),
+            ("bfloat16", 128, 4, True, False, True, "lts_lte"),
+            ("bfloat16", 128, 1, False, False, True, "lts_ute"),
+            ("float16", 64, 2, False, True, False, "lts_lte_uts_ute"),
+            ("bfloat16", 256, 1, False, False, True, "lts_lte_uts_ute"))]
     if _arch.family(arch) == 90:  # FlashMask: every layout, the three schedules, deterministic and group split
         out += [bwd_config(arch, dt, d, d, r, c, w, False, False, det, startend=se) for dt, d, r, c, w, det, se in (
             ("bfloat16", 128, 1, True, False, False, "lts"),

@@ -333,15 +333,17 @@ def test_validation_errors():
 
 
 def test_cute_backend_names_the_case():
-    """Cases without a FlashMask kernel are named (auto runs the reference, cute raises): block_bos,
-    SM100 (forward and backward); the SM90 forward and backward take every layout."""
+    """Cases without a FlashMask kernel are named (auto runs the reference, cute raises): block_bos and
+    varlen; the SM90 / SM100 forward and backward take every layout."""
     base = dict(batch=1, seqlen_q=128, seqlen_k=128, total_q=128, total_k=128, num_heads=2, num_heads_k=2,
                 head_dim=128, head_dim_v=128, dtype="bfloat16", varlen=False, softmax_scale=0.1, softcap=0.0,
                 causal=True, window_left=None, window_right=0, block_size=0, num_blocks=0, pack_gqa=False)
     spec = _spec.AttnFwdSpec(**base, startend="lts", startend_heads=1)
     assert glue.unsupported_reason(90, spec) is None and glue.bwd_unsupported_reason(90, spec, True, False) is None
-    assert "SM100 forward does not take it yet" in glue.unsupported_reason(100, spec)
-    assert "SM100 backward does not take it yet" in glue.bwd_unsupported_reason(100, spec, False, False)
+    for arch in (100, 103):  # the SM100 kernels take every layout too (compile-verified)
+        assert glue.unsupported_reason(arch, spec) is None and glue.bwd_unsupported_reason(arch, spec, True, False) is None
+    varlen = _spec.AttnFwdSpec(**dict(base, varlen=True), startend="lts", startend_heads=1)
+    assert "with varlen" in glue.unsupported_reason(90, varlen)
     spec = _spec.AttnFwdSpec(**dict(base, block_size=64, num_blocks=2), has_block_bos=True)
     assert "block_bos" in glue.unsupported_reason(90, spec)
     with pytest.raises(NotImplementedError, match="backend='cute'"):
