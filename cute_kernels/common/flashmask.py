@@ -158,3 +158,88 @@ def apply_startend_mask_row_warp(acc_mn: cute.Tensor, ncols: cutlass.Constexpr, 
     for c in cutlass.range_constexpr(ncols):
         b = [cute.arch.shuffle_sync(mine[c // 32][k], c % 32) for k in range(n)]
         acc_mn[0, c] = -Float32.inf if row_masked(row, b, layout) else acc_mn[0, c]
+
+
+@cute.jit
+def skipped_query_tiles(lo: list, hi: list, layout: cutlass.Constexpr, tile_m: cutlass.Constexpr, seqlen_q: Int32):
+    """The query tiles (of ``tile_m`` rows) that a key tile with per-bound minima ``lo`` / maxima ``hi``
+    skips, as two tile-index ranges ``(a1, b1, a2, b2)``: [a1, b1) inside every column's lower interval,
+    [a2, b2) inside every upper one (either may be empty, b <= a). Tile m is in one of them exactly when
+    :func:`classify_tile` calls it skipped: m * tile_m >= max(start) and min((m + 1) * tile_m, Sq) <=
+    min(end). The backward's steps use this closed form (no per-tile loop to count them)."""
+    lte_lo = Int32(INT32_MAX)
+    if const_expr(layout == "lts_lte" or layout == "lts_lte_uts_ute"):
+        lte_lo = lo[1]
+    a1, b1 = _tiles_within(hi[0], lte_lo, tile_m, seqlen_q)
+    a2, b2 = Int32(0), Int32(0)
+    if const_expr(layout == "lts_ute"):
+        a2, b2 = _tiles_within(Int32(0), lo[1], tile_m, seqlen_q)
+    elif const_expr(layout == "lts_lte_uts_ute"):
+        a2, b2 = _tiles_within(hi[2], lo[3], tile_m, seqlen_q)
+    return a1, b1, a2, b2
+
+
+@cute.jit
+def _tiles_within(start: Int32, end: Int32, tile_m: cutlass.Constexpr, seqlen_q: Int32):
+    """Tile-index range [a, b) of the query tiles whose rows all lie in [start, end) (the last, short
+    tile ends at Sq)."""
+    a = (cutlass.max(start, 0) + tile_m - 1) // tile_m
+    b = cutlass.max(end, 0) // tile_m
+    if end >= seqlen_q:
+        b = (seqlen_q + tile_m - 1) // tile_m
+    return a, b
+
+
+@cute.jit
+def in_skipped(m: Int32, ranges) -> Boolean:
+    """Query tile ``m`` lies in one of :func:`skipped_query_tiles`' ranges."""
+    a1, b1, a2, b2 = ranges
+    return (m >= a1 and m < b1) or (m >= a2 and m < b2)
+
+
+@cute.jit
+def count_skipped(m_lo: Int32, m_hi: Int32, ranges) -> Int32:
+    """How many query tiles of ``[m_lo, m_hi)`` lie in :func:`skipped_query_tiles`' ranges."""
+    a1, b1, a2, b2 = ranges
+    l1, h1 = cutlass.max(a1, m_lo), cutlass.min(b1, m_hi)
+    l2, h2 = cutlass.max(a2, m_lo), cutlass.min(b2, m_hi)
+    n1 = cutlass.max(h1 - l1, 0)
+    n2 = cutlass.max(h2 - l2, 0)
+    both = cutlass.max(cutlass.min(h1, h2) - cutlass.max(l1, l2), 0)
+    return n1 + n2 - both
+
+
+@cute.jit
+def merged_skips(m_lo: Int32, m_hi: Int32, ranges):
+    """:func:`skipped_query_tiles`' two ranges clipped to ``[m_lo, m_hi)``, ordered and made disjoint:
+    ``(first start, first length, second start, second length)`` with the second after the first."""
+    a1, b1, a2, b2 = ranges
+    l1 = cutlass.max(a1, m_lo)
+    h1 = cutlass.max(cutlass.min(b1, m_hi), l1)
+    l2 = cutlass.max(a2, m_lo)
+    h2 = cutlass.max(cutlass.min(b2, m_hi), l2)
+    swap = l2 < l1
+    fa = l2 if swap else l1
+    fb = h2 if swap else h1
+    sa = l1 if swap else l2
+    sb = h1 if swap else h2
+    sa = cutlass.max(sa, fb)
+    sb = cutlass.max(sb, sa)
+    return fa, fb - fa, sa, sb - sa
+
+
+@cute.jit
+def live_tile(idx: Int32, m_lo: Int32, skips) -> Int32:
+    """The ``idx``-th query tile of ``[m_lo, ...)`` outside the skipped ranges ``skips`` (:func:`merged_skips`):
+    a step loop over the tiles that compute, with no branch around its body."""
+    fa, fl, sa, sl = skips
+    m = m_lo + idx
+    m = m + fl if m >= fa else m
+    m = m + sl if m >= sa else m
+    return m
+
+
+@cute.jit
+def live_count(m_lo: Int32, m_hi: Int32, skips) -> Int32:
+    """How many query tiles of ``[m_lo, m_hi)`` lie outside ``skips`` (:func:`merged_skips`)."""
+    return cutlass.max(m_hi - m_lo, 0) - skips[1] - skips[3]
