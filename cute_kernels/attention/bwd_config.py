@@ -170,6 +170,10 @@ class BwdArgs(NamedTuple):
     cu_seqlens_k: Any
 
 
+#: The FlashMask tensors a ``startend`` build of the main kernel takes after the stream (BwdKernelArgs).
+BWD_FM_ARGS = ("mStartend", "mFmMinMax")
+
+
 class BwdKernelArgs(NamedTuple):
     """Arguments of each arch's **main** backward kernel (``FlashBwdSm90`` / ``FlashBwdSm100``
     ``__call__(*BwdKernelArgs, stream)``), in the one order used to compile (fake tensors) and to call.

@@ -65,6 +65,10 @@ class FwdConfig:
         return self.block_size > 0
 
 
+#: The FlashMask tensors a ``startend`` build takes after the stream argument (the module docstring).
+FM_ARGS = ("mStartend", "mFmMinMax", "mFmRanges")
+
+
 class FwdArgs(NamedTuple):
     """Kernel arguments in the one order used to compile (fake tensors) and to call (real ones)."""
 

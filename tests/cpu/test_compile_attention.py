@@ -33,12 +33,13 @@ def test_attention_fwd_full_matrix_compiles_for_sm90(tmp_path):
 
 
 def test_fwd_args_order_matches_kernel_call():
-    """FwdArgs is the one argument order: the SM90 kernel's __call__ takes exactly it, then stream."""
-    from cute_kernels.attention.config import FwdArgs
+    """FwdArgs is the one argument order: the SM90 kernel's __call__ takes exactly it, then stream, then
+    the FlashMask tensors (FM_ARGS, None unless a startend build)."""
+    from cute_kernels.attention.config import FM_ARGS, FwdArgs
     from cute_kernels.attention.fwd_sm90 import FlashFwdSm90
 
     params = list(inspect.signature(FlashFwdSm90.__call__).parameters)
-    assert params == ["self", *FwdArgs._fields, "stream"]
+    assert params == ["self", *FwdArgs._fields, "stream", *FM_ARGS]
 
 
 def test_unsupported_reasons_name_the_case():
