@@ -19,10 +19,12 @@ rounds; median and min-max of the window medians), so ratios are per round:
 
 Every FlashMask timing includes its metadata kernels (fm_meta: per-key-tile bounds and query-tile
 ranges), which run once per call. TFLOPs/s count the **visible** pairs only: 4 * B * Hq * pairs * d
-(pairs from tests/oracles/flashmask.visible_pairs). "rate / causal" is the mask's visible-pair rate
+forward, 2.5x that backward (pairs from tests/oracles/flashmask.visible_pairs). "rate / causal" is the mask's visible-pair rate
 over the causal kernel's (per round: t_causal / t_mask * pairs_mask / pairs_causal; the issue's
 targets: fm_causal >= 0.95, every other mask >= 0.85); "/ varlen" for fm_docs is t_varlen / t_fm_docs
-(same visible pairs; target >= 0.95). Forward only: the masked backward has no CuTe kernel yet.
+(same visible pairs; target >= 0.95). ``--directions fwd,bwd`` (default both): the backward rows time
+``run_bwd`` (preprocess, main kernel with its bounds kernel, postprocess; not deterministic) on the
+forward's out / lse, against our causal / varlen backward the same way.
 """
 
 from __future__ import annotations
@@ -93,21 +95,50 @@ def parse_args(argv=None):
     ap.add_argument("--heads", default="32,32/8")
     ap.add_argument("--hdim", type=int, default=128)
     ap.add_argument("--masks", default=",".join(MASKS))
+    ap.add_argument("--directions", default="fwd,bwd")
     add_method_args(ap)
     args = ap.parse_args(argv)
     args.seqlens = [int(x) for x in args.seqlens.split(",")]
     args.heads = [tuple(int(y) for y in (x.split("/") * 2)[:2]) for x in args.heads.split(",")]
     args.masks = args.masks.split(",")
+    args.directions = args.directions.split(",")
     unknown = set(args.masks) - set(MASKS)
     if unknown:
         ap.error(f"unknown masks {sorted(unknown)} (choose from {MASKS})")
     return args
 
 
+def measure(direction, fns, pairs, s, b, hq, hkv, d, args, timer) -> list:
+    """Time ``fns`` in alternating windows; one row per variant (visible-pair TFLOPs/s, rates per round)."""
+    res = bench_windows(fns, rounds=args.rounds, timer=timer)
+    factor = 4.0 if direction == "fwd" else 10.0  # backward: 2.5x the forward's FLOPs
+    rows = []
+    for name in fns:
+        st = res[name]
+        tflops = factor * hq * pairs[name] * d / (st.median_ms * 1e-3) / 1e12
+        row = {"direction": direction, "variant": name, "seqlen": s, "batch": b, "heads": hq, "heads_kv": hkv,
+               "head_dim": d, "pairs": pairs[name], "density": pairs[name] / (b * s * s), "stats": st.as_dict(),
+               "tflops_visible": tflops, "rounds": [r[name] for r in res.rounds]}
+        if name != "causal":
+            r = res.ratio("causal", name)  # t_causal / t_mask, per round
+            f = pairs[name] / pairs["causal"]
+            row["rate_over_causal"] = {"median": r.median * f, "lo": r.lo * f, "hi": r.hi * f,
+                                       "rounds": [x * f for x in r.samples]}
+        if name == "fm_docs" and "varlen_docs" in fns:
+            r = res.ratio("varlen_docs", name)
+            row["over_varlen"] = r.as_dict()
+        rows.append(row)
+        print(f"{direction} S {s:6d} {hq}/{hkv} {name:18s} {st.median_ms:8.3f} ms  {tflops:7.1f} TFLOPs/s visible  "
+              f"density {row['density']:.3f}  rate/causal {fmt_spread(row.get('rate_over_causal'))}  "
+              f"/varlen {fmt_spread(row.get('over_varlen'))}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    from cute_kernels.attention import bwd_launch as BL
     from cute_kernels.attention import fm_meta
     from cute_kernels.attention.launch import compile_fwd, fm_meta_config, fwd_config, run_fwd
 
@@ -137,6 +168,37 @@ def main(argv=None) -> int:
                         window_left=-1, window_right=-1, max_seqlen_q=s)
 
             fns["causal"] = plain
+            bwd = "bwd" in args.directions
+            bfns = {}
+            if bwd:
+                do = torch.randn(b, s, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+                grads = [torch.empty_like(x) for x in (q, k, v)]
+
+                def make_bwd(cfg_f, cfg_b, fwd_kw, q_, k_, v_, out_, lse_, do_, grads_, mx, cu=None, **bkw):
+                    """A backward callable on this forward's out / lse (computed once here)."""
+                    run_fwd(cfg_f, q_, k_, v_, out_, lse_, None, cu, cu, softmax_scale=scale, softcap=0.0,
+                            window_left=-1, window_right=-1, max_seqlen_q=mx, **fwd_kw)
+                    if cu is None:
+                        shapes = BL.workspace_shapes(cfg_b, batch=b, seqlen_q=s, num_heads=hq, seqlen_k=s,
+                                                     num_kv_heads=hkv)
+                    else:
+                        shapes = BL.workspace_shapes(cfg_b, batch=int(cu.shape[0]) - 1, seqlen_q=0, num_heads=hq,
+                                                     total_q=b * s, seqlen_k=mx, num_kv_heads=hkv, total_k=b * s)
+                    ws = {n: torch.empty(shape, device="cuda", dtype=getattr(torch, dt))
+                          for n, (shape, dt) in shapes.items()}
+                    BL.compile_bwd(cfg_b)
+
+                    def run(ws=ws):
+                        BL.run_bwd(cfg_b, do_, q_, k_, v_, out_, lse_, None, *grads_, cu, cu, ws,
+                                   softmax_scale=scale, softcap=0.0, window_left=-1, window_right=-1,
+                                   max_seqlen_q=mx, max_seqlen_k=mx, **bkw)
+                    return run
+
+                out_c = torch.empty_like(q)
+                lse_c = torch.empty(b, hq, s, device="cuda", dtype=torch.float32)
+                bfns["causal"] = make_bwd(cfg_causal, BL.bwd_config(arch, "bfloat16", d, d, hq // hkv, True, False,
+                                                                    False, False, False), {}, q, k, v, out_c,
+                                          lse_c, do, grads, s)
             for kind in args.masks:
                 se_np, causal, docs = make_mask(kind, s)
                 se_np = np.repeat(se_np, b, axis=0)
@@ -154,6 +216,16 @@ def main(argv=None) -> int:
 
                 fns[name] = masked
                 pairs[name] = F.visible_pairs(se_np, causal, s)
+                if bwd:
+                    cfg_b = BL.bwd_config(arch, "bfloat16", d, d, hq // hkv, causal, False, False, False, False,
+                                          startend=layout)
+                    bshape, _ = fm_meta.workspace_shapes(BL.fm_meta_config(cfg_b), b, 1, s, s)["fm_minmax"]
+                    bmm = torch.empty(bshape, device="cuda", dtype=torch.int32)
+                    fwd_kw = dict(startend=se, **{n: torch.empty(shape, device="cuda", dtype=torch.int32)
+                                                  for n, (shape, _) in shapes.items()})
+                    bfns[name] = make_bwd(cfg, cfg_b, fwd_kw, q, k, v, torch.empty_like(q),
+                                          torch.empty(b, hq, s, device="cuda", dtype=torch.float32), do, grads, s,
+                                          startend=se, fm_minmax=bmm)
                 if docs is not None:  # the same documents through the varlen kernel
                     cfg_vl = fwd_config(arch, "bfloat16", d, d, hq // hkv, True, False, False, 0, True)
                     compile_fwd(cfg_vl)
@@ -169,36 +241,29 @@ def main(argv=None) -> int:
 
                     fns["varlen_docs"] = varlen
                     pairs["varlen_docs"] = pairs[name]
-            res = bench_windows(fns, rounds=args.rounds, timer=timer)
-            for name in fns:
-                st = res[name]
-                tflops = 4.0 * hq * pairs[name] * d / (st.median_ms * 1e-3) / 1e12
-                row = {"variant": name, "seqlen": s, "batch": b, "heads": hq, "heads_kv": hkv, "head_dim": d,
-                       "pairs": pairs[name], "density": pairs[name] / (b * s * s), "stats": st.as_dict(),
-                       "tflops_visible": tflops, "rounds": [r[name] for r in res.rounds]}
-                if name != "causal":
-                    r = res.ratio("causal", name)  # t_causal / t_mask, per round
-                    f = pairs[name] / pairs["causal"]
-                    row["rate_over_causal"] = {"median": r.median * f, "lo": r.lo * f, "hi": r.hi * f,
-                                               "rounds": [x * f for x in r.samples]}
-                if name == "fm_docs" and "varlen_docs" in fns:
-                    r = res.ratio("varlen_docs", name)
-                    row["over_varlen"] = r.as_dict()
-                rows.append(row)
-                print(f"S {s:6d} {hq}/{hkv} {name:18s} {st.median_ms:8.3f} ms  {tflops:7.1f} TFLOPs/s visible  "
-                      f"density {row['density']:.3f}  rate/causal {fmt_spread(row.get('rate_over_causal'))}  "
-                      f"/varlen {fmt_spread(row.get('over_varlen'))}", flush=True)
-            del q, k, v, out, lse, fns
+                    if bwd:
+                        cfg_vb = BL.bwd_config(arch, "bfloat16", d, d, hq // hkv, True, False, False, True, False)
+                        dov = do.reshape(b * s, hq, d)
+                        gv = [x.reshape(b * s, x.shape[2], d) for x in grads]
+                        bfns["varlen_docs"] = make_bwd(cfg_vl, cfg_vb, {}, qv, kv_, vv, torch.empty_like(ov),
+                                                       torch.empty(hq, b * s, device="cuda", dtype=torch.float32),
+                                                       dov, gv, max(docs), cu=cu)
+            for direction, dfns in (("fwd", fns), ("bwd", bfns)):
+                if direction not in args.directions or not dfns:
+                    continue
+                rows += measure(direction, dfns, pairs, s, b, hq, hkv, d, args, timer)
+            del q, k, v, out, lse, fns, bfns
     info.finish()
+
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"run": info.as_dict(), "rows": rows}, fh, indent=1)
     lines = [info.markdown(), "",
-             "| S | B | heads | variant | density | ms (lo-hi) | TFLOPs/s visible | rate / causal | / varlen |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| dir | S | B | heads | variant | density | ms (lo-hi) | TFLOPs/s visible | rate / causal | / varlen |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         st = r["stats"]
-        lines.append(f"| {r['seqlen']} | {r['batch']} | {r['heads']}/{r['heads_kv']} | {r['variant']} | "
+        lines.append(f"| {r['direction']} | {r['seqlen']} | {r['batch']} | {r['heads']}/{r['heads_kv']} | {r['variant']} | "
                      f"{r['density']:.3f} | {st['median_ms']:.3f} ({st['lo_ms']:.3f}-{st['hi_ms']:.3f}) | "
                      f"{r['tflops_visible']:.1f} | {fmt_spread(r.get('rate_over_causal'))} | "
                      f"{fmt_spread(r.get('over_varlen'))} |")
