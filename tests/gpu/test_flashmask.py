@@ -39,6 +39,30 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def device_arch() -> int:
+    """The exact compute capability of the current GPU (90 here; 100 / 103 when tests/sm100 reuses this
+    file's tests)."""
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def run_plain(q, k, v, causal, cu=None, max_s=None):
+    """Our unmasked forward (dense, or varlen with ``cu``): (out, lse)."""
+    from cute_kernels.attention.launch import fwd_config, run_fwd
+
+    d, hq, hkv = q.shape[-1], q.shape[-2], k.shape[-2]
+    cfg = fwd_config(device_arch(), q.dtype, d, v.shape[-1], hq // hkv, causal, False, False, 0, cu is not None)
+    out = torch.empty(*q.shape[:-1], v.shape[-1], device="cuda", dtype=q.dtype)
+    if cu is None:
+        lse = torch.empty(q.shape[0], hq, q.shape[1], device="cuda", dtype=torch.float32)
+        max_s = q.shape[1]
+    else:
+        lse = torch.empty(hq, q.shape[0], device="cuda", dtype=torch.float32)
+    run_fwd(cfg, q, k, v, out, lse, None, cu, cu, softmax_scale=1.0 / math.sqrt(d), softcap=0.0,
+            window_left=-1, window_right=-1, max_seqlen_q=max_s)
+    return out, lse
+
+
 def make_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return tuple(torch.randn(b, s, h, d, device="cuda", generator=g).to(dtype)
@@ -55,8 +79,8 @@ def run_fm(q, k, v, se, causal, window=(-1, -1), block_size=0):
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     layout = LAYOUT[(causal, se.shape[-1])]
-    cfg = fwd_config(90, q.dtype, d, dv, hq // hkv, causal, tuple(window) != (-1, -1), False, block_size, False,
-                     startend=layout)
+    cfg = fwd_config(device_arch(), q.dtype, d, dv, hq // hkv, causal, tuple(window) != (-1, -1), False, block_size,
+                     False, startend=layout)
     shapes = fm_meta.workspace_shapes(fm_meta_config(cfg), b, se.shape[1], sq, sk)
     ws = {name: torch.full(shape, -7, device="cuda", dtype=torch.int32) for name, (shape, _) in shapes.items()}
     out = torch.empty(b, sq, hq, dv, device="cuda", dtype=q.dtype)
@@ -189,26 +213,22 @@ def test_block_logit(block_size):
 def test_causal_mask_as_startend_equals_causal_kernel(d):
     """LTS = Sq in every column: the bounds leave every tile whole, so the masked build runs exactly the
     causal kernel's arithmetic (bitwise equal out and lse)."""
-    from tests.gpu._fwd_launch import run_ours
-
     s = 1000
     q, k, v = make_qkv(2, s, s, 4, 2, d)
     se = np.full((2, 1, s, 1), s, np.int32)
     out, lse, _ = run_fm(q, k, v, se, True)
-    out0, lse0, _ = run_ours(q, k, v, causal=True)
+    out0, lse0 = run_plain(q, k, v, True)
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
 
 
 def test_document_mask_equals_varlen():
-    from tests.gpu._fwd_launch import run_ours
-
     docs = [300, 77, 517, 130, 1024]
     se, causal, _ = F.causal_document(docs)
     s = se.shape[2]
     q, k, v = make_qkv(1, s, s, 4, 2, 128)
     out, lse, _ = run_fm(q, k, v, se, True)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), device="cuda", dtype=torch.int32)
-    o2, lse2, _ = run_ours(q[0], k[0], v[0], causal=True, cu_q=cu, cu_k=cu, max_sq=max(docs), max_sk=max(docs))
+    o2, lse2 = run_plain(q[0], k[0], v[0], True, cu=cu, max_s=max(docs))
     assert (out[0].float() - o2.float()).abs().max().item() <= 1e-2
     assert (lse[0] - lse2).abs().max().item() <= 1e-4
 
@@ -241,8 +261,8 @@ def run_fm_bwd(q, k, v, out, lse, do, se, causal, window=(-1, -1), deterministic
     se = torch.as_tensor(se, device="cuda", dtype=torch.int32).contiguous()
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
-    cfg = bwd_config(90, q.dtype, d, dv, hq // hkv, causal, tuple(window) != (-1, -1), False, False, deterministic,
-                     False, startend=LAYOUT[(causal, se.shape[-1])])
+    cfg = bwd_config(device_arch(), q.dtype, d, dv, hq // hkv, causal, tuple(window) != (-1, -1), False, False,
+                     deterministic, False, startend=LAYOUT[(causal, se.shape[-1])])
     ws = {name: torch.full(shape, float("nan") if dt == "float32" else 12345, device="cuda",
                            dtype=getattr(torch, dt))
           for name, (shape, dt) in workspace_shapes(cfg, batch=b, seqlen_q=sq, num_heads=hq, seqlen_k=sk,
