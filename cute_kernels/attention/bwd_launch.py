@@ -322,28 +322,9 @@ def _supported(cfgs):
     return [c for c in cfgs if unsupported_reason(c) is None]
 
 
-def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
-    """Backward configs compiled by ``python -m cute_kernels.check`` (those the arch's kernel supports)."""
-    arch = int(arch)
-    if full:
-        out = [bwd_config(arch, dt, d, dv, r, m == "causal", m == "window", False, vl, det)
-               for dt in DTYPES for d, dv in HEAD_DIMS for m in _MASKS for r in (1, 4)
-               for vl in (False, True) for det in (False, True)]
-        out += [bwd_config(arch, "bfloat16", d, d, 1, c, False, True, False, False)
-                for d in (64, 128, 256) for c in (False, True)]
-        out += [bwd_config(arch, "bfloat16", 128, 128, 1, True, False, False, False, False, True)]
-        return _supported(out)
-    rep = [
-        ("bfloat16", 128, 1, True, False, False, False, False),
-        ("bfloat16", 128, 4, False, False, False, True, True),
-        ("float16", 64, 1, False, True, False, False, False),
-        ("bfloat16", 96, 2, True, False, True, False, False),
-        ("bfloat16", 256, 1, True, False, False, False, True),
-        ("bfloat16", 192, 1, False, False, False, True, False),
-        ("float16", 256, 4, False, True, True, True, False),
-    ]
-    out = [bwd_config(arch, dt, d, d, r, c, w, sc, vl, det) for dt, d, r, c, w, sc, vl, det in rep]
-    out.append(bwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, False, False))
+def _fm_matrix(arch: int) -> list[BwdConfig]:
+    """FlashMask (startend_row_indices) lines of the compile matrix, default and full alike."""
+    out = []
     if _arch.family(arch) == 100:  # FlashMask on SM100: every layout, deterministic, GQA, both head-dim splits
         out += [bwd_config(arch, dt, d, d, r, c, w, False, False, det, startend=se) for dt, d, r, c, w, det, se in (
             ("bfloat16", 128, 1, True, False, False, "lts"),
@@ -360,7 +341,33 @@ def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
             ("bfloat16", 96, 1, True, False, False, "lts"),
             ("bfloat16", 256, 1, False, False, True, "lts_lte_uts_ute"),
             ("bfloat16", 192, 4, True, False, False, "lts_lte"))]
-    return _supported(out)
+    return out
+
+
+def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
+    """Backward configs compiled by ``python -m cute_kernels.check`` (those the arch's kernel supports);
+    each FlashMask line names its column layout (``startend=...``)."""
+    arch = int(arch)
+    if full:
+        out = [bwd_config(arch, dt, d, dv, r, m == "causal", m == "window", False, vl, det)
+               for dt in DTYPES for d, dv in HEAD_DIMS for m in _MASKS for r in (1, 4)
+               for vl in (False, True) for det in (False, True)]
+        out += [bwd_config(arch, "bfloat16", d, d, 1, c, False, True, False, False)
+                for d in (64, 128, 256) for c in (False, True)]
+        out += [bwd_config(arch, "bfloat16", 128, 128, 1, True, False, False, False, False, True)]
+        return _supported(out + _fm_matrix(arch))
+    rep = [
+        ("bfloat16", 128, 1, True, False, False, False, False),
+        ("bfloat16", 128, 4, False, False, False, True, True),
+        ("float16", 64, 1, False, True, False, False, False),
+        ("bfloat16", 96, 2, True, False, True, False, False),
+        ("bfloat16", 256, 1, True, False, False, False, True),
+        ("bfloat16", 192, 1, False, False, False, True, False),
+        ("float16", 256, 4, False, True, True, True, False),
+    ]
+    out = [bwd_config(arch, dt, d, d, r, c, w, sc, vl, det) for dt, d, r, c, w, sc, vl, det in rep]
+    out.append(bwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, False, False))
+    return _supported(out + _fm_matrix(arch))
 
 
 def prepost_matrix(arch: int, full: bool = False) -> list[BwdConfig]:

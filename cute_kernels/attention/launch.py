@@ -214,9 +214,8 @@ _SM90_HEAD_DIMS = (64, 96, 128, 192, 256)
 _SM100_HEAD_DIMS = (64, 128, 192, 256)
 
 
-def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
-    """Configs compiled by ``python -m cute_kernels.check`` (and the CPU compile tests) for compute
-    capability ``arch``; the configs of 10.0 and 10.3 differ only in ``arch``."""
+def _dense_matrix(arch: int, full: bool) -> list[FwdConfig]:
+    """The configs without a FlashMask mask (``config_matrix``)."""
     arch = int(arch)
     sm90 = _arch.family(arch) == 90
     if full:
@@ -250,6 +249,16 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
     if sm90:
         rep += [("bfloat16", 96, 1, True, False, True, 64, False)]
     out = [fwd_config(arch, dt, d, d, r, c, w, sc, b, vl) for dt, d, r, c, w, sc, b, vl in rep]
+    # (192, 128): Q/K 192 wide, V/O 128 wide
+    out += [fwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, 64, False),
+            fwd_config(arch, "float16", 192, 128, 1, False, False, False, 0, True)]
+    return out
+
+
+def _fm_matrix(arch: int) -> list[FwdConfig]:
+    """FlashMask (startend_row_indices) lines of the compile matrix, default and full alike."""
+    sm90 = _arch.family(arch) == 90
+    out = []
     if not sm90:  # FlashMask on SM100: every layout (4 columns included), block_logit, window, GQA
         out += [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in (
             ("bfloat16", 128, 1, True, False, 0, "lts"),
@@ -268,10 +277,15 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
             ("bfloat16", 64, 2, True, False, 0, "lts"),
             ("bfloat16", 256, 1, True, True, 0, "lts_lte"),
             ("bfloat16", 192, 1, False, False, 32, "lts_ute"))]
-    # (192, 128): Q/K 192 wide, V/O 128 wide
-    out += [fwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, 64, False),
-            fwd_config(arch, "float16", 192, 128, 1, False, False, False, 0, True)]
     return out
+
+
+def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
+    """Configs compiled by ``python -m cute_kernels.check`` (and the CPU compile tests) for compute
+    capability ``arch``; the configs of 10.0 and 10.3 differ only in ``arch``. Each FlashMask line names
+    its column layout (``startend=...``)."""
+    arch = int(arch)
+    return _dense_matrix(arch, full) + _fm_matrix(arch)
 
 
 CHECKS = {"attention_fwd": (config_matrix, compile_fwd, smem_bytes)}

@@ -59,8 +59,13 @@ def test_config_matrix_covers_both_archs():
 
     for arch in (90, 100):
         small = config_matrix(arch, False)
-        assert 6 <= len(small) <= 10 and all(c.arch == arch for c in small)
+        dense = [c for c in small if not c.startend]
+        assert 6 <= len(dense) <= 10 and all(c.arch == arch for c in small)
+        # FlashMask lines: every column layout, in the default matrix and the full one
+        layouts = {"lts", "lts_lte", "lts_ute", "lts_lte_uts_ute"}
+        assert {c.startend for c in small if c.startend} == layouts and len(small) - len(dense) <= 8
         full = config_matrix(arch, True)
+        assert {c.startend for c in full if c.startend} == layouts
         assert {c.block_size for c in full} == {0, 16, 32, 64, 128, 256}
         assert {c.head_dim for c in full} >= {64, 128, 192, 256}
         assert any(c.varlen for c in full) and any(c.has_window for c in full)
