@@ -22,7 +22,8 @@ With ``startend`` (FlashMask, dense only) three int32 tensors follow the stream 
 
     mStartend    [B, Hm, Sk, n]       the column bounds (query head h reads mask head h // (Hq // Hm))
     mFmMinMax    [B, Hm, NT, 2n]      per key tile min / max of each bound   (attention/fm_meta.py)
-    mFmRanges    [B, Hm, MT, 2]       per query tile [first, last + 1) key tile not skipped
+    mFmRanges    [B, Hm, MT, 2NT+3]   per query tile [first, last + 1) key tile not skipped, then the
+                                      prefix counts and the list of those tiles (fm_meta.py)
 
 with NT / MT the kernel's key / query tile counts (``launch.fm_tiles``).
 

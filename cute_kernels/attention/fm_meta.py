@@ -5,10 +5,12 @@ column of ``startend_row_indices`` over the key tile's columns (those below Sk):
 
     mStartend [B, Hm, Sk, n] int32  ->  mMinMax [B, Hm, NT, 2n] int32 = [min_0, max_0, min_1, max_1, ...]
 
-``FmQueryRanges`` (one warp per (query tile, mask head, batch)): from those, the first and one past
-the last key tile that ``common/flashmask.classify_tile`` does not skip for the query tile's rows::
+``FmQueryRanges`` (one warp per (query tile, mask head, batch)): from those, the key tiles that
+``common/flashmask.classify_tile`` does not skip for the query tile's rows ("live" tiles)::
 
-    mMinMax  ->  mRanges [B, Hm, MT, 2] int32 = [n_first, n_last + 1]   ([0, 0]: no key tile)
+    mMinMax  ->  mRanges [B, Hm, MT, 2 NT + 3] int32 = [n_first, n_last + 1,      ([0, 0]: no key tile)
+                                                       prefix[0 .. NT],         live tiles below n
+                                                       live[0 .. count)]        the live tiles, ascending
 
 NT = ceil(Sk / tile_n), MT = ceil(Sq / tile_m) with the tiles of the attention kernel that reads them
 (the forward narrows its key-tile range to ``mRanges`` and classifies each visited tile from
@@ -105,10 +107,13 @@ class FmQueryRanges:
         m_tile, head, batch = cute.arch.block_idx()
         tiles = mMinMax[batch, head, None, None]
         n_tiles = mMinMax.shape[2]
+        row = mRanges[batch, head, m_tile, None]
         m_start = m_tile * cfg.tile_m
         m_end = cutlass.min(m_start + cfg.tile_m, seqlen_q)
         first = Int32(fm.INT32_MAX)
         last = Int32(-1)
+        running = Int32(0)  # live tiles below this chunk
+        below = (Int32(1) << lane) - Int32(1)  # the lanes before this one
         for it in cutlass.range((n_tiles + WARP - 1) // WARP, unroll=1):
             n_tile = it * WARP + lane
             lo, hi = fm.load_tile_minmax(tiles, cutlass.min(n_tile, n_tiles - 1), cfg.layout)
@@ -116,6 +121,15 @@ class FmQueryRanges:
             live = n_tile < n_tiles and not skip
             first = cutlass.min(first, n_tile) if live else first
             last = cutlass.max(last, n_tile) if live else last
+            ballot = cute.arch.vote_ballot_sync(live)
+            pos = running + cute.arch.popc(ballot & below)
+            if n_tile < n_tiles:
+                row[2 + n_tile] = pos  # prefix[n]: live tiles below n
+            if live:
+                row[3 + n_tiles + pos] = n_tile
+            running = running + cute.arch.popc(ballot)
+        if lane == 0:
+            row[2 + n_tiles] = running  # prefix[NT] = count
         first = _warp_min(first)
         last = _warp_max(last)
         if lane == 0:
@@ -133,7 +147,7 @@ def workspace_shapes(cfg: FmMetaConfig, batch: int, mask_heads: int, seqlen_q: i
     nt = -(-seqlen_k // cfg.tile_n)
     mt = -(-seqlen_q // cfg.tile_m)
     return {"fm_minmax": ([batch, mask_heads, nt, 2 * cfg.cols], "int32"),
-            "fm_ranges": ([batch, mask_heads, mt, 2], "int32")}
+            "fm_ranges": ([batch, mask_heads, mt, 2 * nt + 3], "int32")}
 
 
 @jit_cache
@@ -145,7 +159,7 @@ def _compile(cfg: FmMetaConfig, which: str):
     if which == "bounds":
         se = fake_tensor(cutlass.Int32, (b, h, sk, cfg.cols), align_bytes=4)
         return cute.compile(FmTileBounds(cfg), se, minmax, fake_stream(), options=arch_options(cfg.arch))
-    ranges = fake_tensor(cutlass.Int32, (b, h, mt, 2), align_bytes=4)
+    ranges = fake_tensor(cutlass.Int32, (b, h, mt, sym()), align_bytes=4)
     return cute.compile(FmQueryRanges(cfg), minmax, ranges, Int32(1), fake_stream(),
                         options=arch_options(cfg.arch))
 

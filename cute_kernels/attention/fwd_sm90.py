@@ -145,6 +145,10 @@ class FlashFwdSm90:
         # 0.95x with them and compiles clean without). 2 WGs (240 registers) keep the values computed once.
         self.reread_coords = self.num_wg == 3
         self.reread_lane = self.reread_coords and (cfg.varlen or cfg.has_window)
+        # FlashMask: walk only the key tiles the column bounds do not skip (fm_meta's list), gaps inside the
+        # range included. Not with block_logit, whose deferred / carried block maxima assume consecutive
+        # tiles: there a skipped tile inside the range is computed fully masked.
+        self.fm_gap_skip = cfg.has_startend and not cfg.has_block_logit
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -313,12 +317,13 @@ class FlashFwdSm90:
                 tiles = fm.narrow_tile_range(tiles, rng[0], rng[1])
                 fmask = SimpleNamespace(bounds=mStartend[batch_idx, fm_head, None, None],
                                         minmax=mFmMinMax[batch_idx, fm_head, None, None], m_start=m_start,
-                                        m_end=cutlass.min(m_start + self.tile_m, seqlen.seqlen_q))
+                                        m_end=cutlass.min(m_start + self.tile_m, seqlen.seqlen_q),
+                                        row=rng, nt=mFmMinMax.shape[2])
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                              pipeline_q, pipeline_k, pipeline_v, seqlen, tiles, m_tile, head_idx, batch_idx)
+                              pipeline_q, pipeline_k, pipeline_v, seqlen, tiles, m_tile, head_idx, batch_idx, fmask)
                 else:
                     if const_expr(cfg.has_block_logit):
                         self.fill_block_logit(mBlockLogit, seqlen, tiles, m_start, head_idx, batch_idx,
@@ -339,7 +344,7 @@ class FlashFwdSm90:
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
              pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, tiles: TileRange,
-             m_tile: Int32, head_idx: Int32, batch_idx: Int32):
+             m_tile: Int32, head_idx: Int32, batch_idx: Int32, fmask=None):
         cfg = self.cfg
         head_kv = head_idx // cfg.qhead_per_kvhead
         mQ_cur = self._batch_view(mQ, seqlen.offset_q, batch_idx, cfg.varlen)[None, None, head_idx]
@@ -355,7 +360,10 @@ class FlashFwdSm90:
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
                                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        if tiles.n_min < tiles.n_max:
+        if const_expr(self.fm_gap_skip):
+            self.load_fm(tKgK, tKsK, tVgV, tVsV, tQgQ, tQsQ, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_q,
+                         pipeline_k, pipeline_v, tiles, fmask)
+        elif tiles.n_min < tiles.n_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             # 1. K of the first (highest) tile, then Q.
@@ -379,6 +387,42 @@ class FlashFwdSm90:
             # 3. V of the last (lowest) tile.
             pipeline_v.producer_acquire(kv_state)
             cute.copy(tma_atom_V, tVgV[None, tiles.n_min], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+
+    def fm_prefix(self, fmask, n: Int32) -> Int32:
+        """FlashMask: how many of the query tile's live key tiles lie below tile ``n`` (fm_meta)."""
+        return fmask.row[2 + n]
+
+    def fm_live(self, fmask, p: Int32) -> Int32:
+        """FlashMask: the query tile's ``p``-th live key tile, ascending (fm_meta)."""
+        return fmask.row[3 + fmask.nt + p]
+
+    @cute.jit
+    def load_fm(self, tKgK, tKsK, tVgV, tVsV, tQgQ, tQsQ, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_q,
+                pipeline_k, pipeline_v, tiles: TileRange, fmask):
+        """``load`` over the live key tiles of [n_min, n_max) only (``fm_gap_skip``), in the consumers' order."""
+        p_lo = self.fm_prefix(fmask, tiles.n_min)
+        p_hi = self.fm_prefix(fmask, tiles.n_max)
+        if p_lo < p_hi:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipeline_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, self.fm_live(fmask, p_hi - 1)], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            for i in cutlass.range(p_hi - 1 - p_lo, unroll=1):
+                p = p_hi - 1 - i
+                prev_state = kv_state.clone()
+                kv_state.advance()
+                pipeline_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK[None, self.fm_live(fmask, p - 1)], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                pipeline_v.producer_acquire(prev_state)
+                cute.copy(tma_atom_V, tVgV[None, self.fm_live(fmask, p)], tVsV[None, prev_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(prev_state))
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, self.fm_live(fmask, p_lo)], tVsV[None, kv_state.index],
                       tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
 
     def _block_logit_rows(self, mBlockLogit, seqlen: SeqlenInfo, head_idx, batch_idx):
@@ -504,50 +548,103 @@ class FlashFwdSm90:
             ctx.bl_pending = cute.make_rmem_tensor((2, self.bl_shape.blocks_per_tile), Float32)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        if tiles.n_min < tiles.n_max:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipeline_q.consumer_wait(q_state)
-            # 1. First tile (highest n): QK^T alone, full mask (seqlen tail + causal/window).
-            n_tile = tiles.n_max - 1
-            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-            pipeline_k.consumer_wait(kv_state)
-            self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
-            pipeline_k.consumer_release(kv_state)
-            self.process_scores(ctx, acc_S, n_tile, True, True, True)
-            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
-            # 2. Remaining tiles, descending; masked where causal/window cut through them.
-            n_hi = n_tile
-            n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
-            for i in cutlass.range(n_hi - n_lo_a, unroll=1):
-                kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
-                                             tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
-                                             pipeline_k, pipeline_v, wg, ctx)
-            n_hi = cutlass.min(n_hi, n_lo_a)
-            n_lo_b = cutlass.min(cutlass.max(tiles.n_left_mask, tiles.n_min), n_hi)
-            for i in cutlass.range(n_hi - n_lo_b, unroll=1):
-                kv_state = self.overlap_step(n_hi - 1 - i, False, kv_state, tiled_mma_qk, tiled_mma_pv,
-                                             tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
-                                             pipeline_k, pipeline_v, wg, ctx)
-            n_hi = n_lo_b
-            if const_expr(cfg.has_window):
-                for i in cutlass.range(n_hi - tiles.n_min, unroll=1):
+        if const_expr(self.fm_gap_skip):
+            self.consume_fm(ctx, tiles, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn,
+                            acc_O, acc_S_shape, pipeline_q, pipeline_k, pipeline_v, wg)
+        else:
+            if tiles.n_min < tiles.n_max:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+                pipeline_q.consumer_wait(q_state)
+                # 1. First tile (highest n): QK^T alone, full mask (seqlen tail + causal/window).
+                n_tile = tiles.n_max - 1
+                acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+                pipeline_k.consumer_wait(kv_state)
+                self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+                pipeline_k.consumer_release(kv_state)
+                self.process_scores(ctx, acc_S, n_tile, True, True, True)
+                convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+                # 2. Remaining tiles, descending; masked where causal/window cut through them.
+                n_hi = n_tile
+                n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
+                for i in cutlass.range(n_hi - n_lo_a, unroll=1):
                     kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
                                                  tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
                                                  pipeline_k, pipeline_v, wg, ctx)
-            pipeline_q.consumer_release(q_state)
-            # 3. PV of the last tile (deferred block_logit: the last tile's block maxima meanwhile).
-            pipeline_v.consumer_wait(kv_state)
-            self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
-            if const_expr(self.bl_deferred):
-                self.block_logit_flush(ctx, tiles.n_min)
-            warpgroup.wait_group(0)
-            pipeline_v.consumer_release(kv_state)
+                n_hi = cutlass.min(n_hi, n_lo_a)
+                n_lo_b = cutlass.min(cutlass.max(tiles.n_left_mask, tiles.n_min), n_hi)
+                for i in cutlass.range(n_hi - n_lo_b, unroll=1):
+                    kv_state = self.overlap_step(n_hi - 1 - i, False, kv_state, tiled_mma_qk, tiled_mma_pv,
+                                                 tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                                 pipeline_k, pipeline_v, wg, ctx)
+                n_hi = n_lo_b
+                if const_expr(cfg.has_window):
+                    for i in cutlass.range(n_hi - tiles.n_min, unroll=1):
+                        kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
+                                                     tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                                     pipeline_k, pipeline_v, wg, ctx)
+                pipeline_q.consumer_release(q_state)
+                # 3. PV of the last tile (deferred block_logit: the last tile's block maxima meanwhile).
+                pipeline_v.consumer_wait(kv_state)
+                self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
+                if const_expr(self.bl_deferred):
+                    self.block_logit_flush(ctx, tiles.n_min)
+                warpgroup.wait_group(0)
+                pipeline_v.consumer_release(kv_state)
 
         # 4. Epilogue: O /= l, lse; rows past seqlen_q are not written.
         row_scale, lse = softmax.finalize()
         softmax.rescale(acc_O_mn, row_scale)
         self.epilogue(acc_O, lse, mO, mLSE, seqlen, tiled_mma_pv, thr_mma_pv, m_tile, head_idx, batch_idx,
                       ctidx, tma_atom_O, sO)
+
+    @cute.jit
+    def consume_fm(self, ctx, tiles: TileRange, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                   acc_O_mn, acc_O, acc_S_shape, pipeline_q, pipeline_k, pipeline_v, wg: Int32):
+        """The key-tile loop of ``consume`` over the live tiles only (``fm_gap_skip``; no block_logit): the
+        same three masked / unmasked / masked runs of tiles, each walked through fm_meta's list."""
+        cfg = self.cfg
+        fmask = ctx.fmask
+        p_lo = self.fm_prefix(fmask, tiles.n_min)
+        p_hi = self.fm_prefix(fmask, tiles.n_max)
+        if p_lo < p_hi:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_q.consumer_wait(q_state)
+            # 1. First (highest live) tile: QK^T alone, full mask.
+            n_first = self.fm_live(fmask, p_hi - 1)
+            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+            pipeline_k.consumer_wait(kv_state)
+            self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+            pipeline_k.consumer_release(kv_state)
+            self.process_scores(ctx, acc_S, n_first, True, True, True)
+            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+            # 2. The live tiles below it, descending: [n_right_mask, n_first) masked, then unmasked, then the
+            #    window's left run masked (positions in the list: prefix counts).
+            n_hi = n_first
+            n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
+            p_top = p_hi - 1
+            p_a = cutlass.min(self.fm_prefix(fmask, cutlass.min(n_lo_a, n_hi)), p_top)
+            for i in cutlass.range(p_top - p_a, unroll=1):
+                kv_state = self.overlap_step(self.fm_live(fmask, p_top - 1 - i), True, kv_state, tiled_mma_qk,
+                                             tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                             pipeline_k, pipeline_v, wg, ctx)
+            n_hi = cutlass.min(n_hi, n_lo_a)
+            n_lo_b = cutlass.min(cutlass.max(tiles.n_left_mask, tiles.n_min), n_hi)
+            p_b = self.fm_prefix(fmask, n_lo_b)
+            for i in cutlass.range(p_a - p_b, unroll=1):
+                kv_state = self.overlap_step(self.fm_live(fmask, p_a - 1 - i), False, kv_state, tiled_mma_qk,
+                                             tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                             pipeline_k, pipeline_v, wg, ctx)
+            if const_expr(cfg.has_window):
+                for i in cutlass.range(p_b - p_lo, unroll=1):
+                    kv_state = self.overlap_step(self.fm_live(fmask, p_b - 1 - i), True, kv_state, tiled_mma_qk,
+                                                 tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O,
+                                                 acc_S_shape, pipeline_k, pipeline_v, wg, ctx)
+            pipeline_q.consumer_release(q_state)
+            # 3. PV of the last tile.
+            pipeline_v.consumer_wait(kv_state)
+            self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(kv_state)
 
     def _thr_col(self, tiled_mma_qk, ctidx: Int32) -> Int32:
         """Column (within a key tile) of consumer thread ``ctidx``'s first S fragment entry."""

@@ -100,7 +100,7 @@ def fake_fm_args(cfg: FwdConfig) -> tuple:
     b, hm, sk, nt, mt = sym(), sym(), sym(), sym(), sym()
     i32 = cutlass.Int32
     return (fake_tensor(i32, (b, hm, sk, n), align_bytes=4), fake_tensor(i32, (b, hm, nt, 2 * n), align_bytes=4),
-            fake_tensor(i32, (b, hm, mt, 2), align_bytes=4))
+            fake_tensor(i32, (b, hm, mt, sym()), align_bytes=4))
 
 
 def fake_fwd_args(cfg: FwdConfig) -> FwdArgs:

@@ -396,7 +396,7 @@ def test_cute_glue_plumbing(monkeypatch):
     assert seen["cfg"]["startend"] == "lts_lte_uts_ute" and seen["cfg"]["causal"] is False
     run = seen["run"]
     assert run["startend"] is not None and list(run["startend"].shape) == [2, 2, 200, 4]
-    assert list(run["fm_minmax"].shape) == [2, 2, 2, 8] and list(run["fm_ranges"].shape) == [2, 2, 3, 2]
+    assert list(run["fm_minmax"].shape) == [2, 2, 2, 8] and list(run["fm_ranges"].shape) == [2, 2, 3, 2 * 2 + 3]
     assert float(out.astype("float32").mean()) == 7.0
     bwd = {}
 

@@ -202,9 +202,11 @@ def test_window_and_mask(causal, window):
     check(q, k, v, se, causal, window=window)
 
 
-@pytest.mark.parametrize("block_size", [16, 64, 256])
-def test_block_logit(block_size):
-    se, causal, _ = F.causal_document([190, 333, 501])
+@pytest.mark.parametrize("mask", ["causal_document", "share_question"])  # the second has skipped tiles inside
+@pytest.mark.parametrize("block_size", [16, 64, 256])                      # the range (masked, not skipped, here)
+def test_block_logit(block_size, mask):
+    se, causal, _ = (F.causal_document([190, 333, 501]) if mask == "causal_document"
+                     else F.share_question([(200, [150, 170]), (130, [180, 194])]))
     q, k, v = make_qkv(1, se.shape[2], se.shape[2], 4, 2, 128)
     check(q, k, v, se, causal, block_size=block_size)
 
