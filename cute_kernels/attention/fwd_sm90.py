@@ -557,11 +557,12 @@ class FlashFwdSm90:
                 pipeline_q.consumer_wait(q_state)
                 # 1. First tile (highest n): QK^T alone, full mask (seqlen tail + causal/window).
                 n_tile = tiles.n_max - 1
+                fm_whole = self.fm_tile_whole(ctx, n_tile)
                 acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
                 pipeline_k.consumer_wait(kv_state)
                 self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
                 pipeline_k.consumer_release(kv_state)
-                self.process_scores(ctx, acc_S, n_tile, True, True, True)
+                self.process_scores(ctx, acc_S, n_tile, True, True, True, fm_whole)
                 convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
                 # 2. Remaining tiles, descending; masked where causal/window cut through them.
                 n_hi = n_tile
@@ -611,11 +612,12 @@ class FlashFwdSm90:
             pipeline_q.consumer_wait(q_state)
             # 1. First (highest live) tile: QK^T alone, full mask.
             n_first = self.fm_live(fmask, p_hi - 1)
+            fm_whole = self.fm_tile_whole(ctx, n_first)
             acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
             pipeline_k.consumer_wait(kv_state)
             self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
             pipeline_k.consumer_release(kv_state)
-            self.process_scores(ctx, acc_S, n_first, True, True, True)
+            self.process_scores(ctx, acc_S, n_first, True, True, True, fm_whole)
             convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
             # 2. The live tiles below it, descending: [n_right_mask, n_first) masked, then unmasked, then the
             #    window's left run masked (positions in the list: prefix counts).
@@ -662,6 +664,7 @@ class FlashFwdSm90:
         """QK^T of tile n in flight with PV of tile n+1; then softmax of tile n and O rescale."""
         v_state = kv_state.clone()
         kv_state.advance()
+        fm_whole = self.fm_tile_whole(ctx, n_tile)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipeline_k.consumer_wait(kv_state)
         self.scheduler_sync(wg)
@@ -673,7 +676,7 @@ class FlashFwdSm90:
             self.block_logit_flush(ctx, n_tile + 1)
         warpgroup.wait_group(0 if const_expr(self.bl_early_reduce) else 1)
         pipeline_k.consumer_release(kv_state)
-        row_scale = self.process_scores(ctx, acc_S, n_tile, False, False, masked)
+        row_scale = self.process_scores(ctx, acc_S, n_tile, False, False, masked, fm_whole)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         ctx.softmax.rescale(acc_O_mn, row_scale)
@@ -682,7 +685,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def process_scores(self, ctx, acc_S: cute.Tensor, n_tile: Int32, is_first: cutlass.Constexpr,
-                       mask_seqlen: cutlass.Constexpr, masked: cutlass.Constexpr) -> cute.Tensor:
+                       mask_seqlen: cutlass.Constexpr, masked: cutlass.Constexpr, fm_whole=True) -> cute.Tensor:
         """softcap, mask, block_logit, online softmax of one S tile -> P in acc_S; returns the O rescale."""
         cfg = self.cfg
         acc_S_mn = acc_mn_view(acc_S)
@@ -698,11 +701,9 @@ class FlashFwdSm90:
                        cfg.has_window)
         if const_expr(cfg.has_startend):
             # FlashMask: the element mask only on tiles the per-tile bounds do not leave whole (a tile
-            # the bounds skip inside the visited range is masked entirely here).
-            fmask = ctx.fmask
-            lo, hi = fm.load_tile_minmax(fmask.minmax, n_tile, cfg.startend)
-            _skip, whole = fm.classify_tile(fmask.m_start, fmask.m_end, lo, hi, cfg.startend)
-            if not whole:
+            # the bounds skip inside the visited range, with block_logit, is masked entirely here).
+            # ``fm_whole`` was classified before the tile's GEMMs were waited for (fm_tile_whole).
+            if not fm_whole:
                 self.startend_mask(ctx, acc_S_mn, n_tile)
         local_max = None
         if const_expr(cfg.has_block_logit):
@@ -720,6 +721,18 @@ class FlashFwdSm90:
                                                   bl.row_at(ctx.bl_addr, ctx.bl_layout), ctx.bl_limit,
                                                   ctx.bl_row_sel, ctx.carry, ctx.bl_scale)
         return ctx.softmax.update(acc_S_mn, is_first, local_max)
+
+    @cute.jit
+    def fm_tile_whole(self, ctx, n_tile: Int32):
+        """FlashMask: whether key tile ``n_tile``'s bound min / max leave this query tile whole (no element
+        mask). Called before the tile's scores are waited for, so the loads overlap the GEMMs instead of
+        lengthening the softmax. True without a mask."""
+        whole = True
+        if const_expr(self.cfg.has_startend):
+            fmask = ctx.fmask
+            lo, hi = fm.load_tile_minmax(fmask.minmax, n_tile, self.cfg.startend)
+            _skip, whole = fm.classify_tile(fmask.m_start, fmask.m_end, lo, hi, self.cfg.startend)
+        return whole
 
     @cute.jit
     def startend_mask(self, ctx, acc_S_mn: cute.Tensor, n_tile: Int32):
