@@ -19,7 +19,8 @@ rounds; median and min-max of the window medians), so ratios are per round:
 
 Every FlashMask timing includes its metadata kernels (fm_meta: per-key-tile bounds and query-tile
 ranges), which run once per call. TFLOPs/s count the **visible** pairs only: 4 * B * Hq * pairs * d
-forward, 2.5x that backward (pairs from tests/oracles/flashmask.visible_pairs). "rate / causal" is the mask's visible-pair rate
+forward, 2.5x that backward (pairs from tests/oracles/flashmask.visible_pairs). "rate / causal" is the
+mask's visible-pair rate
 over the causal kernel's (per round: t_causal / t_mask * pairs_mask / pairs_causal; the issue's
 targets: fm_causal >= 0.95, every other mask >= 0.85); "/ varlen" for fm_docs is t_varlen / t_fm_docs
 (same visible pairs; target >= 0.95). ``--directions fwd,bwd`` (default both): the backward rows time
@@ -263,7 +264,8 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         st = r["stats"]
-        lines.append(f"| {r['direction']} | {r['seqlen']} | {r['batch']} | {r['heads']}/{r['heads_kv']} | {r['variant']} | "
+        lines.append(f"| {r['direction']} | {r['seqlen']} | {r['batch']} | {r['heads']}/{r['heads_kv']} | "
+                     f"{r['variant']} | "
                      f"{r['density']:.3f} | {st['median_ms']:.3f} ({st['lo_ms']:.3f}-{st['hi_ms']:.3f}) | "
                      f"{r['tflops_visible']:.1f} | {fmt_spread(r.get('rate_over_causal'))} | "
                      f"{fmt_spread(r.get('over_varlen'))} |")

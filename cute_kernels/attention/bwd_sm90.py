@@ -254,7 +254,8 @@ class FlashBwdSm90:
         barriers = 8 * (2 * (t.q_stages + t.do_stages) + 2)
         tiles = (q, do, k, v, ds, ds, dq) if t.wide else (q, do, k, v, ds, dq)
         # FlashMask: the skipped query-tile ranges of each query head the CTA walks (4 int32 each)
-        fm_skips = 16 * (1 if group_split(cfg) else cfg.qhead_per_kvhead) + 16 if cfg.startend else 0  # (an upper bound)
+        heads = 1 if group_split(cfg) else cfg.qhead_per_kvhead
+        fm_skips = 16 * heads + 16 if cfg.startend else 0  # (an upper bound)
         return sum(-(-x // 1024) * 1024 for x in tiles) + stats + barriers + fm_skips + 1024
 
     # ------------------------------------------------------------------ host launch

@@ -259,7 +259,8 @@ class TileScheduler:
             # FlashMask: every role walks the key tiles the column bounds do not skip for the tile's rows
             # (fm_meta.FmQueryRanges with this kernel's tile_m), so load, MMA and softmax stay in step.
             mh = head // self.fm_head_div
-            keys = fm.narrow_tile_range(keys, self.mFmRanges[batch, mh, m_tile, 0], self.mFmRanges[batch, mh, m_tile, 1])
+            rng = self.mFmRanges[batch, mh, m_tile, None]
+            keys = fm.narrow_tile_range(keys, rng[0], rng[1])
             fm_bounds = self.mStartend[batch, mh, None, None]
             fm_minmax = self.mFmMinMax[batch, mh, None, None]
         has_rows = m_start < seqlen.seqlen_q

@@ -341,7 +341,8 @@ def test_cute_backend_names_the_case():
     spec = _spec.AttnFwdSpec(**base, startend="lts", startend_heads=1)
     assert glue.unsupported_reason(90, spec) is None and glue.bwd_unsupported_reason(90, spec, True, False) is None
     for arch in (100, 103):  # the SM100 kernels take every layout too (compile-verified)
-        assert glue.unsupported_reason(arch, spec) is None and glue.bwd_unsupported_reason(arch, spec, True, False) is None
+        assert glue.unsupported_reason(arch, spec) is None
+        assert glue.bwd_unsupported_reason(arch, spec, True, False) is None
     varlen = _spec.AttnFwdSpec(**dict(base, varlen=True), startend="lts", startend_heads=1)
     assert "with varlen" in glue.unsupported_reason(90, varlen)
     spec = _spec.AttnFwdSpec(**dict(base, block_size=64, num_blocks=2), has_block_bos=True)
@@ -424,5 +425,6 @@ def test_cute_glue_plumbing(monkeypatch):
     out = paddle_fa4.flashmask_attention(q, k, k, se, backend="cute", deterministic=True)
     out.sum().backward()
     assert bwd["cfg"]["startend"] == "lts_lte_uts_ute" and bwd["cfg"]["deterministic"] is True
-    assert list(bwd["run"]["fm_minmax"].shape) == [2, 2, 2, 8] and list(bwd["run"]["startend"].shape) == [2, 2, 200, 4]
+    assert list(bwd["run"]["fm_minmax"].shape) == [2, 2, 2, 8]
+    assert list(bwd["run"]["startend"].shape) == [2, 2, 200, 4]
     assert float(q.grad.astype("float32").mean()) == 2.0

@@ -65,7 +65,8 @@ def _flashmask(q, k, v):
     return paddle_fa4.flashmask_attention(q, k, v, se, causal=True, return_softmax_lse=True, **REF)
 
 
-OPS = [pytest.param(_fa_fwd, id="flash_attn_fwd"), pytest.param(_flashmask, id="flashmask_attention"), pytest.param(_fa_bwd, id="flash_attn_bwd"),
+OPS = [pytest.param(_fa_fwd, id="flash_attn_fwd"),
+       pytest.param(_flashmask, id="flashmask_attention"), pytest.param(_fa_bwd, id="flash_attn_bwd"),
        pytest.param(_selection, id="selection"), pytest.param(_chunked, id="select_topk_blocks_chunked"),
        pytest.param(_indexed, id="indexed_attention")]
 
