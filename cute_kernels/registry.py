@@ -12,6 +12,7 @@ import importlib
 LAUNCH_MODULES = (
     "cute_kernels.attention.launch",
     "cute_kernels.attention.bwd_launch",
+    "cute_kernels.attention.fm_meta",
     "cute_kernels.block_sparse.launch",
     "cute_kernels.decode.launch",
     "cute_kernels.h2o.launch",

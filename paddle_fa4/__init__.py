@@ -6,6 +6,8 @@ Public API (see ``docs/api.md`` for exact semantics):
 - :func:`flash_attn_fwd` — attention forward with fused ``block_logit`` and natural-log LSE
   (differentiable w.r.t. q, k, v through autograd)
 - :func:`flash_attn_bwd` — its backward as a low-level op, for callers managing their own autograd
+- :func:`flashmask_attention` — Paddle's FlashMask op (``startend_row_indices`` column masks), with
+  :func:`startend_row_indices_from_cu_seqlens` / :func:`cu_seqlens_from_startend_row_indices`
 - :func:`block_log_weight`, :func:`select_topk_blocks`, :func:`blocks_to_indices` — block selection
 - :func:`indexed_attention`, :func:`indexed_attention_plan` — sparse attention over token indices
 - :func:`block_sparse_attention`, :func:`block_sparse_plan` — attention over per-query key blocks
@@ -31,6 +33,9 @@ _EXPORTS = {
     "flash_attn_varlen_func": "attention",
     "flash_attn_fwd": "attention",
     "flash_attn_bwd": "attention",
+    "flashmask_attention": "flashmask",
+    "startend_row_indices_from_cu_seqlens": "flashmask",
+    "cu_seqlens_from_startend_row_indices": "flashmask",
     "block_log_weight": "selection",
     "select_topk_blocks": "selection",
     "blocks_to_indices": "selection",

@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+#: FlashMask column layouts -> number of int32 columns per key. Rows ``i`` of key column ``j`` are
+#: masked when ``LTS <= i < LTE`` or ``UTS <= i < UTE``; an absent bound is LTE = +inf (``lts``,
+#: ``lts_ute``) or the empty upper interval (``lts``, ``lts_lte``). ``lts``/``lts_lte`` come with
+#: ``causal=True``, ``lts_ute``/``lts_lte_uts_ute`` with ``causal=False`` (Paddle's convention).
+STARTEND_LAYOUTS = {"": 0, "lts": 1, "lts_lte": 2, "lts_ute": 2, "lts_lte_uts_ute": 4}
+
 
 @dataclass(frozen=True)
 class AttnFwdSpec:
@@ -22,6 +28,11 @@ class AttnFwdSpec:
     ``window_left``/``window_right`` are None when unbounded; causal calls have
     ``window_right == 0``. ``causal`` is also True for a window ``(None, 0)`` (the same mask).
     ``block_size`` is 0 when no ``block_logit`` is produced; ``num_blocks`` is its last extent.
+
+    FlashMask (``startend_row_indices``, docs/api.md "FlashMask"): ``startend`` names the column
+    layout, one of :data:`STARTEND_LAYOUTS` ("" = no mask); ``startend_heads`` is the mask's head
+    extent (1, Hkv or Hq; query head ``h`` reads mask head ``h // (Hq // startend_heads)``).
+    ``has_block_bos``: ``block_logit`` block ids are relative to each query's ``block_bos``.
     """
 
     batch: int
@@ -43,6 +54,14 @@ class AttnFwdSpec:
     block_size: int
     num_blocks: int
     pack_gqa: bool
+    startend: str = ""
+    startend_heads: int = 0
+    has_block_bos: bool = False
+
+    @property
+    def startend_cols(self) -> int:
+        """The last extent of ``startend_row_indices`` (0 without a FlashMask mask)."""
+        return STARTEND_LAYOUTS[self.startend]
 
     @property
     def qhead_per_kvhead(self) -> int:

@@ -42,7 +42,8 @@ MAX_HEAD_DIM = 256
 def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    block_logit=None, block_size=64, return_block_logit=False, pack_gqa=None,
-                   backend="auto", deterministic=False, return_lse=False):
+                   backend="auto", deterministic=False, return_lse=False, startend_row_indices=None,
+                   block_bos=None):
     r"""Attention forward; optionally the per-(row, key block) max logit ``block_logit``.
 
     Row ``i`` of a sequence with lengths ``(Sq, Sk)`` sees key ``t`` when
@@ -80,6 +81,15 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
             reproducible (see :func:`flash_attn_bwd`). The forward is deterministic either way.
         return_lse (bool): ``lse`` is differentiable, as in :func:`flash_attn_func` (its gradient
             reaches q and k through the backward's ``dlse``); the return value is the same either way.
+        startend_row_indices (Tensor, optional): a FlashMask column mask, int32
+            ``[B, 1 | Hkv | Hq, Sk, n]`` (dense layout only), combined with ``causal`` and
+            ``window_size``: ``n`` is 1 (``[LTS]``) or 2 (``[LTS, LTE]``) with ``causal=True``,
+            2 (``[LTS, UTE]``) or 4 (``[LTS, LTE, UTS, UTE]``) with ``causal=False``; see
+            :func:`paddle_fa4.flashmask_attention` and docs/api.md "FlashMask".
+        block_bos (Tensor, optional): int32 ``[B, Sq]``, with ``block_logit`` only: block ``j`` of
+            query ``i`` covers keys ``[bos_i + j * block_size, bos_i + (j + 1) * block_size)``
+            (document-relative blocks, as PaddleFleet's HySparse layer passes them); keys before
+            ``bos_i`` belong to no block. The shape of ``block_logit`` does not change.
 
     Returns:
         tuple: ``(out, lse)``, or ``(out, lse, block_logit)`` when ``block_logit`` is given or
@@ -115,7 +125,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_logit=block_logit, block_size=block_size,
         return_block_logit=return_block_logit, pack_gqa=pack_gqa, backend=backend,
-        deterministic=deterministic, lse_grad=V.check_bool(OP, "return_lse", return_lse))
+        deterministic=deterministic, lse_grad=V.check_bool(OP, "return_lse", return_lse),
+        startend_row_indices=startend_row_indices, block_bos=block_bos)
     if block_logit is not None:
         return out, lse, block_logit
     return out, lse
@@ -123,20 +134,23 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(No
 
 def _attention(op, q, k, v, *, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa, backend,
-               deterministic, lse_grad):
+               deterministic, lse_grad, startend_row_indices=None, block_bos=None, stacklevel=5):
     """``(out, lse, block_logit or None)`` of every forward entry point (validated with ``op``'s name).
 
     ``lse_grad``: ``lse`` is differentiable (``flash_attn_func(..., return_lse=True)``, as FA4);
-    the backward then reads its gradient as ``dlse``.
+    the backward then reads its gradient as ``dlse``. ``startend_row_indices``/``block_bos``: the
+    FlashMask mask and block origins (``flash_attn_fwd``, ``flashmask_attention``).
     """
     import paddle
 
     cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(op, cu_seqlens_q, cu_seqlens_k)
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa, op=op)
+                     max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa, op=op,
+                     startend_row_indices=startend_row_indices, block_bos=block_bos)
+    mask = _Mask(startend_row_indices, block_bos)
     V.check_bool(op, "deterministic", deterministic)
     fwd_backend = resolve_backend(op, backend, q, functools.partial(_unsupported_reason, spec=spec),
-                                  stacklevel=5)
+                                  stacklevel=stacklevel)
     if spec.has_block_logit and block_logit is None:
         sizes = (f"max_seqlen_q={spec.seqlen_q}, max_seqlen_k={spec.seqlen_k}" if spec.varlen else
                  f"Sq={spec.seqlen_q}, Sk={spec.seqlen_k}") + f" and block_size={spec.block_size}"
@@ -145,12 +159,34 @@ def _attention(op, q, k, v, *, softmax_scale, causal, window_size, softcap, cu_s
     if not spec.has_block_logit:
         block_logit = None
     if _needs_grad(q, k, v):
-        bwd_backend = _bwd_backend(backend, q, spec, deterministic, has_dlse=lse_grad, stacklevel=6)
-        out, lse = _FlashAttnFn.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, block_logit, spec, fwd_backend,
-                                      bwd_backend, deterministic, lse_grad)
+        bwd_backend = _bwd_backend(backend, q, spec, deterministic, has_dlse=lse_grad, stacklevel=stacklevel + 1)
+        out, lse = _FlashAttnFn.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, block_logit, startend_row_indices,
+                                      block_bos, spec, fwd_backend, bwd_backend, deterministic, lse_grad)
     else:
-        out, lse = _forward(spec, fwd_backend, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k)
+        out, lse = _forward(spec, fwd_backend, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k, mask)
     return out, lse, block_logit
+
+
+class _Mask:
+    """The FlashMask tensors of a call (either may be None), passed to the backends as keywords."""
+
+    def __init__(self, startend_row_indices=None, block_bos=None):
+        self.startend_row_indices, self.block_bos = startend_row_indices, block_bos
+
+    def fwd_kwargs(self) -> dict:
+        """Keywords of ``impl.flash_attn_fwd`` (empty without a mask: the dense contract)."""
+        kw = {}
+        if self.startend_row_indices is not None:
+            kw["startend_row_indices"] = self.startend_row_indices
+        if self.block_bos is not None:
+            kw["block_bos"] = self.block_bos
+        return kw
+
+    def bwd_kwargs(self) -> dict:
+        """Keywords of ``impl.flash_attn_bwd`` (block_bos only shapes block_logit: not read)."""
+        if self.startend_row_indices is None:
+            return {}
+        return {"startend_row_indices": self.startend_row_indices}
 
 
 #: FA4 b36 keywords of ``flash_attn_func`` / ``flash_attn_varlen_func`` with no counterpart here:
@@ -327,7 +363,7 @@ def _needs_grad(*tensors) -> bool:
     return paddle.is_grad_enabled() and any(not t.stop_gradient for t in tensors)
 
 
-def _forward(spec: AttnFwdSpec, backend: str, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k):
+def _forward(spec: AttnFwdSpec, backend: str, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k, mask=None):
     """``(out, lse)`` of a validated call on the resolved backend; ``block_logit`` (or None) is filled."""
     import paddle
 
@@ -336,7 +372,8 @@ def _forward(spec: AttnFwdSpec, backend: str, q, k, v, block_logit, cu_seqlens_q
     if _is_empty(spec):
         _fill_no_keys(out, lse, block_logit)
     else:
-        _impl(backend).flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k)
+        _impl(backend).flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k,
+                                      **(mask or _Mask()).fwd_kwargs())
     return out, lse
 
 
@@ -344,24 +381,29 @@ class _FlashAttnFn(PyLayer):
     """Autograd of :func:`flash_attn_fwd`, shared by both backends.
 
     Tensor inputs (Paddle counts them strictly, one backward slot each): q, k, v, then each of
-    cu_seqlens_q, cu_seqlens_k and block_logit that is not None. ``block_logit`` is an in-place
-    output (filled by the forward, never differentiated). Saved: q, k, v, out, lse (and the
-    cu_seqlens of a varlen call, which its backward reads); never block_logit. A strided q/k/v
+    cu_seqlens_q, cu_seqlens_k, block_logit, startend_row_indices and block_bos that is not None.
+    ``block_logit`` is an in-place output (filled by the forward, never differentiated). Saved: q,
+    k, v, out, lse (and the cu_seqlens of a varlen call and a FlashMask ``startend_row_indices``,
+    which its backward reads); never block_logit or block_bos. A strided q/k/v
     view (e.g. a slice of a fused qkv projection) is saved as a contiguous copy.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_logit, spec, fwd_backend, bwd_backend,
-                deterministic, lse_grad=False):
-        out, lse = _forward(spec, fwd_backend, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_logit, startend_row_indices, block_bos, spec,
+                fwd_backend, bwd_backend, deterministic, lse_grad=False):
+        out, lse = _forward(spec, fwd_backend, q, k, v, block_logit, cu_seqlens_q, cu_seqlens_k,
+                            _Mask(startend_row_indices, block_bos))
         ctx.state = (spec, bwd_backend, deterministic, lse_grad)
         ctx.needs_grad = tuple(not t.stop_gradient for t in (q, k, v))
-        ctx.extra_slots = sum(t is not None for t in (cu_seqlens_q, cu_seqlens_k, block_logit))
+        ctx.extra_slots = sum(t is not None for t in (cu_seqlens_q, cu_seqlens_k, block_logit,
+                                                      startend_row_indices, block_bos))
         # Strided views are saved as contiguous copies: Paddle 3.3's non-reentrant recompute
         # restores a saved view from its base buffer without the strides (wrong values).
         saved = tuple(as_contiguous(t) for t in (q, k, v)) + (out, lse)
         if spec.varlen:
             saved += (as_contiguous(cu_seqlens_q), as_contiguous(cu_seqlens_k))
+        if spec.startend:
+            saved += (as_contiguous(startend_row_indices),)
         ctx.save_for_backward(*saved)
         if not lse_grad:
             ctx.mark_non_differentiable(lse)
@@ -378,7 +420,8 @@ class _FlashAttnFn(PyLayer):
         spec, bwd_backend, deterministic, lse_grad = ctx.state
         saved = ctx.saved_tensor()
         q, k, v, out, lse = saved[:5]
-        cu_seqlens_q, cu_seqlens_k = saved[5:] if spec.varlen else (None, None)
+        cu_seqlens_q, cu_seqlens_k = saved[5:7] if spec.varlen else (None, None)
+        mask = _Mask(saved[-1] if spec.startend else None)
         # Unless lse_grad, lse is not differentiable (dlse is Paddle's materialised zeros): the
         # backward reads dout only. With lse_grad (flash_attn_func(return_lse=True)) dlse is passed on.
         if not any(ctx.needs_grad):
@@ -391,17 +434,18 @@ class _FlashAttnFn(PyLayer):
             elif dlse is None:
                 dlse = paddle.zeros_like(lse)
             grads = _backward(spec, bwd_backend, as_contiguous(dout), q, k, v, out, lse, as_contiguous(dlse),
-                              None, None, None, cu_seqlens_q, cu_seqlens_k, deterministic)
+                              None, None, None, cu_seqlens_q, cu_seqlens_k, deterministic, mask)
         return tuple(g if need else None for need, g in zip(ctx.needs_grad, grads)) + (None,) * ctx.extra_slots
 
 
 def _backward(spec: AttnFwdSpec, backend: str, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
-              cu_seqlens_k, deterministic: bool):
+              cu_seqlens_k, deterministic: bool, mask=None):
     """``(dq, dk, dv)`` of a validated call on the resolved backward backend (out-params or None)."""
     if _is_empty(spec):  # no row sees a key: every gradient is zero, nothing to launch
         return tuple(_zeros_into(g, t) for g, t in ((dq, q), (dk, k), (dv, v)))
     return _impl(backend).flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
-                                         cu_seqlens_k, deterministic=deterministic)
+                                         cu_seqlens_k, deterministic=deterministic,
+                                         **(mask or _Mask()).bwd_kwargs())
 
 
 def _zeros_into(buf, like):
@@ -420,7 +464,8 @@ def _zeros_into(buf, like):
 @dynamic_only("flash_attn_bwd")
 def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(None, None),
                    softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                   dlse=None, deterministic=False, dq=None, dk=None, dv=None, backend="auto"):
+                   dlse=None, deterministic=False, dq=None, dk=None, dv=None, backend="auto",
+                   startend_row_indices=None):
     r"""Attention backward: ``(dq, dk, dv)`` of a :func:`flash_attn_fwd` call, for callers that run
     their own autograd or recompute (e.g. a PaddleFleet PyLayer).
 
@@ -449,6 +494,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         dq, dk, dv (Tensor, optional): out-parameters (shape and dtype of q, k, v), every element
             written; allocated with ``paddle.empty`` when None.
         backend (str): ``"auto"``, ``"cute"`` or ``"reference"``.
+        startend_row_indices (Tensor, optional): the forward's FlashMask mask, exactly as passed
+            to it (with the same ``causal``).
 
     Returns:
         tuple: ``(dq, dk, dv)`` in the dtypes of q, k, v, ``stop_gradient=True``.
@@ -474,12 +521,13 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     """
     cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(BWD_OP, cu_seqlens_q, cu_seqlens_k)
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, None, 64, False, None, op=BWD_OP)
+                     max_seqlen_q, max_seqlen_k, None, 64, False, None, op=BWD_OP,
+                     startend_row_indices=startend_row_indices)
     _check_bwd_tensors(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv)
     V.check_bool(BWD_OP, "deterministic", deterministic)
     name = _bwd_backend(backend, q, spec, deterministic, has_dlse=dlse is not None)
     return _backward(spec, name, as_contiguous(dout), q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
-                     cu_seqlens_k, deterministic)
+                     cu_seqlens_k, deterministic, _Mask(startend_row_indices))
 
 
 def _bwd_backend(backend: str, q, spec: AttnFwdSpec, deterministic: bool, has_dlse: bool,
@@ -562,13 +610,15 @@ def _fill_no_keys(out, lse, block_logit) -> None:
 
 def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
               max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit,
-              pack_gqa, op: str = OP) -> AttnFwdSpec:
+              pack_gqa, op: str = OP, startend_row_indices=None, block_bos=None) -> AttnFwdSpec:
     """Check every argument of :func:`flash_attn_fwd` and return the call's spec.
 
     ``op`` names the op in error messages (:func:`flash_attn_bwd` validates with the same rules)."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("block_logit", block_logit)):
-        if t is not None or name != "block_logit":
+    for name, t in (("q", q), ("k", k), ("v", v), ("block_logit", block_logit),
+                    ("startend_row_indices", startend_row_indices), ("block_bos", block_bos)):
+        if t is not None or name in ("q", "k", "v"):
             V.check_tensor(op, name, t)
+    user_causal = causal
     dtype = V.check_dtype(op, "q", q, V.REFERENCE_FLOAT_DTYPES)
     for name, t in (("k", k), ("v", v)):
         if V.dtype_name(t) != dtype:
@@ -576,7 +626,8 @@ def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q
     varlen = _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, op)
     dims = _check_shapes(q, k, v, varlen, cu_seqlens_q, op)
     V.check_same_place(op, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
-                            "cu_seqlens_k": cu_seqlens_k, "block_logit": block_logit})
+                            "cu_seqlens_k": cu_seqlens_k, "block_logit": block_logit,
+                            "startend_row_indices": startend_row_indices, "block_bos": block_bos})
     if varlen:
         # lengths are int32 in the kernels (and no sequence of an int32-indexed tensor is longer)
         seqlen_q = V.check_int(op, "max_seqlen_q", max_seqlen_q, low=0, high=V.INT32_MAX)
@@ -598,16 +649,81 @@ def _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q
     wants_block_logit = block_logit is not None or return_block_logit
     packed = _check_pack_gqa(pack_gqa, wants_block_logit, op)
     num_blocks = -(-seqlen_k // block_size) if wants_block_logit else 0
+    startend, startend_heads = "", 0
+    if startend_row_indices is not None:
+        startend, startend_heads = _check_startend(startend_row_indices, V.check_bool(op, "causal", user_causal),
+                                                   varlen, dims, seqlen_q, seqlen_k, op)
+    if block_bos is not None:
+        _check_block_bos(block_bos, wants_block_logit, varlen, dims["batch"], seqlen_q, seqlen_k, op)
     spec = AttnFwdSpec(
         batch=dims["batch"], seqlen_q=seqlen_q, seqlen_k=seqlen_k, total_q=dims["total_q"],
         total_k=dims["total_k"], num_heads=dims["num_heads"], num_heads_k=dims["num_heads_k"],
         head_dim=dims["head_dim"], head_dim_v=dims["head_dim_v"], dtype=dtype, varlen=varlen,
         softmax_scale=float(scale), softcap=softcap, causal=causal, window_left=window_left,
         window_right=window_right, block_size=block_size if wants_block_logit else 0,
-        num_blocks=num_blocks, pack_gqa=packed)
+        num_blocks=num_blocks, pack_gqa=packed, startend=startend, startend_heads=startend_heads,
+        has_block_bos=block_bos is not None)
     if block_logit is not None:
         _check_block_logit_buffer(block_logit, spec, op)
     return spec
+
+
+def _check_startend(t, causal: bool, varlen: bool, dims: dict, seqlen_q: int, seqlen_k: int,
+                    op: str = OP) -> Tuple[str, int]:
+    """``(layout, mask heads)`` of a FlashMask ``startend_row_indices`` (docs/api.md "FlashMask").
+
+    ``causal`` is the caller's flag (it selects what a 2-column mask means). Values are checked
+    only when the tensor is on the CPU (reading a GPU tensor would synchronise): every bound in
+    ``[0, Sq]`` and each interval's start at most its end."""
+    name = "startend_row_indices"
+    if varlen:
+        raise NotImplementedError(f"{op}: {name} with cu_seqlens (varlen) is not supported; pack the "
+                                  f"documents into [B, S] and mask them with {name} instead")
+    V.check_dtype(op, name, t, ("int32",))
+    V.check_rank(op, name, t, (4,), "[B, Hkv or 1, Sk, 1|2|4]")
+    b, hm, sk, cols = t.shape
+    allowed = (1, 2) if causal else (2, 4)
+    if cols not in allowed:
+        raise ValueError(f"{op}: {name} must have {' or '.join(map(str, allowed))} columns with "
+                         f"causal={causal} ([LTS]/[LTS, LTE] when causal, [LTS, UTE]/[LTS, LTE, UTS, UTE] "
+                         f"otherwise), got {cols}")
+    heads = sorted({1, dims["num_heads_k"], dims["num_heads"]})
+    if b != dims["batch"] or sk != seqlen_k or hm not in heads:
+        raise ValueError(f"{op}: {name} must be [B, H, Sk, {cols}] with B = {dims['batch']}, H one of "
+                         f"{heads} (1, Hkv or Hq) and Sk = {seqlen_k}, got {list(t.shape)}")
+    layout = {(True, 1): "lts", (True, 2): "lts_lte", (False, 2): "lts_ute", (False, 4): "lts_lte_uts_ute"}
+    values = V.host_values(t)
+    if values is not None and values.size:
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high > seqlen_q:
+            raise ValueError(f"{op}: {name} values must lie in [0, Sq] = [0, {seqlen_q}], got values in "
+                             f"[{low}, {high}]")
+        pairs = {2: ((0, 1, "LTS", "LTE"),), 4: ((0, 1, "LTS", "LTE"), (2, 3, "UTS", "UTE"))}
+        for lo, hi, lo_name, hi_name in pairs.get(cols, ()) if (causal or cols == 4) else ():
+            bad = values[..., lo] > values[..., hi]
+            if bad.any():
+                where = tuple(int(x) for x in next(zip(*bad.nonzero())))
+                raise ValueError(f"{op}: {name} has {lo_name} > {hi_name} at [b, h, key] = {list(where)} "
+                                 f"({int(values[where + (lo,)])} > {int(values[where + (hi,)])})")
+    return layout[(causal, cols)], hm
+
+
+def _check_block_bos(t, wants_block_logit: bool, varlen: bool, batch: int, seqlen_q: int, seqlen_k: int,
+                     op: str = OP) -> None:
+    """``block_bos``: int32 ``[B, Sq]``, each query's block origin in ``[0, Sk]`` (values checked on the CPU)."""
+    name = "block_bos"
+    if not wants_block_logit:
+        raise ValueError(f"{op}: {name} only shifts block_logit's key blocks; pass block_logit (or "
+                         f"return_block_logit=True) with it")
+    if varlen:
+        raise NotImplementedError(f"{op}: {name} with cu_seqlens (varlen) is not supported: varlen block ids "
+                                  f"are already relative to each sequence's start")
+    V.check_dtype(op, name, t, ("int32",))
+    V.check_shape(op, name, t, [batch, seqlen_q], "[B, Sq]")
+    values = V.host_values(t)
+    if values is not None and values.size and (values.min() < 0 or values.max() > seqlen_k):
+        raise ValueError(f"{op}: {name} values must lie in [0, Sk] = [0, {seqlen_k}], got values in "
+                         f"[{int(values.min())}, {int(values.max())}]")
 
 
 def _check_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, op: str = OP) -> bool:

@@ -83,6 +83,7 @@ class BwdConfig:
     varlen: bool
     deterministic: bool  # dQ (and any cross-CTA sum) in a fixed order: bitwise reproducible
     has_dlse: bool = False  # D' = D - dLSE in the preprocess; the main kernel is unchanged
+    startend: str = ""  # FlashMask column layout (common/flashmask.COLS); "" = no startend_row_indices
 
 
 def group_split(cfg: BwdConfig) -> bool:
@@ -169,6 +170,10 @@ class BwdArgs(NamedTuple):
     cu_seqlens_k: Any
 
 
+#: The FlashMask tensors a ``startend`` build of the main kernel takes after the stream (BwdKernelArgs).
+BWD_FM_ARGS = ("mStartend", "mFmMinMax")
+
+
 class BwdKernelArgs(NamedTuple):
     """Arguments of each arch's **main** backward kernel (``FlashBwdSm90`` / ``FlashBwdSm100``
     ``__call__(*BwdKernelArgs, stream)``), in the one order used to compile (fake tensors) and to call.
@@ -185,6 +190,10 @@ class BwdKernelArgs(NamedTuple):
         softmax_scale, softcap   Float32 (softcap 0 unless has_softcap)
         window_left, window_right  Int32, -1 = unbounded (read only when has_window)
         max_seqlen_q, max_seqlen_k Int32 (varlen: the longest sequence; else Sq, Sk)
+
+    With ``startend`` (FlashMask, dense only) two int32 tensors follow the stream argument: mStartend
+    [B, Hm, Sk, n] and mFmMinMax [B, Hm, ceil(Sk / tile_n), 2n] (attention/fm_meta.py, the main
+    kernel's tile_n: ``bwd_launch.fm_meta_config``).
     """
 
     mQ: Any

@@ -23,12 +23,13 @@ from .bwd_config import (ACCUM_ROW_PAD, DQ_SEM_ROWS, DTYPES, HEAD_DIMS, BwdConfi
 @functools.lru_cache(maxsize=None)
 def bwd_config(arch: int, dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
                has_window: bool, has_softcap: bool, varlen: bool, deterministic: bool,
-               has_dlse: bool = False) -> BwdConfig:
-    """The compile key for one backward call (``arch``: the exact compute capability, e.g. 103)."""
+               has_dlse: bool = False, startend: str = "") -> BwdConfig:
+    """The compile key for one backward call (``arch``: the exact compute capability, e.g. 103;
+    ``startend``: the FlashMask layout, "" = none)."""
     return BwdConfig(arch=int(arch), dtype=dtype_name(dtype), head_dim=int(head_dim),
                      head_dim_v=int(head_dim_v), qhead_per_kvhead=int(qhead_per_kvhead), causal=bool(causal),
                      has_window=bool(has_window), has_softcap=bool(has_softcap), varlen=bool(varlen),
-                     deterministic=bool(deterministic), has_dlse=bool(has_dlse))
+                     deterministic=bool(deterministic), has_dlse=bool(has_dlse), startend=str(startend))
 
 
 def _kernel_class(arch: int):
@@ -50,6 +51,8 @@ def unsupported_reason(cfg: BwdConfig) -> str | None:
     arch_reason = _arch.arch_reason(cfg.arch)
     if arch_reason is not None:
         return arch_reason
+    if cfg.startend and cfg.varlen:
+        return "FlashMask startend_row_indices with varlen"
     try:
         cls = _kernel_class(cfg.arch)
     except ImportError as exc:
@@ -125,7 +128,37 @@ def _prepost_key(cfg: BwdConfig) -> BwdConfig:
     ``group_split`` kept: the preprocess then zeroes dkv_sem)."""
     split = group_split(cfg)
     return dataclasses.replace(cfg, qhead_per_kvhead=2 if split else 1, causal=split, has_window=False,
-                               has_softcap=False)
+                               has_softcap=False, startend="")
+
+
+def fm_meta_config(cfg: BwdConfig):
+    """The ``fm_meta.FmMetaConfig`` whose per-key-tile bounds the main kernel of ``cfg`` reads (its
+    key tile; the query tile is not read by the bounds kernel)."""
+    from .fm_meta import FmMetaConfig
+
+    if _arch.family(cfg.arch) == 100:
+        from .bwd_sm100 import TILE_N
+
+        return FmMetaConfig(arch=cfg.arch, layout=cfg.startend, tile_m=128, tile_n=TILE_N)
+    from .bwd_sm90 import tile_config
+
+    t = tile_config(cfg)
+    return FmMetaConfig(arch=cfg.arch, layout=cfg.startend, tile_m=t.tile_m, tile_n=t.tile_n)
+
+
+def fake_fm_args(cfg: BwdConfig) -> tuple:
+    """Fake (mStartend, mFmMinMax) after the stream of a FlashMask config, else ()."""
+    if not cfg.startend:
+        return ()
+    import cutlass
+
+    from cute_kernels.common.flashmask import num_cols
+    from cute_kernels.fake import fake_tensor, sym
+
+    n = num_cols(cfg.startend)
+    b, hm, sk, nt = sym(), sym(), sym(), sym()
+    return (fake_tensor(cutlass.Int32, (b, hm, sk, n), align_bytes=4),
+            fake_tensor(cutlass.Int32, (b, hm, nt, 2 * n), align_bytes=4))
 
 
 # ---------------------------------------------------------------------------- compile
@@ -144,7 +177,9 @@ def compile_bwd_main(cfg: BwdConfig, trace: bool = False):
     if reason is not None:
         raise NotImplementedError(f"flash_attn_bwd: {reason}")
     kernel = _kernel_class(cfg.arch)(cfg)
-    extra = (cutlass.Int64(0),) if trace else ()
+    extra = (cutlass.Int64(0),) if trace else fake_fm_args(cfg)
+    if cfg.startend and _arch.family(cfg.arch) == 100:
+        extra = (None,) + extra  # SM100: trace_addr comes first after the stream
     return cute.compile(kernel, *fake_bwd_args(cfg), fake_stream(), *extra, options=arch_options(cfg.arch))
 
 
@@ -212,9 +247,12 @@ def compile_bwd(cfg: BwdConfig):
 # ---------------------------------------------------------------------------- run
 def run_bwd(cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
             workspace: dict, *, softmax_scale: float, softcap: float, window_left: int, window_right: int,
-            max_seqlen_q: int, max_seqlen_k: int, trace_addr: int | None = None) -> None:
+            max_seqlen_q: int, max_seqlen_k: int, trace_addr: int | None = None, startend=None,
+            fm_minmax=None) -> None:
     """Launch preprocess, main kernel and postprocess on the caller's current stream.
     ``trace_addr``: device-visible address of an edge-trace array: the traced SM100 main kernel.
+    ``startend``, ``fm_minmax``: a FlashMask call's bounds and the int32 workspace
+    ``fm_meta.workspace_shapes(fm_meta_config(cfg), ...)["fm_minmax"]``, filled here first.
 
     Shapes as in ``bwd_config``; ``workspace`` holds the buffers of ``workspace_shapes(cfg, ...)``
     (uninitialised; the preprocess writes them). Writes every element of ``dq``, ``dk``, ``dv``
@@ -224,16 +262,18 @@ def run_bwd(cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlen
                  lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, workspace, softmax_scale=softmax_scale,
                  softcap=softcap, window_left=window_left, window_right=window_right,
                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                 extra=() if trace_addr is None else (int(trace_addr),))
+                 extra=() if trace_addr is None else (int(trace_addr),), startend=startend, fm_minmax=fm_minmax)
 
 
 def run_bwd_with(compile_main, cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
                  cu_seqlens_k, workspace: dict, *, softmax_scale: float, softcap: float, window_left: int,
-                 window_right: int, max_seqlen_q: int, max_seqlen_k: int, extra: tuple = ()) -> None:
+                 window_right: int, max_seqlen_q: int, max_seqlen_k: int, extra: tuple = (), startend=None,
+                 fm_minmax=None) -> None:
     """``run_bwd`` with the main kernel from ``compile_main(cfg)`` (a seam for experiments with another build;
     ``extra``: trailing arguments of that build)."""
     assert (cu_seqlens_q is None) == (not cfg.varlen), "cu_seqlens must match cfg.varlen"
     assert (dlse is None) == (not cfg.has_dlse), "dlse must match cfg.has_dlse"
+    assert (startend is None) == (not cfg.startend), "startend_row_indices must match cfg.startend"
     if cfg.varlen:
         batch = int(cu_seqlens_q.shape[0]) - 1
         total_q, total_k = int(q.shape[0]), int(k.shape[0])
@@ -260,6 +300,13 @@ def run_bwd_with(compile_main, cfg: BwdConfig, dout, q, k, v, out, lse, dlse, dq
     pre, main, post = compile_bwd_pre(cfg), compile_main(cfg), compile_bwd_post(cfg)
     pre(out, dout, lse, dlse, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], sem, kv_sem, cu_seqlens_q,
         int(max_seqlen_q))
+    if cfg.startend and not k_empty:
+        from .fm_meta import run_bounds
+
+        run_bounds(fm_meta_config(cfg), startend, fm_minmax)
+        if _arch.family(cfg.arch) == 100 and not extra:
+            extra = (None,)  # SM100: trace_addr comes first after the stream
+        extra = tuple(extra) + (startend, fm_minmax)
     if not k_empty:
         main(q, k, v, dout, ws["lse_log2"], ws["dpsum"], ws["dq_accum"], dk, dv, cu_seqlens_q, cu_seqlens_k,
              sem, dk_acc, dv_acc, kv_sem, float(softmax_scale), float(softcap) if cfg.has_softcap else 0.0,
@@ -275,8 +322,31 @@ def _supported(cfgs):
     return [c for c in cfgs if unsupported_reason(c) is None]
 
 
+def _fm_matrix(arch: int) -> list[BwdConfig]:
+    """FlashMask (startend_row_indices) lines of the compile matrix, default and full alike."""
+    out = []
+    if _arch.family(arch) == 100:  # FlashMask on SM100: every layout, deterministic, GQA, both head-dim splits
+        out += [bwd_config(arch, dt, d, d, r, c, w, False, False, det, startend=se) for dt, d, r, c, w, det, se in (
+            ("bfloat16", 128, 1, True, False, False, "lts"),
+            ("bfloat16", 128, 4, True, False, True, "lts_lte"),
+            ("bfloat16", 128, 1, False, False, True, "lts_ute"),
+            ("float16", 64, 2, False, True, False, "lts_lte_uts_ute"),
+            ("bfloat16", 256, 1, False, False, True, "lts_lte_uts_ute"))]
+    if _arch.family(arch) == 90:  # FlashMask: every layout, the three schedules, deterministic and group split
+        out += [bwd_config(arch, dt, d, d, r, c, w, False, False, det, startend=se) for dt, d, r, c, w, det, se in (
+            ("bfloat16", 128, 1, True, False, False, "lts"),
+            ("bfloat16", 128, 4, True, False, True, "lts_lte"),
+            ("bfloat16", 128, 1, False, False, True, "lts_ute"),
+            ("float16", 64, 2, False, True, False, "lts_lte_uts_ute"),
+            ("bfloat16", 96, 1, True, False, False, "lts"),
+            ("bfloat16", 256, 1, False, False, True, "lts_lte_uts_ute"),
+            ("bfloat16", 192, 4, True, False, False, "lts_lte"))]
+    return out
+
+
 def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
-    """Backward configs compiled by ``python -m cute_kernels.check`` (those the arch's kernel supports)."""
+    """Backward configs compiled by ``python -m cute_kernels.check`` (those the arch's kernel supports);
+    each FlashMask line names its column layout (``startend=...``)."""
     arch = int(arch)
     if full:
         out = [bwd_config(arch, dt, d, dv, r, m == "causal", m == "window", False, vl, det)
@@ -285,7 +355,7 @@ def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
         out += [bwd_config(arch, "bfloat16", d, d, 1, c, False, True, False, False)
                 for d in (64, 128, 256) for c in (False, True)]
         out += [bwd_config(arch, "bfloat16", 128, 128, 1, True, False, False, False, False, True)]
-        return _supported(out)
+        return _supported(out + _fm_matrix(arch))
     rep = [
         ("bfloat16", 128, 1, True, False, False, False, False),
         ("bfloat16", 128, 4, False, False, False, True, True),
@@ -297,7 +367,7 @@ def config_matrix(arch: int, full: bool = False) -> list[BwdConfig]:
     ]
     out = [bwd_config(arch, dt, d, d, r, c, w, sc, vl, det) for dt, d, r, c, w, sc, vl, det in rep]
     out.append(bwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, False, False))
-    return _supported(out)
+    return _supported(out + _fm_matrix(arch))
 
 
 def prepost_matrix(arch: int, full: bool = False) -> list[BwdConfig]:

@@ -58,6 +58,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_kernels import arch as _arch
 from cute_kernels.common.barriers import check_arrivals as _check_arrivals
 from cute_kernels.common.barriers import pipeline_counts
+from cute_kernels.common import flashmask as fm
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import softcap_logit
@@ -356,6 +357,8 @@ class FlashBwdSm100:
                     f"{', '.join(f'({a}, {b})' for a, b in pairs)})")
         if cfg.qhead_per_kvhead < 1:
             return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
+        if cfg.startend and cfg.varlen:
+            return "FlashMask startend_row_indices with varlen"
         return None
 
     @staticmethod
@@ -370,8 +373,10 @@ class FlashBwdSm100:
                  mLSElog2: cute.Tensor, mdPsum: cute.Tensor, mdQaccum: cute.Tensor,
                  mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem, mdKaccum, mdVaccum,
                  mdKVsem, softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream, trace_addr=None):
-        """``trace_addr``: the edge-trace array (common/trace.py) of a traced build, else None."""
+                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream, trace_addr=None, mStartend=None, mFmMinMax=None):
+        """``trace_addr``: the edge-trace array (common/trace.py) of a traced build, else None.
+        ``mStartend`` / ``mFmMinMax``: a FlashMask build's column bounds and their per key tile (TILE_N)
+        min / max (bwd_config.BwdKernelArgs), else None."""
         cfg = self.cfg
         self.dtype = mQ.element_type
         varlen = const_expr(mCuSeqlensQ is not None)
@@ -512,6 +517,9 @@ class FlashBwdSm100:
             num_batch = mQ.shape[3]
             num_heads_kv = mK.shape[2]
         num_n_tiles = (max_seqlen_k + TILE_N - 1) // TILE_N
+        fm_head_div = Int32(1)
+        if const_expr(cfg.startend != ""):
+            fm_head_div = mQ.shape[2] // mStartend.shape[1]  # query heads per mask head
 
         self.kernel(
             mma_S, mma_dP, mma_dV, mma_dK, mma_dQ,
@@ -520,6 +528,7 @@ class FlashBwdSm100:
             sK_layout, sQ_layout, sV_layout, sdO_layout, tP_layout, sdOt_layout, sdSt_layout, sQt_layout,
             sdS_layout, sKt_layout, sdS_epi_layout, sdQ_layout,
             softmax_scale, scale_log2, softcap_in, softcap, window_left, window_right, trace_addr,
+            mStartend, mFmMinMax, fm_head_div,
         ).launch(grid=[num_n_tiles * self.n_split, num_heads_kv, num_batch], block=[NUM_THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -539,7 +548,7 @@ class FlashBwdSm100:
                sKt_layout: cute.ComposedLayout, sdS_epi_layout: cute.ComposedLayout,
                sdQ_layout: cute.ComposedLayout,
                softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32,
-               window_left: Int32, window_right: Int32, trace_addr):
+               window_left: Int32, window_right: Int32, trace_addr, mStartend, mFmMinMax, fm_head_div: Int32):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         trace = None
         if const_expr(trace_addr is not None):
@@ -644,9 +653,12 @@ class FlashBwdSm100:
         elif warp_idx <= _WARPS_COMPUTE[-1]:
             cute.arch.setmaxregister_increase(REGS[1])
             tile = self.tile_info(*tile_args)
+            fmask = None
+            if const_expr(self.cfg.startend != ""):
+                fmask = (mStartend, mFmMinMax, fm_head_div)
             self.compute(tStS, tdPtdP, tdVtdV, tdKtdK, sdS_epi, mLSElog2, mdPsum, mdK, mdV,
                          tp[1]["S"], tp[1]["dP"], tp[1]["dS"], tp[1]["dKV"], tile, mCuSeqlensQ,
-                         softmax_scale, scale_log2, softcap_in, softcap)
+                         softmax_scale, scale_log2, softcap_in, softcap, fmask)
             if const_expr(trace is not None):
                 trace.done(1)
             pipeline.NamedBarrier(barrier_id=int(BwdBarrier.TmemFree),
@@ -912,7 +924,7 @@ class FlashBwdSm100:
     @cute.jit
     def compute(self, tStS, tdPtdP, tdVtdV, tdKtdK, sdS_epi, mLSElog2, mdPsum, mdK, mdV,
                 pipe_S, pipe_dP, pipe_dS, pipe_dKV, tile, mCuSeqlensQ,
-                softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32):
+                softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32, fmask=None):
         cfg = self.cfg
         n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k = tile[:7]
         n_iter, accum_row0, left, right = tile[9], tile[10], tile[11], tile[12]
@@ -981,10 +993,27 @@ class FlashBwdSm100:
                     rng = TileRange.create(m_tile * self.tile_m, seqlen_q, seqlen_k, left, right, self.tile_m, TILE_N,
                                            True, cfg.has_window)
                     need_mask = need_mask | (n_tile >= rng.n_right_mask) | (n_tile < rng.n_left_mask)
+                fm_partial = False
+                if const_expr(fmask is not None):
+                    # FlashMask: the column bounds cut this step unless the key tile's min / max leave the
+                    # query tile whole (steps they skip are masked entirely: P = dS = 0)
+                    mStartend, mFmMinMax, fm_head_div = fmask
+                    mh = head // fm_head_div
+                    m0 = m_tile * self.tile_m
+                    lo, hi = fm.load_tile_minmax(mFmMinMax[batch, mh, None, None], n_tile, cfg.startend)
+                    _skip, whole = fm.classify_tile(m0, cutlass.min(m0 + self.tile_m, seqlen_q), lo, hi, cfg.startend)
+                    fm_partial = not whole
                 if need_mask:
                     apply_mask_kv_major(cute.make_tensor(rS.iterator, cute.make_layout((1, half), stride=(0, 1))),
                                         cols, [key], q0, seqlen_k, shift, left, right,
                                         cfg.causal or cfg.has_window, cfg.has_window)
+                if const_expr(fmask is not None):
+                    if fm_partial:
+                        key_b = fm.load_bounds(mStartend[batch, mh, None, None], cutlass.min(key, seqlen_k - 1),
+                                               cfg.startend)
+                        fm.mask_kv_major_with_bounds(
+                            cute.make_tensor(rS.iterator, cute.make_layout((1, half), stride=(0, 1))), cols, [key_b],
+                            q0, cfg.startend, -Float32.inf)
                 for j in cutlass.range_constexpr(half // STAT_CHUNK):
                     rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j, seqlen_q, Float32.inf)
                     for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):

@@ -102,6 +102,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels import arch as _arch
+from cute_kernels.common import flashmask as fm
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import softcap_logit
@@ -190,6 +191,10 @@ class FlashBwdSm90:
         # Note [group split]: one query head per CTA, dK / dV summed over the group in head order.
         self.split = group_split(cfg)
         self.heads_per_cta = 1 if self.split else cfg.qhead_per_kvhead
+        # FlashMask stage B (steps the column bounds skip load and compute nothing) on every schedule but
+        # d 96's single-WG dQ, which spilled 1344 B with it (sm_90a); there skipped steps run fully masked.
+        t = tile_config(cfg)
+        self.fm_skip_steps = bool(cfg.startend) and t.dq_split != "single"
         self.dtype = cutlass_dtype(cfg.dtype)
         self.hdim = cfg.head_dim
         self.hdimv = cfg.head_dim_v
@@ -221,6 +226,8 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
     def unsupported_reason(cfg: BwdConfig) -> str | None:
+        if cfg.startend and cfg.varlen:
+            return "FlashMask startend_row_indices with varlen"
         if _arch.family(cfg.arch) != 90:
             return f"FlashBwdSm90 is the SM90 kernel, got arch {cfg.arch}"
         if cfg.dtype not in ("bfloat16", "float16"):
@@ -246,7 +253,10 @@ class FlashBwdSm90:
         stats = (t.q_stages + t.do_stages) * t.tile_m * 4
         barriers = 8 * (2 * (t.q_stages + t.do_stages) + 2)
         tiles = (q, do, k, v, ds, ds, dq) if t.wide else (q, do, k, v, ds, dq)
-        return sum(-(-x // 1024) * 1024 for x in tiles) + stats + barriers + 1024
+        # FlashMask: the skipped query-tile ranges of each query head the CTA walks (4 int32 each)
+        heads = 1 if group_split(cfg) else cfg.qhead_per_kvhead
+        fm_skips = 16 * heads + 16 if cfg.startend else 0  # (an upper bound)
+        return sum(-(-x // 1024) * 1024 for x in tiles) + stats + barriers + fm_skips + 1024
 
     # ------------------------------------------------------------------ host launch
     def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
@@ -265,6 +275,11 @@ class FlashBwdSm90:
         }
         if self.wide:  # P^T (keys, rows), the same layout as dS^T
             fields["sP"] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+        if self.fm_skip_steps:  # FlashMask: per query head walked, (first start, length, second start, length);
+            # placed with the small fields (at the end it grew the struct by a 1024-byte alignment step)
+            small = {k: fields.pop(k) for k in ("mbar_q", "mbar_do", "mbar_kv", "sLSE", "sdPsum")}
+            small["sFmSkips"] = cute.struct.Align[cute.struct.MemRange[Int32, 4 * self.heads_per_cta], 16]
+            fields = {**small, **fields}
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -272,7 +287,9 @@ class FlashBwdSm90:
                  mLSElog2: cute.Tensor, mdPsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mdQsem, mdKaccum, mdVaccum, mdKVsem,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream):
+                 max_seqlen_q: Int32, max_seqlen_k: Int32, stream, mStartend=None, mFmMinMax=None):
+        """``mStartend`` / ``mFmMinMax``: a FlashMask build's column bounds [B, Hm, Sk, n] and their per
+        key tile (tile_n) min / max [B, Hm, NT, 2n] (attention/fm_meta.py), else None."""
         cfg = self.cfg
         varlen = const_expr(cfg.varlen)
         # (B, S, H, D) -> (S, D, H, B); varlen (T, H, D) -> (T, D, H)
@@ -336,11 +353,15 @@ class FlashBwdSm90:
             num_heads = mQ.shape[2]
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), num_heads if const_expr(self.split) else num_kv_heads,
                 batch)
+        fm_head_div = Int32(1)
+        if const_expr(cfg.startend != ""):
+            fm_head_div = num_heads // mStartend.shape[1]  # query heads per mask head
         self.kernel(tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_dPsum, tma_dQ, mdK, mdV, mCuSeqlensQ,
                     mCuSeqlensK, mdQsem, mdKaccum, mdVaccum, mdKVsem, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
                     tma_atom_dPsum, tma_atom_dQ, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                     sdQ_layout, softmax_scale, softcap, window_left, window_right,
-                    mQt.shape[0], mKt.shape[0], tma_atom_dK, tma_dK, tma_atom_dV, tma_dV).launch(
+                    mQt.shape[0], mKt.shape[0], tma_atom_dK, tma_dK, tma_atom_dV, tma_dV, mStartend, mFmMinMax,
+                    fm_head_div).launch(
             grid=grid, block=[NUM_THREADS, 1, 1], smem=self.shared_storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
@@ -355,7 +376,8 @@ class FlashBwdSm90:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-               seqlen_q_static: Int32, seqlen_k_static: Int32, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV):
+               seqlen_q_static: Int32, seqlen_k_static: Int32, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV,
+               mStartend, mFmMinMax, fm_head_div: Int32):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -418,16 +440,41 @@ class FlashBwdSm90:
             row0 = Int32(0)
             if const_expr(cfg.varlen):
                 row0 = (seqlen.offset_q + ACCUM_ROW_PAD * batch_idx) // ACCUM_ROW_PAD * ACCUM_ROW_PAD
+            fmask = None
+            if const_expr(cfg.startend != ""):
+                # FlashMask (stage A): every step applies the column bounds unless the key tile's min / max
+                # leave the step's query tile whole; steps they skip are masked entirely (P = dS = 0).
+                fmask = SimpleNamespace(mStartend=mStartend, mFmMinMax=mFmMinMax, batch=batch_idx, n_tile=n_tile,
+                                        head_div=fm_head_div)
+            # Steps that compute: the (query head, query tile) pairs the column bounds do not skip (stage B:
+            # skipped steps load nothing and compute nothing; with deterministic dQ their writer still
+            # takes its turn). ``steps`` stays the structural count (the dK / dV turn protocol).
+            live_steps = steps
+            if const_expr(self.fm_skip_steps):
+                # One thread writes each walked head's merged skipped ranges to shared memory; every role
+                # reads them there per step (kept in registers or recomputed per step they spilled).
+                sSkips = storage.sFmSkips.get_tensor(cute.make_layout((4, self.heads_per_cta)))
+                fmask.skips = sSkips
+                if tidx == 0:
+                    for hi in cutlass.range_constexpr(self.heads_per_cta):
+                        sk = fm.merged_skips(qtiles.m_min, qtiles.m_max,
+                                             self.fm_skip_ranges(fmask, head_y, hi, seqlen.seqlen_q))
+                        for c in cutlass.range_constexpr(4):
+                            sSkips[c, hi] = sk[c]
+                cute.arch.barrier()
+                live_steps = Int32(0)
+                for hi in cutlass.range_constexpr(self.heads_per_cta):
+                    live_steps = live_steps + self.fm_live_count(fmask, head_y, hi, qtiles, seqlen.seqlen_q)
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, tma_atom_Q,
                               tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum,
-                              pipeline_q, pipeline_do, pipeline_kv, seqlen, qtiles, steps, row0, n_tile,
-                              head_kv, head0, batch_idx)
+                              pipeline_q, pipeline_do, pipeline_kv, seqlen, qtiles, live_steps, row0, n_tile,
+                              head_kv, head0, batch_idx, fmask, head_y)
                 if warp_idx == 1:
-                    self.store_dq(mdQacc, mdQsem, sdQ, tma_atom_dQ, seqlen, qtiles, steps, row0, left,
-                                  right, n_tile, head0, batch_idx)
+                    self.store_dq(mdQacc, mdQsem, sdQ, tma_atom_dQ, seqlen, qtiles, live_steps, row0, left,
+                                  right, n_tile, head0, batch_idx, fmask, head_y)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 # the last four: the TMA store of Note [staged dK / dV epilogue] (None where not used)
@@ -437,11 +484,12 @@ class FlashBwdSm90:
                     self.consume_wide(kv_out, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q,
                                       pipeline_do, pipeline_kv, seqlen, qtiles, steps, left, right, n_tile,
                                       head_kv, head_y, batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap,
-                                      mCuSeqlensK)
+                                      mCuSeqlensK, fmask, live_steps)
                 else:
                     self.consume(kv_out, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                                  pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, head_y,
-                                 batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap, mCuSeqlensK)
+                                 batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap, mCuSeqlensK, fmask,
+                                 live_steps)
 
     # ------------------------------------------------------------------ producer
     def _seq_view(self, t: cute.Tensor, offset, batch_idx):
@@ -460,7 +508,8 @@ class FlashBwdSm90:
     def load(self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, tma_atom_Q, tma_atom_K,
              tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_dPsum, pipeline_q, pipeline_do, pipeline_kv,
              seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, row0: Int32, n_tile: Int32,
-             head_kv: Int32, head0: Int32, batch_idx: Int32):
+             head_kv: Int32, head0: Int32, batch_idx: Int32, fmask=None, head_y: Int32 = 0):
+        """``steps``: the steps that compute (FlashMask: those the column bounds do not skip)."""
         mK_cur = self._seq_view(mK, seqlen.offset_k, batch_idx)[None, None, head_kv]
         mV_cur = self._seq_view(mV, seqlen.offset_k, batch_idx)[None, None, head_kv]
         gK = cute.local_tile(mK_cur, (self.tile_n, self.hdim), (n_tile, 0))
@@ -496,30 +545,34 @@ class FlashBwdSm90:
                                                        cute.group_modes(gdO, 0, 2))
                 tLsL, tLgL = cpasync.tma_partition(tma_atom_LSE, 0, one, sLSE, gLSE)
                 tPsP, tPgP = cpasync.tma_partition(tma_atom_dPsum, 0, one, sdPsum, gdPsum)
-                for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
-                    m = qtiles.m_min + mi
-                    pipeline_q.producer_acquire(state)
-                    bar_q = pipeline_q.producer_get_barrier(state)
-                    cute.copy(tma_atom_Q, tQgQ[None, m], tQsQ[None, state.index], tma_bar_ptr=bar_q)
-                    cute.copy(tma_atom_LSE, tLgL[None, m], tLsL[None, state.index], tma_bar_ptr=bar_q)
-                    if const_expr(state_do is None):
-                        pipeline_do.producer_acquire(state)
-                        bar_do = pipeline_do.producer_get_barrier(state)
-                        cute.copy(tma_atom_dO, tdOgdO[None, m], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
-                        cute.copy(tma_atom_dPsum, tPgP[None, m], tPsP[None, state.index], tma_bar_ptr=bar_do)
-                    else:
-                        pipeline_do.producer_acquire(state_do)
-                        bar_do = pipeline_do.producer_get_barrier(state_do)
-                        cute.copy(tma_atom_dO, tdOgdO[None, m], tdOsdO[None, state_do.index], tma_bar_ptr=bar_do)
-                        cute.copy(tma_atom_dPsum, tPgP[None, m], tPsP[None, state_do.index], tma_bar_ptr=bar_do)
-                        state_do.advance()
-                    state.advance()
+                for mi in cutlass.range(self.fm_live_count(fmask, head_y, hi, qtiles, seqlen.seqlen_q), unroll=1):
+                    m = self.fm_live_tile(fmask, head_y, hi, qtiles, mi, seqlen.seqlen_q)
+                    if True:  # (the body's indentation of the step loop without FlashMask)
+                        pipeline_q.producer_acquire(state)
+                        bar_q = pipeline_q.producer_get_barrier(state)
+                        cute.copy(tma_atom_Q, tQgQ[None, m], tQsQ[None, state.index], tma_bar_ptr=bar_q)
+                        cute.copy(tma_atom_LSE, tLgL[None, m], tLsL[None, state.index], tma_bar_ptr=bar_q)
+                        if const_expr(state_do is None):
+                            pipeline_do.producer_acquire(state)
+                            bar_do = pipeline_do.producer_get_barrier(state)
+                            cute.copy(tma_atom_dO, tdOgdO[None, m], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+                            cute.copy(tma_atom_dPsum, tPgP[None, m], tPsP[None, state.index], tma_bar_ptr=bar_do)
+                        else:
+                            pipeline_do.producer_acquire(state_do)
+                            bar_do = pipeline_do.producer_get_barrier(state_do)
+                            cute.copy(tma_atom_dO, tdOgdO[None, m], tdOsdO[None, state_do.index],
+                                      tma_bar_ptr=bar_do)
+                            cute.copy(tma_atom_dPsum, tPgP[None, m], tPsP[None, state_do.index], tma_bar_ptr=bar_do)
+                            state_do.advance()
+                        state.advance()
 
     # ------------------------------------------------------------------ dQ writer (warp 1)
     @cute.jit
     def store_dq(self, mdQacc, mdQsem, sdQ, tma_atom_dQ, seqlen: SeqlenInfo, qtiles: QueryTileRange,
                  steps: Int32, row0: Int32, left: Int32, right: Int32, n_tile: Int32, head0: Int32,
-                 batch_idx: Int32):
+                 batch_idx: Int32, fmask=None, head_y: Int32 = 0):
+        """``steps``: the steps that compute (FlashMask: those the column bounds do not skip); a skipped
+        step reduces nothing but, with deterministic dQ, still takes and passes on its turn."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
         nbar = THREADS_PER_WG + 32
@@ -537,8 +590,15 @@ class FlashBwdSm90:
             gdQ = cute.local_tile(mdQ_seq[None, None, head], (self.dq_rows, self.dq_cols), (None, None))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_atom_dQ, 0, one, cute.group_modes(sdQ, 0, 2),
                                                    cute.group_modes(gdQ, 0, 2))
-            for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
+            # Deterministic dQ: every query tile of the range takes its turn (a skipped one reduces nothing);
+            # otherwise only the steps that compute, in the consumers' order.
+            n_m = qtiles.m_max - qtiles.m_min
+            if const_expr(not cfg.deterministic):
+                n_m = self.fm_live_count(fmask, head_y, hi, qtiles, seqlen.seqlen_q)
+            for mi in cutlass.range(n_m, unroll=1):
                 m = qtiles.m_min + mi
+                if const_expr(not cfg.deterministic):
+                    m = self.fm_live_tile(fmask, head_y, hi, qtiles, mi, seqlen.seqlen_q)
                 sem_addr = Int64(0)
                 if const_expr(cfg.deterministic):
                     sem_idx = (row0 + m * self.tile_m) // DQ_SEM_ROWS
@@ -558,29 +618,33 @@ class FlashBwdSm90:
                         while cur != lock:
                             cur = ld_acquire_gpu(sem_addr)
                     cute.arch.sync_warp()
-                # The whole warp issues (the TMA copy elects one lane itself; one active lane hangs). Region
-                # r goes out as soon as WG r staged it and is handed back once the TMA has read it.
-                # The wide schedule stages dQ in dq_rounds rounds: round j of WG r is column block
-                # r * dq_rounds + j.
-                for j in cutlass.range_constexpr(self.dq_rounds):
-                    for r in cutlass.range_constexpr(self.dq_wgs):
-                        cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + r, number_of_threads=nbar)
-                        if const_expr(self.dq_split == "m"):
-                            cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m * 2 + r, 0])
-                        elif const_expr(self.dq_split == "n"):
-                            cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, r])
-                        elif const_expr(self.dq_split == "wide"):
-                            cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, r * self.dq_rounds + j])
-                        else:
-                            cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, 0])
-                        cute.arch.cp_async_bulk_commit_group()
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        cute.arch.sync_warp()
-                        if const_expr(j + 1 < self.dq_rounds):
-                            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + r, number_of_threads=nbar)
-                        else:
-                            if step + 1 < steps:
+                live = True
+                if const_expr(cfg.deterministic):
+                    live = not self.fm_step_skipped(fmask, head_y, hi, m, seqlen.seqlen_q)
+                if live:
+                    # The whole warp issues (the TMA copy elects one lane itself; one active lane hangs). Region
+                    # r goes out as soon as WG r staged it and is handed back once the TMA has read it.
+                    # The wide schedule stages dQ in dq_rounds rounds: round j of WG r is column block
+                    # r * dq_rounds + j.
+                    for j in cutlass.range_constexpr(self.dq_rounds):
+                        for r in cutlass.range_constexpr(self.dq_wgs):
+                            cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + r, number_of_threads=nbar)
+                            if const_expr(self.dq_split == "m"):
+                                cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m * 2 + r, 0])
+                            elif const_expr(self.dq_split == "n"):
+                                cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, r])
+                            elif const_expr(self.dq_split == "wide"):
+                                cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, r * self.dq_rounds + j])
+                            else:
+                                cute.copy(tma_atom_dQ, tdQsdQ[None, r], tdQgdQ[None, m, 0])
+                            cute.arch.cp_async_bulk_commit_group()
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            cute.arch.sync_warp()
+                            if const_expr(j + 1 < self.dq_rounds):
                                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + r, number_of_threads=nbar)
+                            else:
+                                if step + 1 < steps:
+                                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + r, number_of_threads=nbar)
                 if const_expr(cfg.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.sync_warp()
@@ -588,7 +652,8 @@ class FlashBwdSm90:
                         cute.arch.fence_acq_rel_gpu()
                         red_release_add_gpu(sem_addr, Int32(1))
                     cute.arch.sync_warp()
-                step = step + 1
+                if live:
+                    step = step + 1
         # The CTA's smem must outlive the reduces' reads (already waited for per region); their global
         # writes need not be waited for -- they complete before the kernel does (deterministic mode waited
         # for them per step, before each turn counter release).
@@ -599,8 +664,12 @@ class FlashBwdSm90:
     def consume(self, kv_out, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do, pipeline_kv,
                 seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32, right: Int32,
                 n_tile: Int32, head_kv: Int32, head_y: Int32, batch_idx: Int32, ctidx: Int32,
-                softmax_scale: Float32, softcap: Float32, mCuSeqlensK):
+                softmax_scale: Float32, softcap: Float32, mCuSeqlensK, fmask=None, live_steps=None):
+        """``steps``: the structural step count (the dK / dV epilogue's protocol); ``live_steps``: the steps
+        that compute (FlashMask: those the column bounds do not skip; None = ``steps``)."""
         cfg = self.cfg
+        if const_expr(live_steps is None):
+            live_steps = steps
         dt = self.dtype
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         tid = ctidx % THREADS_PER_WG
@@ -665,20 +734,23 @@ class FlashBwdSm90:
                                 softmax_scale, softcap)
         nbar_dq = THREADS_PER_WG + 32
 
-        if steps > 0:
+        if live_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_kv.consumer_wait(kv_state)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             step = Int32(0)
             for hi in cutlass.range(self.heads_per_cta, unroll=1):
-                for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
-                    m = qtiles.m_min + mi
+                fmh = self.fm_key_bounds(self.fm_head(fmask, head_y, hi), sc)
+                for mi in cutlass.range(self.fm_live_count(fmask, head_y, hi, qtiles, seqlen.seqlen_q), unroll=1):
+                    m = self.fm_live_tile(fmask, head_y, hi, qtiles, mi, seqlen.seqlen_q)
                     stage = state.index
                     ds_stage = step % STAGES
+                    step_masked = self.step_masked(sc, qtiles, m)
+                    fm_partial = self.fm_step_partial(fmh, sc, m)
                     acc_S, acc_dP = self.score_gemms(mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q, state,
                                                      pipeline_do, state)
-                    self.probs_and_grads(acc_S, acc_dP, sc, m, self.step_masked(sc, qtiles, m), sLSE, sdPsum,
-                                         stage, stage, self.tile_m == 128)
+                    self.probs_and_grads(acc_S, acc_dP, sc, m, step_masked, sLSE, sdPsum,
+                                         stage, stage, self.tile_m == 128, fmh, fm_partial)
                     convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
                     if const_expr(self.dq_before_dk):
                         wgmma_gemm(mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, stage], False)
@@ -764,11 +836,15 @@ class FlashBwdSm90:
     def consume_wide(self, kv_out, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                      pipeline_kv, seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32,
                      right: Int32, n_tile: Int32, head_kv: Int32, head_y: Int32, batch_idx: Int32,
-                     ctidx: Int32, softmax_scale: Float32, softcap: Float32, mCuSeqlensK):
+                     ctidx: Int32, softmax_scale: Float32, softcap: Float32, mCuSeqlensK, fmask=None,
+                     live_steps=None):
         """Both WGs see all 64 keys of the tile: WG w computes S^T / dP^T for query rows [32 w, 32 w + 32)
         of the step, writes P^T / dS^T to smem, then owns columns [w d / 2, (w + 1) d / 2) of dK, dV
-        (SS wgmma over the whole P^T / dS^T) and of the dQ tile (Note [wide schedule])."""
+        (SS wgmma over the whole P^T / dS^T) and of the dQ tile (Note [wide schedule]). ``live_steps`` as in
+        ``consume``."""
         cfg = self.cfg
+        if const_expr(live_steps is None):
+            live_steps = steps
         dt = self.dtype
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         tid = ctidx % THREADS_PER_WG
@@ -830,22 +906,25 @@ class FlashBwdSm90:
                                 softmax_scale, softcap)
         nbar_dq = THREADS_PER_WG + 32
 
-        if steps > 0:
+        if live_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_kv.consumer_wait(kv_state)
             state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
             state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
             step = Int32(0)
             for hi in cutlass.range(self.heads_per_cta, unroll=1):
-                for mi in cutlass.range(qtiles.m_max - qtiles.m_min, unroll=1):
-                    m = qtiles.m_min + mi
+                fmh = self.fm_key_bounds(self.fm_head(fmask, head_y, hi), sc)
+                for mi in cutlass.range(self.fm_live_count(fmask, head_y, hi, qtiles, seqlen.seqlen_q), unroll=1):
+                    m = self.fm_live_tile(fmask, head_y, hi, qtiles, mi, seqlen.seqlen_q)
                     sq = state_q.index
                     sd = state_do.index
                     ps = step % self.pds_stages
+                    step_masked = self.step_masked(sc, qtiles, m)
+                    fm_partial = self.fm_step_partial(fmh, sc, m)
                     acc_S, acc_dP = self.score_gemms(mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q,
                                                      state_q, pipeline_do, state_do)
-                    self.probs_and_grads(acc_S, acc_dP, sc, m, self.step_masked(sc, qtiles, m), sLSE, sdPsum,
-                                         sq, sd, False)
+                    self.probs_and_grads(acc_S, acc_dP, sc, m, step_masked, sLSE, sdPsum,
+                                         sq, sd, False, fmh, fm_partial)
                     rP = cute.make_rmem_tensor(acc_S_shape, dt)
                     rdS = cute.make_rmem_tensor(acc_S_shape, dt)
                     convert_to_16bit(acc_S, rP)
@@ -935,8 +1014,80 @@ class FlashBwdSm90:
         return masked
 
     @cute.jit
+    def fm_head(self, fmask, head_y: Int32, hi: Int32):
+        """FlashMask state of the query head the CTA walks at ``hi`` (None without a mask): the kernel's
+        mask tensors and this head's mask head. The views are taken where they are used (probs_and_grads):
+        held across the query-tile loop they spilled (8-18 registers of the 240)."""
+        if const_expr(fmask is None):
+            return None
+        head = head_y + hi if const_expr(self.split) else head_y * self.cfg.qhead_per_kvhead + hi
+        mh = head // fmask.head_div
+        return SimpleNamespace(mStartend=fmask.mStartend, mFmMinMax=fmask.mFmMinMax, batch=fmask.batch,
+                               n_tile=fmask.n_tile, mh=mh, key_bounds=None)
+
+    @cute.jit
+    def fm_skip_ranges(self, fmask, head_y: Int32, hi, seqlen_q: Int32):
+        """``common/flashmask.skipped_query_tiles`` of the query head the CTA walks at ``hi``."""
+        head = head_y + hi if const_expr(self.split) else head_y * self.cfg.qhead_per_kvhead + hi
+        mh = head // fmask.head_div
+        lo, hi_ = fm.load_tile_minmax(fmask.mFmMinMax[fmask.batch, mh, None, None], fmask.n_tile, self.cfg.startend)
+        return fm.skipped_query_tiles(lo, hi_, self.cfg.startend, self.tile_m, seqlen_q)
+
+    @cute.jit
+    def fm_live_count(self, fmask, head_y: Int32, hi, qtiles: QueryTileRange, seqlen_q: Int32) -> Int32:
+        """Steps of head ``hi`` that compute: the query tiles of ``qtiles`` the column bounds do not skip."""
+        if const_expr(fmask is None or not self.fm_skip_steps):
+            return qtiles.m_max - qtiles.m_min
+        return fm.live_count(qtiles.m_min, qtiles.m_max, self.fm_skips(fmask, hi))
+
+    @cute.jit
+    def fm_live_tile(self, fmask, head_y: Int32, hi, qtiles: QueryTileRange, mi: Int32, seqlen_q: Int32) -> Int32:
+        """The query tile of head ``hi``'s ``mi``-th computing step (the ranges are recomputed here from the
+        key tile's min / max rather than kept live across the step loop)."""
+        if const_expr(fmask is None or not self.fm_skip_steps):
+            return qtiles.m_min + mi
+        return fm.live_tile(mi, qtiles.m_min, self.fm_skips(fmask, hi))
+
+    @cute.jit
+    def fm_step_skipped(self, fmask, head_y: Int32, hi, m: Int32, seqlen_q: Int32):
+        """Whether the column bounds skip step (head ``hi``, query tile ``m``) -- False without a mask. Every
+        role (load, dQ writer, consumers) and the kernel's live step count read this one rule."""
+        if const_expr(fmask is None or not self.fm_skip_steps):
+            return False
+        fa, fl, sa, sl = self.fm_skips(fmask, hi)
+        return (m >= fa and m < fa + fl) or (m >= sa and m < sa + sl)
+
+    def fm_skips(self, fmask, hi):
+        """Head ``hi``'s merged skipped ranges (common/flashmask.merged_skips), from shared memory."""
+        return tuple(fmask.skips[c, hi] for c in range(4))
+
+    @cute.jit
+    def fm_key_bounds(self, fmh, sc):
+        """The column bounds of this thread's keys (``sc.keys``) for the head of ``fmh``: loaded once per
+        head and kept in registers (2 keys x n values) instead of loaded in every step."""
+        if const_expr(fmh is not None):
+            bounds = fmh.mStartend[fmh.batch, fmh.mh, None, None]
+            fmh.key_bounds = [fm.load_bounds(bounds, cutlass.min(key, sc.seqlen.seqlen_k - 1), self.cfg.startend)
+                              for key in sc.keys]
+        return fmh
+
+    @cute.jit
+    def fm_step_partial(self, fmh, sc, m: Int32):
+        """Whether the column bounds cut query tile ``m`` against this CTA's key tile (False without a
+        mask): not whole by the key tile's min / max (steps they skip are masked entirely)."""
+        partial = False
+        if const_expr(fmh is not None):
+            m_start = m * self.tile_m
+            lo, hi = fm.load_tile_minmax(fmh.mFmMinMax[fmh.batch, fmh.mh, None, None], fmh.n_tile,
+                                         self.cfg.startend)
+            _skip, whole = fm.classify_tile(m_start, cutlass.min(m_start + self.tile_m, sc.seqlen.seqlen_q),
+                                            lo, hi, self.cfg.startend)
+            partial = not whole
+        return partial
+
+    @cute.jit
     def probs_and_grads(self, acc_S, acc_dP, sc, m: Int32, masked, sLSE, sdPsum, s_lse: Int32, s_dps: Int32,
-                        column_outer: cutlass.Constexpr):
+                        column_outer: cutlass.Constexpr, fmh=None, fm_partial=False):
         """acc_S: S^T -> P^T (softcap, mask where ``masked``, exp2 against the rows' lse from sLSE stage
         ``s_lse``); then, once every wgmma is done, acc_dP: dP^T -> dS^T (dpsum from sdPsum stage ``s_dps``).
         column_outer: query row (column) outer, so each lse / dpsum value is live for its column only
@@ -957,6 +1108,7 @@ class FlashBwdSm90:
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                     S[r, c] = cute.math.exp2(S[r, c] * sc.scale_log2 - lse_c, fastmath=True)
             warpgroup.wait_group(0)
+            self.fm_zero_probs(S, sc, m, fm_partial, fmh)
             for c in cutlass.range_constexpr(ncols):
                 dps_c = sdPsum[sc.thr_col + cols[c], s_dps]
                 lse_c = sLSE[sc.thr_col + cols[c], s_lse] if const_expr(cfg.has_softcap) else None
@@ -968,10 +1120,21 @@ class FlashBwdSm90:
                 for c in cutlass.range_constexpr(ncols):
                     S[r, c] = cute.math.exp2(S[r, c] * sc.scale_log2 - lse[c], fastmath=True)
             warpgroup.wait_group(0)
+            self.fm_zero_probs(S, sc, m, fm_partial, fmh)
             dps = [sdPsum[sc.thr_col + cols[c], s_dps] for c in range(ncols)]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(ncols):
                     dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], sc.inv_cap_log2)
+
+    @cute.jit
+    def fm_zero_probs(self, P, sc, m: Int32, fm_partial, fmh):
+        """FlashMask: P^T = 0 where the column bounds mask the pair (on steps ``fm_partial``), so dS = 0
+        there too; the same values as masking S^T with -inf before exp2. Applied after the step's GEMMs
+        completed: masking S^T while dP^T was still in flight spilled 8-132 B at 240 registers."""
+        if const_expr(fmh is not None):
+            if fm_partial:
+                fm.mask_kv_major_with_bounds(P, sc.cols, fmh.key_bounds, m * self.tile_m + sc.thr_col,
+                                             self.cfg.startend, Float32(0.0))
 
     @cute.jit
     def grad_score(self, p: Float32, dp: Float32, dpsum: Float32, lse2, inv_cap_log2: Float32) -> Float32:

@@ -18,6 +18,15 @@ Tensors as the kernels receive them (``FwdArgs``), shape letters as in docs/api.
     window_left, window_right (Int32, -1 = unbounded; read only when has_window),
     max_seqlen_q (Int32: grid extent for varlen, Sq otherwise), stream (TVM-FFI env stream)
 
+With ``startend`` (FlashMask, dense only) three int32 tensors follow the stream argument:
+
+    mStartend    [B, Hm, Sk, n]       the column bounds (query head h reads mask head h // (Hq // Hm))
+    mFmMinMax    [B, Hm, NT, 2n]      per key tile min / max of each bound   (attention/fm_meta.py)
+    mFmRanges    [B, Hm, MT, 2NT+3]   per query tile [first, last + 1) key tile not skipped, then the
+                                      prefix counts and the list of those tiles (fm_meta.py)
+
+with NT / MT the kernel's key / query tile counts (``launch.fm_tiles``).
+
 nb = ceil(Sk / block_size) (varlen: ceil(max_seqlen_k / block_size), block index relative to each
 sequence's own start). Causal and window masks are aligned bottom-right: row i of a sequence with
 lengths (Sq, Sk) sees keys t with i + Sk - Sq - window_left <= t <= i + Sk - Sq + window_right
@@ -46,10 +55,19 @@ class FwdConfig:
     has_softcap: bool
     block_size: int  # 0 = no block_logit output
     varlen: bool
+    startend: str = ""  # FlashMask column layout (common/flashmask.COLS), "" = no startend_row_indices
+
+    @property
+    def has_startend(self) -> bool:
+        return bool(self.startend)
 
     @property
     def has_block_logit(self) -> bool:
         return self.block_size > 0
+
+
+#: The FlashMask tensors a ``startend`` build takes after the stream argument (the module docstring).
+FM_ARGS = ("mStartend", "mFmMinMax", "mFmRanges")
 
 
 class FwdArgs(NamedTuple):

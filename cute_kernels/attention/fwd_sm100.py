@@ -58,6 +58,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cute_kernels import arch as _arch
 from cute_kernels.common import block_logit as blk
 from cute_kernels.common.barriers import check_arrivals, pipeline_counts
+from cute_kernels.common import flashmask as fm
 from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.math_sm100 import exp2_poly, max_tree
 from cute_kernels.common.seqlen import SeqlenInfo
@@ -203,6 +204,8 @@ class WorkTile:
     keys: TileRange  # key tiles [n_min, n_max) that some row of the tile sees, and the mask limits
     has_rows: Boolean  # the tile starts inside its sequence
     has_keys: Boolean  # ... and sees a key: only these tiles load and compute (others: empty rows)
+    fm_bounds: object = None  # FlashMask: the mask head's column bounds (Sk, n), else None
+    fm_minmax: object = None  # ... and their per key tile min / max (NT, 2n) (attention/fm_meta.py)
 
 
 class TileScheduler:
@@ -211,7 +214,8 @@ class TileScheduler:
     first. Built once in the kernel; every role calls ``work_tile`` on the same indices."""
 
     _FIELDS = ("mCuSeqlensQ", "mCuSeqlensK", "seqlen_q_static", "seqlen_k_static", "window_left",
-               "window_right", "num_m_tiles", "num_heads", "total")
+               "window_right", "num_m_tiles", "num_heads", "total", "mStartend", "mFmMinMax", "mFmRanges",
+               "fm_head_div")
 
     def __init__(self, cfg: FwdConfig, tile_m: int, *values):
         self.cfg = cfg
@@ -250,9 +254,18 @@ class TileScheduler:
         m_start = m_tile * self.tile_m
         keys = TileRange.create(m_start, seqlen.seqlen_q, seqlen.seqlen_k, left, right, self.tile_m, TILE_N,
                                 self.mask_right, self.mask_left)
+        fm_bounds = fm_minmax = None
+        if const_expr(self.cfg.has_startend):
+            # FlashMask: every role walks the key tiles the column bounds do not skip for the tile's rows
+            # (fm_meta.FmQueryRanges with this kernel's tile_m), so load, MMA and softmax stay in step.
+            mh = head // self.fm_head_div
+            rng = self.mFmRanges[batch, mh, m_tile, None]
+            keys = fm.narrow_tile_range(keys, rng[0], rng[1])
+            fm_bounds = self.mStartend[batch, mh, None, None]
+            fm_minmax = self.mFmMinMax[batch, mh, None, None]
         has_rows = m_start < seqlen.seqlen_q
         return WorkTile(m_tile, head, batch, seqlen, left, right, keys, has_rows,
-                        has_rows & (keys.n_min < keys.n_max))
+                        has_rows & (keys.n_min < keys.n_max), fm_bounds, fm_minmax)
 
     @cute.jit
     def stage_keys(self, tile: WorkTile, stage: Int32) -> TileRange:
@@ -306,6 +319,8 @@ class FlashFwdSm100:
             return f"block_size {cfg.block_size} (0, 16, 32, 64, 128 or 256)"
         if cfg.qhead_per_kvhead < 1:
             return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
+        if cfg.has_startend and cfg.varlen:
+            return "FlashMask startend_row_indices with varlen"
         return None
 
     def role_regs(self) -> tuple:
@@ -360,8 +375,9 @@ class FlashFwdSm100:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, stream, trace_addr=None):
-        """``trace_addr``: the edge-trace array (common/trace.py) of a traced build, else None."""
+                 max_seqlen_q: Int32, stream, trace_addr=None, mStartend=None, mFmMinMax=None, mFmRanges=None):
+        """``trace_addr``: the edge-trace array (common/trace.py) of a traced build, else None.
+        ``mStartend``/``mFmMinMax``/``mFmRanges``: the FlashMask tensors (config.py) of a ``startend`` build."""
         cfg = self.cfg
         self.dtype = mQ.element_type
         varlen = const_expr(mCuSeqlensQ is not None)
@@ -417,12 +433,15 @@ class FlashFwdSm100:
         grid_x = cutlass.min(total_tiles, Int32(self.sm_count))
         grid_x = cutlass.max(grid_x, Int32(1))
 
+        fm_head_div = Int32(1)
+        if const_expr(cfg.has_startend):
+            fm_head_div = num_heads // mStartend.shape[1]  # query heads per mask head
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             mO, mLSE, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
             sQ_layout, sK_layout, sV_layout, tP_layout,
             scale_log2, softcap_in, softcap, logit_scale, window_left, window_right,
-            num_m_tiles, num_heads, total_tiles, trace_addr,
+            num_m_tiles, num_heads, total_tiles, trace_addr, mStartend, mFmMinMax, mFmRanges, fm_head_div,
         ).launch(grid=[grid_x, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -435,9 +454,11 @@ class FlashFwdSm100:
                sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
                scale_log2: Float32, softcap_in: Float32, softcap: Float32, logit_scale: Float32,
                window_left: Int32, window_right: Int32,
-               num_m_tiles: Int32, num_heads: Int32, total_tiles: Int32, trace_addr):
+               num_m_tiles: Int32, num_heads: Int32, total_tiles: Int32, trace_addr, mStartend, mFmMinMax,
+               mFmRanges, fm_head_div: Int32):
         sched = TileScheduler(self.cfg, self.tile_m_total, mCuSeqlensQ, mCuSeqlensK, mQ.shape[0], mK.shape[0],
-                              window_left, window_right, num_m_tiles, num_heads, total_tiles)
+                              window_left, window_right, num_m_tiles, num_heads, total_tiles, mStartend,
+                              mFmMinMax, mFmRanges, fm_head_div)
         self.run_roles(tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout, sched, trace_addr,
                        (tma_atom_Q, tma_atom_K, tma_atom_V), (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV),
                        (mBlockLogit, scale_log2, softcap_in, softcap, logit_scale), (mO, mLSE, scale_log2))
@@ -748,6 +769,13 @@ class FlashFwdSm100:
                     # a tile crossing a row limit of this stage, or the sequence's key tail
                     need_mask = ((n_tile >= rows.n_right_mask) | (n_tile < rows.n_left_mask)
                                  | ((n_tile + 1) * TILE_N > tile.seqlen.seqlen_k))
+                    if const_expr(self.cfg.has_startend):
+                        # ... or one the column bounds cut for this stage's rows (common/flashmask.py)
+                        lo, hi = fm.load_tile_minmax(tile.fm_minmax, n_tile, self.cfg.startend)
+                        _skip, whole = fm.classify_tile(
+                            stage_row0, cutlass.min(stage_row0 + TILE_M, tile.seqlen.seqlen_q), lo, hi,
+                            self.cfg.startend)
+                        need_mask = need_mask | (not whole)
                     row_max, row_sum = self.softmax_step(
                         step, need_mask, n_tile, tile, row, row_max, row_sum, carry, gBL, stage, tmem, sScale,
                         pipe_s, s_state, pipe_scale, scale_state, scale_log2, softcap_in, softcap, logit_scale,
@@ -892,6 +920,12 @@ class FlashFwdSm100:
         apply_mask(cute.make_tensor(tSrS.iterator, cute.make_layout((1, n))), list(range(n)), [row], n_tile * TILE_N,
                    tile.seqlen.seqlen_k, tile.seqlen.seqlen_k - tile.seqlen.seqlen_q, tile.left, tile.right,
                    True, cfg.causal or cfg.has_window, cfg.has_window)
+        if const_expr(cfg.has_startend):
+            # The warp's 32 rows share the tile's 128 columns: each lane loads the bounds of 4 columns and
+            # the others take them by shuffle (each thread loading all 128 columns' bounds spilled, sm_100a).
+            fm.apply_startend_mask_row_warp(cute.make_tensor(tSrS.iterator, cute.make_layout((1, n))), n, row,
+                                            n_tile * TILE_N, tile.fm_bounds, tile.seqlen.seqlen_k, cfg.startend,
+                                            cute.arch.lane_idx())
 
     # ------------------------------------------------------------------ block_logit
     @cute.jit

@@ -22,8 +22,13 @@ num_wg = 3 consumer warpgroups at head_dim <= 64 (tile 192 x 128, as FA4 b36 doe
     load ──K,V (mbarrier pipelines)──▶ WG1/WG2 ──▶ O (staged in Q's buffer, one TMA store; Note [staged O
                                                      epilogue]), lse, block_logit (plain stores)
 
+FlashMask (``cfg.startend``): the query tile's key-tile range is narrowed to the tiles its column
+bounds do not skip (``fm_meta``; the producer and the consumers read the same range, so they walk the
+same tiles) and each visited tile applies the column bounds per element unless its per-tile minima /
+maxima leave it whole (``common/flashmask.py``); tiles skipped inside the range are masked entirely.
+
 Not supported (``unsupported_reason``): other head dims, head_dim != head_dim_v except (192, 128),
-pack_gqa.
+pack_gqa, FlashMask with varlen.
 
 Note [block_logit and bit-identity]: block maxima are taken from the masked (and softcapped) S
 registers before exponentiation. The row max fed to the softmax is then the max of the block maxima,
@@ -62,6 +67,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.common import block_logit as bl
+from cute_kernels.common import flashmask as fm
 from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import OnlineSoftmax, softcap_logit
@@ -139,6 +145,10 @@ class FlashFwdSm90:
         # 0.95x with them and compiles clean without). 2 WGs (240 registers) keep the values computed once.
         self.reread_coords = self.num_wg == 3
         self.reread_lane = self.reread_coords and (cfg.varlen or cfg.has_window)
+        # FlashMask: walk only the key tiles the column bounds do not skip (fm_meta's list), gaps inside the
+        # range included. Not with block_logit, whose deferred / carried block maxima assume consecutive
+        # tiles: there a skipped tile inside the range is computed fully masked.
+        self.fm_gap_skip = cfg.has_startend and not cfg.has_block_logit
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -157,6 +167,8 @@ class FlashFwdSm90:
         if cfg.has_block_logit:
             if cfg.block_size not in (16, 32, 64, 128, 256):
                 return f"block_size {cfg.block_size} (supported: 16, 32, 64, 128, 256)"
+        if cfg.has_startend and cfg.varlen:
+            return "FlashMask startend_row_indices with varlen"
         return None
 
     @staticmethod
@@ -194,7 +206,9 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, stream):
+                 max_seqlen_q: Int32, stream, mStartend=None, mFmMinMax=None, mFmRanges=None):
+        """``mStartend``/``mFmMinMax``/``mFmRanges``: the FlashMask tensors (config.py) of a ``startend``
+        build, else None."""
         varlen = const_expr(mCuSeqlensQ is not None)
         # (B, S, H, D) -> (S, D, H, B); varlen (T, H, D) -> (T, D, H)
         order = (0, 2, 1) if const_expr(varlen) else (1, 3, 2, 0)
@@ -231,10 +245,13 @@ class FlashFwdSm90:
             batch = mQ.shape[0]
             num_heads = mQ.shape[2]
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), num_heads, batch)
+        fm_head_div = Int32(1)
+        if const_expr(self.cfg.has_startend):
+            fm_head_div = num_heads // mStartend.shape[1]  # query heads per mask head
         self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, sQ_layout, sK_layout, sV_layout,
                     softmax_scale, softcap, window_left, window_right,
-                    mQt.shape[0], mKt.shape[0]).launch(
+                    mQt.shape[0], mKt.shape[0], mStartend, mFmMinMax, mFmRanges, fm_head_div).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=self.shared_storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
@@ -245,7 +262,8 @@ class FlashFwdSm90:
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, softmax_scale: Float32, softcap: Float32,
-               window_left: Int32, window_right: Int32, seqlen_q_static: Int32, seqlen_k_static: Int32):
+               window_left: Int32, window_right: Int32, seqlen_q_static: Int32, seqlen_k_static: Int32,
+               mStartend, mFmMinMax, mFmRanges, fm_head_div: Int32):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -290,11 +308,22 @@ class FlashFwdSm90:
             mask_right = const_expr(cfg.causal or cfg.has_window)
             tiles = TileRange.create(m_start, seqlen.seqlen_q, seqlen.seqlen_k, left, right,
                                      self.tile_m, self.tile_n, mask_right, cfg.has_window)
+            fmask = None
+            if const_expr(cfg.has_startend):
+                # FlashMask: key tiles the column bounds skip for every row of this tile lie outside
+                # [first, last + 1) (fm_meta.FmQueryRanges); tiles inside are classified one by one.
+                fm_head = head_idx // fm_head_div
+                rng = mFmRanges[batch_idx, fm_head, m_tile, None]
+                tiles = fm.narrow_tile_range(tiles, rng[0], rng[1])
+                fmask = SimpleNamespace(bounds=mStartend[batch_idx, fm_head, None, None],
+                                        minmax=mFmMinMax[batch_idx, fm_head, None, None], m_start=m_start,
+                                        m_end=cutlass.min(m_start + self.tile_m, seqlen.seqlen_q),
+                                        row=rng, nt=mFmMinMax.shape[2])
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                              pipeline_q, pipeline_k, pipeline_v, seqlen, tiles, m_tile, head_idx, batch_idx)
+                              pipeline_q, pipeline_k, pipeline_v, seqlen, tiles, m_tile, head_idx, batch_idx, fmask)
                 else:
                     if const_expr(cfg.has_block_logit):
                         self.fill_block_logit(mBlockLogit, seqlen, tiles, m_start, head_idx, batch_idx,
@@ -303,7 +332,7 @@ class FlashFwdSm90:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                              seqlen, tiles, left, right, m_tile, head_idx, batch_idx, tidx - THREADS_PER_WG,
-                             softmax_scale, softcap, tma_atom_O, sO)
+                             softmax_scale, softcap, tma_atom_O, sO, fmask)
 
     # ------------------------------------------------------------------ producer
     def _batch_view(self, t: cute.Tensor, offset, batch_idx, varlen: bool):
@@ -315,7 +344,7 @@ class FlashFwdSm90:
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
              pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, tiles: TileRange,
-             m_tile: Int32, head_idx: Int32, batch_idx: Int32):
+             m_tile: Int32, head_idx: Int32, batch_idx: Int32, fmask=None):
         cfg = self.cfg
         head_kv = head_idx // cfg.qhead_per_kvhead
         mQ_cur = self._batch_view(mQ, seqlen.offset_q, batch_idx, cfg.varlen)[None, None, head_idx]
@@ -331,7 +360,10 @@ class FlashFwdSm90:
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
                                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        if tiles.n_min < tiles.n_max:
+        if const_expr(self.fm_gap_skip):
+            self.load_fm(tKgK, tKsK, tVgV, tVsV, tQgQ, tQsQ, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_q,
+                         pipeline_k, pipeline_v, tiles, fmask)
+        elif tiles.n_min < tiles.n_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             # 1. K of the first (highest) tile, then Q.
@@ -355,6 +387,42 @@ class FlashFwdSm90:
             # 3. V of the last (lowest) tile.
             pipeline_v.producer_acquire(kv_state)
             cute.copy(tma_atom_V, tVgV[None, tiles.n_min], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+
+    def fm_prefix(self, fmask, n: Int32) -> Int32:
+        """FlashMask: how many of the query tile's live key tiles lie below tile ``n`` (fm_meta)."""
+        return fmask.row[2 + n]
+
+    def fm_live(self, fmask, p: Int32) -> Int32:
+        """FlashMask: the query tile's ``p``-th live key tile, ascending (fm_meta)."""
+        return fmask.row[3 + fmask.nt + p]
+
+    @cute.jit
+    def load_fm(self, tKgK, tKsK, tVgV, tVsV, tQgQ, tQsQ, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_q,
+                pipeline_k, pipeline_v, tiles: TileRange, fmask):
+        """``load`` over the live key tiles of [n_min, n_max) only (``fm_gap_skip``), in the consumers' order."""
+        p_lo = self.fm_prefix(fmask, tiles.n_min)
+        p_hi = self.fm_prefix(fmask, tiles.n_max)
+        if p_lo < p_hi:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipeline_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, self.fm_live(fmask, p_hi - 1)], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            for i in cutlass.range(p_hi - 1 - p_lo, unroll=1):
+                p = p_hi - 1 - i
+                prev_state = kv_state.clone()
+                kv_state.advance()
+                pipeline_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK[None, self.fm_live(fmask, p - 1)], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                pipeline_v.producer_acquire(prev_state)
+                cute.copy(tma_atom_V, tVgV[None, self.fm_live(fmask, p)], tVsV[None, prev_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(prev_state))
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, self.fm_live(fmask, p_lo)], tVsV[None, kv_state.index],
                       tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
 
     def _block_logit_rows(self, mBlockLogit, seqlen: SeqlenInfo, head_idx, batch_idx):
@@ -397,7 +465,7 @@ class FlashFwdSm90:
     def consume(self, mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                 seqlen: SeqlenInfo, tiles: TileRange, left: Int32, right: Int32, m_tile: Int32,
                 head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32,
-                tma_atom_O, sO):
+                tma_atom_O, sO, fmask=None):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         lane = ctidx % 32
@@ -472,57 +540,113 @@ class FlashFwdSm90:
         ctx = SimpleNamespace(rows=rows, thr_col=thr_col, tiled_mma_qk=tiled_mma_qk, cols=cols, shift=shift,
                               left=left, right=right, seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr,
                               bl_layout=bl_layout, bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry,
-                              bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax)
+                              bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax,
+                              fmask=fmask)
         if const_expr(self.bl_early_reduce):
             ctx.bl_pending = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
         elif const_expr(self.bl_deferred):
             ctx.bl_pending = cute.make_rmem_tensor((2, self.bl_shape.blocks_per_tile), Float32)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        if tiles.n_min < tiles.n_max:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipeline_q.consumer_wait(q_state)
-            # 1. First tile (highest n): QK^T alone, full mask (seqlen tail + causal/window).
-            n_tile = tiles.n_max - 1
-            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-            pipeline_k.consumer_wait(kv_state)
-            self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
-            pipeline_k.consumer_release(kv_state)
-            self.process_scores(ctx, acc_S, n_tile, True, True, True)
-            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
-            # 2. Remaining tiles, descending; masked where causal/window cut through them.
-            n_hi = n_tile
-            n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
-            for i in cutlass.range(n_hi - n_lo_a, unroll=1):
-                kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
-                                             tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
-                                             pipeline_k, pipeline_v, wg, ctx)
-            n_hi = cutlass.min(n_hi, n_lo_a)
-            n_lo_b = cutlass.min(cutlass.max(tiles.n_left_mask, tiles.n_min), n_hi)
-            for i in cutlass.range(n_hi - n_lo_b, unroll=1):
-                kv_state = self.overlap_step(n_hi - 1 - i, False, kv_state, tiled_mma_qk, tiled_mma_pv,
-                                             tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
-                                             pipeline_k, pipeline_v, wg, ctx)
-            n_hi = n_lo_b
-            if const_expr(cfg.has_window):
-                for i in cutlass.range(n_hi - tiles.n_min, unroll=1):
+        if const_expr(self.fm_gap_skip):
+            self.consume_fm(ctx, tiles, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn,
+                            acc_O, acc_S_shape, pipeline_q, pipeline_k, pipeline_v, wg)
+        else:
+            if tiles.n_min < tiles.n_max:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+                pipeline_q.consumer_wait(q_state)
+                # 1. First tile (highest n): QK^T alone, full mask (seqlen tail + causal/window).
+                n_tile = tiles.n_max - 1
+                fm_whole = self.fm_tile_whole(ctx, n_tile)
+                acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+                pipeline_k.consumer_wait(kv_state)
+                self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+                pipeline_k.consumer_release(kv_state)
+                self.process_scores(ctx, acc_S, n_tile, True, True, True, fm_whole)
+                convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+                # 2. Remaining tiles, descending; masked where causal/window cut through them.
+                n_hi = n_tile
+                n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
+                for i in cutlass.range(n_hi - n_lo_a, unroll=1):
                     kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
                                                  tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
                                                  pipeline_k, pipeline_v, wg, ctx)
-            pipeline_q.consumer_release(q_state)
-            # 3. PV of the last tile (deferred block_logit: the last tile's block maxima meanwhile).
-            pipeline_v.consumer_wait(kv_state)
-            self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
-            if const_expr(self.bl_deferred):
-                self.block_logit_flush(ctx, tiles.n_min)
-            warpgroup.wait_group(0)
-            pipeline_v.consumer_release(kv_state)
+                n_hi = cutlass.min(n_hi, n_lo_a)
+                n_lo_b = cutlass.min(cutlass.max(tiles.n_left_mask, tiles.n_min), n_hi)
+                for i in cutlass.range(n_hi - n_lo_b, unroll=1):
+                    kv_state = self.overlap_step(n_hi - 1 - i, False, kv_state, tiled_mma_qk, tiled_mma_pv,
+                                                 tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                                 pipeline_k, pipeline_v, wg, ctx)
+                n_hi = n_lo_b
+                if const_expr(cfg.has_window):
+                    for i in cutlass.range(n_hi - tiles.n_min, unroll=1):
+                        kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
+                                                     tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                                     pipeline_k, pipeline_v, wg, ctx)
+                pipeline_q.consumer_release(q_state)
+                # 3. PV of the last tile (deferred block_logit: the last tile's block maxima meanwhile).
+                pipeline_v.consumer_wait(kv_state)
+                self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
+                if const_expr(self.bl_deferred):
+                    self.block_logit_flush(ctx, tiles.n_min)
+                warpgroup.wait_group(0)
+                pipeline_v.consumer_release(kv_state)
 
         # 4. Epilogue: O /= l, lse; rows past seqlen_q are not written.
         row_scale, lse = softmax.finalize()
         softmax.rescale(acc_O_mn, row_scale)
         self.epilogue(acc_O, lse, mO, mLSE, seqlen, tiled_mma_pv, thr_mma_pv, m_tile, head_idx, batch_idx,
                       ctidx, tma_atom_O, sO)
+
+    @cute.jit
+    def consume_fm(self, ctx, tiles: TileRange, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                   acc_O_mn, acc_O, acc_S_shape, pipeline_q, pipeline_k, pipeline_v, wg: Int32):
+        """The key-tile loop of ``consume`` over the live tiles only (``fm_gap_skip``; no block_logit): the
+        same three masked / unmasked / masked runs of tiles, each walked through fm_meta's list."""
+        cfg = self.cfg
+        fmask = ctx.fmask
+        p_lo = self.fm_prefix(fmask, tiles.n_min)
+        p_hi = self.fm_prefix(fmask, tiles.n_max)
+        if p_lo < p_hi:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_q.consumer_wait(q_state)
+            # 1. First (highest live) tile: QK^T alone, full mask.
+            n_first = self.fm_live(fmask, p_hi - 1)
+            fm_whole = self.fm_tile_whole(ctx, n_first)
+            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+            pipeline_k.consumer_wait(kv_state)
+            self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+            pipeline_k.consumer_release(kv_state)
+            self.process_scores(ctx, acc_S, n_first, True, True, True, fm_whole)
+            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+            # 2. The live tiles below it, descending: [n_right_mask, n_first) masked, then unmasked, then the
+            #    window's left run masked (positions in the list: prefix counts).
+            n_hi = n_first
+            n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
+            p_top = p_hi - 1
+            p_a = cutlass.min(self.fm_prefix(fmask, cutlass.min(n_lo_a, n_hi)), p_top)
+            for i in cutlass.range(p_top - p_a, unroll=1):
+                kv_state = self.overlap_step(self.fm_live(fmask, p_top - 1 - i), True, kv_state, tiled_mma_qk,
+                                             tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                             pipeline_k, pipeline_v, wg, ctx)
+            n_hi = cutlass.min(n_hi, n_lo_a)
+            n_lo_b = cutlass.min(cutlass.max(tiles.n_left_mask, tiles.n_min), n_hi)
+            p_b = self.fm_prefix(fmask, n_lo_b)
+            for i in cutlass.range(p_a - p_b, unroll=1):
+                kv_state = self.overlap_step(self.fm_live(fmask, p_a - 1 - i), False, kv_state, tiled_mma_qk,
+                                             tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
+                                             pipeline_k, pipeline_v, wg, ctx)
+            if const_expr(cfg.has_window):
+                for i in cutlass.range(p_b - p_lo, unroll=1):
+                    kv_state = self.overlap_step(self.fm_live(fmask, p_b - 1 - i), True, kv_state, tiled_mma_qk,
+                                                 tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O,
+                                                 acc_S_shape, pipeline_k, pipeline_v, wg, ctx)
+            pipeline_q.consumer_release(q_state)
+            # 3. PV of the last tile.
+            pipeline_v.consumer_wait(kv_state)
+            self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(kv_state)
 
     def _thr_col(self, tiled_mma_qk, ctidx: Int32) -> Int32:
         """Column (within a key tile) of consumer thread ``ctidx``'s first S fragment entry."""
@@ -540,6 +664,7 @@ class FlashFwdSm90:
         """QK^T of tile n in flight with PV of tile n+1; then softmax of tile n and O rescale."""
         v_state = kv_state.clone()
         kv_state.advance()
+        fm_whole = self.fm_tile_whole(ctx, n_tile)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipeline_k.consumer_wait(kv_state)
         self.scheduler_sync(wg)
@@ -551,7 +676,7 @@ class FlashFwdSm90:
             self.block_logit_flush(ctx, n_tile + 1)
         warpgroup.wait_group(0 if const_expr(self.bl_early_reduce) else 1)
         pipeline_k.consumer_release(kv_state)
-        row_scale = self.process_scores(ctx, acc_S, n_tile, False, False, masked)
+        row_scale = self.process_scores(ctx, acc_S, n_tile, False, False, masked, fm_whole)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         ctx.softmax.rescale(acc_O_mn, row_scale)
@@ -560,7 +685,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def process_scores(self, ctx, acc_S: cute.Tensor, n_tile: Int32, is_first: cutlass.Constexpr,
-                       mask_seqlen: cutlass.Constexpr, masked: cutlass.Constexpr) -> cute.Tensor:
+                       mask_seqlen: cutlass.Constexpr, masked: cutlass.Constexpr, fm_whole=True) -> cute.Tensor:
         """softcap, mask, block_logit, online softmax of one S tile -> P in acc_S; returns the O rescale."""
         cfg = self.cfg
         acc_S_mn = acc_mn_view(acc_S)
@@ -574,6 +699,12 @@ class FlashFwdSm90:
             apply_mask(acc_S_mn, ctx.cols, ctx.rows, thr_col + n_tile * self.tile_n, ctx.seqlen.seqlen_k,
                        ctx.shift, ctx.left, ctx.right, mask_seqlen, cfg.causal or cfg.has_window,
                        cfg.has_window)
+        if const_expr(cfg.has_startend):
+            # FlashMask: the element mask only on tiles the per-tile bounds do not leave whole (a tile
+            # the bounds skip inside the visited range, with block_logit, is masked entirely here).
+            # ``fm_whole`` was classified before the tile's GEMMs were waited for (fm_tile_whole).
+            if not fm_whole:
+                self.startend_mask(ctx, acc_S_mn, n_tile)
         local_max = None
         if const_expr(cfg.has_block_logit):
             if const_expr(self.bl_deferred):
@@ -590,6 +721,27 @@ class FlashFwdSm90:
                                                   bl.row_at(ctx.bl_addr, ctx.bl_layout), ctx.bl_limit,
                                                   ctx.bl_row_sel, ctx.carry, ctx.bl_scale)
         return ctx.softmax.update(acc_S_mn, is_first, local_max)
+
+    @cute.jit
+    def fm_tile_whole(self, ctx, n_tile: Int32):
+        """FlashMask: whether key tile ``n_tile``'s bound min / max leave this query tile whole (no element
+        mask). Called before the tile's scores are waited for, so the loads overlap the GEMMs instead of
+        lengthening the softmax. True without a mask."""
+        whole = True
+        if const_expr(self.cfg.has_startend):
+            fmask = ctx.fmask
+            lo, hi = fm.load_tile_minmax(fmask.minmax, n_tile, self.cfg.startend)
+            _skip, whole = fm.classify_tile(fmask.m_start, fmask.m_end, lo, hi, self.cfg.startend)
+        return whole
+
+    @cute.jit
+    def startend_mask(self, ctx, acc_S_mn: cute.Tensor, n_tile: Int32):
+        """The FlashMask element mask of key tile ``n_tile`` (common/flashmask.apply_startend_mask)."""
+        fm_col = ctx.thr_col
+        if const_expr(self.reread_coords):
+            fm_col = self._thr_col(ctx.tiled_mma_qk, reread_tid_x() - THREADS_PER_WG)
+        fm.apply_startend_mask(acc_S_mn, ctx.cols, ctx.rows, fm_col + n_tile * self.tile_n, ctx.fmask.bounds,
+                               ctx.seqlen.seqlen_k, self.cfg.startend)
 
     @cute.jit
     def block_logit_step(self, acc_S_mn, cols: cutlass.Constexpr, n_tile: Int32, n_tile_min: Int32,

@@ -22,13 +22,13 @@ from .config import BLOCK_SIZES, DTYPES, FwdArgs, FwdConfig
 # resolution, then the launch): memoised so a call costs a dict lookup, not a dataclass build.
 @functools.lru_cache(maxsize=None)
 def fwd_config(arch: int, dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
-               has_window: bool, has_softcap: bool, block_size: int, varlen: bool) -> FwdConfig:
+               has_window: bool, has_softcap: bool, block_size: int, varlen: bool, startend: str = "") -> FwdConfig:
     """The compile key for one forward call (``arch``: the exact compute capability, e.g. 103;
-    ``block_size`` 0 = no block_logit)."""
+    ``block_size`` 0 = no block_logit; ``startend``: the FlashMask layout, "" = none)."""
     return FwdConfig(arch=int(arch), dtype=dtype_name(dtype), head_dim=int(head_dim),
                      head_dim_v=int(head_dim_v), qhead_per_kvhead=int(qhead_per_kvhead), causal=bool(causal),
                      has_window=bool(has_window), has_softcap=bool(has_softcap), block_size=int(block_size),
-                     varlen=bool(varlen))
+                     varlen=bool(varlen), startend=str(startend))
 
 
 def _kernel_class(arch: int):
@@ -53,6 +53,8 @@ def unsupported_reason(cfg: FwdConfig) -> str | None:
         return arch_reason
     if cfg.has_block_logit and cfg.block_size not in BLOCK_SIZES:
         return f"block_size {cfg.block_size} (supported: {', '.join(map(str, BLOCK_SIZES))})"
+    if cfg.has_startend and cfg.varlen:
+        return "FlashMask startend_row_indices with varlen"
     try:
         cls = _kernel_class(cfg.arch)
     except ImportError as exc:
@@ -62,6 +64,43 @@ def unsupported_reason(cfg: FwdConfig) -> str | None:
 
 def smem_bytes(cfg: FwdConfig) -> int | None:
     return _kernel_class(cfg.arch).smem_bytes(cfg)
+
+
+def fm_tiles(cfg: FwdConfig) -> tuple[int, int]:
+    """(tile_m, tile_n) of the forward kernel of ``cfg``: the tiles its FlashMask metadata is built for
+    (SM100: a work tile of q_stage x 128 rows, 128-key tiles)."""
+    if _arch.family(cfg.arch) == 100:
+        from .fwd_sm100 import TILE_M, TILE_N, _q_stage
+
+        return _q_stage(cfg) * TILE_M, TILE_N
+    from .fwd_sm90 import tile_shape
+
+    tile_m, tile_n, _ = tile_shape(cfg)
+    return tile_m, tile_n
+
+
+def fm_meta_config(cfg: FwdConfig):
+    """The ``fm_meta.FmMetaConfig`` whose metadata the forward of ``cfg`` reads."""
+    from .fm_meta import FmMetaConfig
+
+    tile_m, tile_n = fm_tiles(cfg)
+    return FmMetaConfig(arch=cfg.arch, layout=cfg.startend, tile_m=tile_m, tile_n=tile_n)
+
+
+def fake_fm_args(cfg: FwdConfig) -> tuple:
+    """Fake (mStartend, mFmMinMax, mFmRanges) of a FlashMask config (after the stream), else ()."""
+    if not cfg.has_startend:
+        return ()
+    import cutlass
+
+    from cute_kernels.common.flashmask import num_cols
+    from cute_kernels.fake import fake_tensor, sym
+
+    n = num_cols(cfg.startend)
+    b, hm, sk, nt, mt = sym(), sym(), sym(), sym(), sym()
+    i32 = cutlass.Int32
+    return (fake_tensor(i32, (b, hm, sk, n), align_bytes=4), fake_tensor(i32, (b, hm, nt, 2 * n), align_bytes=4),
+            fake_tensor(i32, (b, hm, mt, sym()), align_bytes=4))
 
 
 def fake_fwd_args(cfg: FwdConfig) -> FwdArgs:
@@ -126,16 +165,21 @@ def _compile_fwd(cfg: FwdConfig, sm_count: int | None, trace: bool = False):
         raise NotImplementedError(f"flash_attn_fwd: {reason}")
     cls = _kernel_class(cfg.arch)
     kernel = cls(cfg) if sm_count is None else cls(cfg, sm_count=int(sm_count))
-    extra = (cutlass.Int64(0),) if trace else ()
+    extra = (cutlass.Int64(0),) if trace else fake_fm_args(cfg)
+    if cfg.has_startend and _arch.family(cfg.arch) == 100:
+        extra = (None,) + extra  # SM100: trace_addr comes first after the stream
     return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(), *extra,
                         options=arch_options(cfg.arch))
 
 
 def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, *,
             softmax_scale: float, softcap: float, window_left: int, window_right: int,
-            max_seqlen_q: int, trace_addr: int | None = None) -> None:
+            max_seqlen_q: int, trace_addr: int | None = None, startend=None, fm_minmax=None,
+            fm_ranges=None) -> None:
     """Launch the forward on the caller's current stream; writes ``out``, ``lse``, ``block_logit``.
     ``trace_addr``: device-visible address of an edge-trace array (common/trace.py): the traced SM100 build.
+    ``startend``, ``fm_minmax``, ``fm_ranges``: a FlashMask call's bounds and the workspace
+    ``fm_meta.workspace_shapes(fm_meta_config(cfg), ...)``; this launch fills the workspace first.
 
     Shapes as in ``config.FwdArgs``; ``block_logit`` is None iff ``cfg.block_size == 0``;
     ``cu_seqlens_*`` are None iff not ``cfg.varlen``; window sizes -1 = unbounded.
@@ -149,9 +193,17 @@ def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seq
         return
     if max_seqlen_q <= 0:
         return
+    assert (startend is None) == (not cfg.has_startend), "startend_row_indices must match cfg.startend"
     fn = compile_fwd(cfg, _arch.tensor_sm_count(q) if _arch.family(cfg.arch) == 100 else None,
                      trace=trace_addr is not None)
     extra = () if trace_addr is None else (int(trace_addr),)
+    if cfg.has_startend:
+        from .fm_meta import run_meta
+
+        run_meta(fm_meta_config(cfg), startend, fm_minmax, fm_ranges, seqlen_q=int(q.shape[1]))
+        extra = (startend, fm_minmax, fm_ranges)
+        if _arch.family(cfg.arch) == 100:
+            extra = (None,) + extra  # SM100: trace_addr comes first after the stream
     fn(q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q),
        *extra)
@@ -162,9 +214,8 @@ _SM90_HEAD_DIMS = (64, 96, 128, 192, 256)
 _SM100_HEAD_DIMS = (64, 128, 192, 256)
 
 
-def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
-    """Configs compiled by ``python -m cute_kernels.check`` (and the CPU compile tests) for compute
-    capability ``arch``; the configs of 10.0 and 10.3 differ only in ``arch``."""
+def _dense_matrix(arch: int, full: bool) -> list[FwdConfig]:
+    """The configs without a FlashMask mask (``config_matrix``)."""
     arch = int(arch)
     sm90 = _arch.family(arch) == 90
     if full:
@@ -202,6 +253,39 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
     out += [fwd_config(arch, "bfloat16", 192, 128, 2, True, False, False, 64, False),
             fwd_config(arch, "float16", 192, 128, 1, False, False, False, 0, True)]
     return out
+
+
+def _fm_matrix(arch: int) -> list[FwdConfig]:
+    """FlashMask (startend_row_indices) lines of the compile matrix, default and full alike."""
+    sm90 = _arch.family(arch) == 90
+    out = []
+    if not sm90:  # FlashMask on SM100: every layout (4 columns included), block_logit, window, GQA
+        out += [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in (
+            ("bfloat16", 128, 1, True, False, 0, "lts"),
+            ("bfloat16", 128, 4, True, False, 64, "lts_lte"),
+            ("bfloat16", 128, 1, False, False, 0, "lts_ute"),
+            ("bfloat16", 128, 4, False, False, 0, "lts_lte_uts_ute"),
+            ("float16", 64, 1, False, True, 16, "lts_lte_uts_ute"),
+            ("bfloat16", 256, 1, True, True, 0, "lts_lte"))]
+    if sm90:  # FlashMask: every layout, both consumer-WG counts (d 64: 3), block_logit, window, GQA
+        out += [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in (
+            ("bfloat16", 128, 1, True, False, 0, "lts"),
+            ("bfloat16", 128, 4, True, False, 64, "lts_lte"),
+            ("bfloat16", 128, 1, False, False, 0, "lts_ute"),
+            ("bfloat16", 128, 4, False, False, 0, "lts_lte_uts_ute"),
+            ("float16", 64, 1, False, True, 16, "lts_lte_uts_ute"),
+            ("bfloat16", 64, 2, True, False, 0, "lts"),
+            ("bfloat16", 256, 1, True, True, 0, "lts_lte"),
+            ("bfloat16", 192, 1, False, False, 32, "lts_ute"))]
+    return out
+
+
+def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
+    """Configs compiled by ``python -m cute_kernels.check`` (and the CPU compile tests) for compute
+    capability ``arch``; the configs of 10.0 and 10.3 differ only in ``arch``. Each FlashMask line names
+    its column layout (``startend=...``)."""
+    arch = int(arch)
+    return _dense_matrix(arch, full) + _fm_matrix(arch)
 
 
 CHECKS = {"attention_fwd": (config_matrix, compile_fwd, smem_bytes)}

@@ -55,7 +55,18 @@ def fwd_config(arch: int, spec):
     return _launch().fwd_config(
         arch=arch, dtype=spec.dtype, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
         qhead_per_kvhead=spec.qhead_per_kvhead, causal=spec.causal, has_window=spec.has_window,
-        has_softcap=spec.softcap > 0, block_size=spec.block_size, varlen=spec.varlen)
+        has_softcap=spec.softcap > 0, block_size=spec.block_size, varlen=spec.varlen, startend=spec.startend)
+
+
+def _fwd_mask_reason(spec) -> str | None:
+    """Why no CuTe forward takes ``spec``'s FlashMask arguments (None when none is missing).
+
+    ``startend_row_indices`` runs on the SM90 forward (the launcher names the other cases); a case
+    without a kernel runs the reference under ``backend="auto"`` and raises NotImplementedError
+    naming it under ``"cute"``."""
+    if spec.has_block_bos:
+        return "block_logit with block_bos (document-relative blocks) has no CuTe kernel yet"
+    return None
 
 
 def _kernel_case_reason(spec) -> str | None:
@@ -70,7 +81,7 @@ def _kernel_case_reason(spec) -> str | None:
 
 def unsupported_reason(arch: int, spec) -> str | None:
     """None when the CuTe forward handles ``spec`` on compute capability ``arch``, else why not."""
-    reason = _kernel_case_reason(spec)
+    reason = _kernel_case_reason(spec) or _fwd_mask_reason(spec)
     if reason is not None:
         return reason
     launch = _launch()
@@ -79,7 +90,8 @@ def unsupported_reason(arch: int, spec) -> str | None:
     return launch.unsupported_reason(fwd_config(arch, spec))
 
 
-def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k) -> None:
+def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, startend_row_indices=None,
+                   block_bos=None) -> None:
     """Launch the CuTe forward; same out-parameter contract as the reference.
 
     Strided (or misaligned) q / k / v / cu_seqlens are read through contiguous copies; a strided
@@ -89,8 +101,12 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
 
     Raises:
         ValueError: ``out`` or ``lse`` is not contiguous or not aligned (never for the op's own).
+        NotImplementedError: ``block_bos`` (``unsupported_reason`` keeps it from here).
     """
+    if block_bos is not None or _fwd_mask_reason(spec):
+        raise NotImplementedError(f"{OP}: {_fwd_mask_reason(spec)}")
     q, k, v = (kernel_input(t) for t in (q, k, v))
+    startend_row_indices = kernel_input(startend_row_indices, 4)
     cu_seqlens_q, cu_seqlens_k = kernel_input(cu_seqlens_q, 4), kernel_input(cu_seqlens_k, 4)
     caller_block_logit, block_logit = block_logit, stage_output(block_logit, 4)
     for name, t in (("out", out), ("lse", lse)):
@@ -99,13 +115,21 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
     require_aligned(OP, "lse", lse, nbytes=4)
     launch = _launch()
     cfg = fwd_config(arch_of(q), spec)
+    fm_kw = {}
+    if spec.startend:  # FlashMask: the tile metadata workspace (fm_meta), filled by run_fwd
+        from cute_kernels.attention import fm_meta
+
+        shapes = fm_meta.workspace_shapes(launch.fm_meta_config(cfg), spec.batch, spec.startend_heads,
+                                          spec.seqlen_q, spec.seqlen_k)
+        fm_kw = {name: kernel_arg(_bridge.empty(shape, dtype, q)) for name, (shape, dtype) in shapes.items()}
+        fm_kw["startend"] = kernel_arg(startend_row_indices)
     launch.run_fwd(
         cfg, kernel_arg(q), kernel_arg(k), kernel_arg(v), kernel_arg(out), kernel_arg(lse),
         kernel_arg(block_logit), kernel_arg(cu_seqlens_q), kernel_arg(cu_seqlens_k),
         softmax_scale=spec.softmax_scale, softcap=spec.softcap,
         window_left=-1 if spec.window_left is None else spec.window_left,
         window_right=-1 if spec.window_right is None else spec.window_right,
-        max_seqlen_q=spec.seqlen_q)
+        max_seqlen_q=spec.seqlen_q, **fm_kw)
     commit_output(caller_block_logit, block_logit)
 
 
@@ -119,7 +143,7 @@ def bwd_config(arch: int, spec, deterministic: bool, has_dlse: bool):
         arch=arch, dtype=spec.dtype, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
         qhead_per_kvhead=spec.qhead_per_kvhead, causal=spec.causal, has_window=spec.has_window,
         has_softcap=spec.softcap > 0, varlen=spec.varlen, deterministic=bool(deterministic),
-        has_dlse=bool(has_dlse))
+        has_dlse=bool(has_dlse), startend=spec.startend)
 
 
 def bwd_unsupported_reason(arch: int, spec, deterministic: bool, has_dlse: bool) -> str | None:
@@ -134,13 +158,14 @@ def bwd_unsupported_reason(arch: int, spec, deterministic: bool, has_dlse: bool)
 
 
 def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
-                   deterministic=False):
+                   deterministic=False, startend_row_indices=None):
     """Launch the CuTe backward: allocate the workspace (and dq/dk/dv when None) with ``paddle.empty``
     and call ``run_bwd``; same contract as the reference. Strided (or misaligned) inputs are read
     through contiguous copies; strided dq/dk/dv out-parameters are written through contiguous
     temporaries and copied back (the caller's tensors then hold the result, as for compact ones).
     """
     dout, q, k, v, out = (kernel_input(t) for t in (dout, q, k, v, out))
+    startend_row_indices = kernel_input(startend_row_indices, 4)
     lse, dlse, cu_seqlens_q, cu_seqlens_k = (kernel_input(t, 4) for t in (lse, dlse, cu_seqlens_q, cu_seqlens_k))
     results, outputs = {}, {}
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
@@ -155,13 +180,20 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
                                      total_k=spec.total_k)
     workspace = {name: _bridge.empty(shape, dtype, q) for name, (shape, dtype) in shapes.items()}
     a = kernel_arg
+    fm_kw = {}
+    if spec.startend:  # FlashMask: the per-key-tile bounds workspace (fm_meta), filled by run_bwd
+        from cute_kernels.attention import fm_meta
+
+        shape, dtype = fm_meta.workspace_shapes(launch.fm_meta_config(cfg), spec.batch, spec.startend_heads,
+                                                spec.seqlen_q, spec.seqlen_k)["fm_minmax"]
+        fm_kw = {"startend": a(startend_row_indices), "fm_minmax": a(_bridge.empty(shape, dtype, q))}
     launch.run_bwd(
         cfg, a(dout), a(q), a(k), a(v), a(out), a(lse), a(dlse), a(outputs["dq"]), a(outputs["dk"]),
         a(outputs["dv"]), a(cu_seqlens_q), a(cu_seqlens_k), {name: a(t) for name, t in workspace.items()},
         softmax_scale=spec.softmax_scale, softcap=spec.softcap,
         window_left=-1 if spec.window_left is None else spec.window_left,
         window_right=-1 if spec.window_right is None else spec.window_right,
-        max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k)
+        max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k, **fm_kw)
     for name in ("dq", "dk", "dv"):
         commit_output(results[name], outputs[name])
     return results["dq"], results["dk"], results["dv"]

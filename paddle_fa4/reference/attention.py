@@ -3,7 +3,12 @@
 Works on any place. Inputs are upcast to float32 (CPU Paddle has no bf16/fp16 matmul or exp);
 ``out`` is cast back to q's dtype. Query rows are processed in chunks so the ``[Hq, rows, Sk]``
 float32 score tile stays under :data:`TILE_BYTES`, which bounds memory for long sequences.
-Semantics: ``docs/api.md`` (flash_attn_fwd).
+Semantics: ``docs/api.md`` (flash_attn_fwd; "FlashMask" for ``startend_row_indices`` and
+``block_bos``, which this module takes as the mask arguments of the same dense reference).
+
+Keys a row cannot see never reach its results, NaN or inf included: scores are replaced before
+the softmax, and products with V (forward) or K (dq) that involve a non-finite key row are added
+per row only where that row sees the key (:func:`key_matmul`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import paddle
 TILE_BYTES = 64 << 20
 
 
-def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k) -> None:
+def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, startend_row_indices=None,
+                   block_bos=None) -> None:
     """Fill ``out``, ``lse`` and (when not None) ``block_logit`` for a validated call.
 
     Args:
@@ -27,13 +33,17 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
         block_logit (Tensor | None): float32 ``spec.block_logit_shape()``, every entry written.
         cu_seqlens_q, cu_seqlens_k (Tensor | None): int32 ``[B + 1]`` for varlen calls. Their values
             are read on the host (a device sync on GPU places, acceptable for a reference).
+        startend_row_indices (Tensor | None): int32 ``[B, Hm, Sk, n]`` FlashMask bounds (dense only).
+        block_bos (Tensor | None): int32 ``[B, Sq]`` block origins of ``block_logit`` (dense only).
     """
     with paddle.no_grad():
         if spec.varlen:
             _varlen(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k)
         else:
             for b in range(spec.batch):
-                _sequence(spec, q[b], k[b], v[b], _Writer(out, lse, block_logit, b, 0))
+                _sequence(spec, q[b], k[b], v[b], _Writer(out, lse, block_logit, b, 0),
+                          None if startend_row_indices is None else startend_row_indices[b],
+                          None if block_bos is None else block_bos[b])
 
 
 def _varlen(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k) -> None:
@@ -75,8 +85,9 @@ class _Writer:
                 self.block_logit[self.b, :, r0:r1] = row_block_logit
 
 
-def _sequence(spec, q, k, v, write) -> None:
-    """One sequence: ``q [Sq, Hq, D]``, ``k [Sk, Hkv, D]``, ``v [Sk, Hkv, Dv]``."""
+def _sequence(spec, q, k, v, write, startend=None, bos=None) -> None:
+    """One sequence: ``q [Sq, Hq, D]``, ``k [Sk, Hkv, D]``, ``v [Sk, Hkv, Dv]``; ``startend [Hm, Sk, n]``
+    and ``bos [Sq]`` this sequence's FlashMask bounds and block origins (or None)."""
     sq, sk = q.shape[0], k.shape[0]
     if spec.block_size and sk > spec.num_blocks * spec.block_size:
         raise ValueError(f"flash_attn_fwd: a key sequence of length {sk} exceeds max_seqlen_k {spec.seqlen_k}")
@@ -86,7 +97,8 @@ def _sequence(spec, q, k, v, write) -> None:
     rows = max(1, min(sq, TILE_BYTES // (4 * spec.num_heads * max(width, 1))))
     for row0 in range(0, sq, rows):
         row1 = min(sq, row0 + rows)
-        o, row_lse, row_bl = _chunk(spec, q[row0:row1], kf, vf, row0, sq, sk)
+        o, row_lse, row_bl = _chunk(spec, q[row0:row1], kf, vf, row0, sq, sk, startend,
+                                    None if bos is None else bos[row0:row1])
         write(row0, o, row_lse, row_bl)
 
 
@@ -139,8 +151,39 @@ def key_matmul(a, b, live, b_finite: bool):
     return paddle.where(nan, paddle.full_like(out, math.nan), out)
 
 
-def _chunk(spec, q, kf, vf, row0: int, sq: int, sk: int):
-    """Rows ``row0 .. row0 + q.shape[0]`` of one sequence.
+def startend_visible(spec, startend, row0: int, rows: int):
+    """``[Hm, rows, Sk]`` bool: the FlashMask mask of ``startend [Hm, Sk, n]`` (one sequence) lets
+    query row ``row0 + r`` see key ``t``; row ``i`` is masked in column ``t`` when
+    ``LTS <= i < LTE`` or ``UTS <= i < UTE`` (the layout ``spec.startend`` says which bounds exist)."""
+    place = startend.place
+    bounds = startend.astype("int64").unsqueeze(1)  # [Hm, 1, Sk, n]
+    i = paddle.arange(row0, row0 + rows, dtype="int64", device=place).reshape([1, rows, 1])
+    lts = bounds[..., 0]
+    if spec.startend == "lts":
+        return i < lts
+    if spec.startend == "lts_lte":
+        return (i < lts) | (i >= bounds[..., 1])
+    if spec.startend == "lts_ute":
+        return (i < lts) & (i >= bounds[..., 1])
+    lower = (i >= lts) & (i < bounds[..., 1])
+    upper = (i >= bounds[..., 2]) & (i < bounds[..., 3])
+    return ~(lower | upper)
+
+
+def _full_mask(spec, row0: int, rows: int, sq: int, sk: int, hq: int, place, startend):
+    """``[1 or Hq, rows, Sk]`` bool visibility: window / causal, and the FlashMask mask when given
+    (query head ``h`` reads mask head ``h // (Hq // Hm)``)."""
+    mask = visible_mask(spec, row0, rows, sq, sk, place).unsqueeze(0)
+    if startend is None:
+        return mask
+    fm = startend_visible(spec, startend, row0, rows)
+    if 1 < fm.shape[0] < hq:  # kv-head masks: repeat each for its query heads (bool has no repeat kernel)
+        fm = paddle.repeat_interleave(fm.astype("int32"), hq // fm.shape[0], axis=0).astype("bool")
+    return mask & fm
+
+
+def _chunk(spec, q, kf, vf, row0: int, sq: int, sk: int, startend=None, bos=None):
+    """Rows ``row0 .. row0 + q.shape[0]`` of one sequence (``startend``/``bos``: see :func:`_sequence`).
 
     Returns ``(o [rows, Hq, Dv] fp32, lse [Hq, rows] fp32, block_logit [Hq, rows, nb] fp32 | None)``.
     """
@@ -150,7 +193,7 @@ def _chunk(spec, q, kf, vf, row0: int, sq: int, sk: int):
     s = paddle.matmul(qf, kf, transpose_y=True).reshape([hq, rows, sk]) * spec.softmax_scale
     if spec.softcap > 0:
         s = paddle.tanh(s / spec.softcap) * spec.softcap
-    mask = visible_mask(spec, row0, rows, sq, sk, q.place).unsqueeze(0)
+    mask = _full_mask(spec, row0, rows, sq, sk, hq, q.place, startend)
     s = paddle.where(mask, s, paddle.full([], -math.inf, dtype="float32", device=q.place))
     row_max = paddle.max(s, axis=-1)  # [Hq, rows], -inf on rows with no visible key
     safe_max = paddle.where(paddle.isinf(row_max), paddle.zeros_like(row_max), row_max)
@@ -161,7 +204,10 @@ def _chunk(spec, q, kf, vf, row0: int, sq: int, sk: int):
     live = mask.expand([hq, rows, sk]).reshape([hkv, group * rows, sk])
     o = key_matmul(p.reshape([hkv, group * rows, sk]), vf, live, _all_finite(vf)).reshape([hq, rows, -1])
     o = o / paddle.where(row_sum > 0, row_sum, paddle.ones_like(row_sum)).unsqueeze(-1)
-    row_bl = _block_max(s, spec.block_size, spec.num_blocks) if spec.block_size else None
+    row_bl = None
+    if spec.block_size:
+        row_bl = (_block_max(s, spec.block_size, spec.num_blocks) if bos is None
+                  else _block_max_relative(s, bos, spec.block_size, spec.num_blocks))
     return o.transpose([1, 0, 2]), row_lse, row_bl
 
 
@@ -174,12 +220,26 @@ def _block_max(s, block_size: int, num_blocks: int):
     return paddle.max(s.reshape([hq, rows, num_blocks, block_size]), axis=-1)
 
 
+def _block_max_relative(s, bos, block_size: int, num_blocks: int):
+    """``s [Hq, rows, Sk]`` (-inf where masked), ``bos [rows]`` -> ``[Hq, rows, num_blocks]``: block
+    ``j`` of row ``r`` is the max over keys ``[bos_r + j * block_size, bos_r + (j + 1) * block_size)``;
+    keys before ``bos_r`` belong to no block."""
+    hq, rows, sk = s.shape
+    width = num_blocks * block_size
+    u = paddle.arange(width, dtype="int64", device=s.place).unsqueeze(0) + bos.astype("int64").unsqueeze(1)
+    valid = u < sk  # [rows, width]
+    idx = paddle.where(valid, u, paddle.zeros_like(u)).unsqueeze(0).expand([hq, rows, width])
+    g = paddle.take_along_axis(s, idx, axis=2)
+    g = paddle.where(valid.unsqueeze(0), g, paddle.full([], -math.inf, dtype="float32", device=s.place))
+    return paddle.max(g.reshape([hq, rows, num_blocks, block_size]), axis=-1)
+
+
 # ----------------------------------------------------------------------------------------------
 # backward
 
 
 def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *,
-                   deterministic=False):
+                   deterministic=False, startend_row_indices=None):
     """``(dq, dk, dv)`` of a validated call, exact float32 closed form (deterministic by construction).
 
     Per sequence and chunk of query rows (each ``[Hq, rows, Sk]`` float32 tile stays under
@@ -197,6 +257,7 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
             written; allocated when None.
         cu_seqlens_q, cu_seqlens_k (Tensor | None): int32 ``[B + 1]`` for varlen calls (read on the host).
         deterministic (bool): accepted for the shared contract; this backend always is.
+        startend_row_indices (Tensor | None): the forward's FlashMask bounds (dense only).
     """
     del deterministic  # a fixed sequence of dense Paddle ops: bitwise reproducible anyway
     with paddle.no_grad():
@@ -208,7 +269,8 @@ def flash_attn_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q
         else:
             for b in range(spec.batch):
                 dq_b, dk_b, dv_b = _sequence_bwd(spec, dout[b], q[b], k[b], v[b], out[b], lse[b],
-                                                 None if dlse is None else dlse[b])
+                                                 None if dlse is None else dlse[b],
+                                                 None if startend_row_indices is None else startend_row_indices[b])
                 dq[b] = dq_b.astype(dq.dtype)
                 dk[b] = dk_b.astype(dk.dtype)
                 dv[b] = dv_b.astype(dv.dtype)
@@ -236,7 +298,7 @@ def _varlen_bwd(spec, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, c
         dv[k0:k1] = dv_b.astype(dv.dtype)
 
 
-def _sequence_bwd(spec, dout, q, k, v, out, lse, dlse):
+def _sequence_bwd(spec, dout, q, k, v, out, lse, dlse, startend=None):
     """One sequence: ``dout/out [Sq, Hq, Dv]``, ``q [Sq, Hq, D]``, ``k [Sk, Hkv, D]``, ``v [Sk, Hkv, Dv]``,
     ``lse/dlse [Hq, Sq]``. Returns float32 ``(dq [Sq, Hq, D], dk [Sk, Hkv, D], dv [Sk, Hkv, Dv])``."""
     sq, sk = q.shape[0], k.shape[0]
@@ -252,13 +314,13 @@ def _sequence_bwd(spec, dout, q, k, v, out, lse, dlse):
         row1 = min(sq, row0 + rows)
         d_lse = None if dlse is None else dlse[:, row0:row1]
         dq_c, dk, dv = _chunk_bwd(spec, dout[row0:row1], q[row0:row1], kf, vf, out[row0:row1],
-                                  lse[:, row0:row1], d_lse, dk, dv, row0, sq, sk)
+                                  lse[:, row0:row1], d_lse, dk, dv, row0, sq, sk, startend)
         dq_chunks.append(dq_c)
     dq = paddle.concat(dq_chunks, axis=0) if len(dq_chunks) > 1 else dq_chunks[0]
     return dq, dk.transpose([1, 0, 2]), dv.transpose([1, 0, 2])
 
 
-def _chunk_bwd(spec, dout, q, kf, vf, out, lse, dlse, dk, dv, row0: int, sq: int, sk: int):
+def _chunk_bwd(spec, dout, q, kf, vf, out, lse, dlse, dk, dv, row0: int, sq: int, sk: int, startend=None):
     """Rows ``row0 .. row0 + q.shape[0]``: ``(dq [rows, Hq, D], dk, dv)`` with this chunk's key-side
     gradients (``[Hkv, Sk, D]`` / ``[Hkv, Sk, Dv]`` float32) added."""
     rows, hq = q.shape[0], q.shape[1]
@@ -273,7 +335,7 @@ def _chunk_bwd(spec, dout, q, kf, vf, out, lse, dlse, dk, dv, row0: int, sq: int
         tanh = paddle.tanh(s / spec.softcap)
         s = tanh * spec.softcap
     row_lse = lse.unsqueeze(-1)  # [Hq, rows, 1]
-    live = visible_mask(spec, row0, rows, sq, sk, q.place).unsqueeze(0) & paddle.isfinite(row_lse)
+    live = _full_mask(spec, row0, rows, sq, sk, hq, q.place, startend) & paddle.isfinite(row_lse)
     zero = paddle.zeros([], dtype="float32", device=q.place)
     safe_lse = paddle.where(paddle.isfinite(row_lse), row_lse, paddle.zeros_like(row_lse))
     p = paddle.where(live, paddle.exp(s - safe_lse), zero)  # [Hq, rows, Sk]

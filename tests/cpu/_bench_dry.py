@@ -83,6 +83,14 @@ def main(name: str, argv: list) -> int:
         L.compile_fwd = mock.MagicMock()
         L.run_fwd = mock.MagicMock()
         mod.block_max_torch = mock.MagicMock()
+    elif name == "bench_flashmask":
+        import cute_kernels.attention.bwd_launch as BL
+        import cute_kernels.attention.launch as L
+
+        L.compile_fwd = mock.MagicMock()
+        L.run_fwd = mock.MagicMock()
+        BL.compile_bwd = mock.MagicMock()
+        BL.run_bwd = mock.MagicMock()
     elif name == "bench_bwd":
         import cute_kernels.attention.bwd_launch as BL
 

@@ -253,7 +253,7 @@ def test_zero_size_inputs():
     assert out.shape == [0, 5, 4, 16] and lse.shape == [0, 4, 5]
 
 
-@pytest.mark.parametrize("module", ["paddle_fa4.attention", "paddle_fa4.indexed"])
+@pytest.mark.parametrize("module", ["paddle_fa4.attention", "paddle_fa4.indexed", "paddle_fa4.flashmask"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib

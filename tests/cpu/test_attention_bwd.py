@@ -188,7 +188,7 @@ def test_chunked_rows(monkeypatch):
     monkeypatch.setattr(ref_attention, "TILE_BYTES", 4 * 4 * 4 * 40 * 3)  # 3 rows per chunk (Hq 4, Sk 40)
     calls = []
     original = ref_attention._chunk_bwd
-    monkeypatch.setattr(ref_attention, "_chunk_bwd", lambda *a: calls.append(a[-3]) or original(*a))
+    monkeypatch.setattr(ref_attention, "_chunk_bwd", lambda *a: calls.append(a[10]) or original(*a))  # a[10]: row0
     check_bwd(*make_case(11, 2, 17, 40, 4, 2, 16), causal=True, window_size=(9, None), softcap=4.0)
     assert calls[:6] == [0, 3, 6, 9, 12, 15] and len(calls) == 12  # 6 chunks per sequence, 2 sequences
 
@@ -708,7 +708,7 @@ def test_bwd_glue_translates_spec(fake_gpu):
                                            softmax_scale=0.1, dlse=dlse, deterministic=True, backend="cute")
     assert fake_gpu.bwd.configs[-1] == dict(
         arch=90, dtype="bfloat16", head_dim=128, head_dim_v=128, qhead_per_kvhead=2, causal=True, has_window=True,
-        has_softcap=True, varlen=False, deterministic=True, has_dlse=True)
+        has_softcap=True, varlen=False, deterministic=True, has_dlse=True, startend="")
     run = fake_gpu.bwd.runs[-1]
     assert (run["softmax_scale"], run["softcap"]) == (pytest.approx(0.1), 3.0)
     assert (run["window_left"], run["window_right"], run["max_seqlen_q"], run["max_seqlen_k"]) == (5, 0, 8, 12)

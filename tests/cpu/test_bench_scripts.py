@@ -44,6 +44,27 @@ def test_bench_fwd_dry(tmp_path):
     assert "| 128 | 2048 | 16 | 32/8 | full |" in md and "clocks.sm" in md
 
 
+def test_bench_flashmask_dry(tmp_path):
+    out, md, windows = dry(tmp_path, "bench_flashmask", "--seqlens", "8192", "--heads", "32/8")
+    rows = out["rows"]
+    names = ["causal", "fm_causal", "fm_docs", "varlen_docs", "fm_share_question", "fm_sliding_window",
+             "fm_prefix_lm"]
+    assert [r["variant"] for r in rows] == names * 2 and [r["direction"] for r in rows] == ["fwd"] * 7 + ["bwd"] * 7
+    assert [n for n, _ in windows[:7]] == names and [n for n, _ in windows[7:14]] == names[::-1]
+    by = {r["variant"]: r for r in rows if r["direction"] == "fwd"}
+    bwd = {r["variant"]: r for r in rows if r["direction"] == "bwd"}
+    assert bwd["fm_docs"]["pairs"] == by["fm_docs"]["pairs"] and "over_varlen" in bwd["fm_docs"]
+    ratio = bwd["fm_docs"]["tflops_visible"] * bwd["fm_docs"]["stats"]["median_ms"]
+    assert ratio == pytest.approx(2.5 * by["fm_docs"]["tflops_visible"] * by["fm_docs"]["stats"]["median_ms"])
+    assert by["fm_causal"]["pairs"] == by["causal"]["pairs"] == 4 * 8192 * 8193 // 2
+    assert by["fm_docs"]["pairs"] == by["varlen_docs"]["pairs"] < by["causal"]["pairs"]
+    assert by["fm_sliding_window"]["pairs"] == 4 * (1025 * 8192 - 1024 * 1025 // 2)
+    assert len(by["fm_docs"]["over_varlen"]["rounds"]) == 3 and "over_varlen" not in by["fm_prefix_lm"]
+    assert set(by["fm_prefix_lm"]["rate_over_causal"]) == {"median", "lo", "hi", "rounds"}
+    assert "| fwd | 8192 | 4 | 32/8 | fm_docs |" in md and "| bwd | 8192 | 4 | 32/8 | fm_docs |" in md
+    assert "clocks.sm" in md
+
+
 def test_bench_indexed_dry(tmp_path):
     out, md, _ = dry(tmp_path, "bench_indexed", "--shapes", "16Kx16K,64Kx64K", "--rhos", "0.9")
     rows = out["rows"]

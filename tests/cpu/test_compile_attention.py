@@ -33,12 +33,13 @@ def test_attention_fwd_full_matrix_compiles_for_sm90(tmp_path):
 
 
 def test_fwd_args_order_matches_kernel_call():
-    """FwdArgs is the one argument order: the SM90 kernel's __call__ takes exactly it, then stream."""
-    from cute_kernels.attention.config import FwdArgs
+    """FwdArgs is the one argument order: the SM90 kernel's __call__ takes exactly it, then stream, then
+    the FlashMask tensors (FM_ARGS, None unless a startend build)."""
+    from cute_kernels.attention.config import FM_ARGS, FwdArgs
     from cute_kernels.attention.fwd_sm90 import FlashFwdSm90
 
     params = list(inspect.signature(FlashFwdSm90.__call__).parameters)
-    assert params == ["self", *FwdArgs._fields, "stream"]
+    assert params == ["self", *FwdArgs._fields, "stream", *FM_ARGS]
 
 
 def test_unsupported_reasons_name_the_case():
@@ -58,8 +59,13 @@ def test_config_matrix_covers_both_archs():
 
     for arch in (90, 100):
         small = config_matrix(arch, False)
-        assert 6 <= len(small) <= 10 and all(c.arch == arch for c in small)
+        dense = [c for c in small if not c.startend]
+        assert 6 <= len(dense) <= 10 and all(c.arch == arch for c in small)
+        # FlashMask lines: every column layout, in the default matrix and the full one
+        layouts = {"lts", "lts_lte", "lts_ute", "lts_lte_uts_ute"}
+        assert {c.startend for c in small if c.startend} == layouts and len(small) - len(dense) <= 8
         full = config_matrix(arch, True)
+        assert {c.startend for c in full if c.startend} == layouts
         assert {c.block_size for c in full} == {0, 16, 32, 64, 128, 256}
         assert {c.head_dim for c in full} >= {64, 128, 192, 256}
         assert any(c.varlen for c in full) and any(c.has_window for c in full)

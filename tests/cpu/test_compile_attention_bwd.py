@@ -35,7 +35,9 @@ def test_bwd_kernel_args_order_matches_kernel_call():
     from cute_kernels.attention.bwd_sm90 import FlashBwdSm90
 
     params = list(inspect.signature(FlashBwdSm90.__call__).parameters)
-    assert params == ["self", *BwdKernelArgs._fields, "stream"]
+    from cute_kernels.attention.bwd_config import BWD_FM_ARGS
+
+    assert params == ["self", *BwdKernelArgs._fields, "stream", *BWD_FM_ARGS]  # then the FlashMask tensors
 
 
 def test_unsupported_reasons_name_the_case():

@@ -100,7 +100,10 @@ def test_kernel_call_takes_bwd_kernel_args():
     from cute_kernels.attention.bwd_sm100 import FlashBwdSm100
 
     params = list(inspect.signature(FlashBwdSm100.__call__).parameters)
-    assert params == ["self", *BwdKernelArgs._fields, "stream", "trace_addr"]  # trace_addr: the edge-trace build
+    from cute_kernels.attention.bwd_config import BWD_FM_ARGS
+
+    # trace_addr: the edge-trace build; then the FlashMask tensors
+    assert params == ["self", *BwdKernelArgs._fields, "stream", "trace_addr", *BWD_FM_ARGS]
 
 
 def _cfg(d=128, dv=None, **kw):

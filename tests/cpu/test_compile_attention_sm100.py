@@ -84,7 +84,10 @@ def test_fwd_args_order_matches_kernel_call():
     from cute_kernels.attention.fwd_sm100 import FlashFwdSm100
 
     params = list(inspect.signature(FlashFwdSm100.__call__).parameters)
-    assert params == ["self", *FwdArgs._fields, "stream", "trace_addr"]  # trace_addr: the edge-trace build
+    from cute_kernels.attention.config import FM_ARGS
+
+    # trace_addr: the edge-trace build; then the FlashMask tensors
+    assert params == ["self", *FwdArgs._fields, "stream", "trace_addr", *FM_ARGS]
 
 
 def test_unsupported_reasons_name_the_case():

@@ -60,7 +60,13 @@ def _indexed(q, k, v):
     return paddle_fa4.indexed_attention(q, k, v, idx, plan=plan, **REF), paddle_fa4.indexed_attention(q, k, v, idx, **REF)
 
 
-OPS = [pytest.param(_fa_fwd, id="flash_attn_fwd"), pytest.param(_fa_bwd, id="flash_attn_bwd"),
+def _flashmask(q, k, v):
+    se = paddle_fa4.startend_row_indices_from_cu_seqlens(paddle.to_tensor(np.array([0, 20, 48], "int32")))
+    return paddle_fa4.flashmask_attention(q, k, v, se, causal=True, return_softmax_lse=True, **REF)
+
+
+OPS = [pytest.param(_fa_fwd, id="flash_attn_fwd"),
+       pytest.param(_flashmask, id="flashmask_attention"), pytest.param(_fa_bwd, id="flash_attn_bwd"),
        pytest.param(_selection, id="selection"), pytest.param(_chunked, id="select_topk_blocks_chunked"),
        pytest.param(_indexed, id="indexed_attention")]
 
