@@ -144,6 +144,7 @@ def _attention(op, q, k, v, *, softmax_scale, causal, window_size, softcap, cu_s
     import paddle
 
     cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(op, cu_seqlens_q, cu_seqlens_k)
+    startend_row_indices, block_bos = _mask_int32(op, startend_row_indices, block_bos)
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, block_logit, block_size, return_block_logit, pack_gqa, op=op,
                      startend_row_indices=startend_row_indices, block_bos=block_bos)
@@ -343,6 +344,13 @@ def _cu_seqlens_int32(op: str, cu_seqlens_q, cu_seqlens_k):
                  for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
 
 
+def _mask_int32(op: str, startend_row_indices, block_bos):
+    """The FlashMask index tensors as int32 (int64 converted once, value-checked on the host as any
+    row index: ``_validate.index_tensor``); None stays None."""
+    return tuple(None if t is None else V.index_tensor(op, name, t, padding=False)
+                 for name, t in (("startend_row_indices", startend_row_indices), ("block_bos", block_bos)))
+
+
 def _max_seqlen(op: str, name: str, cu_seqlens, given):
     """``given``, or the longest sequence of ``cu_seqlens`` read on the host (a device sync on GPU)."""
     if given is not None:
@@ -520,6 +528,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
             (paddle.Size([1, 8, 2, 16]), paddle.Size([1, 8, 2, 16]))
     """
     cu_seqlens_q, cu_seqlens_k = _cu_seqlens_int32(BWD_OP, cu_seqlens_q, cu_seqlens_k)
+    startend_row_indices, _ = _mask_int32(BWD_OP, startend_row_indices, None)
     spec = _validate(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, None, 64, False, None, op=BWD_OP,
                      startend_row_indices=startend_row_indices)

@@ -294,7 +294,7 @@ def test_validation_errors():
     expect(NotImplementedError, "block_mask", qt, kt, vt, t(good), block_mask=t(good))
     expect(NotImplementedError, "return_seed_offset", qt, kt, vt, t(good), return_seed_offset=True)
     expect(NotImplementedError, "fixed_seed_offset", qt, kt, vt, t(good), fixed_seed_offset=t(good))
-    expect(TypeError, "startend_row_indices.*int32", qt, kt, vt, t(good.astype(np.int64)))
+    expect(TypeError, "startend_row_indices.*int32", qt, kt, vt, t(good.astype(np.float32)))  # int64: converted
     expect(ValueError, "startend_row_indices.*rank|startend_row_indices.*4-D|startend_row_indices", qt, kt, vt,
            t(good[0]))
     expect(ValueError, "1 or 2 columns with causal=True", qt, kt, vt, t(np.full((2, 1, 6, 4), 8, np.int32)),
@@ -322,7 +322,7 @@ def test_validation_errors():
     kw = dict(causal=False, backend="reference")
     with pytest.raises(ValueError, match="block_bos only shifts block_logit"):
         paddle_fa4.flash_attn_fwd(qt, kt, vt, block_bos=t(np.zeros((2, 8), np.int32)), **kw)
-    for bos, exc, match in ((np.zeros((2, 8), np.int64), TypeError, "block_bos"),
+    for bos, exc, match in ((np.zeros((2, 8), np.float32), TypeError, "block_bos"),
                             (np.zeros((2, 6), np.int32), ValueError, r"block_bos.*\[B, Sq\]"),
                             (np.full((2, 8), 7, np.int32), ValueError, r"block_bos values must lie in \[0, Sk\]")):
         with pytest.raises(exc, match=match):

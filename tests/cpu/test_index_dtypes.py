@@ -221,3 +221,34 @@ def test_other_dtypes_say_how_to_convert(call):
     with pytest.raises(TypeError, match=r"must be int32 \(int64 is accepted and converted to int32\), got \w+; "
                                         r"convert with \w+\.astype\('int32'\)"):
         call()
+
+
+# ---------------------------------------------------------------------------------------- FlashMask
+def test_flashmask_indices_int64():
+    """``startend_row_indices`` (flash_attn_fwd, flashmask_attention, flash_attn_bwd) and ``block_bos``: int64
+    gives the int32 result; a value outside int32 is a ValueError naming the argument."""
+    rng = np.random.default_rng(1)
+    q, k, v = _rand(rng, [1, 32, 2, 16]), _rand(rng, [1, 32, 2, 16]), _rand(rng, [1, 32, 2, 16])
+    lts = np.full([1, 1, 32, 1], 32)  # causal document packing: documents [0, 20), [20, 32)
+    lts[..., :20, 0] = 20
+    bos = np.array([[0] * 20 + [20] * 12])
+
+    def fwd(dtype, mask=lts, origin=bos):
+        return paddle_fa4.flash_attn_fwd(q, k, v, causal=True, startend_row_indices=_t(mask, dtype),
+                                         block_bos=_t(origin, dtype), block_size=16, return_block_logit=True,
+                                         backend=REF)
+
+    _same(fwd("int64"), fwd("int32"))
+    _same(paddle_fa4.flashmask_attention(q, k, v, _t(lts, "int64"), causal=True, backend=REF),
+          paddle_fa4.flashmask_attention(q, k, v, _t(lts, "int32"), causal=True, backend=REF))
+    out, lse, _ = fwd("int32")
+
+    def bwd(dtype):
+        return paddle_fa4.flash_attn_bwd(paddle.ones_like(out), q, k, v, out, lse, causal=True,
+                                         startend_row_indices=_t(lts, dtype), backend=REF)
+
+    _same(bwd("int64"), bwd("int32"))
+    with pytest.raises(ValueError, match=f"^flash_attn_fwd: startend_row_indices is int64 with the value {BIG}"):
+        fwd("int64", mask=np.where(lts == 32, BIG, lts))
+    with pytest.raises(ValueError, match=f"^flash_attn_fwd: block_bos is int64 with the value {BIG}"):
+        fwd("int64", origin=np.where(bos == 20, BIG, bos))
