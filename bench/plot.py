@@ -6,14 +6,16 @@
 Inputs:
   --figures   the figures docs/benchmarks.md quotes, transcribed from its tables (``{"figures": [entry, ...]}``;
               an entry names family, shape, series, ratio (lo / hi: the rounds' spread), run, date, gpu, commit)
-  RUN.json    what ``bench_fwd.py`` / ``bench_bwd.py`` / ``bench_block_sparse.py --json RUN.json`` wrote; its rows
-              become entries of the same form (run = the file's name, date / GPU / commit from its ``run`` record)
+  RUN.json    what ``bench_fwd.py`` / ``bench_bwd.py`` / ``bench_block_sparse.py`` / ``bench_decode.py`` wrote with
+              ``--json RUN.json``; its rows become entries of the same form (run = the file's name, date / GPU /
+              commit from its ``run`` record; decode: the dense rows' ratios against FA4 b36 and SDPA)
 
 Panels: forward (ours / FA4 b36), backward (ours / FA4 b36's backward, deterministic against deterministic),
-block-sparse (against the token path, and the latent forward against FlashMLA's published figure), decode (issue
-41: empty until an entry of family "decode" exists). A ratio > 1 means ours is faster; entries whose ratio is a
-cost (``higher_is_better: false``: time ratios such as the exact-delta cost) are not drawn. Each panel's caption
-names the runs it draws (run, date, commit, GPU). Needs matplotlib (``pip install ".[demo]"``).
+block-sparse (against the token path, and the latent forward against FlashMLA's published figure), decode (ours /
+FA4 b36 and ours / SDPA per shape). A panel whose ratios span more than 4x gets a log axis. A ratio > 1 means ours
+is faster; entries whose ratio is a cost (``higher_is_better: false``: time ratios such as the exact-delta cost) are
+not drawn. Each panel's caption names the runs it draws (run, date, commit, GPU). Needs matplotlib
+(``pip install ".[demo]"``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ OUT = os.path.join(ROOT, "docs", "img", "benchmarks.png")
 PANELS = (("forward", "forward: ours / FA4 b36 forward (ours+bl: with the fused block_logit)"),
           ("backward", "backward (pre + main + post): ours / FA4 b36 backward"),
           ("block_sparse", "block-sparse attention: ours / token path (blocks_to_indices + indexed_attention)"),
-          ("decode", "decode (issue 41)"))
+          ("decode", "decode (issue 41): ours / FA4 b36 and ours / torch SDPA (contiguous cache only), "
+                     "per Hq/Hkv, cache, B, Sk"))
 SHORT_S = {2048: "2K", 4096: "4K", 8192: "8K", 16384: "16K", 32768: "32K", 65536: "64K", 131072: "128K"}
 
 
@@ -49,17 +52,20 @@ def _entry(family, shape, series, r, run, **kw) -> dict:
 def script_of(doc: dict) -> str:
     """Which bench script wrote ``doc``: from its command line, else from the keys of its first row."""
     cmd = str(doc.get("run", {}).get("command", ""))
-    for name in ("bench_block_sparse", "bench_bwd", "bench_fwd"):
+    for name in ("bench_block_sparse", "bench_bwd", "bench_fwd", "bench_decode"):
         if name in cmd:
             return name
     row = (doc.get("rows") or [{}])[0]
+    if "Hkv" in row and "kind" in row:
+        return "bench_decode"
     if "shape" in row and "S" in row:
         return "bench_block_sparse"
     if "det_over_fa4_det" in row.get("ratios", {}) or ("ratios" in row and "block_size" not in row):
         return "bench_bwd"
     if "block_size" in row:
         return "bench_fwd"
-    raise ValueError("not a bench_fwd / bench_bwd / bench_block_sparse JSON (no recognisable command or rows)")
+    raise ValueError("not a bench_fwd / bench_bwd / bench_block_sparse / bench_decode JSON (no recognisable command "
+                     "or rows)")
 
 
 def entries_from_bench(doc: dict, source: str) -> list:
@@ -69,6 +75,15 @@ def entries_from_bench(doc: dict, source: str) -> list:
            "commit": info.get("commit", "")}
     script, out = script_of(doc), []
     for row in doc.get("rows", []):
+        if script == "bench_decode":
+            if row.get("kind") == "dense":
+                cache = "contig" if row["layout"] == "contiguous" else f"P{row['P']}"
+                shape = f"{row['Hq']}/{row['Hkv']} {cache} B{row['B']} {_s(row['Sk'])}"
+                for key, series in (("vs_fa4", "ours / FA4 b36"), ("vs_sdpa", "ours / SDPA")):
+                    if key in row:
+                        gpu = run["gpu"] or row.get("gpu", "")
+                        out.append(_entry("decode", shape, series, row[key], dict(run, gpu=gpu)))
+            continue
         if script == "bench_block_sparse":
             shape = f"{row['shape']} {_s(row['S'])}" + ("" if row.get("selection", "local") == "local"
                                                         else f" {row['selection']}")
@@ -114,17 +129,18 @@ def plot(entries, out: str, dpi: int = 80) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     drawn = [e for e in entries if e.get("higher_is_better", True)]
     fams = {f: [e for e in drawn if e["family"] == f] for f, _ in PANELS}
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(15, 15),
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(15, 17),
                              gridspec_kw={"height_ratios": [3 if fams[f] else 1 for f, _ in PANELS]})
     markers = "os^Dv<>p"
     for ax, (fam, title) in zip(axes, PANELS):
         ents = fams[fam]
         ax.set_title(title, fontsize=10, loc="left")
         if not ents:
-            ax.text(0.5, 0.5, "no figures yet: lands with issue 41", ha="center", va="center", fontsize=10,
+            ax.text(0.5, 0.5, "no figures yet", ha="center", va="center", fontsize=10,
                     color="0.4", transform=ax.transAxes)
             ax.set_xticks([])
             ax.set_yticks([])
@@ -143,6 +159,12 @@ def plot(entries, out: str, dpi: int = 80) -> str:
             ax.errorbar(x, y, yerr=[lo, hi], fmt=markers[k % len(markers)], ms=4, lw=0.8, capsize=1.5,
                         label=name + (f" ({src})" if src else ""))
         ax.axhline(1.0, color="0.3", lw=0.8, ls="--")
+        ratios = [e["ratio"] for e in ents]
+        if max(ratios) > 4 * min(ratios):  # decode: 0.9x next to 8x; parity stays readable on a log axis
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8, 12]))
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         y0, y1 = ax.get_ylim()
         ax.set_ylim(min(y0, 0.95), max(y1, 1.05))  # the parity line stays in view
         ax.set_xticks(range(len(shapes)))
@@ -168,7 +190,8 @@ def plot(entries, out: str, dpi: int = 80) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="*", help="JSON files written by bench_fwd / bench_bwd / bench_block_sparse --json")
+    ap.add_argument("runs", nargs="*",
+                    help="JSON files written by bench_fwd / bench_bwd / bench_block_sparse / bench_decode --json")
     ap.add_argument("--figures", default=FIGURES, help="recorded figures (default: docs/img/figures.json)")
     ap.add_argument("--no-figures", action="store_true", help="plot only the given bench JSON files")
     ap.add_argument("--out", default=OUT)

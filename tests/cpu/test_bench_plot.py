@@ -42,6 +42,19 @@ def bs_doc():
     return {"run": dict(RUN, command="python bench/bench_block_sparse.py"), "rows": rows}
 
 
+def decode_doc():
+    """bench_decode.py's rows: dense rows carry vs_fa4 (and vs_sdpa on the contiguous cache); blk / sparse rows
+    are not ratios against an anchor and give no entries."""
+    dense = {"kind": "dense", "Hq": 32, "Hkv": 8, "layout": "contiguous", "P": 0, "B": 1, "Sk": 131072, "splits": 32,
+             "us": 198.5, "vs_fa4": spread(6.69, 6.66, 6.72), "vs_sdpa": spread(0.98, 0.97, 0.98)}
+    paged = dict(dense, layout="hnd", P=16, B=8, Sk=32768, vs_fa4=spread(1.32, 1.31, 1.32))
+    del paged["vs_sdpa"]
+    blk = dict(paged, kind="blk", vs_nobl=spread(0.96, 0.95, 0.96))
+    del blk["vs_fa4"]
+    return {"run": dict(RUN, gpu="NVIDIA H100 80GB HBM3", command="python bench/bench_decode.py --ab"),
+            "rows": [dense, paged, blk]}
+
+
 def test_entries_from_bench_json():
     fwd = plot.entries_from_bench(fwd_doc(), "fwd.json")
     assert [(e["family"], e["shape"], e["series"], e["ratio"]) for e in fwd] == [
@@ -55,8 +68,15 @@ def test_entries_from_bench_json():
     bs = plot.entries_from_bench(bs_doc(), "bs.json")
     assert [(e["family"], e["shape"], e["series"]) for e in bs] == [
         ("block_sparse", "gqa 16K", "fwd+bwd vs token path"), ("block_sparse", "gqa 16K", "fwd vs token path")]
+    dec = plot.entries_from_bench(decode_doc(), "dec.json")
+    assert [(e["family"], e["shape"], e["series"], e["ratio"]) for e in dec] == [
+        ("decode", "32/8 contig B1 128K", "ours / FA4 b36", 6.69),
+        ("decode", "32/8 contig B1 128K", "ours / SDPA", 0.98),
+        ("decode", "32/8 P16 B8 32K", "ours / FA4 b36", 1.32)]
+    assert dec[0]["gpu"] == "NVIDIA H100 80GB HBM3" and dec[0]["lo"] == 6.66
     # without a command line the script is told apart by its rows
-    for doc, fam in ((fwd_doc(), "forward"), (bwd_doc(), "backward"), (bs_doc(), "block_sparse")):
+    for doc, fam in ((fwd_doc(), "forward"), (bwd_doc(), "backward"), (bs_doc(), "block_sparse"),
+                     (decode_doc(), "decode")):
         doc["run"] = {}
         assert plot.entries_from_bench(doc, "x.json")[0]["family"] == fam
     with pytest.raises(ValueError, match="not a bench"):
@@ -72,7 +92,7 @@ def test_plot_writes_png(tmp_path):
          "run": "R", "date": "2026-12-01", "gpu": "NVIDIA H200", "commit": "5c19bf2"}]}
     paths = []
     for name, doc in (("figures.json", figures), ("fwd.json", fwd_doc()), ("bwd.json", bwd_doc()),
-                      ("bs.json", bs_doc())):
+                      ("bs.json", bs_doc()), ("dec.json", decode_doc())):
         (tmp_path / name).write_text(json.dumps(doc))
         paths.append(str(tmp_path / name))
     out = tmp_path / "img" / "b.png"
@@ -86,18 +106,20 @@ def test_plot_writes_png(tmp_path):
 
 
 def test_figures_json_quotes_benchmarks_md():
-    """Every committed figure is a ratio docs/benchmarks.md records, on a table row of the same run and commit."""
+    """Every committed figure is a ratio docs/benchmarks.md records, on a table row of the same run and commit (and,
+    where the entry names it, the row's leading cells: the decode rows give Hq/Hkv, cache, B and Sk)."""
     with open(os.path.join(ROOT, "docs", "img", "figures.json")) as fh:
         figures = json.load(fh)["figures"]
     with open(os.path.join(ROOT, "docs", "benchmarks.md")) as fh:
         rows = [line for line in fh if line.startswith("| ")]
     assert len(figures) >= 100
     fams = {e["family"] for e in figures}
-    assert {"forward", "backward", "block_sparse"} <= fams and "decode" not in fams  # decode: issue 41
+    assert {"forward", "backward", "block_sparse", "decode"} <= fams
     for e in figures:
         assert {"run", "date", "gpu", "commit", "ratio", "ratio_text"} <= set(e), e
         tag = f"{e['run']} · {e['date']} · `{e['commit']}`"
-        hits = [r for r in rows if tag in r and e["ratio_text"] in r.replace("*", "")]
+        hits = [r for r in rows
+                if tag in r and e["ratio_text"] in r.replace("*", "") and r.startswith(e.get("row", ""))]
         assert hits, f"{e['family']} {e['shape']} {e['series']} {e['ratio_text']} ({tag}) not in docs/benchmarks.md"
         assert float(e["ratio_text"].replace("x", " ").replace("×", " ").split()[0]) == e["ratio"]
 
