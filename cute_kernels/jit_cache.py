@@ -68,3 +68,16 @@ def jit_cache(fn: F) -> F:
 def clear_all() -> None:
     for cache in _ALL_CACHES:
         cache.clear()
+
+
+_FAST: dict = {}
+
+
+def fast_memo(key, build):
+    """A launch path's memo: ``build()`` once per hashable ``key`` (the tensors' dtypes / static dims and
+    the options that pick a config), so a hit is one dict lookup, cheaper than building the config again
+    to reach :func:`jit_cache`. Keys are tuples led by the launcher's name, so launchers never collide."""
+    hit = _FAST.get(key)
+    if hit is None:
+        hit = _FAST[key] = build()
+    return hit

@@ -257,27 +257,19 @@ def _dense_matrix(arch: int, full: bool) -> list[FwdConfig]:
 
 def _fm_matrix(arch: int) -> list[FwdConfig]:
     """FlashMask (startend_row_indices) lines of the compile matrix, default and full alike."""
-    sm90 = _arch.family(arch) == 90
-    out = []
-    if not sm90:  # FlashMask on SM100: every layout (4 columns included), block_logit, window, GQA
-        out += [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in (
-            ("bfloat16", 128, 1, True, False, 0, "lts"),
-            ("bfloat16", 128, 4, True, False, 64, "lts_lte"),
-            ("bfloat16", 128, 1, False, False, 0, "lts_ute"),
-            ("bfloat16", 128, 4, False, False, 0, "lts_lte_uts_ute"),
-            ("float16", 64, 1, False, True, 16, "lts_lte_uts_ute"),
-            ("bfloat16", 256, 1, True, True, 0, "lts_lte"))]
-    if sm90:  # FlashMask: every layout, both consumer-WG counts (d 64: 3), block_logit, window, GQA
-        out += [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in (
-            ("bfloat16", 128, 1, True, False, 0, "lts"),
-            ("bfloat16", 128, 4, True, False, 64, "lts_lte"),
-            ("bfloat16", 128, 1, False, False, 0, "lts_ute"),
-            ("bfloat16", 128, 4, False, False, 0, "lts_lte_uts_ute"),
-            ("float16", 64, 1, False, True, 16, "lts_lte_uts_ute"),
-            ("bfloat16", 64, 2, True, False, 0, "lts"),
-            ("bfloat16", 256, 1, True, True, 0, "lts_lte"),
-            ("bfloat16", 192, 1, False, False, 32, "lts_ute"))]
-    return out
+    # every layout (4 columns included), block_logit, window, GQA on both archs; SM90 also both consumer-WG
+    # counts (d 64: 3) and the (192, 128)-class d 192
+    lines = [("bfloat16", 128, 1, True, False, 0, "lts"),
+             ("bfloat16", 128, 4, True, False, 64, "lts_lte"),
+             ("bfloat16", 128, 1, False, False, 0, "lts_ute"),
+             ("bfloat16", 128, 4, False, False, 0, "lts_lte_uts_ute"),
+             ("float16", 64, 1, False, True, 16, "lts_lte_uts_ute")]
+    if _arch.family(arch) == 90:
+        lines.append(("bfloat16", 64, 2, True, False, 0, "lts"))
+    lines.append(("bfloat16", 256, 1, True, True, 0, "lts_lte"))
+    if _arch.family(arch) == 90:
+        lines.append(("bfloat16", 192, 1, False, False, 32, "lts_ute"))
+    return [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in lines]
 
 
 def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:

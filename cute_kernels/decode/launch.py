@@ -20,21 +20,13 @@ from __future__ import annotations
 
 from cute_kernels import arch as _arch
 from cute_kernels.dtypes import cutlass_dtype, dtype_name
+from cute_kernels.jit_cache import fast_memo as _fast
 from cute_kernels.jit_cache import jit_cache
 
 from .combine import WARPS as COMBINE_WARPS
 from .combine import CombineConfig, DecodeCombine
 from .config import MAX_SPLITS, DecodeConfig, choose_splits, unsupported_reason
 from .fwd import DecodeFwd
-
-_FAST: dict = {}
-
-
-def _fast(key, build):
-    hit = _FAST.get(key)
-    if hit is None:
-        hit = _FAST[key] = build()
-    return hit
 
 
 def _fakes(cfg: DecodeConfig):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from cute_kernels import arch as _arch
 from cute_kernels.common.utils import LOG2_E
 from cute_kernels.dtypes import cutlass_dtype, dtype_name
+from cute_kernels.jit_cache import fast_memo as _fast
 from cute_kernels.jit_cache import jit_cache
 
 from .page_scores import GQA_MAX as _PAGE_GQA_MAX
@@ -28,19 +29,6 @@ from .token_page_scores import TokenPageScores, TokenPageScoresConfig
 #: GQA reduction names of the Paddle API -> kernel enums.
 PAGE_GQA = {"mean_q": _PAGE_GQA_MEAN_Q, "max": _PAGE_GQA_MAX}
 TOKEN_GQA = {"mean_q": GQA_MEAN_Q, "max": GQA_MAX, "sum": GQA_SUM, "mean_p": GQA_MEAN_P}
-
-
-# Host fast path: (launcher, dtypes, static dims, options, arch argument) -> compiled callables.
-# Building a config and hashing it costs more than the TVM-FFI launch itself, so each launcher
-# memoises on the cheap-to-hash values that determine its config.
-_FAST: dict = {}
-
-
-def _fast(key, build):
-    hit = _FAST.get(key)
-    if hit is None:
-        hit = _FAST[key] = build()
-    return hit
 
 
 def _opts(arch: int) -> str:

@@ -17,24 +17,11 @@ torch = pytest.importorskip("torch", reason="needs torch with CUDA on a Blackwel
 
 from tests.conftest import torch_cuda_arch  # noqa: E402
 from tests.sm100.conftest import SM100_BUILDS  # noqa: E402
+from tests.gpu.test_decode import glue  # noqa: E402,F401  (the same glue fixture: torch allocator, NaN-filled)
 
 pytestmark = [pytest.mark.sm100,
               pytest.mark.skipif(torch_cuda_arch() not in SM100_BUILDS,
                                  reason="needs torch with CUDA on a compute-capability-10.0 (B200) or 10.3 (B300) GPU")]
-
-
-@pytest.fixture
-def glue(monkeypatch):
-    from paddle_fa4 import _bridge
-    from paddle_fa4._cute import decode as dec
-
-    def empty(shape, dtype, like):
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        return torch.full(list(shape), float("nan"), dtype=dtype, device=like.device)
-
-    monkeypatch.setattr(_bridge, "empty", empty)
-    monkeypatch.setattr(dec, "arch_of", lambda t: torch_cuda_arch())
-    return dec
 
 
 @pytest.mark.parametrize("kw,check_kw", [
