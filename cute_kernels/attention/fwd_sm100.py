@@ -321,6 +321,8 @@ class FlashFwdSm100:
             return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
         if cfg.has_startend and cfg.varlen:
             return "FlashMask startend_row_indices with varlen"
+        if cfg.block_bos:
+            return "block_logit with block_bos (document-relative blocks) on SM100 (SM90 kernel only)"
         return None
 
     def role_regs(self) -> tuple:

@@ -53,6 +53,14 @@ With one block per tile (block_size >= tile_n) the block max is the row's tile m
 serves both (``block_logit_step``). Doing the exchange inside the softmax step ("split") or sharing its
 shuffles with the row-max all-reduce ("fused"), and storing from the producer warps via shared memory,
 were measured slower on the H200 and removed (docs/benchmarks.md, SM90 forward history).
+
+Note [document-relative block_logit] (``block_bos`` builds). Each row's block grid starts at its own
+origin bos_r, so blocks do not follow the key tiles and no lane owns fixed blocks: per key tile every
+thread splits its S entries of each row among the row's candidate blocks (blocks_per_tile + 1),
+all-reduces them across the quad, and the quad's lane r stores row r's finished blocks at runtime block
+ids; the block cut by the tile's lower edge is carried to the next tile (common/block_logit.py, the
+document-relative section). The softmax reduces its own row maxima (no sharing with block_logit), the
+deferred/early-reduce machinery above is off. Built and compile-checked only (no GPU run yet).
 """
 
 from __future__ import annotations
@@ -119,7 +127,9 @@ class FlashFwdSm90:
         self.dtype = cutlass_dtype(cfg.dtype)
         self.tile_m, self.tile_n, self.kv_stages = tile_shape(cfg)
         # Note [deferred block_logit stores]: with several blocks per key tile.
-        self.bl_deferred = cfg.has_block_logit and max(1, self.tile_n // cfg.block_size) > 1
+        # (Not with block_bos: the document-relative path, Note [document-relative block_logit].)
+        self.bl_deferred = (cfg.has_block_logit and not cfg.block_bos
+                            and max(1, self.tile_n // cfg.block_size) > 1)
         self.hdim = cfg.head_dim
         self.hdimv = cfg.head_dim_v
         self.num_wg = self.tile_m // 64  # consumer warpgroups, 64 query rows each
@@ -129,6 +139,8 @@ class FlashFwdSm90:
         self.use_scheduler_barrier = cfg.head_dim <= 128
         self.bl_shape = (bl.BlockLogitShape(self.tile_n, cfg.block_size, rows_per_thread=2, threads_per_row=4)
                          if cfg.has_block_logit else None)
+        self.bos_shape = (bl.RelativeBlockShape(self.tile_n, cfg.block_size, threads_per_row=4)
+                          if cfg.block_bos else None)
         # 3 WGs (160 registers) with 8 blocks per key tile (block_size 16), or 4 (block_size 32) with a window:
         # keeping the partial maxima live across the next QK^T issue spills (16-20 B; 32 B, 8 B with softcap);
         # reduce-scatter them in the softmax step instead (only the stores stay deferred) and finish the PV
@@ -169,6 +181,8 @@ class FlashFwdSm90:
                 return f"block_size {cfg.block_size} (supported: 16, 32, 64, 128, 256)"
         if cfg.has_startend and cfg.varlen:
             return "FlashMask startend_row_indices with varlen"
+        if cfg.block_bos and (cfg.varlen or not cfg.has_block_logit):
+            return "block_bos needs block_logit on a dense (not varlen) call"
         return None
 
     @staticmethod
@@ -206,9 +220,9 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, stream, mStartend=None, mFmMinMax=None, mFmRanges=None):
+                 max_seqlen_q: Int32, stream, mStartend=None, mFmMinMax=None, mFmRanges=None, mBlockBos=None):
         """``mStartend``/``mFmMinMax``/``mFmRanges``: the FlashMask tensors (config.py) of a ``startend``
-        build, else None."""
+        build, else None; ``mBlockBos``: the row origins of a ``block_bos`` build, else None."""
         varlen = const_expr(mCuSeqlensQ is not None)
         # (B, S, H, D) -> (S, D, H, B); varlen (T, H, D) -> (T, D, H)
         order = (0, 2, 1) if const_expr(varlen) else (1, 3, 2, 0)
@@ -251,7 +265,7 @@ class FlashFwdSm90:
         self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, sQ_layout, sK_layout, sV_layout,
                     softmax_scale, softcap, window_left, window_right,
-                    mQt.shape[0], mKt.shape[0], mStartend, mFmMinMax, mFmRanges, fm_head_div).launch(
+                    mQt.shape[0], mKt.shape[0], mStartend, mFmMinMax, mFmRanges, fm_head_div, mBlockBos).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=self.shared_storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
@@ -263,7 +277,7 @@ class FlashFwdSm90:
                tma_atom_O, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, softmax_scale: Float32, softcap: Float32,
                window_left: Int32, window_right: Int32, seqlen_q_static: Int32, seqlen_k_static: Int32,
-               mStartend, mFmMinMax, mFmRanges, fm_head_div: Int32):
+               mStartend, mFmMinMax, mFmRanges, fm_head_div: Int32, mBlockBos):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -327,12 +341,12 @@ class FlashFwdSm90:
                 else:
                     if const_expr(cfg.has_block_logit):
                         self.fill_block_logit(mBlockLogit, seqlen, tiles, m_start, head_idx, batch_idx,
-                                              tidx - 32)
+                                              tidx - 32, mBlockBos)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                              seqlen, tiles, left, right, m_tile, head_idx, batch_idx, tidx - THREADS_PER_WG,
-                             softmax_scale, softcap, tma_atom_O, sO, fmask)
+                             softmax_scale, softcap, tma_atom_O, sO, fmask, mBlockBos)
 
     # ------------------------------------------------------------------ producer
     def _batch_view(self, t: cute.Tensor, offset, batch_idx, varlen: bool):
@@ -433,14 +447,20 @@ class FlashFwdSm90:
 
     @cute.jit
     def fill_block_logit(self, mBlockLogit, seqlen: SeqlenInfo, tiles: TileRange, m_start: Int32,
-                         head_idx: Int32, batch_idx: Int32, thread: Int32):
-        """Warps 1-3: -inf into the blocks of key tiles this query tile never visits."""
+                         head_idx: Int32, batch_idx: Int32, thread: Int32, mBlockBos=None):
+        """Warps 1-3: -inf into the blocks of key tiles this query tile never visits (block_bos: the
+        relative blocks that meet no visited key, a per-row range)."""
         mRows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
         gRows = cute.domain_offset((m_start, 0), mRows)
         nb = mRows.shape[1]
-        lo, hi = bl.visited_block_range(self.bl_shape, tiles.n_min, tiles.n_max)
         num_rows = cutlass.min(seqlen.seqlen_q - m_start, self.tile_m)
-        bl.fill_unvisited(gRows, num_rows, nb, lo, hi, thread, 3 * 32)
+        if const_expr(self.cfg.block_bos):
+            gBos = cute.domain_offset((m_start,), mBlockBos[batch_idx, None])
+            bl.fill_unvisited_relative(gRows, gBos, num_rows, nb, tiles.n_min * self.tile_n,
+                                       tiles.n_max * self.tile_n, self.cfg.block_size, thread, 3 * 32)
+        else:
+            lo, hi = bl.visited_block_range(self.bl_shape, tiles.n_min, tiles.n_max)
+            bl.fill_unvisited(gRows, num_rows, nb, lo, hi, thread, 3 * 32)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -465,7 +485,7 @@ class FlashFwdSm90:
     def consume(self, mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                 seqlen: SeqlenInfo, tiles: TileRange, left: Int32, right: Int32, m_tile: Int32,
                 head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32,
-                tma_atom_O, sO, fmask=None):
+                tma_atom_O, sO, fmask=None, mBlockBos=None):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         lane = ctidx % 32
@@ -511,8 +531,8 @@ class FlashFwdSm90:
             softcap_in = Float32(0.0)
             bl_scale = softmax_scale
         # block_size >= tile_n: block_logit's all-reduced block max is the row max (see block_logit_step).
-        softmax_cls = (_RowReducedSoftmax if cfg.has_block_logit and self.bl_shape.blocks_per_tile == 1
-                       else OnlineSoftmax)
+        softmax_cls = (_RowReducedSoftmax if cfg.has_block_logit and not cfg.block_bos
+                       and self.bl_shape.blocks_per_tile == 1 else OnlineSoftmax)
         softmax = softmax_cls(scale_log2, 2, 4)
         softmax.reset()
         acc_O.fill(0.0)
@@ -524,7 +544,30 @@ class FlashFwdSm90:
         bl_limit = Int32(0)
         bl_row_sel = Int32(0)
         carry = None
-        if const_expr(cfg.has_block_logit):
+        bos_ctx = None
+        if const_expr(cfg.block_bos):
+            # Note [document-relative block_logit]: each of the thread's two rows keeps its origin, its
+            # row view, a store limit (nb for the one lane of the quad storing the row, 0 otherwise) and
+            # the carried unfinished block (common/block_logit.py).
+            bl_rows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
+            nb = bl_rows.shape[1]
+            bos_ctx = SimpleNamespace(bos=[], row=[], limit=[])
+            for r in cutlass.range_constexpr(2):
+                valid = rows[r] < seqlen.seqlen_q
+                bos_r = Int32(0)
+                limit_r = Int32(0)
+                if valid:
+                    bos_r = mBlockBos[batch_idx, rows[r]]
+                    if lane % 4 == r:
+                        limit_r = nb
+                bos_ctx.bos.append(bos_r)
+                bos_ctx.limit.append(limit_r)
+                bos_ctx.row.append(bl_rows[cutlass.min(rows[r], seqlen.seqlen_q - 1), None])
+            bos_ctx.carry_val = cute.make_rmem_tensor((2,), Float32)
+            bos_ctx.carry_val.fill(-Float32.inf)
+            bos_ctx.carry_id = cute.make_rmem_tensor((2,), Int32)
+            bos_ctx.carry_id.fill(-1)
+        elif const_expr(cfg.has_block_logit):
             bl_rows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
             row_sel, first_block, is_owner = bl.owner_position(self.bl_shape, lane)
             bl_row_sel = row_sel
@@ -541,7 +584,7 @@ class FlashFwdSm90:
                               left=left, right=right, seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr,
                               bl_layout=bl_layout, bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry,
                               bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax,
-                              fmask=fmask)
+                              fmask=fmask, bos=bos_ctx)
         if const_expr(self.bl_early_reduce):
             ctx.bl_pending = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
         elif const_expr(self.bl_deferred):
@@ -706,7 +749,9 @@ class FlashFwdSm90:
             if not fm_whole:
                 self.startend_mask(ctx, acc_S_mn, n_tile)
         local_max = None
-        if const_expr(cfg.has_block_logit):
+        if const_expr(cfg.block_bos):
+            self.block_logit_relative_step(ctx, acc_S_mn, n_tile)
+        elif const_expr(cfg.has_block_logit):
             if const_expr(self.bl_deferred):
                 # Keep this tile's partial block maxima; block_logit_flush finishes them while the
                 # next tile's QK^T runs (or after the loop for the last tile).
@@ -765,6 +810,25 @@ class FlashFwdSm90:
         else:
             bl.store_owned(bl_own, owned, n_tile * shape.blocks_per_tile, bl_limit, scale)
         return local_max
+
+    @cute.jit
+    def block_logit_relative_step(self, ctx, acc_S_mn, n_tile: Int32):
+        """Note [document-relative block_logit]: block maxima of this S tile on each row's own block grid
+        (origin bos_r) -> plain stores of the finished blocks, the unfinished one carried to the next
+        (lower) tile. Independent of the softmax (which reduces its row maxima itself here)."""
+        shape = self.bos_shape
+        b = ctx.bos
+        n0 = n_tile * self.tile_n
+        origins = [bl.relative_origin(self.cfg.block_size, n0, b.bos[r]) for r in range(2)]
+        thr_col = ctx.thr_col
+        if const_expr(self.reread_coords):
+            thr_col = self._thr_col(ctx.tiled_mma_qk, reread_tid_x() - THREADS_PER_WG)
+        blk = bl.partial_relative_block_max(shape, acc_S_mn, ctx.cols, thr_col, [o[1] for o in origins])
+        bl.allreduce_relative_blocks(shape, blk, 2)
+        last_tile = n_tile == ctx.tiles.n_min
+        for r in cutlass.range_constexpr(2):
+            bl.store_relative_blocks(shape, blk[r, None], b.row[r], origins[r][0], origins[r][1], b.limit[r],
+                                     last_tile, b.carry_val, b.carry_id, r, ctx.bl_scale)
 
     @cute.jit
     def block_logit_flush(self, ctx, n_tile: Int32):
