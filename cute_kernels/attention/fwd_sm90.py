@@ -546,26 +546,26 @@ class FlashFwdSm90:
         carry = None
         bos_ctx = None
         if const_expr(cfg.block_bos):
-            # Note [document-relative block_logit]: each of the thread's two rows keeps its origin, its
-            # row view, a store limit (nb for the one lane of the quad storing the row, 0 otherwise) and
-            # the carried unfinished block (common/block_logit.py).
+            # Note [document-relative block_logit]: the thread keeps both rows' origins; lanes 0 and 1 of
+            # a quad store rows 0 and 1 (lanes 2 and 3 nothing: store limit 0) through a row address
+            # pinned here, with that row's carried unfinished block (common/block_logit.py).
             bl_rows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
-            nb = bl_rows.shape[1]
-            bos_ctx = SimpleNamespace(bos=[], row=[], limit=[])
+            bos_ctx = SimpleNamespace(bos=[])
             for r in cutlass.range_constexpr(2):
-                valid = rows[r] < seqlen.seqlen_q
                 bos_r = Int32(0)
-                limit_r = Int32(0)
-                if valid:
+                if rows[r] < seqlen.seqlen_q:
                     bos_r = mBlockBos[batch_idx, rows[r]]
-                    if lane % 4 == r:
-                        limit_r = nb
                 bos_ctx.bos.append(bos_r)
-                bos_ctx.limit.append(limit_r)
-                bos_ctx.row.append(bl_rows[cutlass.min(rows[r], seqlen.seqlen_q - 1), None])
-            bos_ctx.carry_val = cute.make_rmem_tensor((2,), Float32)
+            st_row = rows[0] if lane % 2 == 0 else rows[1]
+            bos_ctx.limit = Int32(0)
+            if lane % 4 < 2 and st_row < seqlen.seqlen_q:
+                bos_ctx.limit = bl_rows.shape[1]
+            st_view = bl_rows[cutlass.min(st_row, seqlen.seqlen_q - 1), None]
+            bos_ctx.addr = bl.pin_row(st_view)
+            bos_ctx.layout = st_view.layout
+            bos_ctx.carry_val = cute.make_rmem_tensor((1,), Float32)
             bos_ctx.carry_val.fill(-Float32.inf)
-            bos_ctx.carry_id = cute.make_rmem_tensor((2,), Int32)
+            bos_ctx.carry_id = cute.make_rmem_tensor((1,), Int32)
             bos_ctx.carry_id.fill(-1)
         elif const_expr(cfg.has_block_logit):
             bl_rows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
@@ -820,15 +820,20 @@ class FlashFwdSm90:
         b = ctx.bos
         n0 = n_tile * self.tile_n
         origins = [bl.relative_origin(self.cfg.block_size, n0, b.bos[r]) for r in range(2)]
-        thr_col = ctx.thr_col
-        if const_expr(self.reread_coords):
-            thr_col = self._thr_col(ctx.tiled_mma_qk, reread_tid_x() - THREADS_PER_WG)
+        # The thread's column offset and lane from a fresh %tid.x read (Note [thread coordinates at use]):
+        # kept live through the loop they spilled here.
+        ctid = reread_tid_x() - THREADS_PER_WG
+        thr_col = self._thr_col(ctx.tiled_mma_qk, ctid)
         blk = bl.partial_relative_block_max(shape, acc_S_mn, ctx.cols, thr_col, [o[1] for o in origins])
         bl.allreduce_relative_blocks(shape, blk, 2)
-        last_tile = n_tile == ctx.tiles.n_min
-        for r in cutlass.range_constexpr(2):
-            bl.store_relative_blocks(shape, blk[r, None], b.row[r], origins[r][0], origins[r][1], b.limit[r],
-                                     last_tile, b.carry_val, b.carry_id, r, ctx.bl_scale)
+        sel0 = ctid % 2 == 0  # the row this lane stores (limit 0 on lanes 2 and 3)
+        vals = cute.make_rmem_tensor((shape.candidates,), Float32)
+        for i in cutlass.range_constexpr(shape.candidates):
+            vals[i] = blk[0, i] if sel0 else blk[1, i]
+        k_lo = origins[0][0] if sel0 else origins[1][0]
+        off = origins[0][1] if sel0 else origins[1][1]
+        bl.store_relative_blocks(shape, vals, bl.row_at(b.addr, b.layout), k_lo, off, b.limit,
+                                 n_tile == ctx.tiles.n_min, b.carry_val, b.carry_id, 0, ctx.bl_scale)
 
     @cute.jit
     def block_logit_flush(self, ctx, n_tile: Int32):

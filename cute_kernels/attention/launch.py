@@ -302,7 +302,8 @@ def _bos_matrix(arch: int) -> list[FwdConfig]:
              ("bfloat16", 128, 4, False, False, False, 16, ""),
              ("float16", 64, 2, True, True, False, 128, ""),
              ("bfloat16", 128, 1, False, False, True, 32, "lts_lte_uts_ute"),
-             ("bfloat16", 256, 1, True, False, False, 256, "lts_lte")]
+             ("bfloat16", 256, 1, True, False, False, 256, "lts_lte"),
+             ("bfloat16", 64, 1, False, False, False, 16, "lts_ute")]
     return [fwd_config(arch, dt, d, d, r, c, w, sc, b, False, startend=se, block_bos=True)
             for dt, d, r, c, w, sc, b, se in lines]
 

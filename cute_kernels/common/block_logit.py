@@ -409,26 +409,23 @@ def partial_relative_block_max(shape: cutlass.Constexpr, acc_mn: cute.Tensor, co
     """(rows, candidates) fp32: this thread's max per (row, candidate block) of an S tile.
 
     ``cols``: the compile-time tile column of each register column for a thread whose column offset is 0,
-    ``thr_col`` this thread's offset (< 8), ``offs[r]`` row r's ``off`` from ``relative_origin``.
+    ``thr_col`` this thread's offset (< 8), ``offs[r]`` row r's ``off`` from ``relative_origin``. Each
+    entry is folded into its two possible candidates at once (a running max per candidate, so no
+    per-entry temporaries stay live next to the S tile).
     """
     bs = shape.block_size
     nrows = len(offs)
-    ncols = len(cols)
-    lower = cute.make_rmem_tensor((nrows, ncols), Float32)
-    upper = cute.make_rmem_tensor((nrows, ncols), Float32)
+    blk = cute.make_rmem_tensor((nrows, shape.candidates), Float32)
+    blk.fill(-Float32.inf)
     for r in cutlass.range_constexpr(nrows):
         t = offs[r] + thr_col
-        for c in cutlass.range_constexpr(ncols):
-            # column cols[c] + thr_col lies in candidate cols[c] // bs + 1 iff cols[c] + t >= (cols[c] // bs + 1) * bs
-            up = t >= (cols[c] // bs + 1) * bs - cols[c]
-            lower[r, c] = -Float32.inf if up else acc_mn[r, c]
-            upper[r, c] = acc_mn[r, c] if up else -Float32.inf
-    blk = cute.make_rmem_tensor((nrows, shape.candidates), Float32)
-    for r in cutlass.range_constexpr(nrows):
-        for i in cutlass.range_constexpr(shape.candidates):
-            members = ([lower[r, c] for c in range(ncols) if cols[c] // bs == i]
-                       + [upper[r, c] for c in range(ncols) if cols[c] // bs + 1 == i])
-            blk[r, i] = tree_max(members)
+        for c in cutlass.range_constexpr(len(cols)):
+            base = cols[c] // bs
+            # column cols[c] + thr_col lies in candidate base + 1 iff cols[c] + t >= (base + 1) * bs
+            up = t >= (base + 1) * bs - cols[c]
+            v = acc_mn[r, c]
+            blk[r, base] = cute.arch.fmax(blk[r, base], -Float32.inf if up else v)
+            blk[r, base + 1] = cute.arch.fmax(blk[r, base + 1], v if up else -Float32.inf)
     return blk
 
 
