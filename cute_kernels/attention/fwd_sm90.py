@@ -102,8 +102,9 @@ def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
     """(tile_m, tile_n, kv_stages). Independent of block_size so out/lse do not depend on it. tile_m 192
     (3 consumer WGs) at head_dim <= 64: measured 1.08-1.10x the 128-row tile on the H200
     (docs/benchmarks.md); the 160-register budget of 3 WGs holds a 64 x 128 tile's acc_O / acc_S / P at d 64
-    only."""
-    if cfg.head_dim <= 64:
+    only. Not with block_bos (Note [document-relative block_logit]): its per-row block grid spilled at 160
+    registers (block_size 16, or a window), so d 64 takes the 128-row tile (240 registers) there."""
+    if cfg.head_dim <= 64 and not cfg.block_bos:
         return 192, 128, 2
     if cfg.head_dim <= 128:
         return 128, 128, 2
@@ -824,16 +825,15 @@ class FlashFwdSm90:
         # kept live through the loop they spilled here.
         ctid = reread_tid_x() - THREADS_PER_WG
         thr_col = self._thr_col(ctx.tiled_mma_qk, ctid)
-        blk = bl.partial_relative_block_max(shape, acc_S_mn, ctx.cols, thr_col, [o[1] for o in origins])
-        bl.allreduce_relative_blocks(shape, blk, 2)
-        sel0 = ctid % 2 == 0  # the row this lane stores (limit 0 on lanes 2 and 3)
-        vals = cute.make_rmem_tensor((shape.candidates,), Float32)
-        for i in cutlass.range_constexpr(shape.candidates):
-            vals[i] = blk[0, i] if sel0 else blk[1, i]
-        k_lo = origins[0][0] if sel0 else origins[1][0]
-        off = origins[0][1] if sel0 else origins[1][1]
-        bl.store_relative_blocks(shape, vals, bl.row_at(b.addr, b.layout), k_lo, off, b.limit,
-                                 n_tile == ctx.tiles.n_min, b.carry_val, b.carry_id, 0, ctx.bl_scale)
+        sel = ctid % 2  # the row this lane stores (limit 0 on lanes 2 and 3)
+        for r in cutlass.range_constexpr(2):
+            # one row at a time: its candidates' maxima are the only extra live values
+            blk = bl.partial_relative_block_max(shape, acc_S_mn, ctx.cols, thr_col, r, origins[r][1])
+            bl.allreduce_relative_blocks(shape, blk)
+            if sel == r:
+                bl.store_relative_blocks(shape, blk, bl.row_at(b.addr, b.layout), origins[r][0], origins[r][1],
+                                         b.limit, n_tile == ctx.tiles.n_min, b.carry_val, b.carry_id, 0,
+                                         ctx.bl_scale)
 
     @cute.jit
     def block_logit_flush(self, ctx, n_tile: Int32):

@@ -367,7 +367,7 @@ def _fill_columns(gRows: cute.Tensor, num_rows: Int32, c_begin: Int32, c_end: In
 # entry is split once by one compare into a "lower" and an "upper" value (-inf in the other).
 #
 # Per tile and row: the lanes' partial maxima per candidate (``partial_relative_block_max``), all-reduced
-# across the row's lanes, then ``store_relative_blocks``: candidate ``i`` (block ``k = k_lo + i``) holds
+# across the row's lanes (``allreduce_relative_blocks``), then ``store_relative_blocks`` by one lane: candidate ``i`` (block ``k = k_lo + i``) holds
 # keys of this tile iff ``i * bs < tile_n + off``; it is finished iff its first key ``n0 - off + i * bs``
 # is in this tile (``i * bs >= off``) or this is the last visited tile (tiles are visited in descending
 # order, consecutively: the callers disable FlashMask's gap skip with block_logit). The unfinished one
@@ -405,37 +405,35 @@ def relative_origin(block_size: cutlass.Constexpr, n0: Int32, bos: Int32):
 
 @cute.jit
 def partial_relative_block_max(shape: cutlass.Constexpr, acc_mn: cute.Tensor, cols: cutlass.Constexpr,
-                               thr_col: Int32, offs: list) -> cute.Tensor:
-    """(rows, candidates) fp32: this thread's max per (row, candidate block) of an S tile.
+                               thr_col: Int32, r: cutlass.Constexpr, off: Int32) -> cute.Tensor:
+    """(candidates,) fp32: this thread's max per candidate block of register row ``r`` of an S tile.
 
     ``cols``: the compile-time tile column of each register column for a thread whose column offset is 0,
-    ``thr_col`` this thread's offset (< 8), ``offs[r]`` row r's ``off`` from ``relative_origin``. Each
-    entry is folded into its two possible candidates at once (a running max per candidate, so no
-    per-entry temporaries stay live next to the S tile).
+    ``thr_col`` this thread's offset (< 8), ``off`` the row's offset from ``relative_origin``. Each entry
+    is folded into its two possible candidates at once (a running max per candidate, so no per-entry
+    temporaries stay live next to the S tile). One row at a time keeps a kernel's live registers at
+    ``candidates`` (block_size 16 with 128-key tiles: 9).
     """
     bs = shape.block_size
-    nrows = len(offs)
-    blk = cute.make_rmem_tensor((nrows, shape.candidates), Float32)
+    blk = cute.make_rmem_tensor((shape.candidates,), Float32)
     blk.fill(-Float32.inf)
-    for r in cutlass.range_constexpr(nrows):
-        t = offs[r] + thr_col
-        for c in cutlass.range_constexpr(len(cols)):
-            base = cols[c] // bs
-            # column cols[c] + thr_col lies in candidate base + 1 iff cols[c] + t >= (base + 1) * bs
-            up = t >= (base + 1) * bs - cols[c]
-            v = acc_mn[r, c]
-            blk[r, base] = cute.arch.fmax(blk[r, base], -Float32.inf if up else v)
-            blk[r, base + 1] = cute.arch.fmax(blk[r, base + 1], v if up else -Float32.inf)
+    t = off + thr_col
+    for c in cutlass.range_constexpr(len(cols)):
+        base = cols[c] // bs
+        # column cols[c] + thr_col lies in candidate base + 1 iff cols[c] + t >= (base + 1) * bs
+        up = t >= (base + 1) * bs - cols[c]
+        v = acc_mn[r, c]
+        blk[base] = cute.arch.fmax(blk[base], -Float32.inf if up else v)
+        blk[base + 1] = cute.arch.fmax(blk[base + 1], v if up else -Float32.inf)
     return blk
 
 
 @cute.jit
-def allreduce_relative_blocks(shape: cutlass.Constexpr, blk: cute.Tensor, nrows: cutlass.Constexpr):
-    """All-reduce every (row, candidate) maximum of ``blk`` (nrows, candidates) across the
-    ``threads_per_row`` lanes sharing the row."""
-    for r in cutlass.range_constexpr(nrows):
-        for i in cutlass.range_constexpr(shape.candidates):
-            blk[r, i] = row_allreduce(blk[r, i], shape.threads_per_row, cute.arch.fmax)
+def allreduce_relative_blocks(shape: cutlass.Constexpr, blk: cute.Tensor):
+    """All-reduce every candidate maximum of ``blk`` (candidates,) across the ``threads_per_row`` lanes
+    sharing the row."""
+    for i in cutlass.range_constexpr(shape.candidates):
+        blk[i] = row_allreduce(blk[i], shape.threads_per_row, cute.arch.fmax)
 
 
 @cute.jit
