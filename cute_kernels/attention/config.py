@@ -76,6 +76,8 @@ class FwdConfig:
 
 #: The FlashMask tensors a ``startend`` build takes after the stream argument (the module docstring).
 FM_ARGS = ("mStartend", "mFmMinMax", "mFmRanges")
+#: The tensor a ``block_bos`` build takes after them (SM90).
+BOS_ARGS = ("mBlockBos",)
 
 
 class FwdArgs(NamedTuple):
