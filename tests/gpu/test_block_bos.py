@@ -93,7 +93,7 @@ def check_bos(q, k, v, bos, block_size, se=None, causal=False, window=(-1, -1), 
     sk = k.shape[1]
     w = tuple(None if x < 0 else x for x in window)
     if se is None:
-        vis = np.broadcast_to(F.window_visible(sq, sk, causal, w)[None, None], (b, hq, sq, sk))
+        vis = np.ascontiguousarray(np.broadcast_to(F.window_visible(sq, sk, causal, w)[None, None], (b, hq, sq, sk)))
     else:
         vis = F.per_query_head(F.expand(np.asarray(se), causal, sq, w), hq)
     out, lse, bl = run_bos(q, k, v, bos, block_size, se, causal, window, softcap)
