@@ -182,7 +182,7 @@ def _compile_fwd(cfg: FwdConfig, sm_count: int | None, trace: bool = False):
     cls = _kernel_class(cfg.arch)
     kernel = cls(cfg) if sm_count is None else cls(cfg, sm_count=int(sm_count))
     extra = (cutlass.Int64(0),) if trace else fake_fm_args(cfg) + fake_bos_args(cfg)
-    if cfg.has_startend and _arch.family(cfg.arch) == 100:
+    if (cfg.has_startend or cfg.block_bos) and _arch.family(cfg.arch) == 100:
         extra = (None,) + extra  # SM100: trace_addr comes first after the stream
     return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(), *extra,
                         options=arch_options(cfg.arch))
@@ -223,7 +223,9 @@ def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seq
             extra = (None,) + extra  # SM100: trace_addr comes first after the stream
     assert (block_bos is None) == (not cfg.block_bos), "block_bos must match cfg.block_bos"
     if cfg.block_bos:
-        extra = (extra if cfg.has_startend else (None, None, None)) + (block_bos,)
+        if not cfg.has_startend:  # SM100: trace_addr (or None) first after the stream
+            extra = (extra or (None,) if _arch.family(cfg.arch) == 100 else ()) + (None, None, None)
+        extra = extra + (block_bos,)
     fn(q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q),
        *extra)
@@ -293,11 +295,8 @@ def _fm_matrix(arch: int) -> list[FwdConfig]:
 
 
 def _bos_matrix(arch: int) -> list[FwdConfig]:
-    """Document-relative block_logit (``block_bos=True``) lines, SM90 only (SM100 has no such build yet):
-    block sizes below, equal to and above tile_n, with and without a FlashMask mask, causal, window,
-    softcap, GQA, both consumer-WG counts (d 64: 3)."""
-    if _arch.family(arch) != 90:
-        return []
+    """Document-relative block_logit (``block_bos=True``) lines, both archs: block sizes below, equal to
+    and above the key tile, with and without a FlashMask mask, causal, window, softcap, GQA."""
     lines = [("bfloat16", 128, 1, True, False, False, 64, "lts"),
              ("bfloat16", 128, 4, False, False, False, 16, ""),
              ("float16", 64, 2, True, True, False, 128, ""),
