@@ -454,17 +454,22 @@ def store_relative_blocks(shape: cutlass.Constexpr, vals: cute.Tensor, gRow: cut
         k = k_lo + i
         v = vals[i]
         v = cute.arch.fmax(v, cval) if k == cid else v
-        in_tile = i * bs < shape.tile_n + off
-        finished = i * bs >= off or last_tile
-        if in_tile and k >= 0 and k < limit and finished:
+        # Compile-time where it can be: candidates i >= 1 start inside the tile (i * bs >= bs > off) and are
+        # finished; all but the last hold keys of the tile (i * bs <= tile_n - bs < tile_n + off).
+        ok = k >= 0 and k < limit
+        if const_expr(i == shape.candidates - 1):
+            ok = ok and i * bs < shape.tile_n + off
+        if const_expr(i == 0):
+            finished = off == 0 or last_tile
+            ok = ok and finished
+            if not finished and k >= 0:
+                new_val = v
+                new_id = k
+        if ok:
             if const_expr(scale is not None):
                 gRow[k] = v * scale
             else:
                 gRow[k] = v
-        if const_expr(i == 0):
-            if not finished and k >= 0:
-                new_val = v
-                new_id = k
     carry_val[slot] = new_val
     carry_id[slot] = new_id
 
