@@ -295,8 +295,11 @@ def _fm_matrix(arch: int) -> list[FwdConfig]:
 
 
 def _bos_matrix(arch: int) -> list[FwdConfig]:
-    """Document-relative block_logit (``block_bos=True``) lines, both archs: block sizes below, equal to
-    and above the key tile, with and without a FlashMask mask, causal, window, softcap, GQA."""
+    """Document-relative block_logit (``block_bos=True``) lines, SM90 only (SM100 refuses block_bos:
+    its path spills, fwd_sm100.unsupported_reason): block sizes below, equal to and above the key tile,
+    with and without a FlashMask mask, causal, window, softcap, GQA."""
+    if _arch.family(arch) != 90:
+        return []
     lines = [("bfloat16", 128, 1, True, False, False, 64, "lts"),
              ("bfloat16", 128, 4, False, False, False, 16, ""),
              ("float16", 64, 2, True, True, False, 128, ""),

@@ -437,6 +437,14 @@ def allreduce_relative_blocks(shape: cutlass.Constexpr, blk: cute.Tensor):
 
 
 @cute.jit
+def _store_scaled(gRow: cute.Tensor, k: Int32, v: Float32, scale: Float32 | None):
+    if const_expr(scale is not None):
+        gRow[k] = v * scale
+    else:
+        gRow[k] = v
+
+
+@cute.jit
 def store_relative_blocks(shape: cutlass.Constexpr, vals: cute.Tensor, gRow: cute.Tensor, k_lo: Int32,
                           off: Int32, limit: Int32, last_tile: Boolean, carry_val: cute.Tensor,
                           carry_id: cute.Tensor, slot: cutlass.Constexpr, scale: Float32 | None):
@@ -456,20 +464,19 @@ def store_relative_blocks(shape: cutlass.Constexpr, vals: cute.Tensor, gRow: cut
         v = cute.arch.fmax(v, cval) if k == cid else v
         # Compile-time where it can be: candidates i >= 1 start inside the tile (i * bs >= bs > off) and are
         # finished; all but the last hold keys of the tile (i * bs <= tile_n - bs < tile_n + off).
-        ok = k >= 0 and k < limit
-        if const_expr(i == shape.candidates - 1):
-            ok = ok and i * bs < shape.tile_n + off
         if const_expr(i == 0):
             finished = off == 0 or last_tile
-            ok = ok and finished
+            if k >= 0 and k < limit and finished:
+                _store_scaled(gRow, k, v, scale)
             if not finished and k >= 0:
                 new_val = v
                 new_id = k
-        if ok:
-            if const_expr(scale is not None):
-                gRow[k] = v * scale
-            else:
-                gRow[k] = v
+        elif const_expr(i == shape.candidates - 1):
+            if i * bs < shape.tile_n + off and k >= 0 and k < limit:
+                _store_scaled(gRow, k, v, scale)
+        else:
+            if k >= 0 and k < limit:
+                _store_scaled(gRow, k, v, scale)
     carry_val[slot] = new_val
     carry_id[slot] = new_id
 
