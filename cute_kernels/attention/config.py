@@ -27,6 +27,13 @@ With ``startend`` (FlashMask, dense only) three int32 tensors follow the stream 
 
 with NT / MT the kernel's key / query tile counts (``launch.fm_tiles``).
 
+With ``block_bos`` (SM90 only so far) one more int32 tensor follows them (the three are None without
+``startend``):
+
+    mBlockBos    [B, Sq]              each query row's origin: block j of row i covers keys
+                                      [bos_i + j * block_size, bos_i + (j + 1) * block_size); keys
+                                      before bos_i lie in no block (common/block_logit.py)
+
 nb = ceil(Sk / block_size) (varlen: ceil(max_seqlen_k / block_size), block index relative to each
 sequence's own start). Causal and window masks are aligned bottom-right: row i of a sequence with
 lengths (Sq, Sk) sees keys t with i + Sk - Sq - window_left <= t <= i + Sk - Sq + window_right
@@ -56,6 +63,7 @@ class FwdConfig:
     block_size: int  # 0 = no block_logit output
     varlen: bool
     startend: str = ""  # FlashMask column layout (common/flashmask.COLS), "" = no startend_row_indices
+    block_bos: bool = False  # block_logit block ids relative to each row's mBlockBos origin (dense only)
 
     @property
     def has_startend(self) -> bool:
@@ -68,6 +76,8 @@ class FwdConfig:
 
 #: The FlashMask tensors a ``startend`` build takes after the stream argument (the module docstring).
 FM_ARGS = ("mStartend", "mFmMinMax", "mFmRanges")
+#: The tensor a ``block_bos`` build takes after them (SM90).
+BOS_ARGS = ("mBlockBos",)
 
 
 class FwdArgs(NamedTuple):

@@ -53,6 +53,14 @@ With one block per tile (block_size >= tile_n) the block max is the row's tile m
 serves both (``block_logit_step``). Doing the exchange inside the softmax step ("split") or sharing its
 shuffles with the row-max all-reduce ("fused"), and storing from the producer warps via shared memory,
 were measured slower on the H200 and removed (docs/benchmarks.md, SM90 forward history).
+
+Note [document-relative block_logit] (``block_bos`` builds). Each row's block grid starts at its own
+origin bos_r, so blocks do not follow the key tiles and no lane owns fixed blocks: per key tile every
+thread splits its S entries of each row among the row's candidate blocks (blocks_per_tile + 1),
+all-reduces them across the quad, and the quad's lane r stores row r's finished blocks at runtime block
+ids; the block cut by the tile's lower edge is carried to the next tile (common/block_logit.py, the
+document-relative section). The softmax reduces its own row maxima (no sharing with block_logit), the
+deferred/early-reduce machinery above is off. Built and compile-checked only (no GPU run yet).
 """
 
 from __future__ import annotations
@@ -94,8 +102,9 @@ def tile_shape(cfg: FwdConfig) -> tuple[int, int, int]:
     """(tile_m, tile_n, kv_stages). Independent of block_size so out/lse do not depend on it. tile_m 192
     (3 consumer WGs) at head_dim <= 64: measured 1.08-1.10x the 128-row tile on the H200
     (docs/benchmarks.md); the 160-register budget of 3 WGs holds a 64 x 128 tile's acc_O / acc_S / P at d 64
-    only."""
-    if cfg.head_dim <= 64:
+    only. Not with block_bos (Note [document-relative block_logit]): its per-row block grid spilled at 160
+    registers (block_size 16, or a window), so d 64 takes the 128-row tile (240 registers) there."""
+    if cfg.head_dim <= 64 and not cfg.block_bos:
         return 192, 128, 2
     if cfg.head_dim <= 128:
         return 128, 128, 2
@@ -119,7 +128,9 @@ class FlashFwdSm90:
         self.dtype = cutlass_dtype(cfg.dtype)
         self.tile_m, self.tile_n, self.kv_stages = tile_shape(cfg)
         # Note [deferred block_logit stores]: with several blocks per key tile.
-        self.bl_deferred = cfg.has_block_logit and max(1, self.tile_n // cfg.block_size) > 1
+        # (Not with block_bos: the document-relative path, Note [document-relative block_logit].)
+        self.bl_deferred = (cfg.has_block_logit and not cfg.block_bos
+                            and max(1, self.tile_n // cfg.block_size) > 1)
         self.hdim = cfg.head_dim
         self.hdimv = cfg.head_dim_v
         self.num_wg = self.tile_m // 64  # consumer warpgroups, 64 query rows each
@@ -129,6 +140,8 @@ class FlashFwdSm90:
         self.use_scheduler_barrier = cfg.head_dim <= 128
         self.bl_shape = (bl.BlockLogitShape(self.tile_n, cfg.block_size, rows_per_thread=2, threads_per_row=4)
                          if cfg.has_block_logit else None)
+        self.bos_shape = (bl.RelativeBlockShape(self.tile_n, cfg.block_size, threads_per_row=4)
+                          if cfg.block_bos else None)
         # 3 WGs (160 registers) with 8 blocks per key tile (block_size 16), or 4 (block_size 32) with a window:
         # keeping the partial maxima live across the next QK^T issue spills (16-20 B; 32 B, 8 B with softcap);
         # reduce-scatter them in the softmax step instead (only the stores stay deferred) and finish the PV
@@ -169,6 +182,8 @@ class FlashFwdSm90:
                 return f"block_size {cfg.block_size} (supported: 16, 32, 64, 128, 256)"
         if cfg.has_startend and cfg.varlen:
             return "FlashMask startend_row_indices with varlen"
+        if cfg.block_bos and (cfg.varlen or not cfg.has_block_logit):
+            return "block_bos needs block_logit on a dense (not varlen) call"
         return None
 
     @staticmethod
@@ -206,9 +221,9 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, stream, mStartend=None, mFmMinMax=None, mFmRanges=None):
+                 max_seqlen_q: Int32, stream, mStartend=None, mFmMinMax=None, mFmRanges=None, mBlockBos=None):
         """``mStartend``/``mFmMinMax``/``mFmRanges``: the FlashMask tensors (config.py) of a ``startend``
-        build, else None."""
+        build, else None; ``mBlockBos``: the row origins of a ``block_bos`` build, else None."""
         varlen = const_expr(mCuSeqlensQ is not None)
         # (B, S, H, D) -> (S, D, H, B); varlen (T, H, D) -> (T, D, H)
         order = (0, 2, 1) if const_expr(varlen) else (1, 3, 2, 0)
@@ -251,7 +266,7 @@ class FlashFwdSm90:
         self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, mBlockLogit, mCuSeqlensQ, mCuSeqlensK,
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, sQ_layout, sK_layout, sV_layout,
                     softmax_scale, softcap, window_left, window_right,
-                    mQt.shape[0], mKt.shape[0], mStartend, mFmMinMax, mFmRanges, fm_head_div).launch(
+                    mQt.shape[0], mKt.shape[0], mStartend, mFmMinMax, mFmRanges, fm_head_div, mBlockBos).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=self.shared_storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
@@ -263,7 +278,7 @@ class FlashFwdSm90:
                tma_atom_O, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, softmax_scale: Float32, softcap: Float32,
                window_left: Int32, window_right: Int32, seqlen_q_static: Int32, seqlen_k_static: Int32,
-               mStartend, mFmMinMax, mFmRanges, fm_head_div: Int32):
+               mStartend, mFmMinMax, mFmRanges, fm_head_div: Int32, mBlockBos):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -327,12 +342,12 @@ class FlashFwdSm90:
                 else:
                     if const_expr(cfg.has_block_logit):
                         self.fill_block_logit(mBlockLogit, seqlen, tiles, m_start, head_idx, batch_idx,
-                                              tidx - 32)
+                                              tidx - 32, mBlockBos)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                              seqlen, tiles, left, right, m_tile, head_idx, batch_idx, tidx - THREADS_PER_WG,
-                             softmax_scale, softcap, tma_atom_O, sO, fmask)
+                             softmax_scale, softcap, tma_atom_O, sO, fmask, mBlockBos)
 
     # ------------------------------------------------------------------ producer
     def _batch_view(self, t: cute.Tensor, offset, batch_idx, varlen: bool):
@@ -433,14 +448,20 @@ class FlashFwdSm90:
 
     @cute.jit
     def fill_block_logit(self, mBlockLogit, seqlen: SeqlenInfo, tiles: TileRange, m_start: Int32,
-                         head_idx: Int32, batch_idx: Int32, thread: Int32):
-        """Warps 1-3: -inf into the blocks of key tiles this query tile never visits."""
+                         head_idx: Int32, batch_idx: Int32, thread: Int32, mBlockBos=None):
+        """Warps 1-3: -inf into the blocks of key tiles this query tile never visits (block_bos: the
+        relative blocks that meet no visited key, a per-row range)."""
         mRows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
         gRows = cute.domain_offset((m_start, 0), mRows)
         nb = mRows.shape[1]
-        lo, hi = bl.visited_block_range(self.bl_shape, tiles.n_min, tiles.n_max)
         num_rows = cutlass.min(seqlen.seqlen_q - m_start, self.tile_m)
-        bl.fill_unvisited(gRows, num_rows, nb, lo, hi, thread, 3 * 32)
+        if const_expr(self.cfg.block_bos):
+            gBos = cute.domain_offset((m_start,), mBlockBos[batch_idx, None])
+            bl.fill_unvisited_relative(gRows, gBos, num_rows, nb, tiles.n_min * self.tile_n,
+                                       tiles.n_max * self.tile_n, self.cfg.block_size, thread, 3 * 32)
+        else:
+            lo, hi = bl.visited_block_range(self.bl_shape, tiles.n_min, tiles.n_max)
+            bl.fill_unvisited(gRows, num_rows, nb, lo, hi, thread, 3 * 32)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -465,7 +486,7 @@ class FlashFwdSm90:
     def consume(self, mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                 seqlen: SeqlenInfo, tiles: TileRange, left: Int32, right: Int32, m_tile: Int32,
                 head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32,
-                tma_atom_O, sO, fmask=None):
+                tma_atom_O, sO, fmask=None, mBlockBos=None):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         lane = ctidx % 32
@@ -511,8 +532,8 @@ class FlashFwdSm90:
             softcap_in = Float32(0.0)
             bl_scale = softmax_scale
         # block_size >= tile_n: block_logit's all-reduced block max is the row max (see block_logit_step).
-        softmax_cls = (_RowReducedSoftmax if cfg.has_block_logit and self.bl_shape.blocks_per_tile == 1
-                       else OnlineSoftmax)
+        softmax_cls = (_RowReducedSoftmax if cfg.has_block_logit and not cfg.block_bos
+                       and self.bl_shape.blocks_per_tile == 1 else OnlineSoftmax)
         softmax = softmax_cls(scale_log2, 2, 4)
         softmax.reset()
         acc_O.fill(0.0)
@@ -524,7 +545,30 @@ class FlashFwdSm90:
         bl_limit = Int32(0)
         bl_row_sel = Int32(0)
         carry = None
-        if const_expr(cfg.has_block_logit):
+        bos_ctx = None
+        if const_expr(cfg.block_bos):
+            # Note [document-relative block_logit]: the thread keeps both rows' origins; lanes 0 and 1 of
+            # a quad store rows 0 and 1 (lanes 2 and 3 nothing: store limit 0) through a row address
+            # pinned here, with that row's carried unfinished block (common/block_logit.py).
+            bl_rows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
+            bos_ctx = SimpleNamespace(bos=[])
+            for r in cutlass.range_constexpr(2):
+                bos_r = Int32(0)
+                if rows[r] < seqlen.seqlen_q:
+                    bos_r = mBlockBos[batch_idx, rows[r]]
+                bos_ctx.bos.append(bos_r)
+            st_row = rows[0] if lane % 2 == 0 else rows[1]
+            bos_ctx.limit = Int32(0)
+            if lane % 4 < 2 and st_row < seqlen.seqlen_q:
+                bos_ctx.limit = bl_rows.shape[1]
+            st_view = bl_rows[cutlass.min(st_row, seqlen.seqlen_q - 1), None]
+            bos_ctx.addr = bl.pin_row(st_view)
+            bos_ctx.layout = st_view.layout
+            bos_ctx.carry_val = cute.make_rmem_tensor((1,), Float32)
+            bos_ctx.carry_val.fill(-Float32.inf)
+            bos_ctx.carry_id = cute.make_rmem_tensor((1,), Int32)
+            bos_ctx.carry_id.fill(-1)
+        elif const_expr(cfg.has_block_logit):
             bl_rows = self._block_logit_rows(mBlockLogit, seqlen, head_idx, batch_idx)
             row_sel, first_block, is_owner = bl.owner_position(self.bl_shape, lane)
             bl_row_sel = row_sel
@@ -541,7 +585,7 @@ class FlashFwdSm90:
                               left=left, right=right, seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr,
                               bl_layout=bl_layout, bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry,
                               bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax,
-                              fmask=fmask)
+                              fmask=fmask, bos=bos_ctx)
         if const_expr(self.bl_early_reduce):
             ctx.bl_pending = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
         elif const_expr(self.bl_deferred):
@@ -706,7 +750,9 @@ class FlashFwdSm90:
             if not fm_whole:
                 self.startend_mask(ctx, acc_S_mn, n_tile)
         local_max = None
-        if const_expr(cfg.has_block_logit):
+        if const_expr(cfg.block_bos):
+            self.block_logit_relative_step(ctx, acc_S_mn, n_tile)
+        elif const_expr(cfg.has_block_logit):
             if const_expr(self.bl_deferred):
                 # Keep this tile's partial block maxima; block_logit_flush finishes them while the
                 # next tile's QK^T runs (or after the loop for the last tile).
@@ -765,6 +811,29 @@ class FlashFwdSm90:
         else:
             bl.store_owned(bl_own, owned, n_tile * shape.blocks_per_tile, bl_limit, scale)
         return local_max
+
+    @cute.jit
+    def block_logit_relative_step(self, ctx, acc_S_mn, n_tile: Int32):
+        """Note [document-relative block_logit]: block maxima of this S tile on each row's own block grid
+        (origin bos_r) -> plain stores of the finished blocks, the unfinished one carried to the next
+        (lower) tile. Independent of the softmax (which reduces its row maxima itself here)."""
+        shape = self.bos_shape
+        b = ctx.bos
+        n0 = n_tile * self.tile_n
+        origins = [bl.relative_origin(self.cfg.block_size, n0, b.bos[r]) for r in range(2)]
+        # The thread's column offset and lane from a fresh %tid.x read (Note [thread coordinates at use]):
+        # kept live through the loop they spilled here.
+        ctid = reread_tid_x() - THREADS_PER_WG
+        thr_col = self._thr_col(ctx.tiled_mma_qk, ctid)
+        sel = ctid % 2  # the row this lane stores (limit 0 on lanes 2 and 3)
+        for r in cutlass.range_constexpr(2):
+            # one row at a time: its candidates' maxima are the only extra live values
+            blk = bl.partial_relative_block_max(shape, acc_S_mn, ctx.cols, thr_col, r, origins[r][1])
+            bl.allreduce_relative_blocks(shape, blk)
+            if sel == r:
+                bl.store_relative_blocks(shape, blk, bl.row_at(b.addr, b.layout), origins[r][0], origins[r][1],
+                                         b.limit, n_tile == ctx.tiles.n_min, b.carry_val, b.carry_id, 0,
+                                         ctx.bl_scale)
 
     @cute.jit
     def block_logit_flush(self, ctx, n_tile: Int32):

@@ -22,13 +22,15 @@ from .config import BLOCK_SIZES, DTYPES, FwdArgs, FwdConfig
 # resolution, then the launch): memoised so a call costs a dict lookup, not a dataclass build.
 @functools.lru_cache(maxsize=None)
 def fwd_config(arch: int, dtype, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
-               has_window: bool, has_softcap: bool, block_size: int, varlen: bool, startend: str = "") -> FwdConfig:
+               has_window: bool, has_softcap: bool, block_size: int, varlen: bool, startend: str = "",
+               block_bos: bool = False) -> FwdConfig:
     """The compile key for one forward call (``arch``: the exact compute capability, e.g. 103;
-    ``block_size`` 0 = no block_logit; ``startend``: the FlashMask layout, "" = none)."""
+    ``block_size`` 0 = no block_logit; ``startend``: the FlashMask layout, "" = none; ``block_bos``:
+    block_logit blocks relative to each row's origin)."""
     return FwdConfig(arch=int(arch), dtype=dtype_name(dtype), head_dim=int(head_dim),
                      head_dim_v=int(head_dim_v), qhead_per_kvhead=int(qhead_per_kvhead), causal=bool(causal),
                      has_window=bool(has_window), has_softcap=bool(has_softcap), block_size=int(block_size),
-                     varlen=bool(varlen), startend=str(startend))
+                     varlen=bool(varlen), startend=str(startend), block_bos=bool(block_bos))
 
 
 def _kernel_class(arch: int):
@@ -55,6 +57,8 @@ def unsupported_reason(cfg: FwdConfig) -> str | None:
         return f"block_size {cfg.block_size} (supported: {', '.join(map(str, BLOCK_SIZES))})"
     if cfg.has_startend and cfg.varlen:
         return "FlashMask startend_row_indices with varlen"
+    if cfg.block_bos and (cfg.varlen or not cfg.has_block_logit):
+        return "block_bos needs block_logit on a dense (not varlen) call"
     try:
         cls = _kernel_class(cfg.arch)
     except ImportError as exc:
@@ -101,6 +105,18 @@ def fake_fm_args(cfg: FwdConfig) -> tuple:
     i32 = cutlass.Int32
     return (fake_tensor(i32, (b, hm, sk, n), align_bytes=4), fake_tensor(i32, (b, hm, nt, 2 * n), align_bytes=4),
             fake_tensor(i32, (b, hm, mt, sym()), align_bytes=4))
+
+
+def fake_bos_args(cfg: FwdConfig) -> tuple:
+    """SM90 ``block_bos`` build: (None x 3 without startend, then a fake mBlockBos [B, Sq]), else ()."""
+    if not cfg.block_bos:
+        return ()
+    import cutlass
+
+    from cute_kernels.fake import fake_tensor, sym
+
+    pad = () if cfg.has_startend else (None, None, None)
+    return pad + (fake_tensor(cutlass.Int32, (sym(), sym()), align_bytes=4),)
 
 
 def fake_fwd_args(cfg: FwdConfig) -> FwdArgs:
@@ -165,8 +181,8 @@ def _compile_fwd(cfg: FwdConfig, sm_count: int | None, trace: bool = False):
         raise NotImplementedError(f"flash_attn_fwd: {reason}")
     cls = _kernel_class(cfg.arch)
     kernel = cls(cfg) if sm_count is None else cls(cfg, sm_count=int(sm_count))
-    extra = (cutlass.Int64(0),) if trace else fake_fm_args(cfg)
-    if cfg.has_startend and _arch.family(cfg.arch) == 100:
+    extra = (cutlass.Int64(0),) if trace else fake_fm_args(cfg) + fake_bos_args(cfg)
+    if (cfg.has_startend or cfg.block_bos) and _arch.family(cfg.arch) == 100:
         extra = (None,) + extra  # SM100: trace_addr comes first after the stream
     return cute.compile(kernel, *fake_fwd_args(cfg), fake_stream(), *extra,
                         options=arch_options(cfg.arch))
@@ -175,11 +191,12 @@ def _compile_fwd(cfg: FwdConfig, sm_count: int | None, trace: bool = False):
 def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, *,
             softmax_scale: float, softcap: float, window_left: int, window_right: int,
             max_seqlen_q: int, trace_addr: int | None = None, startend=None, fm_minmax=None,
-            fm_ranges=None) -> None:
+            fm_ranges=None, block_bos=None) -> None:
     """Launch the forward on the caller's current stream; writes ``out``, ``lse``, ``block_logit``.
     ``trace_addr``: device-visible address of an edge-trace array (common/trace.py): the traced SM100 build.
     ``startend``, ``fm_minmax``, ``fm_ranges``: a FlashMask call's bounds and the workspace
     ``fm_meta.workspace_shapes(fm_meta_config(cfg), ...)``; this launch fills the workspace first.
+    ``block_bos``: int32 [B, Sq] row origins of document-relative block_logit (``cfg.block_bos``).
 
     Shapes as in ``config.FwdArgs``; ``block_logit`` is None iff ``cfg.block_size == 0``;
     ``cu_seqlens_*`` are None iff not ``cfg.varlen``; window sizes -1 = unbounded.
@@ -204,6 +221,11 @@ def run_fwd(cfg: FwdConfig, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seq
         extra = (startend, fm_minmax, fm_ranges)
         if _arch.family(cfg.arch) == 100:
             extra = (None,) + extra  # SM100: trace_addr comes first after the stream
+    assert (block_bos is None) == (not cfg.block_bos), "block_bos must match cfg.block_bos"
+    if cfg.block_bos:
+        if not cfg.has_startend:  # SM100: trace_addr (or None) first after the stream
+            extra = (extra or (None,) if _arch.family(cfg.arch) == 100 else ()) + (None, None, None)
+        extra = extra + (block_bos,)
     fn(q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if cfg.has_softcap else 0.0, int(window_left), int(window_right), int(max_seqlen_q),
        *extra)
@@ -272,12 +294,28 @@ def _fm_matrix(arch: int) -> list[FwdConfig]:
     return [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in lines]
 
 
+def _bos_matrix(arch: int) -> list[FwdConfig]:
+    """Document-relative block_logit (``block_bos=True``) lines, SM90 only (SM100 refuses block_bos:
+    its path spills, fwd_sm100.unsupported_reason): block sizes below, equal to and above the key tile,
+    with and without a FlashMask mask, causal, window, softcap, GQA."""
+    if _arch.family(arch) != 90:
+        return []
+    lines = [("bfloat16", 128, 1, True, False, False, 64, "lts"),
+             ("bfloat16", 128, 4, False, False, False, 16, ""),
+             ("float16", 64, 2, True, True, False, 128, ""),
+             ("bfloat16", 128, 1, False, False, True, 32, "lts_lte_uts_ute"),
+             ("bfloat16", 256, 1, True, False, False, 256, "lts_lte"),
+             ("bfloat16", 64, 1, False, False, False, 16, "lts_ute")]
+    return [fwd_config(arch, dt, d, d, r, c, w, sc, b, False, startend=se, block_bos=True)
+            for dt, d, r, c, w, sc, b, se in lines]
+
+
 def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
     """Configs compiled by ``python -m cute_kernels.check`` (and the CPU compile tests) for compute
     capability ``arch``; the configs of 10.0 and 10.3 differ only in ``arch``. Each FlashMask line names
-    its column layout (``startend=...``)."""
+    its column layout (``startend=...``); document-relative block_logit lines say ``block_bos=True``."""
     arch = int(arch)
-    return _dense_matrix(arch, full) + _fm_matrix(arch)
+    return _dense_matrix(arch, full) + _fm_matrix(arch) + _bos_matrix(arch)
 
 
 CHECKS = {"attention_fwd": (config_matrix, compile_fwd, smem_bytes)}

@@ -352,3 +352,156 @@ def _fill_columns(gRows: cute.Tensor, num_rows: Int32, c_begin: Int32, c_end: In
             if grp >= groups:
                 grp = grp - groups
                 row = row + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Document-relative blocks (``block_bos``)
+#
+# With ``block_bos`` (int32 [B, Sq], each query row's document start ``bos_i``) key ``c`` of row ``i``
+# lies in block ``floor((c - bos_i) / block_size)``; keys ``c < bos_i`` lie in no block. The block grid
+# of a row is shifted by ``bos_i mod block_size``, so it no longer follows the key tiles: a tile of
+# ``tile_n`` keys starting at ``n0`` meets, in each row, the ``candidates`` = blocks_per_tile + 1
+# relative blocks ``k_lo + i`` (``k_lo = floor((n0 - bos) / bs)``, ``off = n0 - bos - k_lo * bs`` in
+# [0, bs)). Tile column ``col`` lies in candidate ``(off + col) // bs``; since ``off < bs`` that is
+# ``col // bs`` or ``col // bs + 1`` (``col // bs`` is 0 for every column when bs > tile_n), so each S
+# entry is split once by one compare into a "lower" and an "upper" value (-inf in the other).
+#
+# Per tile and row: the lanes' partial maxima per candidate (``partial_relative_block_max``), all-reduced
+# across the row's lanes (``allreduce_relative_blocks``), then ``store_relative_blocks`` by one lane: candidate ``i`` (block ``k = k_lo + i``) holds
+# keys of this tile iff ``i * bs < tile_n + off``; it is finished iff its first key ``n0 - off + i * bs``
+# is in this tile (``i * bs >= off``) or this is the last visited tile (tiles are visited in descending
+# order, consecutively: the callers disable FlashMask's gap skip with block_logit). The unfinished one
+# (``i = 0``, ``off > 0``) is carried to the next (lower) tile, where it is the candidate with the same
+# block id. Visited blocks are therefore each stored exactly once, by plain stores; the blocks no visited
+# tile meets (a per-row range, since it depends on bos_i) get -inf from ``fill_unvisited_relative``.
+# This path costs two selects per S entry plus an all-reduce per candidate and row: simple, not tuned.
+
+_BIG = 1 << 30  # a multiple of every block size: floor division of (possibly negative) x by bs as (x + _BIG) // bs
+
+
+class RelativeBlockShape:
+    """Compile-time facts of the document-relative block_logit path (see the section comment)."""
+
+    def __init__(self, tile_n: int, block_size: int, threads_per_row: int):
+        if block_size % 8 != 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_logit: block_size must be a power of two >= 8, got {block_size}")
+        if tile_n % block_size != 0 and block_size % tile_n != 0:
+            raise ValueError(f"block_logit: block_size {block_size} would straddle key tiles of {tile_n}")
+        self.tile_n = tile_n
+        self.block_size = block_size
+        self.threads_per_row = threads_per_row
+        self.candidates = max(1, tile_n // block_size) + 1
+
+
+@cute.jit
+def relative_origin(block_size: cutlass.Constexpr, n0: Int32, bos: Int32):
+    """(k_lo, off): the relative block of key ``n0`` for origin ``bos`` (floor division, also for
+    n0 < bos) and ``n0``'s offset in it, in [0, block_size)."""
+    x = n0 - bos + _BIG
+    k_lo = x // block_size - _BIG // block_size
+    off = x - (x // block_size) * block_size
+    return k_lo, off
+
+
+@cute.jit
+def partial_relative_block_max(shape: cutlass.Constexpr, acc_mn: cute.Tensor, cols: cutlass.Constexpr,
+                               thr_col: Int32, r: cutlass.Constexpr, off: Int32) -> cute.Tensor:
+    """(candidates,) fp32: this thread's max per candidate block of register row ``r`` of an S tile.
+
+    ``cols``: the compile-time tile column of each register column for a thread whose column offset is 0,
+    ``thr_col`` this thread's offset (< 8), ``off`` the row's offset from ``relative_origin``. Each entry
+    is folded into its two possible candidates at once (a running max per candidate, so no per-entry
+    temporaries stay live next to the S tile). One row at a time keeps a kernel's live registers at
+    ``candidates`` (block_size 16 with 128-key tiles: 9).
+    """
+    bs = shape.block_size
+    blk = cute.make_rmem_tensor((shape.candidates,), Float32)
+    blk.fill(-Float32.inf)
+    t = off + thr_col
+    for c in cutlass.range_constexpr(len(cols)):
+        base = cols[c] // bs
+        # column cols[c] + thr_col lies in candidate base + 1 iff cols[c] + t >= (base + 1) * bs
+        up = t >= (base + 1) * bs - cols[c]
+        v = acc_mn[r, c]
+        blk[base] = cute.arch.fmax(blk[base], -Float32.inf if up else v)
+        blk[base + 1] = cute.arch.fmax(blk[base + 1], v if up else -Float32.inf)
+    return blk
+
+
+@cute.jit
+def allreduce_relative_blocks(shape: cutlass.Constexpr, blk: cute.Tensor):
+    """All-reduce every candidate maximum of ``blk`` (candidates,) across the ``threads_per_row`` lanes
+    sharing the row."""
+    for i in cutlass.range_constexpr(shape.candidates):
+        blk[i] = row_allreduce(blk[i], shape.threads_per_row, cute.arch.fmax)
+
+
+@cute.jit
+def _store_scaled(gRow: cute.Tensor, k: Int32, v: Float32, scale: Float32 | None):
+    if const_expr(scale is not None):
+        gRow[k] = v * scale
+    else:
+        gRow[k] = v
+
+
+@cute.jit
+def store_relative_blocks(shape: cutlass.Constexpr, vals: cute.Tensor, gRow: cute.Tensor, k_lo: Int32,
+                          off: Int32, limit: Int32, last_tile: Boolean, carry_val: cute.Tensor,
+                          carry_id: cute.Tensor, slot: cutlass.Constexpr, scale: Float32 | None):
+    """One row's finished candidate blocks of a tile -> ``gRow[k]`` (plain stores, ``0 <= k < limit``;
+    ``limit`` 0 for a lane that stores nothing for this row); the unfinished one into
+    ``carry_val[slot]``/``carry_id[slot]`` (an Int32 rmem, -1 = nothing carried; fill both before the
+    first tile). ``vals``: this row's (candidates,) all-reduced maxima; ``last_tile``: no lower tile
+    will be visited."""
+    bs = shape.block_size
+    cid = carry_id[slot]
+    cval = carry_val[slot]
+    new_val = Float32(-Float32.inf)
+    new_id = Int32(-1)
+    for i in cutlass.range_constexpr(shape.candidates):
+        k = k_lo + i
+        v = vals[i]
+        v = cute.arch.fmax(v, cval) if k == cid else v
+        # Compile-time where it can be: candidates i >= 1 start inside the tile (i * bs >= bs > off) and are
+        # finished; all but the last hold keys of the tile (i * bs <= tile_n - bs < tile_n + off).
+        if const_expr(i == 0):
+            finished = off == 0 or last_tile
+            if k >= 0 and k < limit and finished:
+                _store_scaled(gRow, k, v, scale)
+            if not finished and k >= 0:
+                new_val = v
+                new_id = k
+        elif const_expr(i == shape.candidates - 1):
+            if i * bs < shape.tile_n + off and k >= 0 and k < limit:
+                _store_scaled(gRow, k, v, scale)
+        else:
+            if k >= 0 and k < limit:
+                _store_scaled(gRow, k, v, scale)
+    carry_val[slot] = new_val
+    carry_id[slot] = new_id
+
+
+@cute.jit
+def fill_unvisited_relative(gRows: cute.Tensor, gBos: cute.Tensor, num_rows: Int32, nb: Int32, key_lo: Int32,
+                            key_hi: Int32, block_size: cutlass.Constexpr, thread: Int32,
+                            num_threads: cutlass.Constexpr, warp_size: cutlass.Constexpr = 32):
+    """-inf into the relative blocks of rows [0, num_rows) of ``gRows`` (rows, nb) that meet no key of the
+    visited keys [key_lo, key_hi) (``gBos``: the rows' origins; key_lo >= key_hi: nothing visited, the
+    whole row). Row r's visited blocks are [floor((key_lo - bos) / bs), ceil((key_hi - bos) / bs)) clamped
+    to [0, nb): exactly the blocks ``store_relative_blocks`` writes. One row per warp, a column per lane."""
+    num_warps = num_threads // warp_size
+    warp = thread // warp_size
+    lane = thread % warp_size
+    for r in cutlass.range(warp, num_rows, num_warps, unroll=1):
+        bos = gBos[r]
+        lo_k, _off = relative_origin(block_size, key_lo, bos)
+        hi_k, _off2 = relative_origin(block_size, key_hi + block_size - 1, bos)
+        lo = cutlass.min(cutlass.max(lo_k, 0), nb)
+        hi = cutlass.min(cutlass.max(hi_k, lo), nb)
+        if key_lo >= key_hi:
+            lo = nb
+            hi = nb
+        for c in cutlass.range(lane, lo, warp_size, unroll=1):
+            gRows[r, c] = -Float32.inf
+        for c in cutlass.range(hi + lane, nb, warp_size, unroll=1):
+            gRows[r, c] = -Float32.inf

@@ -55,18 +55,8 @@ def fwd_config(arch: int, spec):
     return _launch().fwd_config(
         arch=arch, dtype=spec.dtype, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
         qhead_per_kvhead=spec.qhead_per_kvhead, causal=spec.causal, has_window=spec.has_window,
-        has_softcap=spec.softcap > 0, block_size=spec.block_size, varlen=spec.varlen, startend=spec.startend)
-
-
-def _fwd_mask_reason(spec) -> str | None:
-    """Why no CuTe forward takes ``spec``'s FlashMask arguments (None when none is missing).
-
-    ``startend_row_indices`` runs on the SM90 forward (the launcher names the other cases); a case
-    without a kernel runs the reference under ``backend="auto"`` and raises NotImplementedError
-    naming it under ``"cute"``."""
-    if spec.has_block_bos:
-        return "block_logit with block_bos (document-relative blocks) has no CuTe kernel yet"
-    return None
+        has_softcap=spec.softcap > 0, block_size=spec.block_size, varlen=spec.varlen, startend=spec.startend,
+        block_bos=spec.has_block_bos)
 
 
 def _kernel_case_reason(spec) -> str | None:
@@ -81,7 +71,7 @@ def _kernel_case_reason(spec) -> str | None:
 
 def unsupported_reason(arch: int, spec) -> str | None:
     """None when the CuTe forward handles ``spec`` on compute capability ``arch``, else why not."""
-    reason = _kernel_case_reason(spec) or _fwd_mask_reason(spec)
+    reason = _kernel_case_reason(spec)
     if reason is not None:
         return reason
     launch = _launch()
@@ -99,14 +89,16 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
     kernels are compiled for compact row-major layouts). ``out``/``lse`` are the op's own
     ``paddle.empty`` allocations.
 
+    ``block_bos`` (int32 ``[B, Sq]``, with ``spec.has_block_bos``): document-relative block_logit; the
+    launcher says where a kernel takes it (SM90; SM100 names the case).
+
     Raises:
         ValueError: ``out`` or ``lse`` is not contiguous or not aligned (never for the op's own).
-        NotImplementedError: ``block_bos`` (``unsupported_reason`` keeps it from here).
     """
-    if block_bos is not None or _fwd_mask_reason(spec):
-        raise NotImplementedError(f"{OP}: {_fwd_mask_reason(spec)}")
+    assert (block_bos is None) == (not spec.has_block_bos), "block_bos must match spec.has_block_bos"
     q, k, v = (kernel_input(t) for t in (q, k, v))
     startend_row_indices = kernel_input(startend_row_indices, 4)
+    block_bos = kernel_input(block_bos, 4)
     cu_seqlens_q, cu_seqlens_k = kernel_input(cu_seqlens_q, 4), kernel_input(cu_seqlens_k, 4)
     caller_block_logit, block_logit = block_logit, stage_output(block_logit, 4)
     for name, t in (("out", out), ("lse", lse)):
@@ -123,6 +115,8 @@ def flash_attn_fwd(spec, q, k, v, out, lse, block_logit, cu_seqlens_q, cu_seqlen
                                           spec.seqlen_q, spec.seqlen_k)
         fm_kw = {name: kernel_arg(_bridge.empty(shape, dtype, q)) for name, (shape, dtype) in shapes.items()}
         fm_kw["startend"] = kernel_arg(startend_row_indices)
+    if block_bos is not None:
+        fm_kw["block_bos"] = kernel_arg(block_bos)
     launch.run_fwd(
         cfg, kernel_arg(q), kernel_arg(k), kernel_arg(v), kernel_arg(out), kernel_arg(lse),
         kernel_arg(block_logit), kernel_arg(cu_seqlens_q), kernel_arg(cu_seqlens_k),

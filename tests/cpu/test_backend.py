@@ -129,7 +129,8 @@ def test_cute_call_translates_spec(fake_gpu):
                                              backend="auto")
     cfg = fake_gpu.configs[-1]
     assert cfg == dict(arch=90, dtype="bfloat16", head_dim=128, head_dim_v=128, qhead_per_kvhead=2, causal=True,
-                       has_window=True, has_softcap=True, block_size=32, varlen=False, startend="")
+                       has_window=True, has_softcap=True, block_size=32, varlen=False, startend="",
+                       block_bos=False)
     run = fake_gpu.runs[-1]
     assert (run["softmax_scale"], run["softcap"]) == (pytest.approx(0.1), 3.0)
     assert (run["window_left"], run["window_right"], run["max_seqlen_q"]) == (5, 0, 8)

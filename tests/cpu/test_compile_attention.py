@@ -34,12 +34,12 @@ def test_attention_fwd_full_matrix_compiles_for_sm90(tmp_path):
 
 def test_fwd_args_order_matches_kernel_call():
     """FwdArgs is the one argument order: the SM90 kernel's __call__ takes exactly it, then stream, then
-    the FlashMask tensors (FM_ARGS, None unless a startend build)."""
-    from cute_kernels.attention.config import FM_ARGS, FwdArgs
+    the FlashMask tensors (FM_ARGS, None unless a startend build), then block_bos's (BOS_ARGS)."""
+    from cute_kernels.attention.config import BOS_ARGS, FM_ARGS, FwdArgs
     from cute_kernels.attention.fwd_sm90 import FlashFwdSm90
 
     params = list(inspect.signature(FlashFwdSm90.__call__).parameters)
-    assert params == ["self", *FwdArgs._fields, "stream", *FM_ARGS]
+    assert params == ["self", *FwdArgs._fields, "stream", *FM_ARGS, *BOS_ARGS]
 
 
 def test_unsupported_reasons_name_the_case():
@@ -52,6 +52,18 @@ def test_unsupported_reasons_name_the_case():
     assert "head_dim_v 64" in unsupported_reason(fwd_config(90, "bfloat16", 128, 64, 1, False, False, False, 0, False))
     assert "block_size 48" in unsupported_reason(fwd_config(90, "bfloat16", 128, 128, 1, False, False, False, 48, False))
     assert "compute capability 8.0" in unsupported_reason(fwd_config(80, "bfloat16", 128, 128, 1, False, False, False, 0, False))
+    # block_bos: the SM90 kernel takes it (dense, with block_logit); SM100 names the case
+    for se in ("", "lts"):
+        assert unsupported_reason(fwd_config(90, "bfloat16", 128, 128, 1, True, False, False, 64, False,
+                                             startend=se, block_bos=True)) is None
+    for arch in (100, 103):
+        reason = unsupported_reason(fwd_config(arch, "bfloat16", 128, 128, 1, True, False, False, 64, False,
+                                               block_bos=True))
+        assert "block_bos" in reason and "SM100" in reason
+    assert "block_bos" in unsupported_reason(fwd_config(90, "bfloat16", 128, 128, 1, True, False, False, 64, True,
+                                                        block_bos=True))
+    assert "block_bos" in unsupported_reason(fwd_config(90, "bfloat16", 128, 128, 1, True, False, False, 0, False,
+                                                        block_bos=True))
 
 
 def test_config_matrix_covers_both_archs():
@@ -59,6 +71,11 @@ def test_config_matrix_covers_both_archs():
 
     for arch in (90, 100):
         small = config_matrix(arch, False)
+        bos = [c for c in small if c.block_bos]
+        small = [c for c in small if not c.block_bos]
+        # block_bos lines (SM90 only): block sizes below, at and above tile_n, with and without a mask
+        assert (len(bos) >= 5 and {c.block_size for c in bos} >= {16, 64, 256}
+                and {c.startend for c in bos} >= {"", "lts"}) if arch == 90 else not bos
         dense = [c for c in small if not c.startend]
         assert 6 <= len(dense) <= 10 and all(c.arch == arch for c in small)
         # FlashMask lines: every column layout, in the default matrix and the full one

@@ -84,10 +84,10 @@ def test_fwd_args_order_matches_kernel_call():
     from cute_kernels.attention.fwd_sm100 import FlashFwdSm100
 
     params = list(inspect.signature(FlashFwdSm100.__call__).parameters)
-    from cute_kernels.attention.config import FM_ARGS
+    from cute_kernels.attention.config import BOS_ARGS, FM_ARGS
 
-    # trace_addr: the edge-trace build; then the FlashMask tensors
-    assert params == ["self", *FwdArgs._fields, "stream", "trace_addr", *FM_ARGS]
+    # trace_addr: the edge-trace build; then the FlashMask tensors, then block_bos's
+    assert params == ["self", *FwdArgs._fields, "stream", "trace_addr", *FM_ARGS, *BOS_ARGS]
 
 
 def test_unsupported_reasons_name_the_case():

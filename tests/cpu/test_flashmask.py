@@ -333,8 +333,8 @@ def test_validation_errors():
 
 
 def test_cute_backend_names_the_case():
-    """Cases without a FlashMask kernel are named (auto runs the reference, cute raises): block_bos and
-    varlen; the SM90 / SM100 forward and backward take every layout."""
+    """Cases without a FlashMask kernel are named (auto runs the reference, cute raises): varlen, and
+    block_bos on SM100 (SM90's forward takes it); the SM90 / SM100 forward and backward take every layout."""
     base = dict(batch=1, seqlen_q=128, seqlen_k=128, total_q=128, total_k=128, num_heads=2, num_heads_k=2,
                 head_dim=128, head_dim_v=128, dtype="bfloat16", varlen=False, softmax_scale=0.1, softcap=0.0,
                 causal=True, window_left=None, window_right=0, block_size=0, num_blocks=0, pack_gqa=False)
@@ -346,7 +346,12 @@ def test_cute_backend_names_the_case():
     varlen = _spec.AttnFwdSpec(**dict(base, varlen=True), startend="lts", startend_heads=1)
     assert "with varlen" in glue.unsupported_reason(90, varlen)
     spec = _spec.AttnFwdSpec(**dict(base, block_size=64, num_blocks=2), has_block_bos=True)
-    assert "block_bos" in glue.unsupported_reason(90, spec)
+    assert glue.unsupported_reason(90, spec) is None
+    for arch in (100, 103):
+        assert "block_bos" in glue.unsupported_reason(arch, spec)
+    spec = _spec.AttnFwdSpec(**dict(base, block_size=64, num_blocks=2), has_block_bos=True, startend="lts",
+                             startend_heads=1)
+    assert glue.unsupported_reason(90, spec) is None
     with pytest.raises(NotImplementedError, match="backend='cute'"):
         q = t(np.zeros((1, 4, 1, 16), np.float32))
         paddle_fa4.flashmask_attention(q, q, q, t(np.full((1, 1, 4, 1), 4, np.int32)), causal=True, backend="cute")
@@ -428,3 +433,52 @@ def test_cute_glue_plumbing(monkeypatch):
     assert list(bwd["run"]["fm_minmax"].shape) == [2, 2, 2, 8]
     assert list(bwd["run"]["startend"].shape) == [2, 2, 200, 4]
     assert float(q.grad.astype("float32").mean()) == 2.0
+
+
+def test_cute_glue_block_bos_plumbing(monkeypatch):
+    """block_bos on the CuTe forward path (fake launcher, pretend SM90): the config says block_bos, run_fwd
+    gets the int32 [B, Sq] origins (int64 input converted) next to the FlashMask bounds and block_logit;
+    without block_bos neither the flag nor the tensor reaches the launcher."""
+    from cute_kernels.attention import fm_meta
+    from paddle_fa4 import backend as backend_mod
+
+    seen = {}
+
+    class Launch:
+        def fwd_config(self, **kw):
+            seen["cfg"] = kw
+            return types.SimpleNamespace(**kw)
+
+        def unsupported_reason(self, cfg):
+            return None
+
+        def fm_meta_config(self, cfg):
+            return fm_meta.FmMetaConfig(90, cfg.startend, 128, 128)
+
+        def run_fwd(self, cfg, q, k, v, out, lse, block_logit, cu_q, cu_k, **kw):
+            seen["run"] = kw
+            seen["block_logit"] = block_logit
+            paddle.assign(paddle.full(out.shape, 7.0).astype(out.dtype), out)
+            paddle.assign(paddle.full(lse.shape, 3.0), lse)
+            paddle.assign(paddle.full(block_logit.shape, 5.0), block_logit)
+
+    monkeypatch.setattr(backend_mod, "tensor_arch", lambda tensor: 90)
+    monkeypatch.setattr(glue, "arch_of", lambda tensor: 90)
+    monkeypatch.setattr(glue, "_launch", lambda: Launch())
+    q = t(np.zeros((2, 300, 4, 128), np.float32), "bfloat16")
+    k = t(np.zeros((2, 200, 2, 128), np.float32), "bfloat16")
+    se = t(np.full((2, 1, 200, 1), 300, np.int32))
+    bos = np.zeros((2, 300), np.int64)
+    bos[:, 150:] = 120
+    _out, _lse, bl = paddle_fa4.flash_attn_fwd(q, k, k, causal=True, startend_row_indices=se,
+                                               return_block_logit=True, block_size=64, block_bos=t(bos),
+                                               backend="cute")
+    assert seen["cfg"]["block_bos"] is True and seen["cfg"]["startend"] == "lts"
+    run = seen["run"]
+    assert run["startend"] is not None and run["block_bos"] is not None
+    assert list(run["block_bos"].shape) == [2, 300] and run["block_bos"].dtype == paddle.int32
+    np.testing.assert_array_equal(run["block_bos"].numpy(), bos.astype(np.int32))
+    assert list(seen["block_logit"].shape) == [2, 4, 300, 4] and float(bl.mean()) == 5.0
+    paddle_fa4.flash_attn_fwd(q, k, k, causal=True, startend_row_indices=se, return_block_logit=True,
+                              block_size=64, backend="cute")
+    assert seen["cfg"]["block_bos"] is False and "block_bos" not in seen["run"]
