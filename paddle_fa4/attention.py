@@ -151,6 +151,7 @@ def _attention(op, q, k, v, *, softmax_scale, causal, window_size, softcap, cu_s
     mask = _Mask(startend_row_indices, block_bos)
     V.check_bool(op, "deterministic", deterministic)
     fwd_backend = resolve_backend(op, backend, q, functools.partial(_unsupported_reason, spec=spec),
+                                  auto_reason=functools.partial(_unverified_reason, spec=spec),
                                   stacklevel=stacklevel)
     if spec.has_block_logit and block_logit is None:
         sizes = (f"max_seqlen_q={spec.seqlen_q}, max_seqlen_k={spec.seqlen_k}" if spec.varlen else
@@ -545,7 +546,7 @@ def _bwd_backend(backend: str, q, spec: AttnFwdSpec, deterministic: bool, has_dl
     and supports this case on the GPU's arch (independently of the forward's choice)."""
     return resolve_backend(BWD_OP, backend, q, functools.partial(
         _bwd_unsupported_reason, spec=spec, deterministic=deterministic, has_dlse=has_dlse),
-        stacklevel=stacklevel)
+        stacklevel=stacklevel, auto_reason=functools.partial(_unverified_reason, spec=spec))
 
 
 def _bwd_unsupported_reason(arch: int, spec: AttnFwdSpec, deterministic: bool, has_dlse: bool) -> Optional[str]:
@@ -578,6 +579,12 @@ def _check_bwd_tensors(spec: AttnFwdSpec, dout, q, k, v, out, lse, dlse, dq, dk,
                                 f"{V.dtype_name(t)}")
             V.check_shape(op, name, t, list(like.shape), f"{name[1]}'s shape")
     V.check_same_place(op, {"q": q, "dout": dout, "out": out, "lse": lse, **optional})
+
+
+def _unverified_reason(arch: int, spec: AttnFwdSpec) -> Optional[str]:
+    from ._cute import attention as glue
+
+    return glue.unverified_reason(arch, spec)
 
 
 def _unsupported_reason(arch: int, spec: AttnFwdSpec) -> Optional[str]:

@@ -42,13 +42,16 @@ def tensor_arch(tensor) -> int | None:
 
 
 def resolve_backend(op: str, backend: str, tensor, unsupported_reason: Callable[[int], Optional[str]],
-                    stacklevel: int = 4) -> str:
+                    stacklevel: int = 4, auto_reason: Optional[Callable[[int], Optional[str]]] = None) -> str:
     """Return ``"cute"`` or ``"reference"`` for ``op`` given its first input tensor.
 
     ``unsupported_reason(arch)`` returns None when the CuTe kernel handles this call on ``arch``
     (the exact compute capability, 90, 100 or 103: the glue builds its compile key from it) or a
     short reason why not; it is called only for the CCs in ``cute_kernels.arch.TARGETS``. ``stacklevel`` of the fallback warning
     counts from this function (3: the public op's caller when the op calls this directly).
+    ``auto_reason(arch)``, heeded by ``auto`` only: a kernel that takes the case but has not yet run on a
+    GPU of that arch's family where one was available to test it (``auto`` then takes the reference and
+    says why; ``cute`` runs the kernel).
     """
     if backend not in BACKENDS:
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
@@ -61,10 +64,14 @@ def resolve_backend(op: str, backend: str, tensor, unsupported_reason: Callable[
         reason = f"inputs are on {tensor.place}, CuTe kernels need a CUDA place"
     else:
         reason = _arch.arch_reason(arch) or unsupported_reason(arch)
-    if reason is None:
+    if reason is None and (backend == "cute" or auto_reason is None):
         return "cute"
     if backend == "cute":
         raise NotImplementedError(f"{op}: backend='cute' is not available: {reason}")
+    if reason is None:
+        reason = auto_reason(arch)
+        if reason is None:
+            return "cute"
     key = (op, reason)
     if key not in _warned:
         _warned.add(key)

@@ -314,3 +314,23 @@ def test_parts_without_a_build_fall_back(monkeypatch, fresh_warnings, cc):
     assert any(arch_reason(cc) in str(w.message) for w in caught)
     with pytest.raises(NotImplementedError, match=f"compute capability {cc // 10}\\.{cc % 10}"):
         paddle_fa4.flash_attn_fwd(q, q, q, backend="cute")
+
+
+def test_auto_holds_back_paths_not_yet_run_on_a_gpu(fake_gpu, fresh_warnings):
+    """``NOT_YET_RUN`` (SM90 FlashMask / block_bos paths, compiled but never run on a GPU): ``auto`` takes the
+    reference for them and says why, ``cute`` runs the kernel, dense calls and SM100 are not held back."""
+    q = t([1, 32, 2, 64], "bfloat16")
+    lts = paddle.full([1, 1, 32, 1], 32, dtype="int32")
+    with pytest.warns(UserWarning, match="startend_row_indices path has not run on a GPU yet"):
+        out, _ = paddle_fa4.flash_attn_fwd(q, q, q, causal=True, startend_row_indices=lts)
+    assert not fake_gpu.runs and float(out.astype("float32").abs().max()) != 7.0
+    paddle_fa4.flash_attn_fwd(q, q, q, causal=True)  # dense: the GPU-verified kernel
+    assert len(fake_gpu.runs) == 1
+    held = lambda arch: "not run yet"  # noqa: E731
+    assert backend_mod.resolve_backend("op", "cute", q, lambda arch: None, auto_reason=held) == "cute"
+    with pytest.warns(UserWarning, match=r"op: using the reference backend \(not run yet\)"):
+        assert backend_mod.resolve_backend("op", "auto", q, lambda arch: None, auto_reason=held) == "reference"
+    spec = validate_fwd(q, q, q, None, True, (None, None), 0.0, None, None, None, None, None, 64, True, None,
+                        startend_row_indices=lts)
+    assert "startend_row_indices" in glue.unverified_reason(90, spec)
+    assert glue.unverified_reason(100, spec) is None and glue.unverified_reason(90, spec_for(q, q, q)) is None
