@@ -139,9 +139,11 @@ DQT_ROWS = 16  # wide schedule: query rows (TMEM columns) per dQ^T load / smem b
 DQT_BOX = 64  # wide schedule: head-dim columns per dQ^T smem box and TMA reduce-add box
 DQT_BOXES = 2  # wide schedule: boxes per dQ^T stage (MMA_M lanes = DQT_BOXES x DQT_BOX head dims)
 DS_CHUNK = 16  # dP^T / dS^T columns per TMEM load / smem store in the compute warps
+DS_PIECE = 16  # bytes per dS^T shared-memory store (st.shared.v4), Note [compute warps' registers]
 STAT_CHUNK = 16  # lse_log2 / dpsum values per vector load in the compute warps
 
 assert DQT_BOXES * DQT_BOX == MMA_M
+assert DS_CHUNK % STAT_CHUNK == 0, "a dP^T / S^T chunk reads whole lse / dpsum chunks"
 assert all(ACCUM_ROW_PAD % m == 0 and m % DQ_SEM_ROWS == 0 for m in (TILE_M, TILE_M_WIDE)), \
     "query tiles own whole accumulator / counter blocks"
 
@@ -305,6 +307,84 @@ def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8, col_off: i
     return start
 
 
+# Note [compute warps' registers]
+# The compute warps run the query-tile loop in 192 registers (REGS). Under the DSL's CUDA 13 ptxas on sm_103a
+# they ran short (the d 96 GQA causal softcap config and 41 varlen causal / window configs of `--full` spilled
+# 8-60 B, values reloaded in every iteration); three changes, no arithmetic changed, make every config fit:
+# * S^T by chunks: S^T was read as the warpgroup's 64 columns at once, and ptxas issued all 64 lse loads of the
+#   iteration next to it, so 64 S + 64 lse registers were live through softcap / mask / exp2. It is now read
+#   DS_CHUNK columns at a time, as dP^T already was, each chunk softcapped, masked and exponentiated before the
+#   next is read: the per-element operations and their order are those of before (P^T is written only after
+#   the last chunk and the Compute barrier, as before).
+# * dS^T row stores: a thread stores its key row's pieces (16 bytes, DS_PIECE) of this warpgroup's columns into
+#   the row-major SW128 dS^T view. As a copy into the swizzled view each address was base + offset(row,
+#   column), then swizzled (shift, and, xor), eight of them per thread computed before the loop. The pieces of
+#   one row share the swizzle's input bits, so S(row_start + 16 p) = S(row_start) XOR 16 p: one swizzled row
+#   address and one XOR with an immediate per piece (`check_ds_row_stores` proves the identity at trace time
+#   for every row, piece and element against the layout's own offsets and swizzle: the same bytes land at the
+#   same places). ptxas still computes the XORs before the loop; what they save is the work and registers of
+#   the old address arithmetic.
+# * TMEM copies by warp: a 32x32b tcgen05.ld / st moves TMEM lanes [32 w, 32 w + 32) of warp w % 4 (thread =
+#   lane, values = columns): its tiled layout gives the 32 threads of a warp stride 0, so the TMEM address of a
+#   thread's slice depends on its warp only. Sliced by threadIdx, ptxas kept those addresses in vector registers
+#   (moved to a uniform register at each tcgen05 instruction); sliced by the warp-uniform 32 (warp % 4)
+#   (`warp_lane0`, which checks the stride 0 at trace time) the same numbers are computed in uniform registers.
+#   The register side of such a copy is the thread's own fragment, the same for every thread.
+# None of the three alone made the bf16 varlen configs clean (S^T by chunks alone: 4 no-mask d 64 configs spilled
+# 16 B that were clean before; the other two: 14-18 of 72 spilled). Nothing here runs on a GPU in this
+# repository's CI; the numerics argument is the one above (same operations, same bytes).
+
+
+def _swizzle_params(sw) -> tuple[int, int, int]:
+    """(bits, base, shift) of a cute Swizzle from its text ``S<b,m,s>``."""
+    b, m, sh = (int(x) for x in str(sw).strip()[2:-1].split(","))
+    return b, m, sh
+
+
+def swizzle_bytes(sw, addr):
+    """``sw`` (``S<b,m,s>``, applied to byte addresses as the DSL's swizzled smem pointers do) of ``addr``
+    (an int at trace time, an Int32 in the kernel): bits [m, m + b) XOR bits [m + s, m + s + b)."""
+    b, m, sh = _swizzle_params(sw)
+    return addr ^ ((addr >> sh) & (((1 << b) - 1) << m))
+
+
+def check_ds_row_stores(epi_layout, tm: int, elem_bytes: int) -> None:
+    """Trace-time proof of the dS^T row stores of Note [compute warps' registers] for the row-major dS^T
+    epilogue layout ``epi_layout`` (TILE_N x tm, composed: swizzle of byte addresses over element offsets): for
+    every key row, warpgroup, piece and element, swizzle(base + elem_bytes offset(row, column)) ==
+    swizzle(base + elem_bytes offset(row, first column of the warpgroup)) XOR (DS_PIECE piece) + elem_bytes
+    element, for a base aligned to the swizzle's repeat (the buffer is 1 KiB aligned). Raises ValueError
+    otherwise."""
+    b, m, sh = _swizzle_params(epi_layout.inner)
+    if (1 << (m + sh + b)) > 1024:
+        raise ValueError(f"dS^T stores: swizzle {epi_layout.inner} repeats beyond the buffer's 1 KiB alignment")
+    outer = cute.slice_(epi_layout.outer, (None, None, 0))
+    shape, stride = outer.shape, outer.stride
+    half, per = tm // 2, DS_PIECE // elem_bytes
+    sw = epi_layout.inner
+    for wg in range(2):
+        for r in range(TILE_N):
+            row = swizzle_bytes(sw, elem_bytes * _crd2idx((r, wg * half), shape, stride))
+            for c in range(half):
+                got = swizzle_bytes(sw, elem_bytes * _crd2idx((r, wg * half + c), shape, stride))
+                want = (row ^ (DS_PIECE * (c // per))) + elem_bytes * (c % per)
+                if not isinstance(got, int) or got != want:
+                    raise ValueError(f"dS^T stores: row {r} column {wg * half + c} at byte {got}, not {want}")
+
+
+def warp_lane0(tiled_copy, tmem_side: str) -> Int32:
+    """32 (warp % 4) as a warp-uniform value: the slice index of a 32x32b TMEM copy (Note [compute warps'
+    registers]) whose TMEM operand is its ``tmem_side`` ("src": tcgen05.ld, "dst": tcgen05.st). Trace time:
+    ValueError unless that side's TV layout gives the threads of one warp one offset (thread mode (32, n),
+    stride 0 in its first mode). Its register side is only ever the thread's own fragment."""
+    tv = tiled_copy.layout_src_tv_tiled if tmem_side == "src" else tiled_copy.layout_dst_tv_tiled
+    thr_shape, thr_stride = tv.shape[0], tv.stride[0]
+    if not (isinstance(thr_shape, tuple) and thr_shape[0] == 32 and thr_stride[0] == 0):
+        raise ValueError(f"TMEM copy sliced by warp: its {tmem_side} TV layout {tv} gives a warp's threads "
+                         "different TMEM offsets")
+    return (cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4) * 32
+
+
 def tmem_chunk_copy(tAcc, rows: int, cols: int, tidx):
     """A tcgen05.ld (32x32b, ``cols`` repetitions) of ``cols`` columns of the accumulator ``tAcc``
     (TMEM lane = row): thread ``tidx``'s slice, its source view at column 0 (offset the iterator for
@@ -444,6 +524,8 @@ class FlashBwdSm100:
                                 cute.make_composed_layout(sdS_epi_layout.inner, 0,
                                                           cute.slice_(sdS_epi_layout.outer, (None, None, 0))),
                                 True)], TILE_N, tm)
+        check_ds_row_stores(sdS_epi_layout, tm, dt.width // 8)
+        self.ds_swizzle = sdS_epi_layout.inner
         tma_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         vmnk = (1, 1, 1, 1)
         sel = lambda l: cute.select(l, mode=[0, 1, 2])  # noqa: E731
@@ -919,36 +1001,34 @@ class FlashBwdSm100:
         tidx = cute.arch.thread_idx()[0] % 128  # TMEM lane = key row of the tile
         wg = (cute.arch.make_warp_uniform(cute.arch.warp_idx()) - _WARPS_COMPUTE[0]) // 4
         half = self.tile_m // 2  # query columns of this warpgroup
-        # S^T / dP^T: (128 keys, 64 query columns) of this warpgroup
+        # S^T / dP^T: (128 keys, 64 query columns) of this warpgroup, both read in DS_CHUNK-column chunks; the
+        # TMEM copies are sliced by a warp-uniform index (Note [compute warps' registers])
         tS_all = tStS[(None, None), 0, 0]
-        half_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, half)))
-        t2r_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
-        tiled_t2r = tcgen05.make_tmem_copy(t2r_atom, cute.make_tensor(tS_all.iterator, half_layout))
-        thr_t2r = tiled_t2r.get_slice(tidx)
-        tS_t2r0 = thr_t2r.partition_S(cute.make_tensor(tS_all.iterator, half_layout))
-        tS_t2r = cute.make_tensor(tS_t2r0.iterator + half * wg, tS_t2r0.layout)
-        # dP^T and dS^T in DS_CHUNK-column chunks (fewer live registers than the whole half)
         tdP_all = tdPtdP[(None, None), 0, 0]
         chunk_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, DS_CHUNK)))
         t2r_atom_c = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DS_CHUNK)), Float32)
         tiled_t2r_c = tcgen05.make_tmem_copy(t2r_atom_c, cute.make_tensor(tdP_all.iterator, chunk_layout))
-        thr_t2r_c = tiled_t2r_c.get_slice(tidx)
+        thr_t2r_c = tiled_t2r_c.get_slice(warp_lane0(tiled_t2r_c, "src"))
+        tS_t2r0 = thr_t2r_c.partition_S(cute.make_tensor(tS_all.iterator, chunk_layout))
         tdP_t2r0 = thr_t2r_c.partition_S(cute.make_tensor(tdP_all.iterator, chunk_layout))
         rdP_shape = thr_t2r_c.partition_D(cute.make_identity_tensor((TILE_N, DS_CHUNK))).shape
-        rS_shape = thr_t2r.partition_D(cute.make_identity_tensor((TILE_N, half))).shape
         # P^T: this warpgroup's 64 query columns as 32 packed 16-bit pairs, at P + 32 wg
         p_cols = half * self.dtype.width // 32
         p_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, p_cols)))
         r2t_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols)), Float32)
         tP0 = cute.make_tensor(tS_all.iterator + (self.tmem["P"] - self.tmem["S"]), p_layout)
-        thr_r2t = tcgen05.make_tmem_copy(r2t_atom, tP0).get_slice(tidx)
+        thr_r2t = tcgen05.make_tmem_copy(r2t_atom, tP0)
+        thr_r2t = thr_r2t.get_slice(warp_lane0(thr_r2t, "dst"))
         tP_r2t0 = thr_r2t.partition_D(tP0)
         tP_r2t = cute.make_tensor(tP_r2t0.iterator + p_cols * wg, tP_r2t0.layout)
         rP_shape = thr_r2t.partition_S(cute.make_identity_tensor((TILE_N, p_cols))).shape
-        # dS^T -> smem (row = key, columns = this warpgroup's query half)
-        r2s_atom = sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_t2r_c)
-        thr_r2s = cute.make_tiled_copy_D(r2s_atom, tiled_t2r_c).get_slice(tidx)
+        # dS^T -> smem (row = key, columns = this warpgroup's query half): one swizzled row address, each
+        # 16-byte piece at it XOR 16 piece (Note [compute warps' registers])
         n_ds = half // DS_CHUNK
+        ds_per = DS_PIECE * 8 // self.dtype.width  # elements per piece
+        ds_row = swizzle_bytes(self.ds_swizzle,
+                               sdS_epi.iterator.toint() + cute.crd2idx((tidx, half * wg), sdS_epi.layout)
+                               * (self.dtype.width // 8))
 
         key = n_tile * TILE_N + tidx  # key row within the sequence
         tanh_coef = Float32(0.0)
@@ -965,15 +1045,6 @@ class FlashBwdSm100:
             for it in cutlass.range(n_iter, unroll=1):
                 q0 = m_tile * self.tile_m + half * wg  # first query row (sequence-relative) of this WG's columns
                 stats_off = self.stats_offset(mLSElog2, head, batch, accum_row0 + q0)
-                # 1. S^T columns -> registers
-                pipe_S.consumer_wait(s_state)
-                rS = cute.make_rmem_tensor(rS_shape, Float32)
-                cute.copy(thr_t2r, tS_t2r, rS)
-                cute.arch.fence_view_async_tmem_load()
-                # 2. softcap (keep tanh for the chain rule), mask, P = exp2(s * scale_log2 - lse_log2)
-                if const_expr(cfg.has_softcap):
-                    for k in cutlass.range_constexpr(half):
-                        rS[k] = softcap_logit(rS[k], softcap_in, softcap)
                 # mask only where the tile crosses a limit (TileRange's rule; rows >= seqlen_q get P = 0
                 # from their +inf lse fill, see load_row_stats)
                 need_mask = n_tile * TILE_N + TILE_N > seqlen_k
@@ -981,18 +1052,32 @@ class FlashBwdSm100:
                     rng = TileRange.create(m_tile * self.tile_m, seqlen_q, seqlen_k, left, right, self.tile_m, TILE_N,
                                            True, cfg.has_window)
                     need_mask = need_mask | (n_tile >= rng.n_right_mask) | (n_tile < rng.n_left_mask)
-                if need_mask:
-                    apply_mask_kv_major(cute.make_tensor(rS.iterator, cute.make_layout((1, half), stride=(0, 1))),
-                                        cols, [key], q0, seqlen_k, shift, left, right,
-                                        cfg.causal or cfg.has_window, cfg.has_window)
-                for j in cutlass.range_constexpr(half // STAT_CHUNK):
-                    rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j, seqlen_q, Float32.inf)
-                    for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):
-                        k = j * STAT_CHUNK + kk
-                        x0, x1 = cute.arch.fma_packed_f32x2((rS[k], rS[k + 1]), (scale_log2, scale_log2),
-                                                            (-rLSE[kk], -rLSE[kk + 1]))
-                        rS[k] = cute.math.exp2(x0, fastmath=True)
-                        rS[k + 1] = cute.math.exp2(x1, fastmath=True)
+                # 1.-2. per DS_CHUNK columns: S^T -> registers, softcap (keep tanh for the chain rule), mask,
+                # P = exp2(s * scale_log2 - lse_log2) (Note [compute warps' registers])
+                pipe_S.consumer_wait(s_state)
+                rS = cute.make_rmem_tensor((half,), Float32)
+                for j in cutlass.range_constexpr(n_ds):
+                    c0 = j * DS_CHUNK
+                    cute.copy(thr_t2r_c, cute.make_tensor(tS_t2r0.iterator + half * wg + c0, tS_t2r0.layout),
+                              cute.make_tensor(rS.iterator + c0, cute.make_layout(rdP_shape)))
+                    cute.arch.fence_view_async_tmem_load()
+                    if const_expr(cfg.has_softcap):
+                        for k in cutlass.range_constexpr(c0, c0 + DS_CHUNK):
+                            rS[k] = softcap_logit(rS[k], softcap_in, softcap)
+                    if need_mask:
+                        apply_mask_kv_major(cute.make_tensor(rS.iterator + c0,
+                                                             cute.make_layout((1, DS_CHUNK), stride=(0, 1))),
+                                            cols[c0:c0 + DS_CHUNK], [key], q0, seqlen_k, shift, left, right,
+                                            cfg.causal or cfg.has_window, cfg.has_window)
+                    for jj in cutlass.range_constexpr(DS_CHUNK // STAT_CHUNK):
+                        rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j * DS_CHUNK // STAT_CHUNK + jj, seqlen_q,
+                                                   Float32.inf)
+                        for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):
+                            k = c0 + jj * STAT_CHUNK + kk
+                            x0, x1 = cute.arch.fma_packed_f32x2((rS[k], rS[k + 1]), (scale_log2, scale_log2),
+                                                                (-rLSE[kk], -rLSE[kk + 1]))
+                            rS[k] = cute.math.exp2(x0, fastmath=True)
+                            rS[k + 1] = cute.math.exp2(x1, fastmath=True)
                 # 3. P^T (16-bit) over S^T once every compute thread has read its S^T columns
                 rP = cute.make_rmem_tensor(rP_shape, Float32)
                 rP_h = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(half))
@@ -1032,8 +1117,11 @@ class FlashBwdSm100:
                     rdS = cute.make_rmem_tensor(rdP_shape, self.dtype)
                     rdS.store(rdP.load().to(self.dtype))
                     # dS^T rows = keys, columns = query rows [q0 + DS_CHUNK j, ..) of the tile
-                    sdS_c = cute.local_tile(sdS_epi, (TILE_N, DS_CHUNK), (0, wg * n_ds + j))
-                    cute.autovec_copy(rdS, thr_r2s.partition_D(sdS_c))
+                    for e in cutlass.range_constexpr(DS_CHUNK // ds_per):
+                        dst = cute.make_ptr(self.dtype, ds_row ^ (DS_PIECE * (j * DS_CHUNK // ds_per + e)),
+                                            cute.AddressSpace.smem, assumed_align=DS_PIECE)
+                        cute.autovec_copy(cute.make_tensor(rdS.iterator + ds_per * e, cute.make_layout(ds_per)),
+                                          cute.make_tensor(dst, cute.make_layout(ds_per)))
                 dp_state.advance()
                 cute.arch.fence_view_async_shared()
                 pipe_dS.producer_commit(ds_state)
