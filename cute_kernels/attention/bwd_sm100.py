@@ -139,7 +139,6 @@ DQT_ROWS = 16  # wide schedule: query rows (TMEM columns) per dQ^T load / smem b
 DQT_BOX = 64  # wide schedule: head-dim columns per dQ^T smem box and TMA reduce-add box
 DQT_BOXES = 2  # wide schedule: boxes per dQ^T stage (MMA_M lanes = DQT_BOXES x DQT_BOX head dims)
 DS_CHUNK = 16  # dP^T / dS^T columns per TMEM load / smem store in the compute warps
-DS_PIECE = 16  # bytes per dS^T shared-memory store (st.shared.v4), Note [compute warps' registers]
 STAT_CHUNK = 16  # lse_log2 / dpsum values per vector load in the compute warps
 
 assert DQT_BOXES * DQT_BOX == MMA_M
@@ -309,67 +308,25 @@ def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8, col_off: i
 
 # Note [compute warps' registers]
 # The compute warps run the query-tile loop in 192 registers (REGS). Under the DSL's CUDA 13 ptxas on sm_103a
-# they ran short (the d 96 GQA causal softcap config and 41 varlen causal / window configs of `--full` spilled
-# 8-60 B, values reloaded in every iteration); three changes, no arithmetic changed, make every config fit:
+# they ran short: the default matrix's d 96 GQA 2 causal softcap config and 41 varlen causal / window configs of
+# `--full` spilled 8-60 B, values reloaded in every iteration (the swizzled dS^T store addresses, the smem base of
+# the mbarrier waits' retry path). Two changes, no arithmetic changed, make every config fit:
 # * S^T by chunks: S^T was read as the warpgroup's 64 columns at once, and ptxas issued all 64 lse loads of the
-#   iteration next to it, so 64 S + 64 lse registers were live through softcap / mask / exp2. It is now read
-#   DS_CHUNK columns at a time, as dP^T already was, each chunk softcapped, masked and exponentiated before the
-#   next is read: the per-element operations and their order are those of before (P^T is written only after
-#   the last chunk and the Compute barrier, as before).
-# * dS^T row stores: a thread stores its key row's pieces (16 bytes, DS_PIECE) of this warpgroup's columns into
-#   the row-major SW128 dS^T view. As a copy into the swizzled view each address was base + offset(row,
-#   column), then swizzled (shift, and, xor), eight of them per thread computed before the loop. The pieces of
-#   one row share the swizzle's input bits, so S(row_start + 16 p) = S(row_start) XOR 16 p: one swizzled row
-#   address and one XOR with an immediate per piece (`check_ds_row_stores` proves the identity at trace time
-#   for every row, piece and element against the layout's own offsets and swizzle: the same bytes land at the
-#   same places). ptxas still computes the XORs before the loop; what they save is the work and registers of
-#   the old address arithmetic.
+#   iteration right after it, so 64 S + 64 lse registers were live through softcap / mask / exp2 (the peak of
+#   the loop). S^T is now read DS_CHUNK columns at a time, as dP^T already was, each chunk softcapped, masked and
+#   exponentiated before the next is read: the same operations on each element, in the same order; P^T is
+#   written after the last chunk and the Compute barrier, as before.
 # * TMEM copies by warp: a 32x32b tcgen05.ld / st moves TMEM lanes [32 w, 32 w + 32) of warp w % 4 (thread =
 #   lane, values = columns): its tiled layout gives the 32 threads of a warp stride 0, so the TMEM address of a
-#   thread's slice depends on its warp only. Sliced by threadIdx, ptxas kept those addresses in vector registers
+#   thread's slice depends on its warp only. Sliced by threadIdx, ptxas kept such addresses in vector registers
 #   (moved to a uniform register at each tcgen05 instruction); sliced by the warp-uniform 32 (warp % 4)
 #   (`warp_lane0`, which checks the stride 0 at trace time) the same numbers are computed in uniform registers.
 #   The register side of such a copy is the thread's own fragment, the same for every thread.
-# None of the three alone made the bf16 varlen configs clean (S^T by chunks alone: 4 no-mask d 64 configs spilled
-# 16 B that were clean before; the other two: 14-18 of 72 spilled). Nothing here runs on a GPU in this
-# repository's CI; the numerics argument is the one above (same operations, same bytes).
-
-
-def _swizzle_params(sw) -> tuple[int, int, int]:
-    """(bits, base, shift) of a cute Swizzle from its text ``S<b,m,s>``."""
-    b, m, sh = (int(x) for x in str(sw).strip()[2:-1].split(","))
-    return b, m, sh
-
-
-def swizzle_bytes(sw, addr):
-    """``sw`` (``S<b,m,s>``, applied to byte addresses as the DSL's swizzled smem pointers do) of ``addr``
-    (an int at trace time, an Int32 in the kernel): bits [m, m + b) XOR bits [m + s, m + s + b)."""
-    b, m, sh = _swizzle_params(sw)
-    return addr ^ ((addr >> sh) & (((1 << b) - 1) << m))
-
-
-def check_ds_row_stores(epi_layout, tm: int, elem_bytes: int) -> None:
-    """Trace-time proof of the dS^T row stores of Note [compute warps' registers] for the row-major dS^T
-    epilogue layout ``epi_layout`` (TILE_N x tm, composed: swizzle of byte addresses over element offsets): for
-    every key row, warpgroup, piece and element, swizzle(base + elem_bytes offset(row, column)) ==
-    swizzle(base + elem_bytes offset(row, first column of the warpgroup)) XOR (DS_PIECE piece) + elem_bytes
-    element, for a base aligned to the swizzle's repeat (the buffer is 1 KiB aligned). Raises ValueError
-    otherwise."""
-    b, m, sh = _swizzle_params(epi_layout.inner)
-    if (1 << (m + sh + b)) > 1024:
-        raise ValueError(f"dS^T stores: swizzle {epi_layout.inner} repeats beyond the buffer's 1 KiB alignment")
-    outer = cute.slice_(epi_layout.outer, (None, None, 0))
-    shape, stride = outer.shape, outer.stride
-    half, per = tm // 2, DS_PIECE // elem_bytes
-    sw = epi_layout.inner
-    for wg in range(2):
-        for r in range(TILE_N):
-            row = swizzle_bytes(sw, elem_bytes * _crd2idx((r, wg * half), shape, stride))
-            for c in range(half):
-                got = swizzle_bytes(sw, elem_bytes * _crd2idx((r, wg * half + c), shape, stride))
-                want = (row ^ (DS_PIECE * (c // per))) + elem_bytes * (c % per)
-                if not isinstance(got, int) or got != want:
-                    raise ValueError(f"dS^T stores: row {r} column {wg * half + c} at byte {got}, not {want}")
+# Neither alone is enough (S^T by chunks alone: four d 64 configs without a mask newly spilled 16 B under CUDA 13).
+# Tried and not kept (2026-12-07, the bf16 varlen configs on sm_103a / CUDA 13 unless said): the dS^T stores at one
+# swizzled row address XOR 16 piece instead of eight swizzled addresses (ptxas computes the eight XORs before the
+# loop anyway; with the two changes above it spilled 16-24 B under CUDA 12 on sm_100a, d 64 with a window);
+# setmaxnreg 64 / 200 / 48 instead of 64 / 192 / 64 (13 of 72 spilled, 20-284 B).
 
 
 def warp_lane0(tiled_copy, tmem_side: str) -> Int32:
@@ -524,8 +481,6 @@ class FlashBwdSm100:
                                 cute.make_composed_layout(sdS_epi_layout.inner, 0,
                                                           cute.slice_(sdS_epi_layout.outer, (None, None, 0))),
                                 True)], TILE_N, tm)
-        check_ds_row_stores(sdS_epi_layout, tm, dt.width // 8)
-        self.ds_swizzle = sdS_epi_layout.inner
         tma_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         vmnk = (1, 1, 1, 1)
         sel = lambda l: cute.select(l, mode=[0, 1, 2])  # noqa: E731
@@ -1022,13 +977,10 @@ class FlashBwdSm100:
         tP_r2t0 = thr_r2t.partition_D(tP0)
         tP_r2t = cute.make_tensor(tP_r2t0.iterator + p_cols * wg, tP_r2t0.layout)
         rP_shape = thr_r2t.partition_S(cute.make_identity_tensor((TILE_N, p_cols))).shape
-        # dS^T -> smem (row = key, columns = this warpgroup's query half): one swizzled row address, each
-        # 16-byte piece at it XOR 16 piece (Note [compute warps' registers])
+        # dS^T -> smem (row = key, columns = this warpgroup's query half)
         n_ds = half // DS_CHUNK
-        ds_per = DS_PIECE * 8 // self.dtype.width  # elements per piece
-        ds_row = swizzle_bytes(self.ds_swizzle,
-                               sdS_epi.iterator.toint() + cute.crd2idx((tidx, half * wg), sdS_epi.layout)
-                               * (self.dtype.width // 8))
+        r2s_atom = sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_t2r_c)
+        thr_r2s = cute.make_tiled_copy_D(r2s_atom, tiled_t2r_c).get_slice(tidx)
 
         key = n_tile * TILE_N + tidx  # key row within the sequence
         tanh_coef = Float32(0.0)
@@ -1117,11 +1069,8 @@ class FlashBwdSm100:
                     rdS = cute.make_rmem_tensor(rdP_shape, self.dtype)
                     rdS.store(rdP.load().to(self.dtype))
                     # dS^T rows = keys, columns = query rows [q0 + DS_CHUNK j, ..) of the tile
-                    for e in cutlass.range_constexpr(DS_CHUNK // ds_per):
-                        dst = cute.make_ptr(self.dtype, ds_row ^ (DS_PIECE * (j * DS_CHUNK // ds_per + e)),
-                                            cute.AddressSpace.smem, assumed_align=DS_PIECE)
-                        cute.autovec_copy(cute.make_tensor(rdS.iterator + ds_per * e, cute.make_layout(ds_per)),
-                                          cute.make_tensor(dst, cute.make_layout(ds_per)))
+                    sdS_c = cute.local_tile(sdS_epi, (TILE_N, DS_CHUNK), (0, wg * n_ds + j))
+                    cute.autovec_copy(rdS, thr_r2s.partition_D(sdS_c))
                 dp_state.advance()
                 cute.arch.fence_view_async_shared()
                 pipe_dS.producer_commit(ds_state)
