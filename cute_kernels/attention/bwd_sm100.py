@@ -315,7 +315,10 @@ def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8, col_off: i
 #   iteration right after it, so 64 S + 64 lse registers were live through softcap / mask / exp2 (the peak of
 #   the loop). S^T is now read DS_CHUNK columns at a time, as dP^T already was, each chunk softcapped, masked and
 #   exponentiated before the next is read: the same operations on each element, in the same order; P^T is
-#   written after the last chunk and the Compute barrier, as before.
+#   written after the last chunk and the Compute barrier, as before. `s_to_p` does it, called in one branch
+#   with the mask and in the other without (the old code's one runtime branch per query tile): with the
+#   branch taken per chunk the CUDA 12 ptxas kept the chunks' mask predicates in registers (P2R) and spilled
+#   64 B in bf16 d 96 varlen window configs.
 # * TMEM copies by warp: a 32x32b tcgen05.ld / st moves TMEM lanes [32 w, 32 w + 32) of warp w % 4 (thread =
 #   lane, values = columns): its tiled layout gives the 32 threads of a warp stride 0, so the TMEM address of a
 #   thread's slice depends on its warp only. Sliced by threadIdx, ptxas kept such addresses in vector registers
@@ -323,6 +326,8 @@ def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8, col_off: i
 #   (`warp_lane0`, which checks the stride 0 at trace time) the same numbers are computed in uniform registers.
 #   The register side of such a copy is the thread's own fragment, the same for every thread.
 # Neither alone is enough (S^T by chunks alone: four d 64 configs without a mask newly spilled 16 B under CUDA 13).
+# Headroom: the two configs that spilled most before (bf16 d 128 varlen window, the d 96 GQA 2 causal softcap one)
+# now compile spill-free under CUDA 13 on sm_103a even at setmaxnreg 176 for the compute warps.
 # Tried and not kept (2026-12-07, the bf16 varlen configs on sm_103a / CUDA 13 unless said): the dS^T stores at one
 # swizzled row address XOR 16 piece instead of eight swizzled addresses (ptxas computes the eight XORs before the
 # loop anyway; with the two changes above it spilled 16-24 B under CUDA 12 on sm_100a, d 64 with a window);
@@ -1008,28 +1013,12 @@ class FlashBwdSm100:
                 # P = exp2(s * scale_log2 - lse_log2) (Note [compute warps' registers])
                 pipe_S.consumer_wait(s_state)
                 rS = cute.make_rmem_tensor((half,), Float32)
-                for j in cutlass.range_constexpr(n_ds):
-                    c0 = j * DS_CHUNK
-                    cute.copy(thr_t2r_c, cute.make_tensor(tS_t2r0.iterator + half * wg + c0, tS_t2r0.layout),
-                              cute.make_tensor(rS.iterator + c0, cute.make_layout(rdP_shape)))
-                    cute.arch.fence_view_async_tmem_load()
-                    if const_expr(cfg.has_softcap):
-                        for k in cutlass.range_constexpr(c0, c0 + DS_CHUNK):
-                            rS[k] = softcap_logit(rS[k], softcap_in, softcap)
-                    if need_mask:
-                        apply_mask_kv_major(cute.make_tensor(rS.iterator + c0,
-                                                             cute.make_layout((1, DS_CHUNK), stride=(0, 1))),
-                                            cols[c0:c0 + DS_CHUNK], [key], q0, seqlen_k, shift, left, right,
-                                            cfg.causal or cfg.has_window, cfg.has_window)
-                    for jj in cutlass.range_constexpr(DS_CHUNK // STAT_CHUNK):
-                        rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j * DS_CHUNK // STAT_CHUNK + jj, seqlen_q,
-                                                   Float32.inf)
-                        for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):
-                            k = c0 + jj * STAT_CHUNK + kk
-                            x0, x1 = cute.arch.fma_packed_f32x2((rS[k], rS[k + 1]), (scale_log2, scale_log2),
-                                                                (-rLSE[kk], -rLSE[kk + 1]))
-                            rS[k] = cute.math.exp2(x0, fastmath=True)
-                            rS[k + 1] = cute.math.exp2(x1, fastmath=True)
+                if need_mask:
+                    self.s_to_p(rS, thr_t2r_c, tS_t2r0, rdP_shape, half * wg, True, cols, key, q0, seqlen_k, shift,
+                                left, right, mLSElog2, stats_off, seqlen_q, scale_log2, softcap_in, softcap)
+                else:
+                    self.s_to_p(rS, thr_t2r_c, tS_t2r0, rdP_shape, half * wg, False, cols, key, q0, seqlen_k, shift,
+                                left, right, mLSElog2, stats_off, seqlen_q, scale_log2, softcap_in, softcap)
                 # 3. P^T (16-bit) over S^T once every compute thread has read its S^T columns
                 rP = cute.make_rmem_tensor(rP_shape, Float32)
                 rP_h = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(half))
@@ -1089,6 +1078,36 @@ class FlashBwdSm100:
         if n_iter > 0:
             cute.arch.fence_view_async_tmem_load()
             pipe_dKV.consumer_release(dkv_state)
+
+    @cute.jit
+    def s_to_p(self, rS, thr_t2r_c, tS_t2r0, rdP_shape, col0: Int32, masked: cutlass.Constexpr, cols, key: Int32,
+               q0: Int32, seqlen_k: Int32, shift: Int32, left: Int32, right: Int32, mLSElog2, stats_off,
+               seqlen_q: Int32, scale_log2: Float32, softcap_in: Float32, softcap: Float32):
+        """P = exp2(softcap(S^T) [masked] * scale_log2 - lse_log2) into ``rS`` (this warpgroup's columns from
+        ``col0`` of the S^T view ``tS_t2r0``), DS_CHUNK columns at a time (Note [compute warps' registers]); the
+        caller waits for S^T and writes P^T after every compute thread has run this."""
+        cfg = self.cfg
+        for j in cutlass.range_constexpr(len(cols) // DS_CHUNK):
+            c0 = j * DS_CHUNK
+            cute.copy(thr_t2r_c, cute.make_tensor(tS_t2r0.iterator + col0 + c0, tS_t2r0.layout),
+                      cute.make_tensor(rS.iterator + c0, cute.make_layout(rdP_shape)))
+            cute.arch.fence_view_async_tmem_load()
+            if const_expr(cfg.has_softcap):
+                for k in cutlass.range_constexpr(c0, c0 + DS_CHUNK):
+                    rS[k] = softcap_logit(rS[k], softcap_in, softcap)
+            if const_expr(masked):
+                apply_mask_kv_major(cute.make_tensor(rS.iterator + c0, cute.make_layout((1, DS_CHUNK), stride=(0, 1))),
+                                    cols[c0:c0 + DS_CHUNK], [key], q0, seqlen_k, shift, left, right,
+                                    cfg.causal or cfg.has_window, cfg.has_window)
+            for jj in cutlass.range_constexpr(DS_CHUNK // STAT_CHUNK):
+                rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j * DS_CHUNK // STAT_CHUNK + jj, seqlen_q,
+                                           Float32.inf)
+                for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):
+                    k = c0 + jj * STAT_CHUNK + kk
+                    x0, x1 = cute.arch.fma_packed_f32x2((rS[k], rS[k + 1]), (scale_log2, scale_log2),
+                                                        (-rLSE[kk], -rLSE[kk + 1]))
+                    rS[k] = cute.math.exp2(x0, fastmath=True)
+                    rS[k + 1] = cute.math.exp2(x1, fastmath=True)
 
     @cute.jit
     def softcap_grad(self, ds: Float32, p: Float32, lse_log2: Float32, tanh_coef: Float32) -> Float32:
