@@ -1,6 +1,7 @@
 """Compile every kernel config for an arch without a GPU and report its resources.
 
-    python -m cute_kernels.check --arch sm_90a|sm_100a|sm_103a [--kernel NAME] [--full] [--limit N] [--json FILE]
+    python -m cute_kernels.check --arch sm_90a|sm_100a|sm_103a [--kernel NAME] [--full] [--match TEXT ...]
+                                 [--limit N] [--json FILE]
 
 For each config prints: kernel, config, compile seconds, registers per thread, spill store/load
 bytes and the dynamic shared memory the launcher requests (vs the arch limit). Exits non-zero when
@@ -68,9 +69,11 @@ def parse_remarks(text: str) -> list[dict]:
     return out
 
 
-def check(arch_text: str, kernel: str | None = None, full: bool = False, limit: int | None = None) -> list[dict]:
-    """Compile each kernel's config matrix for ``arch_text`` (``limit``: at most that many configs per
-    kernel, the first of its matrix) and return one result row per config."""
+def check(arch_text: str, kernel: str | None = None, full: bool = False, limit: int | None = None,
+          match: list[str] | tuple[str, ...] = ()) -> list[dict]:
+    """Compile each kernel's config matrix for ``arch_text`` (``match``: only the configs whose repr contains
+    every one of these strings; ``limit``: at most that many configs per kernel, the first of its matrix after
+    ``match``) and return one result row per config."""
     from cute_kernels import arch as _arch
 
     arch = _arch.parse_arch(arch_text)
@@ -89,7 +92,8 @@ def check(arch_text: str, kernel: str | None = None, full: bool = False, limit: 
     for name, (matrix, compile_fn, smem_fn) in checks.items():
         if kernel is not None and name != kernel:
             continue
-        for cfg in matrix(arch, full)[:limit]:
+        cfgs = [c for c in matrix(arch, full) if all(m in repr(c) for m in match)]
+        for cfg in cfgs[:limit]:
             row = {"kernel": name, "config": repr(cfg), "ok": False}
             start = time.perf_counter()
             try:
@@ -147,10 +151,12 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", required=True, help="sm_90a, sm_100a or sm_103a (the CC's target, arch.TARGETS)")
     ap.add_argument("--kernel", default=None, help="only this kernel (default: all)")
     ap.add_argument("--full", action="store_true", help="the full config matrix (slow)")
+    ap.add_argument("--match", action="append", default=[], metavar="TEXT",
+                    help="only configs whose repr contains TEXT (repeat: all of them), e.g. --match varlen=True")
     ap.add_argument("--limit", type=int, default=None, help="at most N configs per kernel (CI smoke)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
-    results = check(args.arch, args.kernel, args.full, args.limit)
+    results = check(args.arch, args.kernel, args.full, args.limit, args.match)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -65,3 +65,29 @@ def test_expected_dsl_build_is_enforced(monkeypatch, capsys):
     monkeypatch.delenv("CUTE_KERNELS_CHECK_DSL_CUDA")
     monkeypatch.setattr(C, "dsl_cuda", lambda: 12)
     assert C.main(["--arch", "sm_90a"]) == 0
+
+
+def test_match_compiles_only_the_configs_that_contain_every_text(monkeypatch):
+    """``--match TEXT`` (repeatable): only the configs whose repr contains every TEXT are compiled, in matrix order,
+    before ``--limit``; a kernel none of whose configs match compiles nothing."""
+    from cute_kernels import registry
+
+    compiled = []
+    matrix = lambda arch, full: [f"Cfg(d={d}, causal={c})" for d in (64, 96, 128) for c in (False, True)]  # noqa: E731
+    checks = {"k1": (matrix, compiled.append, lambda cfg: None),
+              "k2": (lambda arch, full: ["Other(x=1)"], compiled.append, lambda cfg: None)}
+    monkeypatch.setattr(registry, "all_checks", lambda: checks)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("CUTE_KERNELS_EXTRA_OPTS", "")
+    rows = C.check("sm_90a", match=["causal=True"])
+    assert compiled == ["Cfg(d=64, causal=True)", "Cfg(d=96, causal=True)", "Cfg(d=128, causal=True)"]
+    assert [r["config"] for r in rows] == [repr(c) for c in compiled]
+    compiled.clear()
+    C.check("sm_90a", match=["d=96,", "causal=True"])
+    assert compiled == ["Cfg(d=96, causal=True)"]
+    compiled.clear()
+    C.check("sm_90a", match=["causal=True"], limit=1)
+    assert compiled == ["Cfg(d=64, causal=True)"]
+    compiled.clear()
+    C.main(["--arch", "sm_90a", "--match", "d=128,", "--match", "causal=False"])
+    assert compiled == ["Cfg(d=128, causal=False)"]
