@@ -200,8 +200,8 @@ class DecodeFwd:
         # ---- prologue: steps 0 .. S-2 in flight
         for st in cutlass.range_constexpr(S - 1):
             if st < n_steps:
-                self._load_step(w_start + st * KW, st, ring_base, mTable, b, h, L, num_pages, k_gbase, v_gbase,
-                                st_page, st_h, st_row, ld_row, ld_chunk)
+                self._load_step(w_start + st * KW, st, ring_base, mTable, b, h, L, kmin, num_pages, k_gbase,
+                                v_gbase, st_page, st_h, st_row, ld_row, ld_chunk)
             cute.arch.cp_async_commit_group()
 
         cute.arch.cp_async_wait_group(S - 1)  # Q's group (the oldest) has landed; the prologue's may not
@@ -219,11 +219,12 @@ class DecodeFwd:
         v_lrow = (lane % 8) + 8 * ((lane // 8) % 2)  # V^T: (keys 0-7 | 8-15) x (d chunk 2j | 2j+1)
         v_lchunk = lane // 16
         ctx = dict(n_steps=n_steps, w_start=w_start, w_end=w_end, ring_base=ring_base, q_base=q_base, mTable=mTable,
-                   b=b, h=h, L=L, num_pages=num_pages, k_gbase=k_gbase, v_gbase=v_gbase, st_page=st_page, st_h=st_h,
-                   st_row=st_row, ld_row=ld_row, ld_chunk=ld_chunk, lane=lane, k_lrow=k_lrow, k_lchunk=k_lchunk,
-                   v_lrow=v_lrow, v_lchunk=v_lchunk, q_lrow=q_lrow, q_lchunk=q_lchunk, rQ=rQ, rO=rO, acc=acc, rBL=rBL,
-                   sm=sm, softcap_in=softcap_in, softcap=softcap, cols=cols, rows_s=rows_s, rows_m=rows_m,
-                   shift=shift, window_left=window_left, window_right=window_right, mBL=mBL, bl_scale=bl_scale)
+                   b=b, h=h, L=L, kmin=kmin, num_pages=num_pages, k_gbase=k_gbase, v_gbase=v_gbase, st_page=st_page,
+                   st_h=st_h, st_row=st_row, ld_row=ld_row, ld_chunk=ld_chunk, lane=lane, k_lrow=k_lrow,
+                   k_lchunk=k_lchunk, v_lrow=v_lrow, v_lchunk=v_lchunk, q_lrow=q_lrow, q_lchunk=q_lchunk, rQ=rQ, rO=rO,
+                   acc=acc, rBL=rBL, sm=sm, softcap_in=softcap_in, softcap=softcap, cols=cols, rows_s=rows_s,
+                   rows_m=rows_m, shift=shift, window_left=window_left, window_right=window_right, mBL=mBL,
+                   bl_scale=bl_scale)
         for i in cutlass.range(n_steps, unroll=1):
             self._step(i, ctx)
 
@@ -307,7 +308,7 @@ class DecodeFwd:
         cute.arch.sync_warp()  # every lane is done reading the slot the next load overwrites
         nxt = i + S - 1
         if nxt < n_steps:
-            self._load_step(w_start + nxt * KW, nxt % S, ring_base, mTable, b, h, L, ctx["num_pages"],
+            self._load_step(w_start + nxt * KW, nxt % S, ring_base, mTable, b, h, L, ctx["kmin"], ctx["num_pages"],
                             ctx["k_gbase"], ctx["v_gbase"], ctx["st_page"], ctx["st_h"], ctx["st_row"],
                             ctx["ld_row"], ctx["ld_chunk"])
         cute.arch.cp_async_commit_group()
@@ -378,36 +379,66 @@ class DecodeFwd:
 
     @cute.jit
     def _load_step(self, t0: Int32, slot: Int32, ring_base: Int32, mTable, b: Int32, h: Int32, L: Int32,
-                   num_pages: Int32, k_gbase: Int64, v_gbase: Int64, st_page: Int64, st_h: Int64, st_row: Int64,
-                   ld_row: Int32, ld_chunk: Int32):
-        """Issue this lane's cp.async chunks of the K and V tiles of keys [t0, t0 + 16) into ``slot``."""
+                   kmin: Int32, num_pages: Int32, k_gbase: Int64, v_gbase: Int64, st_page: Int64, st_h: Int64,
+                   st_row: Int64, ld_row: Int32, ld_chunk: Int32):
+        """Issue this lane's cp.async chunks of the K and V tiles of keys [t0, t0 + 16) into ``slot``.
+
+        Keys outside [kmin, L) are zero-filled and their table slots never read: past L nothing exists, and
+        before the left window (kmin) an engine may already have recycled the pages (their ids valid, their
+        contents another request's, NaN included)."""
         cfg = self.cfg
         P = cfg.page_size
         sK = ring_base + slot * (2 * self.tile_bytes)
         sV = sK + self.tile_bytes
         head_off = Int64(h) * st_h + ld_chunk * 8
-        step_page = Int32(0)
+        row32 = Int32(st_row)  # a row's stride within a page (or sequence) fits 32 bits
         step_ok = t0 < L
-        if const_expr(cfg.layout != "contiguous" and P >= KW):  # the step's 16 keys share one page
+        if const_expr(cfg.mask_left):
+            step_ok = step_ok & (t0 + KW > kmin)
+        # 64-bit base of the step's first row; rows add 32-bit offsets (fewer live 64-bit values)
+        if const_expr(cfg.layout == "contiguous"):
+            step_base = Int64(b) * st_page + Int64(t0) * st_row + head_off
+        elif const_expr(P >= KW):  # the step's 16 keys share one page
+            step_page = Int32(0)
             if step_ok:
                 step_page = mTable[b, h, t0 // P]
             step_ok = step_ok & (step_page >= 0) & (step_page < num_pages)
+            step_base = Int64(step_page) * st_page + Int64(t0 % P) * st_row + head_off
+        elif const_expr(P >= self.rows_per_instr):  # P in {1, 8} here: each lane's rows of one page group
+            # share a page whose slot index is a compile-time function of the row (t0 % 16 == 0, P | 16)
+            grp_base = []
+            grp_ok = []
+            for gi in cutlass.range_constexpr(KW // P):
+                pg = Int32(0)
+                g_ok = t0 + gi * P < L
+                if const_expr(cfg.mask_left):
+                    g_ok = g_ok & (t0 + (gi + 1) * P > kmin)
+                if g_ok:
+                    pg = mTable[b, h, t0 // P + gi]
+                grp_ok.append(g_ok & (pg >= 0) & (pg < num_pages))
+                grp_base.append(Int64(pg) * st_page + head_off)
         for it in cutlass.range_constexpr(KW // self.rows_per_instr):
             r = it * self.rows_per_instr + ld_row
             t = t0 + r
             ok = t < L
+            if const_expr(cfg.mask_left):
+                ok = ok & (t >= kmin)
             if const_expr(cfg.layout == "contiguous"):
-                goff = Int64(b) * st_page + Int64(t) * st_row
+                goff = step_base + r * row32
             elif const_expr(P >= KW):
                 ok = ok & step_ok
-                goff = Int64(step_page) * st_page + Int64(t % P) * st_row
-            else:
+                goff = step_base + r * row32
+            elif const_expr(P >= self.rows_per_instr):
+                gi = (it * self.rows_per_instr) // P
+                ok = ok & grp_ok[gi]
+                goff = grp_base[gi] + ((it * self.rows_per_instr) % P + ld_row) * row32
+            else:  # P = 1 with several rows per instruction: one table read per row
                 page = Int32(0)
                 if ok:
                     page = mTable[b, h, t // P]
                 ok = ok & (page >= 0) & (page < num_pages)
-                goff = Int64(page) * st_page + Int64(t % P) * st_row
-            goff = cutlass.select_(ok, goff + head_off, Int64(0)) * 2
+                goff = Int64(page) * st_page + Int64(t % P) * st_row + head_off
+            goff = cutlass.select_(ok, goff, Int64(0)) * 2
             soff = r * (self.D * 2) + ((ld_chunk ^ (r % 8)) * 16)
             nbytes = cutlass.select_(ok, Int32(16), Int32(0))
             cp_async_16(sK + soff, k_gbase + goff, nbytes)

@@ -215,6 +215,23 @@ def test_layouts(glue, layout):
     full_check(glue, case, layout=layout, splits=(1, 3), repeat=2)
 
 
+def test_recycled_pages_before_window(glue):
+    """Pages wholly before every row's left window may already be recycled (valid ids, another request's
+    contents: NaN here). They are never read, also where a warp's keys start on a block_logit block (bs 64 > P 16)
+    or a page is smaller than a load step (P 8)."""
+    left = 100
+    for page, bs in ((16, 64), (8, 0)):
+        case = make_case(120 + page, lens=[500, 1000], page=page, sq=2)
+        q, k, v, seq, table = case
+        for b in range(seq.shape[0]):
+            kmin = int(seq[b, 0]) - q.shape[1] - left
+            for j in range(kmin // page):
+                pid = int(table[b, 0, j])
+                k[pid] = float("nan")
+                v[pid] = float("nan")
+        full_check(glue, case, bs=bs, causal=False, left=left, right=0, splits=(1, 3), repeat=2)
+
+
 def test_per_kv_head_tables(glue):
     """Sparse decode's form: each (sequence, kv head) lists its own pages and length."""
     lens = np.array([[0, 5, 300, 64], [129, 1, 0, 1000]])
