@@ -1,0 +1,99 @@
+"""Where the time of a small-batch decode step goes (issue 41 diagnostics; not a published benchmark).
+
+    python bench/decode_probe.py [--shapes b1_32k,b8_8k] [--rounds 3] [--window 0.3]
+    python bench/decode_probe.py --ncu-once b1_32k       # one launch each, for ``ncu -k regex:Decode``
+
+Per shape (bf16, d 128, Hq/Hkv 32/8, paged P 64, one query token, causal), every variant in its own
+window of bench/_timing.py (L2 flushed, alternating rounds, one process):
+
+  step        the decode step as served: split kernel + combine (the split count the host picks)
+  split_only  the split kernel alone (writes the fp32 partials; no combine)
+  combine     the combine kernel alone (on the partials of the step above)
+  s<N>        the step with N splits
+  read_same   ``x.sum()`` over a buffer of the step's K + V bytes: the small-read floor of the same size
+
+It prints microseconds and the KV rate of each against the 2 GiB streaming read of the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench_decode as BD  # noqa: E402
+from _timing import add_method_args, bench_windows, timer_from_args  # noqa: E402
+
+SHAPES = {
+    "b1_32k": dict(b=1, sk=32768, hq=32, hkv=8, layout="hnd", page=64),
+    "b1_8k": dict(b=1, sk=8192, hq=32, hkv=8, layout="hnd", page=64),
+    "b8_8k": dict(b=8, sk=8192, hq=32, hkv=8, layout="hnd", page=64),
+    "b1_32k_c": dict(b=1, sk=32768, hq=32, hkv=8, layout="contiguous", page=0),
+}
+
+
+def variants(name: str, extra_splits):
+    torch, L = BD.torch, BD.L
+    shp = BD.Shape(**SHAPES[name])
+    fns = {"step": shp.ours}
+    if shp.splits > 1:
+        from cute_kernels import arch as _arch
+        from cute_kernels.decode.combine import CombineConfig
+        from cute_kernels.decode.launch import compile_combine, compile_decode, decode_config
+
+        a = _arch.kernel_arch(None)
+        cfg = decode_config(shp.q, shp.k, layout=shp.layout, causal_or_right=True, has_left=False, softcap=False,
+                            block_size=0, split=True, arch=a)
+        fwd = compile_decode(cfg)
+        comb = compile_combine(CombineConfig(arch=a, dtype="bfloat16", head_dim=BD.D))
+        fns["split_only"] = lambda: fwd(shp.q, shp.k, shp.v, shp.seq, shp.table, shp.o_part, shp.lse_part, None,
+                                        float(shp.scale), 0.0, -1, 0)
+        fns["combine"] = lambda: comb(shp.o_part, shp.lse_part, shp.out, shp.lse)
+    keep = [shp]
+    for s in extra_splits:
+        if s != shp.splits:
+            o = BD.Shape(**SHAPES[name], splits=s)
+            keep.append(o)
+            fns[f"s{s}"] = o.ours
+    x = torch.empty(shp.keys * BD.D * 2 * 2 // 4, dtype=torch.float32, device="cuda").normal_()
+    keep.append(x)
+    fns["read_same"] = lambda: x.sum()
+    return shp, fns, keep
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="b1_32k,b8_8k")
+    ap.add_argument("--splits", default="16,33,48,66,99,128")
+    ap.add_argument("--ncu-once", default=None)
+    add_method_args(ap)
+    args = ap.parse_args(argv)
+    BD._imports()
+    torch = BD.torch
+    if args.ncu_once:
+        shp, fns, keep = variants(args.ncu_once, ())
+        for name in ("step",):
+            fns[name]()
+        torch.cuda.synchronize()
+        print("auto splits", shp.splits)
+        return
+    timer = timer_from_args(args)
+    read_bw, _ = BD.ceilings(timer, args.rounds)
+    print(f"{torch.cuda.get_device_name()}: streaming read {read_bw / 1e9:.0f} GB/s", flush=True)
+    for name in args.shapes.split(","):
+        shp, fns, keep = variants(name, [int(s) for s in args.splits.split(",")])
+        res = bench_windows(fns, rounds=args.rounds, timer=timer)
+        kv = shp.keys * BD.D * 2 * 2
+        print(f"{name}: auto splits {shp.splits}, KV {kv / 1e6:.1f} MB, ideal {kv / read_bw * 1e6:.1f} us")
+        for n, st in res.items():
+            print(f"   {n:11s} {st.median_ms * 1e3:8.1f} us  [{st.lo_ms * 1e3:.1f}-{st.hi_ms * 1e3:.1f}]  "
+                  f"{kv / (st.median_ms * 1e-3) / read_bw * 100:5.1f} % of read", flush=True)
+        del keep, fns
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
