@@ -14,7 +14,10 @@ contiguous cache (FA4 and SDPA beside ours), paged P 16 and P 64 (ours in FastDe
 FA4 paged in its own [pages, P, Hkv, D] where it runs); (B, Sk) in (1, 8K/32K/128K), (8, 8K/32K),
 (64, 4K/16K), (256, 2K). Also: block_logit (block 64) overhead, sparse decode (16 blocks of 64 + a
 128-token window per (sequence, kv head), pool of Sk 32K / 128K: bytes over the selected pages), and
-the launcher's host time per call (tiny shape, GPU kept busy), reported apart.
+the launcher's host time per call (tiny shape, GPU kept busy), reported apart. ``--kinds h2o_step``: the
+whole H2O token decode step (reset_scores -> token_accumulate + page scores -> select_pages -> sparse
+decode over a 2048-token page budget, P 16) captured in one CUDA graph against dense decode of the same
+32K cache in its own graph, B 1 / 8 / 32.
 """
 
 from __future__ import annotations
@@ -248,6 +251,97 @@ def run_ab(args, timer) -> list:
     return rows
 
 
+class H2OStep:
+    """The H2O token decode step of one layer on a paged cache ([pages, Hkv, P, D], P 16):
+    reset_scores (the new token's slot) -> token_accumulate (+ its page scores) -> select_pages ->
+    sparse decode over the selected pages; and dense decode of the same cache, for the same q."""
+
+    def __init__(self, b, sk, hq=32, hkv=8, page=16, budget=2048):
+        from cute_kernels.h2o import launch as H
+
+        self.b, self.sk, self.hq, self.hkv, self.page, self.budget = b, sk, hq, hkv, page, budget
+        dt = torch.bfloat16
+        pages = sk // page
+        n_pages = b * pages
+        self.k = torch.randn(n_pages, hkv, page, D, device=DEV, dtype=dt)
+        self.v = torch.randn(n_pages, hkv, page, D, device=DEV, dtype=dt)
+        self.q = torch.randn(b, 1, hq, D, device=DEV, dtype=dt)
+        self.scale = 1.0 / math.sqrt(D)
+        self.table2d = torch.randperm(n_pages, device=DEV).to(torch.int32).view(b, pages).contiguous()
+        self.seq1d = torch.full((b,), sk, dtype=torch.int32, device=DEV)
+        self.slots = (self.table2d[:, -1] * page + (sk - 1) % page).contiguous()
+        self.state = torch.rand(n_pages, hkv, page, device=DEV)
+        lg_shape, st_shape = H.token_workspace_shapes(self.q[:, 0], self.k, self.table2d, "mean_q")
+        self.lg = torch.empty(lg_shape, device=DEV)
+        self.sts = torch.empty(st_shape, device=DEV)
+        self.scores = torch.empty(b, hkv, pages, device=DEV)
+        self.bos_p, self.eos_p = 1, 4
+        self.topk = budget // page - self.bos_p - self.eos_p
+        self.sel = torch.empty(b, hkv, self.bos_p + self.topk + self.eos_p, dtype=torch.int32, device=DEV)
+        self.sel_lens = torch.empty(b, hkv, dtype=torch.int32, device=DEV)
+        self.out = torch.empty_like(self.q)
+        self.lse = torch.empty(b, hq, 1, dtype=torch.float32, device=DEV)
+        sm = torch.cuda.get_device_properties(0).multi_processor_count
+        self.sp_splits = L.choose_num_splits(self.q, self.k, self.sel, layout="hnd", sm_count=sm)
+        self.sp_parts = self._parts(self.sp_splits)
+        self.table3d = self.table2d[:, None, :].expand(b, hkv, pages).contiguous()
+        self.seq2d = torch.full((b, hkv), sk, dtype=torch.int32, device=DEV)
+        self.d_splits = L.choose_num_splits(self.q, self.k, self.table3d, layout="hnd", sm_count=sm)
+        self.d_parts = self._parts(self.d_splits)
+        self.H = H
+
+    def _parts(self, s):
+        if s <= 1:
+            return None, None
+        o_shape, l_shape = L.partial_shapes(self.q, s)
+        return (torch.empty(o_shape, dtype=torch.float32, device=DEV),
+                torch.empty(l_shape, dtype=torch.float32, device=DEV))
+
+    def h2o(self):
+        H = self.H
+        H.run_reset_scores(self.state, self.slots)
+        H.run_token_accumulate(self.q[:, 0], self.k, self.state, self.table2d, self.seq1d, self.lg, self.sts,
+                               scale=self.scale, decay=0.984375, bos=4, eos=64, gqa_reduce="mean_q")
+        H.run_token_page_scores(self.state, self.table2d, self.seq1d, self.scores)
+        H.run_select_pages(self.scores, self.table2d, self.seq1d, self.sel, self.sel_lens, page_size=self.page,
+                           topk=self.topk, bos=self.bos_p, eos=self.eos_p)
+        self.sparse()
+
+    def sparse(self):
+        L.run_decode(self.q, self.k, self.v, self.sel_lens, self.sel, self.out, self.lse, None, *self.sp_parts,
+                     layout="hnd", softmax_scale=self.scale, window_left=-1, window_right=0)
+
+    def dense(self):
+        L.run_decode(self.q, self.k, self.v, self.seq2d, self.table3d, self.out, self.lse, None, *self.d_parts,
+                     layout="hnd", softmax_scale=self.scale, window_left=-1, window_right=0)
+
+
+def run_h2o_step(args, read_bw) -> list:
+    """H2O token decode step vs dense decode at Sk 32K, each captured in one CUDA graph and replayed."""
+    gtimer = timer_from_args(argparse.Namespace(**{**vars(args), "graph": True}))
+    rows = []
+    for b in (1, 8, 32):
+        st = H2OStep(b, 32768)
+        st.h2o()
+        torch.cuda.synchronize()
+        res = bench_windows({"h2o_step": st.h2o, "sparse_only": st.sparse, "dense": st.dense}, rounds=args.rounds,
+                            timer=gtimer)
+        dense_bytes = b * st.hkv * st.sk * D * 2 * 2
+        row = {"kind": "h2o_step", "B": b, "Sk": st.sk, "Hq": st.hq, "Hkv": st.hkv, "P": st.page,
+               "budget_tokens": st.budget, "modes": {n: s.mode for n, s in res.items()},
+               "us": {n: s.median_ms * 1e3 for n, s in res.items()},
+               "dense_over_h2o": res.ratio("h2o_step", "dense").as_dict(),
+               "dense_frac_read": dense_bytes / (res["dense"].median_ms * 1e-3) / read_bw,
+               "stats": {n: s.as_dict() for n, s in res.items()}}
+        rows.append(row)
+        r = row["dense_over_h2o"]
+        print(f"h2o_step B={b} Sk=32768 budget {st.budget}: " + " ".join(f"{n} {v:.1f}us" for n, v in row["us"].items())
+              + f"  dense/h2o x{r['median']:.2f} ({r['lo']:.2f}-{r['hi']:.2f})  modes {row['modes']}", flush=True)
+        del st
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run(args) -> dict:
     info = RunInfo(gpu=torch.cuda.get_device_name(), method=method_from_args(args))
     timer = timer_from_args(args)
@@ -255,9 +349,10 @@ def run(args) -> dict:
     print(f"streaming read {read_bw / 1e9:.0f} GB/s, device copy {copy_bw / 1e9:.0f} GB/s "
           f"({torch.cuda.get_device_name()})", flush=True)
     ab = run_ab(args, timer) if args.ab else None
+    h2o = run_h2o_step(args, read_bw) if "h2o_step" in args.kinds.split(",") else None
     rows = []
     heads = tuple(tuple(int(x) for x in h.split("/")) for h in args.heads.split(","))
-    kinds = tuple(args.kinds.split(","))
+    kinds = tuple(k for k in args.kinds.split(",") if k != "h2o_step")
     for kind, kw in ([] if args.ab_only else plan(args.quick, heads, kinds, tuple(args.layouts.split(",")))):
         shp = Shape(**kw)
         fns = {"ours": shp.ours}
@@ -285,7 +380,7 @@ def run(args) -> dict:
         print(f"host time per run_decode call (launcher, unsplit): {host:.1f} us", flush=True)
     info.finish()
     return {"run": info.as_dict(), "read_GBps": read_bw / 1e9, "copy_GBps": copy_bw / 1e9, "host_us": host,
-            "rows": rows, "ring_ab": ab, "_info": info}
+            "rows": rows, "h2o_step": h2o, "ring_ab": ab, "_info": info}
 
 
 def markdown(info, res) -> str:
@@ -302,6 +397,12 @@ def markdown(info, res) -> str:
                      f"{r['splits']} | {r['us']:.1f} | {r['GBps']:.0f} | {100 * r['frac_read']:.0f}% | "
                      f"{ratio('fa4')} | "
                      f"{ratio('sdpa')} | {ratio('nobl')} |")
+    for r in res.get("h2o_step") or ():
+        x = r["dense_over_h2o"]
+        lines.append(f"| h2o_step (graph) | {r['Hq']}/{r['Hkv']} | hnd | {r['P']} | {r['B']} | {r['Sk']} | - | "
+                     + " / ".join(f"{n} {v:.1f}" for n, v in r["us"].items())
+                     + f" | - | dense {100 * r['dense_frac_read']:.0f}% | dense / h2o step {x['median']:.2f}x "
+                       f"({x['lo']:.2f}-{x['hi']:.2f}) | - | - |")
     return "\n".join(lines) + "\n"
 
 
@@ -313,7 +414,7 @@ def parse_args(argv=None):
     ap.add_argument("--ab-only", action="store_true", help="only the A/B")
     ap.add_argument("--ab-splits-only", action="store_true", help="the A/B of split counts only (with --ab)")
     ap.add_argument("--layouts", default="contiguous,hnd16,hnd64", help="dense cache layouts to time")
-    ap.add_argument("--kinds", default="dense,blk,sparse", help="row kinds to time")
+    ap.add_argument("--kinds", default="dense,blk,sparse", help="row kinds to time (dense, blk, sparse, h2o_step)")
     ap.add_argument("--heads", default=",".join(f"{a}/{b}" for a, b in HEADS), help="Hq/Hkv list, e.g. 32/8,8/1")
     add_method_args(ap)
     return ap.parse_args(argv)
