@@ -8,6 +8,10 @@ Method (issue 17), the same for our kernels and every anchor:
 
       flush L2 (``zero_()`` of a 256 MiB buffer, >= 2x the H200's L2) ; pad ; start event ; fn() ; end event
 
+  ``flush_mode="read"`` (``--flush-mode read``) flushes with a reduction that only reads the buffer
+  instead: ``zero_()`` leaves the L2 full of dirty lines, which the timed kernel then writes back to
+  DRAM as it evicts them (up to the L2's size of extra DRAM traffic, billed to whatever runs next).
+
   and only ``start -> end`` is kept, so the flush and the pad never count.  The pad is a GPU spin
   (``torch.cuda._sleep``) a little longer than the host cost of one ``fn()`` (measured once per
   variant), and a longer spin opens each window: the GPU then stays behind the host for the whole
@@ -181,7 +185,8 @@ class CudaTimer:
 
     def __init__(self, window_s: float = 0.5, warmup_s: float = 0.1, flush: bool = True, graph: bool = False,
                  flush_bytes: int = FLUSH_BYTES, lead_ms: float = 5.0, min_reps: int = 3, max_reps: int = 20000,
-                 pad: bool = True, torch_mod=None, clock=time.perf_counter, preheat_s: float = 0.0):
+                 pad: bool = True, torch_mod=None, clock=time.perf_counter, preheat_s: float = 0.0,
+                 flush_mode: str = "zero"):
         if torch_mod is None:
             import torch as torch_mod
         self.torch = torch_mod
@@ -190,7 +195,14 @@ class CudaTimer:
         self.graph, self.lead_ms, self.pad = bool(graph), float(lead_ms), bool(pad)
         self.min_reps, self.max_reps = int(min_reps), int(max_reps)
         cuda = torch_mod.cuda
+        if flush_mode not in ("zero", "read"):
+            raise ValueError(f"flush_mode {flush_mode!r}: 'zero' or 'read'")
+        self.flush_mode = flush_mode
         self.flush_buf = torch_mod.empty(int(flush_bytes), dtype=torch_mod.uint8, device="cuda") if flush else None
+        if flush and flush_mode == "read":  # written once; each flush only reads it (the L2 keeps clean lines)
+            self.flush_buf.zero_()
+            self._flush_rows = self.flush_buf.view(-1, 4096)
+            self._flush_out = torch_mod.empty(4096, dtype=torch_mod.uint8, device="cuda")
         self.cycles_per_us = self._calibrate_sleep()
         self._runners: dict = {}  # name -> {"run", "mode", "host_us", "reps"}
         self._graphs: list = []  # keep captured graphs alive
@@ -293,7 +305,11 @@ class CudaTimer:
         return state
 
     def _rep(self, run, pad_us_, start, end) -> None:
-        if self.flush_buf is not None:
+        if self.flush_buf is None:
+            pass
+        elif self.flush_mode == "read":
+            self.torch.amax(self._flush_rows, dim=0, out=self._flush_out)
+        else:
             self.flush_buf.zero_()
         self._spin(pad_us_)
         start.record()
@@ -446,6 +462,9 @@ def add_method_args(ap, window_s: float = 0.5, rounds: int = 3) -> None:
     ap.add_argument("--preheat", type=float, default=3.0,
                     help="seconds of GEMMs before the first window (the GPU settles at its power cap)")
     ap.add_argument("--no-flush", action="store_true", help="do not flush L2 between repetitions")
+    ap.add_argument("--flush-mode", choices=("zero", "read"), default="zero",
+                    help="zero: zero_() of the flush buffer (leaves the L2 full of dirty lines the next kernel "
+                         "writes back); read: a reduction that only reads it (leaves clean lines)")
     ap.add_argument("--graph", action="store_true",
                     help="replay a CUDA graph of one call per repetition (eager where capture fails)")
     ap.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
@@ -473,13 +492,15 @@ def parse_shape_args(args):
 
 def timer_from_args(args, torch_mod=None) -> CudaTimer:
     return CudaTimer(window_s=args.window, warmup_s=args.warmup, flush=not args.no_flush, graph=args.graph,
-                     torch_mod=torch_mod, preheat_s=getattr(args, "preheat", 0.0))
+                     torch_mod=torch_mod, preheat_s=getattr(args, "preheat", 0.0),
+                     flush_mode=getattr(args, "flush_mode", "zero"))
 
 
 def method_from_args(args) -> dict:
     return {"window_s": args.window, "rounds": args.rounds, "warmup_s": args.warmup,
             "preheat_s": getattr(args, "preheat", 0.0),
-            "l2_flush": not args.no_flush, "graph": bool(args.graph)}
+            "l2_flush": not args.no_flush, "flush_mode": getattr(args, "flush_mode", "zero"),
+            "graph": bool(args.graph)}
 
 
 def write_markdown(path, text: str) -> None:

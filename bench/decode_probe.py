@@ -12,7 +12,9 @@ window of bench/_timing.py (L2 flushed, alternating rounds, one process):
   s<N>        the step with N splits
   read_same   ``x.sum()`` over a buffer of the step's K + V bytes: the small-read floor of the same size
 
-It prints microseconds and the KV rate of each against the 2 GiB streaming read of the same process.
+It prints microseconds and the KV rate of each against the 2 GiB streaming read of the same process,
+once per L2 flush mode (``--flush-modes zero,read``: zero_() leaves dirty lines the timed kernel writes
+back; a read-only flush leaves clean ones).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="b1_32k,b8_8k")
     ap.add_argument("--splits", default="16,33,48,66,99,128")
     ap.add_argument("--ncu-once", default=None)
+    ap.add_argument("--flush-modes", default="zero,read", help="L2 flush modes to compare (bench/_timing.py)")
     add_method_args(ap)
     args = ap.parse_args(argv)
     BD._imports()
@@ -80,20 +83,23 @@ def main(argv=None):
         torch.cuda.synchronize()
         print("auto splits", shp.splits)
         return
-    timer = timer_from_args(args)
-    read_bw, _ = BD.ceilings(timer, args.rounds)
-    print(f"{torch.cuda.get_device_name()}: streaming read {read_bw / 1e9:.0f} GB/s", flush=True)
-    for name in args.shapes.split(","):
-        shp, fns, keep = variants(name, [int(s) for s in args.splits.split(",")])
-        res = bench_windows(fns, rounds=args.rounds, timer=timer)
-        kv = shp.keys * BD.D * 2 * 2
-        print(f"{name}: auto splits {shp.splits}, KV {kv / 1e6:.1f} MB, ideal {kv / read_bw * 1e6:.1f} us")
-        for n, st in res.items():
-            print(f"   {n:11s} {st.median_ms * 1e3:8.1f} us  [{st.lo_ms * 1e3:.1f}-{st.hi_ms * 1e3:.1f}]  "
-                  f"{kv / (st.median_ms * 1e-3) / read_bw * 100:5.1f} % of read", flush=True)
-        del keep, fns
-        torch.cuda.empty_cache()
-
+    for mode in args.flush_modes.split(","):
+        args.flush_mode = mode
+        timer = timer_from_args(args)
+        read_bw, _ = BD.ceilings(timer, args.rounds)
+        print(f"{torch.cuda.get_device_name()}: flush {mode}: streaming read {read_bw / 1e9:.0f} GB/s", flush=True)
+        for name in args.shapes.split(","):
+            shp, fns, keep = variants(name, [int(s) for s in args.splits.split(",") if s])
+            res = bench_windows(fns, rounds=args.rounds, timer=timer)
+            kv = shp.keys * BD.D * 2 * 2
+            print(f"{name} (flush {mode}): auto splits {shp.splits}, KV {kv / 1e6:.1f} MB, "
+                  f"ideal {kv / read_bw * 1e6:.1f} us")
+            for n, st in res.items():
+                print(f"   {n:11s} {st.median_ms * 1e3:8.1f} us  [{st.lo_ms * 1e3:.1f}-{st.hi_ms * 1e3:.1f}]  "
+                      f"{kv / (st.median_ms * 1e-3) / read_bw * 100:5.1f} % of read", flush=True)
+            del keep, fns
+            torch.cuda.empty_cache()
+        del timer
 
 if __name__ == "__main__":
     main()

@@ -214,6 +214,9 @@ class FakeBuf:
     def zero_(self):
         self.sim.launch(self.sim.flush_us, "flush")
 
+    def view(self, *shape):
+        return self
+
 
 class FakeTorch:
     uint8 = "uint8"
@@ -232,6 +235,9 @@ class FakeTorch:
 
     def matmul(self, a, b):
         self.sim.launch(self.GEMM_US, "gemm")
+
+    def amax(self, x, dim=None, out=None):
+        self.sim.launch(self.sim.flush_us, "read_flush")
 
 
 def kernel_fn(sim, host_us, kernel_us, tag="kernel"):
@@ -410,3 +416,17 @@ def test_run_windows_prepares_every_variant_then_preheats(preheat_s):
         assert "a" in log[:gemm_at[0]] and "b" in log[:gemm_at[0]]  # both prepared before the preheat
         assert set(log[gemm_at[0]:gemm_at[-1] + 1]) == {"gemm", "sync"}  # one block, before every window
     assert res.ratio("a", "b").median == pytest.approx(2.0)
+
+
+def test_cuda_timer_read_flush_mode():
+    """--flush-mode read: each repetition flushes with a read-only reduction (one zero_ at set-up), never zero_()."""
+    sim = Sim()
+    timer = make_timer(sim, flush_mode="read")
+    sim.log.clear()
+    res = T.run_windows({"a": kernel_fn(sim, 10.0, 50.0)}, rounds=1, timer=timer)
+    kinds = [k for k in sim.log if k in ("flush", "read_flush", "kernel")]
+    # every repetition flushes first; the one kernel call without a flush is the prepare step's first call
+    assert "flush" not in kinds and kinds.count("read_flush") == kinds.count("kernel") - 1 > 0
+    assert abs(res["a"].median_ms * 1e3 - 50.0) < 1.0
+    with pytest.raises(ValueError, match="flush_mode"):
+        make_timer(Sim(), flush_mode="dirty")
