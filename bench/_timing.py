@@ -144,6 +144,17 @@ def run_windows(fns: dict, rounds: int, timer) -> WindowResult:
     """
     if hasattr(timer, "begin"):
         timer.begin()
+    try:
+        return _run_windows(fns, rounds, timer)
+    finally:
+        if hasattr(timer, "release"):  # the GPU lock (BENCH_GPU_LOCK), if this process took it
+            timer.release()
+
+
+def _run_windows(fns: dict, rounds: int, timer) -> WindowResult:
+    if hasattr(timer, "compile"):  # compile every variant before the GPU lock is taken (GpuLock)
+        for name in fns:
+            timer.compile(name, fns[name])
     if hasattr(timer, "prepare"):  # compile / load every variant first: no compile between windows
         for name in fns:
             timer.prepare(name, fns[name])
@@ -180,6 +191,32 @@ def pad_us(host_us: float, margin: float = 1.25, floor_us: float = 20.0) -> floa
 
 
 # ----------------------------------------------------------------------------- CUDA side
+class GpuLock:
+    """Exclusive use of the GPU among bench processes that share ``BENCH_GPU_LOCK=<file>`` (an flock).
+
+    Several bench processes can then compile at once (compiles are single-threaded) while only one
+    at a time warms up and times: ``run_windows`` compiles every variant of a shape first, takes the
+    lock at the first warm-up and holds it to its last window. Without the variable it does nothing."""
+
+    def __init__(self, path=None):
+        self.path, self.fd = path, None
+
+    def acquire(self) -> None:
+        if self.path and self.fd is None:
+            import fcntl
+
+            self.fd = open(self.path, "a")
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self.fd.close()
+            self.fd = None
+
+
 class CudaTimer:
     """The CUDA implementation of ``timer`` for ``run_windows`` (see the module docstring)."""
 
@@ -210,6 +247,7 @@ class CudaTimer:
         cuda.synchronize()
         self.preheat_s = float(preheat_s)
         self._preheat_ab = None
+        self.gpu_lock = GpuLock(os.environ.get("BENCH_GPU_LOCK"))
 
     def prepare(self, name: str, fn) -> None:
         """Compile / capture and warm ``fn`` now (``run_windows`` prepares every variant before the first
@@ -287,22 +325,33 @@ class CudaTimer:
         self._graphs.append(g)
         return g.replay
 
-    def _prepare(self, name: str, fn):
-        if name in self._runners:
-            return self._runners[name]
-        run, mode = fn, "eager"
-        if self.graph:
-            replay = self._capture(name, fn)
-            if replay is not None:
-                run, mode = replay, "graph"
-        t0 = self.clock()
-        run()  # first call (compiles, loads modules): its host time is an upper bound for the pad
-        first_us = (self.clock() - t0) * 1e6
-        self.torch.cuda.synchronize()
-        state = {"run": run, "mode": mode, "host_us": min(first_us, 1e5), "reps": self.min_reps, "fresh": True}
-        self._runners[name] = state
-        self._warmup(state, self.warmup_s)
+    def _prepare(self, name: str, fn, warm: bool = True):
+        state = self._runners.get(name)
+        if state is None:
+            run, mode = fn, "eager"
+            if self.graph:
+                replay = self._capture(name, fn)
+                if replay is not None:
+                    run, mode = replay, "graph"
+            t0 = self.clock()
+            run()  # first call (compiles, loads modules): its host time is an upper bound for the pad
+            first_us = (self.clock() - t0) * 1e6
+            self.torch.cuda.synchronize()
+            state = {"run": run, "mode": mode, "host_us": min(first_us, 1e5), "reps": self.min_reps, "fresh": False,
+                     "warm": False}
+            self._runners[name] = state
+        if warm and not state["warm"]:
+            self.gpu_lock.acquire()  # from the first warm-up on, this process times: no other may run then
+            self._warmup(state, self.warmup_s)
+            state["warm"] = state["fresh"] = True
         return state
+
+    def compile(self, name: str, fn) -> None:
+        """The first call of ``fn`` only (compile, module load), before the GPU lock is taken."""
+        self._prepare(name, fn, warm=False)
+
+    def release(self) -> None:
+        self.gpu_lock.release()
 
     def _rep(self, run, pad_us_, start, end) -> None:
         if self.flush_buf is None:

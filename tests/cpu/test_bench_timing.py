@@ -430,3 +430,30 @@ def test_cuda_timer_read_flush_mode():
     assert abs(res["a"].median_ms * 1e3 - 50.0) < 1.0
     with pytest.raises(ValueError, match="flush_mode"):
         make_timer(Sim(), flush_mode="dirty")
+
+
+def test_gpu_lock_serialises_processes_and_run_windows_releases_it(tmp_path, monkeypatch):
+    """BENCH_GPU_LOCK: a second holder waits until the first releases; run_windows always releases."""
+    import threading
+
+    path = str(tmp_path / "gpu.lock")
+    a, b = T.GpuLock(path), T.GpuLock(path)
+    a.acquire()
+    got = threading.Event()
+    th = threading.Thread(target=lambda: (b.acquire(), got.set()))
+    th.start()
+    assert not got.wait(0.3)  # b waits while a holds the lock
+    a.release()
+    assert got.wait(5)
+    b.release()
+    th.join()
+    monkeypatch.setenv("BENCH_GPU_LOCK", path)
+    sim = Sim()
+    timer = make_timer(sim)
+    kinds = []
+    orig = timer.gpu_lock.acquire
+    timer.gpu_lock.acquire = lambda: (kinds.append(list(sim.log)), orig())
+    T.run_windows({"a": kernel_fn(sim, 10.0, 50.0), "b": kernel_fn(sim, 10.0, 20.0)}, rounds=1, timer=timer)
+    # both variants were compiled (one call each) before the lock was first taken, and it was released
+    assert kinds and kinds[0].count("kernel") == 2
+    assert timer.gpu_lock.fd is None
