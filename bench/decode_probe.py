@@ -9,6 +9,7 @@ window of bench/_timing.py (L2 flushed, alternating rounds, one process):
   step        the decode step as served: split kernel + combine (the split count the host picks)
   split_only  the split kernel alone (writes the fp32 partials; no combine)
   combine     the combine kernel alone (on the partials of the step above)
+  step_nopdl  the step with the combine launched without programmatic dependent launch
   s<N>        the step with N splits
   read_same   ``x.sum()`` over a buffer of the step's K + V bytes: the small-read floor of the same size
 
@@ -54,6 +55,13 @@ def variants(name: str, extra_splits):
         fns["split_only"] = lambda: fwd(shp.q, shp.k, shp.v, shp.seq, shp.table, shp.o_part, shp.lse_part, None,
                                         float(shp.scale), 0.0, -1, 0)
         fns["combine"] = lambda: comb(shp.o_part, shp.lse_part, shp.out, shp.lse)
+        comb0 = compile_combine(CombineConfig(arch=a, dtype="bfloat16", head_dim=BD.D, pdl=False))
+
+        def step_nopdl():
+            fns["split_only"]()
+            comb0(shp.o_part, shp.lse_part, shp.out, shp.lse)
+
+        fns["step_nopdl"] = step_nopdl
     keep = [shp]
     for s in extra_splits:
         if s != shp.splits:

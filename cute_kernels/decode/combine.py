@@ -9,6 +9,10 @@ split saw no key), ``lse_part [S, B, Sq, Hq]`` fp32 (-inf where empty). One warp
 computed lane-parallel (lane i: splits i, i + 32, ...; max and sum by butterfly, a fixed pattern) and
 staged in shared memory; the weighted sum of the partials runs over s = 0, 1, ... in that order with the
 loads of 8 splits issued together. At most ``MAX_SPLITS`` splits.
+
+Launched as a programmatic dependent of the split kernel (``use_pdl``): its launch overlaps the split
+kernel's tail, and ``griddepcontrol.wait`` at its start holds every thread until the split grid has
+completed and its writes are visible (launched after anything else, the wait returns at once).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class CombineConfig:
     arch: int
     dtype: str = "bfloat16"
     head_dim: int = 128
+    pdl: bool = True  # launched as a programmatic dependent of the split kernel (False: an A/B baseline)
 
 
 class DecodeCombine:
@@ -46,14 +51,18 @@ class DecodeCombine:
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, stream):
         rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
+        # programmatic dependent launch: the combine's CTAs are launched while the split kernel drains
+        # (it signals after its key loop) and wait in griddepcontrol.wait until its partials are written
         self.kernel(mOp, mLp, mO, mLse).launch(grid=[(rows + WARPS - 1) // WARPS, 1, 1],
-                                               block=[32 * WARPS, 1, 1], stream=stream)
+                                               block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()  # the split kernel's partials are complete and visible past this
         smem = cutlass.memory.SmemAllocator()
         sW = smem.allocate_tensor(Float32, cute.make_layout((WARPS, MAX_SPLITS), stride=(MAX_SPLITS, 1)),
                                   byte_alignment=16)

@@ -228,6 +228,8 @@ class DecodeFwd:
         for i in cutlass.range(n_steps, unroll=1):
             self._step(i, ctx)
 
+        if const_expr(cfg.split):  # let the combine (a programmatic dependent) launch while this grid drains
+            cute.arch.griddepcontrol_launch_dependents()
         # ---- merge the warps' (O, max, sum) through shared memory, in warp order
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
