@@ -72,21 +72,21 @@ class Shape:
         dt = torch.bfloat16
         self.q = torch.randn(b, 1, hq, D, device=DEV, dtype=dt)
         self.scale = 1.0 / math.sqrt(D)
+        # dense shapes: FA's cache_seqlens [B] / block_table [B, n], read in place by every kv head (what
+        # flash_attn_with_kvcache hands the launcher); sparse: per-(sequence, kv head) [B, Hkv] / [B, Hkv, n]
         if layout == "contiguous":
             self.k = torch.randn(b, sk, hkv, D, device=DEV, dtype=dt)
             self.v = torch.randn(b, sk, hkv, D, device=DEV, dtype=dt)
             self.table = None
-            self.seq = torch.full((b, hkv), sk, dtype=torch.int32, device=DEV)
+            self.seq = torch.full((b,), sk, dtype=torch.int32, device=DEV)
             self.keys = b * hkv * sk
         elif not sparse:
             pages = sk // page
             n_pages = b * pages
             self.k = torch.randn(n_pages, hkv, page, D, device=DEV, dtype=dt)
             self.v = torch.randn(n_pages, hkv, page, D, device=DEV, dtype=dt)
-            perm = torch.randperm(n_pages, device=DEV).to(torch.int32).view(b, pages)
-            self.table = perm[:, None, :].expand(b, hkv, pages).contiguous()
-            self.table2d = perm.contiguous()
-            self.seq = torch.full((b, hkv), sk, dtype=torch.int32, device=DEV)
+            self.table = torch.randperm(n_pages, device=DEV).to(torch.int32).view(b, pages).contiguous()
+            self.seq = torch.full((b,), sk, dtype=torch.int32, device=DEV)
             self.keys = b * hkv * sk
         else:  # 16 random 64-token blocks + the last 128 tokens of a pool of `pool` tokens, P = page
             pages = pool // page
@@ -141,7 +141,7 @@ class Shape:
             k_fa = self.k.transpose(1, 2).contiguous()
             v_fa = self.v.transpose(1, 2).contiguous()
             seqused = torch.full((self.b,), self.sk, dtype=torch.int32, device=DEV)
-            table = self.table2d
+            table = self.table
 
             def fn():
                 _flash_attn_fwd(self.q, k_fa, v_fa, seqused_k=seqused, page_table=table, causal=True,
@@ -374,13 +374,24 @@ def run(args) -> dict:
         del shp, fns
         torch.cuda.empty_cache()
     host = None
+    host_extra = {}
     if args.host_n > 0:
+        # flash_attn_with_kvcache's launch: dense [B] lengths / [B, n] table as they are, unsplit
         shp = Shape(b=1, sk=256, hq=32, hkv=8, layout="hnd", page=16)
         host = host_us_per_call(shp.ours, n=args.host_n)
-        print(f"host time per run_decode call (launcher, unsplit): {host:.1f} us", flush=True)
+        print(f"host time per run_decode call (launcher, unsplit, dense [B] / [B, n] index): {host:.1f} us",
+              flush=True)
+        split = Shape(b=1, sk=256, hq=32, hkv=8, layout="hnd", page=16, splits=4)
+        host_extra["split4"] = host_us_per_call(split.ours, n=args.host_n)
+        per_head = Shape(b=1, sk=256, hq=32, hkv=8, layout="hnd", page=16)
+        per_head.seq = per_head.seq[:, None].expand(1, 8).contiguous()
+        per_head.table = per_head.table[:, None].expand(1, 8, per_head.table.shape[1]).contiguous()
+        host_extra["per_head"] = host_us_per_call(per_head.ours, n=args.host_n)
+        print(f"  split in 4 (+ combine launch): {host_extra['split4']:.1f} us; per-kv-head [B, Hkv] / [B, Hkv, n] "
+              f"index (sparse decode's form): {host_extra['per_head']:.1f} us", flush=True)
     info.finish()
     return {"run": info.as_dict(), "read_GBps": read_bw / 1e9, "copy_GBps": copy_bw / 1e9, "host_us": host,
-            "rows": rows, "h2o_step": h2o, "ring_ab": ab, "_info": info}
+            "host_us_extra": host_extra, "rows": rows, "h2o_step": h2o, "ring_ab": ab, "_info": info}
 
 
 def markdown(info, res) -> str:

@@ -45,11 +45,11 @@ def variants(name: str, extra_splits):
     if shp.splits > 1:
         from cute_kernels import arch as _arch
         from cute_kernels.decode.combine import CombineConfig
-        from cute_kernels.decode.launch import compile_combine, compile_decode, decode_config
+        from cute_kernels.decode.launch import compile_combine, compile_decode, decode_launcher
 
         a = _arch.kernel_arch(None)
-        cfg = decode_config(shp.q, shp.k, layout=shp.layout, causal_or_right=True, has_left=False, softcap=False,
-                            block_size=0, split=True, arch=a)
+        cfg = decode_launcher(shp.q, shp.k, shp.seq, shp.table, layout=shp.layout, split=True,
+                              window_right=0).config  # the config the step runs (index form included)
         fwd = compile_decode(cfg)
         comb = compile_combine(CombineConfig(arch=a, dtype="bfloat16", head_dim=BD.D))
         fns["split_only"] = lambda: fwd(shp.q, shp.k, shp.v, shp.seq, shp.table, shp.o_part, shp.lse_part, None,

@@ -22,7 +22,7 @@ def sym(divisibility: int = 1):
     return cute.sym_int(divisibility=divisibility) if divisibility > 1 else cute.sym_int()
 
 
-def fake_tensor(dtype, shape: Sequence, *, align_bytes: int = 16, stride_order=None):
+def fake_tensor(dtype, shape: Sequence, *, align_bytes: int = 16, stride_order=None, stride32: bool = False):
     """A compact fake global-memory tensor, ROW-MAJOR (last mode stride 1) unless ``stride_order``
     says otherwise, matching how Paddle and torch lay out contiguous tensors.
 
@@ -30,11 +30,13 @@ def fake_tensor(dtype, shape: Sequence, *, align_bytes: int = 16, stride_order=N
     makes TVM-FFI reject every contiguous framework tensor ("strides[0] expected to be 1").
     ``stride_order[i]`` is mode i's rank from fastest (0) to slowest (ndim - 1).
     ``shape`` entries are ints (static) or ``sym()`` extents. ``align_bytes`` is the base-pointer
-    alignment the kernel may assume; TVM-FFI checks it on every call.
+    alignment the kernel may assume; TVM-FFI checks it on every call. ``stride32``: the dynamic strides
+    are 32-bit (index math in 32 bits: for a tensor known to hold fewer than 2^31 elements).
     """
     ndim = len(shape)
     order = tuple(stride_order) if stride_order is not None else tuple(range(ndim - 1, -1, -1))
-    return make_fake_compact_tensor(dtype, tuple(shape), stride_order=order, assumed_align=align_bytes)
+    return make_fake_compact_tensor(dtype, tuple(shape), stride_order=order, assumed_align=align_bytes,
+                                    use_32bit_stride=stride32)
 
 
 def fake_stream():

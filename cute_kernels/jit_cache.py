@@ -81,3 +81,38 @@ def fast_memo(key, build):
     if hit is None:
         hit = _FAST[key] = build()
     return hit
+
+
+#: ``fast_lookup(key)``: the ``fast_memo`` entry of ``key`` or None. The dict's own bound ``get`` (no Python
+#: frame), for launchers whose per-call cost is the point; on None they call ``fast_memo(key, build)``.
+fast_lookup = _FAST.get
+
+
+def direct_call(fn):
+    """The C entry of a function compiled with ``--enable-tvm-ffi``, when the DSL's Python ``__call__`` around
+    it would only pass the arguments through; else ``fn`` itself.
+
+    cutlass-dsl 4.8.1 wraps the ``tvm_ffi.Function`` in a Python ``__call__`` (a handle check, a pointer
+    argument conversion when the signature has pointer-address arguments, and for the ``WithKwargs`` class a
+    generated wrapper function), about 0.7 us of Python per launch on a 2-core EPYC VM. The C entry is taken
+    only when that wrapper is a plain positional pass-through: no pointer-address arguments, and a generated
+    wrapper that names nothing but its target (no defaults, keyword-only or dataclass unpacking). Callers then
+    pass every argument positionally, as the wrapper would. Any other case, or another DSL's classes, keeps
+    ``fn``."""
+    try:
+        import tvm_ffi
+    except ImportError:
+        return fn
+    if getattr(getattr(fn, "execution_args", None), "has_pointer_address_arg_specs", True):
+        return fn
+    inner = getattr(fn, "_tvm_ffi_function", None)
+    wrapper = getattr(fn, "_kwargs_wrapper", None)
+    if isinstance(inner, tvm_ffi.Function) and wrapper is not None:
+        code = getattr(wrapper, "__code__", None)
+        if (code is not None and code.co_names == ("__i_target_func",) and not wrapper.__defaults__
+                and not wrapper.__kwdefaults__ and wrapper.__globals__.get("__i_target_func") is inner):
+            return inner
+        return fn
+    if isinstance(fn, tvm_ffi.Function) and fn.__chandle__() != 0:  # the positional-only class: its C call
+        return tvm_ffi.Function.__call__.__get__(fn)
+    return fn

@@ -75,6 +75,9 @@ CASES = [
     # block_logit 64
     Case("decode_paged_split", "decode", dict(lens=(0, 1, 37, 300), hkv=2, g=4, sq=2, d=128, page=16, splits=3,
                                                 block_size=64)),
+    # the same with FA's dense [B] lengths / [B, n] table (one kernel variant reads them for every kv head), Hkv 4
+    Case("decode_paged_dense", "decode", dict(lens=(0, 1, 37, 300), hkv=4, g=4, sq=2, d=128, page=16, splits=3,
+                                                block_size=64, dense=True)),
     Case("canary_hang", "canary_hang", canary=True),
     Case("canary_mismatch", "canary_mismatch", dict(b=1, sq=130, sk=130, hq=2, hkv=2, d=64), canary=True),
 ]
@@ -691,9 +694,11 @@ def _case_decode(fw, cc: int, p: dict):
     nb = -(-width * page // bs)
     scale = d ** -0.5
     tq, tk, tv = fw.put(q, "bfloat16"), fw.put(k, "bfloat16"), fw.put(v, "bfloat16")
-    tseq, ttab = fw.put(seq, "int32"), fw.put(table, "int32")
+    dense = bool(p.get("dense"))  # FA's [B] lengths / [B, n] table, read in place by every kv head
+    tseq = fw.put(seq[:, 0].copy() if dense else seq, "int32")
+    ttab = fw.put(table[:, 0].copy() if dense else table, "int32")
     cfg = dl.decode_config(tq, tk, layout="hnd", causal_or_right=True, has_left=False, softcap=False, block_size=bs,
-                           split=True, arch=cc)
+                           split=True, arch=cc, dense_index=dense)
     info = dict(kernel="DecodeFwd + DecodeCombine", config=repr(cfg))
     _phase("compile")
     dl.compile_decode(cfg)

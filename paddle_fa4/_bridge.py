@@ -10,12 +10,14 @@ and the arch.
 from __future__ import annotations
 
 from ._validate import is_empty
-from .backend import tensor_arch
+from .backend import _capability, tensor_arch
 
 
 def kernel_arg(t):
-    """A view the kernel may read/write: detached (no autograd edge), same storage."""
-    return None if t is None else t.detach()
+    """A view the kernel may read/write with no autograd edge, same storage: ``t`` itself when it records
+    none (``stop_gradient``, the inference case: no new Tensor object per call), else ``t.detach()``
+    (also any tensor without ``stop_gradient``, e.g. torch's in tests/gpu)."""
+    return t if t is None or getattr(t, "stop_gradient", False) else t.detach()
 
 
 def as_contiguous(t):
@@ -34,17 +36,26 @@ def _compact_copy(t):
     return c if c.is_contiguous() else c.contiguous()
 
 
-def empty(shape, dtype, like):
+def empty(shape, dtype, like, place=None):
     """``paddle.empty(shape, dtype, device=like.place)``: the glue's one allocator of kernel buffers
-    (one seam, so tests/gpu can drive the glue with torch tensors)."""
+    (one seam, so tests/gpu can drive the glue with torch tensors). ``place``: ``like.place`` when the
+    caller already holds it (each ``Tensor.place`` builds a new Place object, about 0.5 us).
+
+    In dynamic mode (every glue call: the ops are ``dynamic_only``) it calls the eager op
+    ``paddle._C_ops.empty`` that ``paddle.empty`` ends in, without the wrapper's argument conversions
+    (about 3 us of Python per buffer); same tensor, ``stop_gradient`` True."""
     import paddle
 
-    return paddle.empty(list(shape), dtype=dtype, device=like.place)
+    if paddle.in_dynamic_mode():
+        return paddle._C_ops.empty(list(shape), getattr(paddle, dtype) if isinstance(dtype, str) else dtype,
+                                   like.place if place is None else place)
+    return paddle.empty(list(shape), dtype=dtype, device=like.place if place is None else place)
 
 
 def _compact(t, nbytes: int) -> bool:
-    """Whether the kernels can take ``t`` as it is: contiguous (row-major) and ``nbytes``-aligned."""
-    return t.is_contiguous() and (is_empty(t) or t.data_ptr() % nbytes == 0)
+    """Whether the kernels can take ``t`` as it is: contiguous (row-major) and ``nbytes``-aligned (an empty
+    tensor's pointer does not matter; its shape is read only when the pointer is misaligned)."""
+    return t.is_contiguous() and (t.data_ptr() % nbytes == 0 or is_empty(t))
 
 
 def kernel_input(t, nbytes: int = 16):
@@ -79,6 +90,17 @@ def require_contiguous(op: str, name: str, t) -> None:
 def require_aligned(op: str, name: str, t, nbytes: int = 16) -> None:
     if t is not None and not is_empty(t) and t.data_ptr() % nbytes != 0:
         raise ValueError(f"{op}: {name} must be {nbytes}-byte aligned for the CuTe backend")
+
+
+def device_of(t) -> tuple:
+    """``(compute capability, CUDA device index, place)`` of ``t``'s GPU with one place query: the launch
+    key's arch, the device whose SM count a launcher's grid or split heuristic reads, and the place to
+    allocate on (:func:`empty`'s ``place``)."""
+    place = t.place
+    if not place.is_gpu_place():
+        raise RuntimeError("CuTe launch requested for a tensor that is not on a CUDA place")
+    index = place.gpu_device_id()
+    return _capability(index), index, place
 
 
 def arch_of(t) -> int:

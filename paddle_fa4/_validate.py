@@ -12,6 +12,8 @@ import contextlib
 import math
 from typing import Iterable, Sequence
 
+from cute_kernels.dtypes import dtype_name as _dtype_name  # light: no cutlass import
+
 #: Floating dtypes the CuTe kernels take.
 KERNEL_FLOAT_DTYPES = ("bfloat16", "float16")
 #: Floating dtypes the reference backend additionally takes.
@@ -28,9 +30,7 @@ def is_empty(t) -> bool:
 
 def dtype_name(t) -> str:
     """Canonical dtype name of a tensor (``"bfloat16"``, ``"int32"``, ...)."""
-    from cute_kernels.dtypes import dtype_name as _name
-
-    return _name(t.dtype)
+    return _dtype_name(t.dtype)
 
 
 def check_tensor(op: str, name: str, t) -> None:
@@ -68,10 +68,11 @@ def check_same_place(op: str, tensors: dict) -> None:
     if not items:
         return
     first_name, first = items[0]
+    place = first.place  # once: each Tensor.place builds a new Place object
     for n, t in items[1:]:
-        if t.place != first.place:
+        if t.place != place:
             raise ValueError(f"{op}: {n} must be on the same place as {first_name} "
-                             f"({t.place} vs {first.place})")
+                             f"({t.place} vs {place})")
 
 
 def check_int(op: str, name: str, value, low: int | None = None, high: int | None = None) -> int:

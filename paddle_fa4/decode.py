@@ -7,10 +7,12 @@ attention over a per-(sequence, kv head) compacted page table -- exactly what
 :func:`paddle_fa4.h2o.select_pages` returns, or what :func:`block_selection_to_page_table` makes of a
 HySparse block selection. Semantics, layouts and guarantees: ``docs/api.md`` (Decode).
 
-Both ops validate everything here, then hand one form to the backend: ``seqlens`` int32
-``[B, Hkv]`` and ``table`` int32 ``[B, Hkv, n]`` (the dense ``[B]`` / ``[B, n]`` broadcast over kv
-heads), ``layout`` ``"hnd"`` / ``"nhd"`` / ``"contiguous"`` and normalised window bounds (-1 =
-unbounded). The CuTe glue (``paddle_fa4._cute.decode``) and the reference
+Both ops validate everything here, then hand the index tensors to the backend in the caller's form
+(int32; int64 is converted once): ``seqlens [B]`` with ``table [B, n]`` from
+:func:`flash_attn_with_kvcache` (dense: every kv head of a sequence reads its length and pages; no
+copy expands them over kv heads), ``seqlens [B, Hkv]`` with ``table [B, Hkv, n]`` from
+:func:`sparse_decode_attention`; ``table`` is None for a contiguous cache. Also ``layout``
+``"hnd"`` / ``"nhd"`` / ``"contiguous"`` and normalised window bounds (-1 = unbounded). The CuTe glue (``paddle_fa4._cute.decode``) and the reference
 (``paddle_fa4.reference.decode``) take the same call and return ``(out, lse | None, block_logit | None)``.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from . import _cute
 from . import _validate as V
 from .backend import resolve_backend
 from ._static import dynamic_only
@@ -118,6 +121,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=N
     cache_seqlens = _check_index(op, "cache_seqlens", cache_seqlens, [batch], "[B]", padding=False)
     if paged:
         block_table = _check_index(op, "block_table", block_table, [batch, -1], "[B, max_pages]", padding=True)
+        if batch * block_table.shape[1] > V.INT32_MAX:  # the kernel's row offset b * max_pages is 32-bit
+            raise ValueError(f"{op}: block_table must hold fewer than 2^31 page ids, got shape "
+                             f"{list(block_table.shape)}")
         sk_max = block_table.shape[1] * page
     else:
         sk_max = k_cache.shape[1]
@@ -137,13 +143,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=N
                    f"max_pages * page_size = {sk_max // max(page, 1)} * {page}" if paged else "k_cache.shape[1]")
     if paged:
         _check_pages(op, "block_table", block_table, cache_seqlens, page, num_units, sq, opts["window_left"])
-        seqlens = cache_seqlens.reshape([batch, 1]).expand([batch, hkv])
-        table = block_table.reshape([batch, 1, block_table.shape[1]]).expand([batch, hkv, block_table.shape[1]])
-    else:
-        seqlens = cache_seqlens.reshape([batch, 1]).expand([batch, hkv])
-        table = None
-    out, lse, bl = _run(op, backend, q, k_cache, v_cache, seqlens, table, layout, paged, False, sk_max, num_units,
-                        opts, return_lse or wants_bl, block_size if wants_bl else None)
+    # the dense form goes to the backend as it is: every kv head reads its sequence's length and pages
+    out, lse, bl = _run(op, backend, q, k_cache, v_cache, cache_seqlens, block_table, layout, paged, False, sk_max,
+                        num_units, opts, return_lse or wants_bl, block_size if wants_bl else None)
     if not wants_bl:
         return (out, lse) if return_lse else out
     if block_logit is not None:
@@ -219,34 +221,42 @@ def sparse_decode_attention(q, k_cache, v_cache, sparse_block_tables, sparse_seq
 def _run(op, backend, q, k_cache, v_cache, seqlens, table, layout, paged, sparse, sk_max, num_units, opts,
          return_lse, bl_size):
     """``(out, lse | None, block_logit | None)`` on the resolved backend; no launch when nothing is visible."""
-    import paddle
-
-    batch, sq, hq, _ = q.shape
-    dv = v_cache.shape[-1]
+    batch = q.shape[0]
 
     def reason(arch):
-        from ._cute import decode as glue
-
-        return glue.unsupported_reason(arch, q, k_cache, v_cache, layout=layout, paged=paged, sparse=sparse,
-                                       block_logit_size=bl_size)
+        return _glue().unsupported_reason(arch, q, k_cache, v_cache, layout=layout, paged=paged, sparse=sparse,
+                                          block_logit_size=bl_size)
 
     name = resolve_backend(op, backend, q, reason, stacklevel=5)
-    nb = -(-sk_max // bl_size) if bl_size else 0
     if batch == 0 or sk_max == 0 or num_units == 0:  # no key exists: out 0, lse / block_logit -inf
+        import paddle
+
+        _, sq, hq, _ = q.shape
+        dv = v_cache.shape[-1]
+        nb = -(-sk_max // bl_size) if bl_size else 0
         out = paddle.zeros([batch, sq, hq, dv], dtype=q.dtype, device=q.place)
         lse = paddle.full([batch, hq, sq], -math.inf, dtype="float32", device=q.place) if return_lse else None
         bl = paddle.full([batch, hq, sq, nb], -math.inf, dtype="float32", device=q.place) if bl_size else None
         return out, lse, bl
     if name == "cute":
-        from ._cute import decode as impl
+        impl = _glue()
     else:
         from .reference import decode as impl
     out, lse, bl = impl.decode_fwd(q, k_cache, v_cache, seqlens, table, layout=layout, **opts, return_lse=return_lse,
                                    block_logit_size=bl_size)
     for t in (out, lse, bl):
-        if t is not None:
+        if t is not None and not t.stop_gradient:  # the glue's buffers already are (no setter call per call)
             t.stop_gradient = True
     return out, lse, bl
+
+
+def _glue():
+    """``paddle_fa4._cute.decode``: the package attribute ``from ._cute import decode`` reads, without the import
+    statement's per-call machinery (imported on first use)."""
+    mod = getattr(_cute, "decode", None)
+    if mod is None:
+        from ._cute import decode as mod
+    return mod
 
 
 # -------------------------------------------------------------------------------- validation

@@ -3,8 +3,9 @@
 One kernel serves SM90 and SM100 (warp-level ``mma.sync`` and ``cp.async``; see ``fwd.py``), so a
 config's ``arch`` only picks the compile target. Static in a config: dtype, head dim, G (query heads
 per kv head), Sq, the cache layout and page size, which masks are live, softcap, block_logit's block
-size and whether the result goes to split partials. Batch, kv heads, pages, lengths, the window
-sizes, the scale and the split count are runtime values.
+size, whether the result goes to split partials and whether the lengths / page table are per
+sequence (dense) or per (sequence, kv head). Batch, kv heads, pages, lengths, the window sizes, the
+scale and the split count are runtime values.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class DecodeConfig:
     block_size: int = 0  # block_logit's key block (0: no block_logit)
     split: bool = False  # write fp32 split partials for the combine kernel
     ring_kb: int = RING_BYTES_PER_WARP // 1024  # K + V bytes of each warp's cp.async ring (a tuning knob)
+    # seqlens [B] and table [B, n], shared by every kv head (FA's dense cache_seqlens / block_table, passed as the
+    # caller's tensors) instead of seqlens [B, Hkv] and table [B, Hkv, n] (sparse decode's per-kv-head tables)
+    dense_index: bool = False
 
     # ---------------------------------------------------------------- derived (compile-time) sizes
     @property

@@ -5,7 +5,8 @@ block, split). GQA packing: the ``G * Sq`` query rows of kv head h (row m = s * 
 h * G + g, query token s) share the MMA's M (16 rows per m16 tile, 1 or 2 tiles per CTA; more rows
 take more row blocks, which read the keys again, mostly from L2).
 
-Keys. The keys a (b, h) sees are ``[K0, L)`` with L = seqlens[b, h] (clamped to the table's reach)
+Keys. The keys a (b, h) sees are ``[K0, L)`` with L = seqlens[b, h] (clamped to the table's reach; with
+``cfg.dense_index`` every h reads ``seqlens[b]`` and ``table[b, j]``, a kv-head stride of 0 at compile time)
 and K0 the first key any row's window reaches, rounded down to ``key_align`` (block_logit's block, or
 one 16-key step). The split count S is a launch-time value: split ``sp`` takes the ``sp``-th of S
 chunks of ``ceil((L - K0) / S)`` keys rounded up to ``WARPS * key_align``, and each warp a contiguous
@@ -82,7 +83,7 @@ class DecodeFwd:
                  mO: cute.Tensor, mLse: cute.Tensor, mBL, softmax_scale: Float32, softcap: Float32,
                  window_left: Int32, window_right: Int32, stream):
         cfg = self.cfg
-        bh = mSeq.shape[0] * mSeq.shape[1]
+        bh = mSeq.shape[0] * self._kv_heads(mSeq, mK)
         splits = mO.shape[0] if const_expr(cfg.split) else 1
         self.kernel(mQ, mK, mV, mSeq, mTable, mO, mLse, mBL, softmax_scale, softcap, window_left,
                     window_right).launch(grid=[bh * cfg.row_blocks, splits, 1], block=[32 * WARPS, 1, 1],
@@ -101,7 +102,7 @@ class DecodeFwd:
         _, n_splits, _ = cute.arch.grid_dim()
         lane = tidx % 32
         wn = tidx // 32
-        hkv = mSeq.shape[1]
+        hkv = self._kv_heads(mSeq, mK)
         rb = bidx % cfg.row_blocks
         bh = bidx // cfg.row_blocks
         b = bh // hkv
@@ -119,8 +120,8 @@ class DecodeFwd:
         if const_expr(cfg.layout == "contiguous"):
             cap = mK.shape[1]
         else:
-            cap = mTable.shape[2] * cfg.page_size
-        L = cutlass.max(cutlass.min(mSeq[b, h], cap), 0)
+            cap = self._table_slots(mTable) * cfg.page_size
+        L = cutlass.max(cutlass.min(self._seqlen(mSeq, b, h), cap), 0)
         kmin = Int32(0)
         if const_expr(cfg.mask_left):
             kmin = cutlass.max(L - Sq - window_left, 0)
@@ -403,7 +404,7 @@ class DecodeFwd:
         elif const_expr(P >= KW):  # the step's 16 keys share one page
             step_page = Int32(0)
             if step_ok:
-                step_page = mTable[b, h, t0 // P]
+                step_page = self._page_id(mTable, b, h, t0 // P)
             step_ok = step_ok & (step_page >= 0) & (step_page < num_pages)
             step_base = Int64(step_page) * st_page + Int64(t0 % P) * st_row + head_off
         elif const_expr(P >= self.rows_per_instr):  # P in {1, 8} here: each lane's rows of one page group
@@ -416,7 +417,7 @@ class DecodeFwd:
                 if const_expr(cfg.mask_left):
                     g_ok = g_ok & (t0 + (gi + 1) * P > kmin)
                 if g_ok:
-                    pg = mTable[b, h, t0 // P + gi]
+                    pg = self._page_id(mTable, b, h, t0 // P + gi)
                 grp_ok.append(g_ok & (pg >= 0) & (pg < num_pages))
                 grp_base.append(Int64(pg) * st_page + head_off)
         for it in cutlass.range_constexpr(KW // self.rows_per_instr):
@@ -437,7 +438,7 @@ class DecodeFwd:
             else:  # P = 1 with several rows per instruction: one table read per row
                 page = Int32(0)
                 if ok:
-                    page = mTable[b, h, t // P]
+                    page = self._page_id(mTable, b, h, t // P)
                 ok = ok & (page >= 0) & (page < num_pages)
                 goff = Int64(page) * st_page + Int64(t % P) * st_row + head_off
             goff = cutlass.select_(ok, goff, Int64(0)) * 2
@@ -458,3 +459,20 @@ class DecodeFwd:
                         s = m // cfg.group
                         mBL[b, h * cfg.group + (m - s * cfg.group), s, j] = rBL[r] * bl_scale
 
+    # ------------------------------------------------------------------ index tensors (trace-time helpers)
+    # Per kv head (cfg.dense_index False): seqlens [B, Hkv], table [B, Hkv, n]. Dense: seqlens [B], table [B, n],
+    # read by every kv head of the sequence (a kv-head stride of 0 known at compile time: no stride term).
+    def _kv_heads(self, mSeq, mK):
+        """Hkv: the lengths' second extent, or with dense lengths the cache's kv-head extent."""
+        if self.cfg.dense_index:
+            return mK.shape[1] if self.cfg.layout == "hnd" else mK.shape[2]
+        return mSeq.shape[1]
+
+    def _seqlen(self, mSeq, b, h):
+        return mSeq[b] if self.cfg.dense_index else mSeq[b, h]
+
+    def _table_slots(self, mTable):
+        return mTable.shape[1] if self.cfg.dense_index else mTable.shape[2]
+
+    def _page_id(self, mTable, b, h, j):
+        return mTable[b, j] if self.cfg.dense_index else mTable[b, h, j]

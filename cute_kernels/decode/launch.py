@@ -6,11 +6,17 @@ memory on the host and never synchronises, so a decode step can be captured in a
 split count is the caller's (``choose_num_splits`` picks one from shapes only). Arguments were
 validated by the Paddle layer (or the test); only internal invariants are asserted here.
 
+The dense index form (``seqlens [B]``, ``table [B, n]``: FA's ``cache_seqlens`` / ``block_table``, one
+length and page list per sequence, shared by its kv heads) is read in place by kernels compiled with
+``DecodeConfig.dense_index`` (a kv-head stride of 0 at compile time), so a caller never expands it
+over kv heads. Per call the launcher does one dict lookup on a key of the tensors' dtype, static
+extents and the options that pick a config; everything else derived from them is built on the miss.
+
 Tensors (int32 index tensors, every tensor compact row-major):
     q            [B, Sq, Hq, D]                bf16 / fp16
     k/v cache    "hnd" [pages, Hkv, P, D] | "nhd" [pages, P, Hkv, D] | "contiguous" [B, Sk, Hkv, D]
-    seqlens      [B, Hkv]                      keys of each (sequence, kv head)
-    table        [B, Hkv, n]                   page ids (None for "contiguous")
+    seqlens      [B, Hkv] | [B]                keys of each (sequence, kv head) | of each sequence (dense)
+    table        [B, Hkv, n] | [B, n]          page ids (None for "contiguous"); [B, n] iff seqlens is [B]
     out          [B, Sq, Hq, D]                q's dtype;   lse [B, Hq, Sq] fp32
     block_logit  [B, Hq, Sq, nb]               fp32 or None
     o_part       [S, B, Sq, Hq, D] fp32,  lse_part [S, B, Sq, Hq] fp32   (S = num_splits > 1 only)
@@ -20,12 +26,14 @@ from __future__ import annotations
 
 from cute_kernels import arch as _arch
 from cute_kernels.dtypes import cutlass_dtype, dtype_name
+from cute_kernels.jit_cache import direct_call as _direct
+from cute_kernels.jit_cache import fast_lookup as _lookup
 from cute_kernels.jit_cache import fast_memo as _fast
 from cute_kernels.jit_cache import jit_cache
 
 from .combine import WARPS as COMBINE_WARPS
 from .combine import CombineConfig, DecodeCombine
-from .config import MAX_SPLITS, DecodeConfig, choose_splits, unsupported_reason
+from .config import MAX_SPLITS, PAGE_SIZES, DecodeConfig, choose_splits, unsupported_reason
 from .fwd import DecodeFwd
 
 
@@ -45,8 +53,12 @@ def _fakes(cfg: DecodeConfig):
     else:
         kv_shape = (sym(), sym(), sym(), d)
     k, v = fake_tensor(dt, kv_shape), fake_tensor(dt, kv_shape)
-    seq = fake_tensor(i32, (sym(), sym()), align_bytes=4)
-    table = None if cfg.layout == "contiguous" else fake_tensor(i32, (sym(), sym(), sym()), align_bytes=4)
+    idx = (sym(),) if cfg.dense_index else (sym(), sym())  # [B] | [B, Hkv]
+    seq = fake_tensor(i32, idx, align_bytes=4)
+    # the dense table's row offset b * n in 32 bits (it holds < 2^31 ids: the Paddle layer checks), which keeps
+    # the kernel at the per-kv-head form's registers (64-bit strides there cost 18 more on sm_90a)
+    table = None if cfg.layout == "contiguous" else fake_tensor(i32, idx + (sym(),), align_bytes=4,
+                                                                 stride32=cfg.dense_index)
     if cfg.split:
         out = fake_tensor(f32, (sym(), sym(), sq, sym(), d))
         lse = fake_tensor(f32, (sym(), sym(), sq, sym()), align_bytes=4)
@@ -88,7 +100,8 @@ def compile_combine(cfg: CombineConfig):
 
 
 def decode_config(q, k_cache, *, layout: str, causal_or_right: bool, has_left: bool, softcap: bool,
-                  block_size: int, split: bool, arch: int, ring_kb: int | None = None) -> DecodeConfig:
+                  block_size: int, split: bool, arch: int, ring_kb: int | None = None,
+                  dense_index: bool = False) -> DecodeConfig:
     b, sq, hq, d = (int(x) for x in q.shape)
     if layout == "hnd":
         hkv, page = int(k_cache.shape[1]), int(k_cache.shape[2])
@@ -99,7 +112,7 @@ def decode_config(q, k_cache, *, layout: str, causal_or_right: bool, has_left: b
     return DecodeConfig(arch=arch, dtype=dtype_name(q.dtype), head_dim=d, group=hq // hkv, seqlen_q=sq, layout=layout,
                         page_size=page, mask_right=bool(causal_or_right), mask_left=bool(has_left),
                         softcap=bool(softcap), block_size=int(block_size or 0), split=bool(split),
-                        **({} if ring_kb is None else {"ring_kb": int(ring_kb)}))
+                        dense_index=bool(dense_index), **({} if ring_kb is None else {"ring_kb": int(ring_kb)}))
 
 
 def sk_max(k_cache, table, layout: str) -> int:
@@ -107,7 +120,7 @@ def sk_max(k_cache, table, layout: str) -> int:
     if layout == "contiguous":
         return int(k_cache.shape[1])
     page = int(k_cache.shape[2] if layout == "hnd" else k_cache.shape[1])
-    return int(table.shape[2]) * page
+    return int(table.shape[-1]) * page  # [B, Hkv, n] or dense [B, n]
 
 
 def choose_num_splits(q, k_cache, table, *, layout: str, sm_count: int, block_size: int = 0) -> int:
@@ -118,9 +131,10 @@ def choose_num_splits(q, k_cache, table, *, layout: str, sm_count: int, block_si
         hkv = int(q.shape[2]) // cfg.group
         return choose_splits(cfg, int(q.shape[0]), hkv, sk_max(k_cache, table, layout), int(sm_count))
 
-    key = ("splits", tuple(q.shape), tuple(k_cache.shape), None if table is None else int(table.shape[2]), layout,
-           int(sm_count), block_size)
-    return _fast(key, build)
+    key = ("splits", tuple(q.shape), tuple(k_cache.shape), None if table is None else int(table.shape[-1]), layout,
+           sm_count, block_size)
+    hit = _lookup(key)
+    return hit if hit is not None else _fast(key, build)
 
 
 def partial_shapes(q, num_splits: int) -> tuple[tuple, tuple]:
@@ -135,36 +149,81 @@ def run_decode(q, k_cache, v_cache, seqlens, table, out, lse, block_logit=None, 
     """Decode attention into ``out``/``lse`` (and ``block_logit``). Splits when ``o_part`` is given
     (its first extent is the split count, >= 2), then combines into ``out``/``lse`` in split order.
 
-    ``window_left``/``window_right``: -1 = unbounded (causal is right = 0). ``ring_kb``: override of the
-    per-warp load ring (bench A/B only).
+    ``seqlens`` / ``table``: per (sequence, kv head) ``[B, Hkv]`` / ``[B, Hkv, n]``, or dense ``[B]`` /
+    ``[B, n]`` read by every kv head (no expanded copy needed). ``window_left``/``window_right``: -1 =
+    unbounded (causal is right = 0). ``ring_kb``: override of the per-warp load ring (bench A/B only).
     """
     split = o_part is not None
-    assert not split or 2 <= int(o_part.shape[0]) <= MAX_SPLITS, f"split count must be in [2, {MAX_SPLITS}]"
-    assert (block_logit is None) == (not block_size), "block_logit must match block_size"
-    assert (table is None) == (layout == "contiguous"), "a page table iff the cache is paged"
-    if int(q.shape[0]) == 0:
-        return
-    has_left, has_right, capped = window_left >= 0, window_right >= 0, softcap > 0.0
-
-    def build():
-        a = _arch.kernel_arch(arch)
-        cfg = decode_config(q, k_cache, layout=layout, causal_or_right=has_right, has_left=has_left,
-                            softcap=capped, block_size=block_size, split=split, arch=a, ring_kb=ring_kb)
-        fwd = compile_decode(cfg)
-        comb = compile_combine(CombineConfig(arch=a, dtype=cfg.dtype, head_dim=cfg.head_dim)) if split else None
-        return fwd, comb
-
-    fwd, comb = _fast(("decode", q.dtype, tuple(q.shape[1:]), tuple(k_cache.shape[1:]) if layout != "contiguous"
-                       else (k_cache.shape[2], k_cache.shape[3]), layout, has_left, has_right, capped, block_size,
-                       split, arch, ring_kb), build)
-    cap = float(softcap) if capped else 0.0
     if split:
-        fwd(q, k_cache, v_cache, seqlens, table, o_part, lse_part, block_logit, float(softmax_scale), cap,
-            int(window_left), int(window_right))
-        comb(o_part, lse_part, out, lse)
+        assert 2 <= o_part.shape[0] <= MAX_SPLITS, f"split count must be in [2, {MAX_SPLITS}]"
+    if q.shape[0] == 0:
+        return
+    capped = softcap > 0.0
+    has_bl = block_logit is not None
+    launch = _lookup(_launch_key(q, k_cache, seqlens, table, has_bl, split, layout, window_left, window_right, capped,
+                                 block_size, arch, ring_kb))
+    if launch is None:
+        launch = decode_launcher(q, k_cache, seqlens, table, layout=layout, split=split, has_block_logit=has_bl,
+                                 window_left=window_left, window_right=window_right, softcap=softcap,
+                                 block_size=block_size, arch=arch, ring_kb=ring_kb)
+    launch(q, k_cache, v_cache, seqlens, table, out, lse, block_logit, o_part, lse_part, float(softmax_scale),
+           float(softcap) if capped else 0.0, int(window_left), int(window_right))
+
+
+def _launch_key(q, k_cache, seqlens, table, has_bl, split, layout, window_left, window_right, capped, block_size,
+                arch, ring_kb):
+    # Everything that picks the compiled pair. The dtype by identity (framework dtypes are long-lived singletons,
+    # and hashing Paddle's costs ~0.5 us); the launch function keeps a reference to it, so the id stays its own.
+    # The table's presence, block_logit's and the index ranks are checked against the config where it is built.
+    return ("decode", id(q.dtype), tuple(q.shape[1:]),
+            tuple(k_cache.shape[2:] if layout == "contiguous" else k_cache.shape[1:]), seqlens.ndim, layout,
+            window_left >= 0, window_right >= 0, capped, block_size, has_bl, split, table is None, arch, ring_kb)
+
+
+def decode_launcher(q, k_cache, seqlens, table, *, layout: str, split: bool = False, has_block_logit=None,
+                    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, block_size: int = 0,
+                    arch: int | None = None, ring_kb: int | None = None):
+    """The launch function ``run_decode`` uses for these tensors and options (memoised per launch key):
+    ``launch(q, k_cache, v_cache, seqlens, table, out, lse, block_logit, o_part, lse_part, softmax_scale,
+    softcap, window_left, window_right)`` (``softcap`` 0.0 unless capped; the scalars as Python float / int;
+    ``o_part`` / ``lse_part`` given iff ``split``). A caller that memoises it under a key of its own covering
+    everything ``run_decode``'s key holds (the Paddle glue) calls it directly and skips building that key on
+    every call. ``has_block_logit`` defaults to ``block_size > 0``."""
+    has_bl = bool(block_size) if has_block_logit is None else bool(has_block_logit)
+    capped = softcap > 0.0
+    key = _launch_key(q, k_cache, seqlens, table, has_bl, bool(split), layout, window_left, window_right, capped,
+                      block_size, arch, ring_kb)
+    hit = _lookup(key)
+    if hit is not None:
+        return hit
+    return _fast(key, lambda: _build_launch(q, k_cache, seqlens, table, has_bl, bool(split), layout=layout,
+                                            has_left=window_left >= 0, has_right=window_right >= 0, capped=capped,
+                                            block_size=block_size, arch=arch, ring_kb=ring_kb))
+
+
+def _build_launch(q, k_cache, seqlens, table, has_bl, split, *, layout, has_left, has_right, capped, block_size, arch,
+                  ring_kb):
+    """The launch function of a key: the config from shapes, both kernels compiled (or cached)."""
+    assert has_bl == bool(block_size), "block_logit must match block_size"
+    assert (table is None) == (layout == "contiguous"), "a page table iff the cache is paged"
+    assert seqlens.ndim in (1, 2) and (table is None or table.ndim == seqlens.ndim + 1), \
+        "seqlens [B] with table [B, n], or seqlens [B, Hkv] with table [B, Hkv, n]"
+    a = _arch.kernel_arch(arch)
+    cfg = decode_config(q, k_cache, layout=layout, causal_or_right=has_right, has_left=has_left, softcap=capped,
+                        block_size=block_size, split=split, arch=a, ring_kb=ring_kb, dense_index=seqlens.ndim == 1)
+    fwd = _direct(compile_decode(cfg))
+    if not split:
+        def launch(q, k, v, seqlens, table, out, lse, block_logit, o_part, lse_part, scale, cap, left, right):
+            fwd(q, k, v, seqlens, table, out, lse, block_logit, scale, cap, left, right)
     else:
-        fwd(q, k_cache, v_cache, seqlens, table, out, lse, block_logit, float(softmax_scale), cap,
-            int(window_left), int(window_right))
+        comb = _direct(compile_combine(CombineConfig(arch=a, dtype=cfg.dtype, head_dim=cfg.head_dim)))
+
+        def launch(q, k, v, seqlens, table, out, lse, block_logit, o_part, lse_part, scale, cap, left, right):
+            fwd(q, k, v, seqlens, table, o_part, lse_part, block_logit, scale, cap, left, right)
+            comb(o_part, lse_part, out, lse)
+    launch.dtype = q.dtype  # the key holds its id: this reference keeps the id this dtype's
+    launch.config = cfg
+    return launch
 
 
 # --------------------------------------------------------------------------- check.py matrix
@@ -177,6 +236,12 @@ def _decode_matrix(arch: int, full: bool = False):
         C(arch=arch, dtype="float16", head_dim=64, group=1, layout="nhd", page_size=1, mask_right=True,
           mask_left=True, softcap=True),
         C(arch=arch, group=8, seqlen_q=16, page_size=128, mask_right=True, block_size=16, split=True),
+        # the dense index form (seqlens [B], table [B, n] read by every kv head): FA's call, the serving default
+        C(arch=arch, mask_right=True, dense_index=True),
+        C(arch=arch, mask_right=True, split=True, dense_index=True),
+        C(arch=arch, dtype="float16", head_dim=64, group=1, layout="nhd", page_size=1, mask_right=True,
+          mask_left=True, softcap=True, dense_index=True),
+        C(arch=arch, layout="contiguous", page_size=0, mask_right=True, split=True, dense_index=True),
     ]
     if not full:
         return base
@@ -191,8 +256,13 @@ def _decode_matrix(arch: int, full: bool = False):
                 out.append(C(arch=arch, dtype=dt, head_dim=d, group=g, seqlen_q=sq, mask_right=True,
                              block_size=64, split=True))
             for layout in ("hnd", "nhd", "contiguous"):
-                out.append(C(arch=arch, dtype=dt, head_dim=d, layout=layout, page_size=0 if layout == "contiguous"
-                             else 64, mask_right=True, mask_left=True, softcap=True, block_size=128))
+                for dense in (False, True):
+                    out.append(C(arch=arch, dtype=dt, head_dim=d, layout=layout, page_size=0 if layout == "contiguous"
+                                 else 64, mask_right=True, mask_left=True, softcap=True, block_size=128,
+                                 dense_index=dense))
+            for p in PAGE_SIZES if dt == "bfloat16" else ():
+                out.append(C(arch=arch, dtype=dt, head_dim=d, page_size=p, mask_right=True, split=p % 2 == 0,
+                             dense_index=True))
     return list(dict.fromkeys(c for c in out if unsupported_reason(c) is None))
 
 

@@ -1,9 +1,9 @@
 """Reference (pure Paddle, float32) paged / split-KV decode attention. Semantics: ``docs/api.md`` (Decode).
 
 The same call as the CuTe glue (``paddle_fa4._cute.decode.decode_fwd``), on validated inputs in the
-one form the public ops hand both backends: ``seqlens`` int32 ``[B, Hkv]`` and ``table`` int32
-``[B, Hkv, n]`` (None for a contiguous cache), whatever the caller passed (dense ``[B]`` /
-``[B, n]`` broadcast over kv heads, or a sparse per-kv-head table).
+forms the public ops hand both backends: ``seqlens`` int32 ``[B]`` with ``table`` int32 ``[B, n]``
+(dense: shared by every kv head of the sequence) or ``[B, Hkv]`` with ``[B, Hkv, n]`` (a sparse
+per-kv-head table); ``table`` is None for a contiguous cache.
 
 Works on any place without a device sync: every mask is a tensor op. Keys are processed in chunks
 of at most :data:`TILE_BYTES` of float32 scores with an online softmax (the split over keys has
@@ -33,8 +33,9 @@ def decode_fwd(q, k_cache, v_cache, seqlens, table, *, layout, softmax_scale, ca
         q (Tensor): ``[B, Sq, Hq, D]``.
         k_cache, v_cache (Tensor): ``layout`` ``"hnd"`` ``[pages, Hkv, P, D]``, ``"nhd"``
             ``[pages, P, Hkv, D]`` or ``"contiguous"`` ``[B, Sk, Hkv, D]`` (v: ``Dv`` last).
-        seqlens (Tensor): int32 ``[B, Hkv]`` keys per (sequence, kv head).
-        table (Tensor | None): int32 ``[B, Hkv, n]`` page ids (None for ``"contiguous"``).
+        seqlens (Tensor): int32 ``[B, Hkv]`` keys per (sequence, kv head), or ``[B]`` per sequence.
+        table (Tensor | None): int32 ``[B, Hkv, n]`` page ids, or ``[B, n]`` with ``[B]`` lengths
+            (None for ``"contiguous"``).
         window_left, window_right (int): ``-1`` = unbounded; causal calls have ``window_right == 0``.
         block_logit_size (int | None): key-block size of ``block_logit``; None = not computed.
 
@@ -71,7 +72,11 @@ def _row_index(layout, t, ids, batch, hkv, rows_per_seq, page):
 
 def _decode(q, k_cache, v_cache, seqlens, table, layout, scale, left, right, softcap, return_lse, bl_size):
     batch, sq, hq, d = q.shape
-    hkv = seqlens.shape[1]
+    hkv = k_cache.shape[1] if layout == "hnd" else k_cache.shape[2]
+    if seqlens.ndim == 1:  # dense: every kv head of a sequence reads its length (and page list)
+        seqlens = seqlens.reshape([batch, 1]).expand([batch, hkv])
+        if table is not None:
+            table = table.reshape([batch, 1, table.shape[1]]).expand([batch, hkv, table.shape[1]])
     group = hq // hkv
     dv = v_cache.shape[-1]
     place = q.place

@@ -278,6 +278,26 @@ def test_as_contiguous_never_relays_out_the_callers_tensor():
     assert as_contiguous(z) is z
 
 
+def test_bridge_empty_and_kernel_arg_fast_paths():
+    """The glue's allocator (the eager op behind paddle.empty) gives paddle.empty's tensor for a dtype name or a
+    Paddle dtype; kernel_arg passes a tensor that records no autograd edge as it is (no new Tensor object per
+    call) and detaches one that does (same storage, no edge)."""
+    from cute_kernels.dtypes import dtype_name
+    from paddle_fa4 import _bridge
+
+    like = paddle.zeros([2], dtype="bfloat16")
+    for dtype, name in (("float32", "float32"), (like.dtype, "bfloat16"), ("int32", "int32")):
+        x = _bridge.empty((3, 4), dtype, like)
+        assert list(x.shape) == [3, 4] and dtype_name(x.dtype) == name and x.place == like.place and x.stop_gradient
+    assert list(_bridge.empty([0, 2], "float32", like).shape) == [0, 2]
+    a = paddle.ones([3])
+    assert _bridge.kernel_arg(a) is a and _bridge.kernel_arg(None) is None
+    g = paddle.ones([3])
+    g.stop_gradient = False
+    d = _bridge.kernel_arg(g)
+    assert d is not g and d.stop_gradient and d.data_ptr() == g.data_ptr()
+
+
 @pytest.mark.parametrize("cc,target", [(90, "sm_90a"), (100, "sm_100a"), (103, "sm_103a")])
 def test_dispatch_table_builds_for_the_exact_part(monkeypatch, cc, target):
     """9.0 -> sm_90a, 10.0 -> sm_100a, 10.3 -> sm_103a: the glue's compile key carries the tensor's exact

@@ -109,3 +109,99 @@ def test_partial_shapes_and_sk_max():
     table = np.zeros((3, 8, 7), np.int32)
     assert sk_max(k_hnd, table, "hnd") == 7 * 16 == sk_max(k_nhd, table, "nhd")
     assert sk_max(np.zeros((3, 999, 8, 128)), None, "contiguous") == 999
+
+
+def test_sk_max_of_a_dense_table():
+    import numpy as np
+
+    from cute_kernels.decode.launch import sk_max
+
+    assert sk_max(np.zeros((10, 8, 16, 128)), np.zeros((3, 7), np.int32), "hnd") == 7 * 16
+
+
+def test_dense_index_fakes_and_launch_key(monkeypatch):
+    """The dense form compiles [B] lengths / [B, n] table fakes (32-bit table strides); the launcher picks the
+    dense config from the lengths' rank, compiles once per key, and refuses mismatched ranks."""
+    import numpy as np
+
+    from cute_kernels import jit_cache
+    from cute_kernels.decode import launch
+    from cute_kernels.decode.config import DecodeConfig
+
+    _, _, _, seq, table, *_ = launch._fakes(DecodeConfig(arch=90, dense_index=True))
+    assert len(seq.shape) == 1 and len(table.shape) == 2
+    _, _, _, seq, table, *_ = launch._fakes(DecodeConfig(arch=90))
+    assert len(seq.shape) == 2 and len(table.shape) == 3
+    _, _, _, seq, table, *_ = launch._fakes(DecodeConfig(arch=90, layout="contiguous", page_size=0, dense_index=True))
+    assert len(seq.shape) == 1 and table is None
+
+    cfgs, calls = [], []
+
+    def compile_decode(cfg):
+        cfgs.append(cfg)
+        return lambda *args: calls.append(args)
+
+    monkeypatch.setattr(launch, "compile_decode", compile_decode)
+    saved = dict(jit_cache._FAST)
+    jit_cache._FAST.clear()
+    try:
+        q = np.zeros((2, 1, 8, 128), np.float16)
+        k = np.zeros((6, 2, 16, 128), np.float16)
+        out, lse = np.zeros_like(q), np.zeros((2, 8, 1), np.float32)
+        seq1, tab2 = np.zeros(2, np.int32), np.zeros((2, 3), np.int32)
+        seq2, tab3 = np.zeros((2, 2), np.int32), np.zeros((2, 2, 3), np.int32)
+
+        def run(s, t):
+            launch.run_decode(q, k, k, s, t, out, lse, layout="hnd", softmax_scale=0.1, window_right=0, arch=90)
+
+        run(seq1, tab2)
+        run(seq1, tab2)
+        run(seq2, tab3)
+        assert [c.dense_index for c in cfgs] == [True, False] and len(calls) == 3
+        assert calls[0][3] is seq1 and calls[0][4] is tab2 and calls[2][3] is seq2
+        jit_cache._FAST.clear()  # checked where a key is built (on a hit TVM-FFI checks every tensor's rank)
+        with pytest.raises(AssertionError, match="seqlens"):
+            run(seq1, tab3)
+    finally:
+        jit_cache._FAST.clear()
+        jit_cache._FAST.update(saved)
+
+
+@pytest.mark.compile
+def test_launches_take_the_compiled_functions_c_entry():
+    """The launch function calls the TVM-FFI C entry of both kernels (jit_cache.direct_call: the DSL's Python
+    __call__ only passes the arguments through for these signatures), in a subprocess (the DSL target)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
+        "from cute_kernels.decode import launch as L\n"
+        "from cute_kernels.decode.config import DecodeConfig\n"
+        "from cute_kernels.decode.combine import CombineConfig\n"
+        "from cute_kernels.jit_cache import direct_call\n"
+        "f = L.compile_decode(DecodeConfig(arch=90, dtype='float16', head_dim=64, group=1, layout='nhd', page_size=1,"
+        " mask_right=True, dense_index=True))\n"
+        "c = L.compile_combine(CombineConfig(arch=90, head_dim=64))\n"
+        "print(direct_call(f) is f._tvm_ffi_function, direct_call(c) is c._tvm_ffi_function)\n")
+    root = __file__.rsplit("/tests/", 1)[0]
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "True True"
+
+
+def test_direct_call_keeps_anything_else():
+    from types import SimpleNamespace
+
+    from cute_kernels.jit_cache import direct_call
+
+    plain = lambda *a: a  # noqa: E731
+    assert direct_call(plain) is plain
+    ptr = SimpleNamespace(execution_args=SimpleNamespace(has_pointer_address_arg_specs=True), _tvm_ffi_function=plain)
+    assert direct_call(ptr) is ptr
+
+    def wrapper(a, b=1):  # a wrapper with a default (or anything but a bare target call) is not bypassed
+        return a
+    odd = SimpleNamespace(execution_args=SimpleNamespace(has_pointer_address_arg_specs=False), _tvm_ffi_function=plain,
+                          _kwargs_wrapper=wrapper)
+    assert direct_call(odd) is odd

@@ -341,6 +341,32 @@ def test_sparse_equals_dense_with_broadcast_tables():
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+@pytest.mark.parametrize("layout", ["hnd", "nhd", "contiguous"])
+def test_reference_dense_index_is_a_zero_kv_head_stride(layout):
+    """The backends' dense form (seqlens [B], table [B, n]: what flash_attn_with_kvcache hands them, no copy)
+    means the per-kv-head form with the same row for every kv head (a kv-head stride of 0): bitwise equal
+    through the reference, with a window, softcap and block_logit, Hkv 3."""
+    from paddle_fa4.reference import decode as ref
+
+    case = make_case(23, [0, 13, 40], hkv=3, group=2, sq=2, page=8)
+    q, k, v, lens, table = tensors(case)
+    if layout == "nhd":
+        k, v = k.transpose([0, 2, 1, 3]).contiguous(), v.transpose([0, 2, 1, 3]).contiguous()
+    if layout == "contiguous":  # [B, Sk, Hkv, D]
+        rng = np.random.default_rng(3)
+        k = paddle.to_tensor(rng.standard_normal((3, 48, 3, 32)), dtype="float32")
+        v = paddle.to_tensor(rng.standard_normal((3, 48, 3, 32)), dtype="float32")
+        table = None
+    kw = dict(layout=layout, softmax_scale=0.3, causal=False, window_left=7, window_right=1, softcap=4.0,
+              num_splits=None, return_lse=True, block_logit_size=16)
+    dense = ref.decode_fwd(q, k, v, lens, table, **kw)
+    per_head = ref.decode_fwd(q, k, v, paddle.to_tensor(np.repeat(case["lens"][:, None], 3, 1)),
+                              None if table is None else paddle.to_tensor(np.repeat(case["table"][:, None], 3, 1)),
+                              **kw)
+    for a, b in zip(dense, per_head):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 def real_positions(dense_table_row, sparse_row, n_tokens, page):
     """Real key positions of the first ``n_tokens`` compacted keys of a sparse row."""
     logical = {int(p): j for j, p in enumerate(dense_table_row)}

@@ -323,9 +323,8 @@ def test_glue_receives_the_contract_form(fake_glue):
     assert r == dict(arch=90, layout="hnd", paged=True, sparse=False, block_logit_size=16, k_shape=list(k.shape))
     assert c["layout"] == "hnd" and c["window_left"] == 7 and c["window_right"] == 0 and c["causal"] is True
     assert c["num_splits"] is None and c["return_lse"] is True and c["block_logit_size"] == 16
-    assert c["seqlens"].dtype == paddle.int32 and c["seqlens"].numpy().tolist() == [[20, 20], [9, 9]]
-    assert c["table"].dtype == paddle.int32 and list(c["table"].shape) == [2, 2, 5]
-    np.testing.assert_array_equal(c["table"].numpy()[:, 1], case["table"])
+    # the dense form reaches the backend as the caller's own int32 tensors: no copy expands them over kv heads
+    assert c["seqlens"] is lens and c["table"] is table
     assert bl is buf and not np.isnan(buf.numpy()).any()  # the glue's block_logit lands in the caller's buffer
     ref = paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table, window_size=(7, 3), block_size=16,
                                              return_block_logit=True, backend="reference")
@@ -347,7 +346,7 @@ def test_glue_layouts_and_sparse(fake_glue):
     kc = paddle.zeros([1, 30, 2, 32])
     paddle_fa4.flash_attn_with_kvcache(q, kc, kc, lens)
     c = fake_glue.calls[-1]
-    assert c["layout"] == "contiguous" and c["table"] is None and c["seqlens"].numpy().tolist() == [[12, 12]]
+    assert c["layout"] == "contiguous" and c["table"] is None and c["seqlens"] is lens
     st = paddle.to_tensor(np.repeat(case["table"][:, None], 2, 1))
     sl = paddle.to_tensor(np.array([[12, 5]], dtype=np.int32))
     paddle_fa4.sparse_decode_attention(q, k, v, st, sl, return_lse=True)
@@ -398,3 +397,132 @@ def test_int64_index_tensors_give_the_int32_result():
     got = _helper(a, blk=blk.astype("int64"), table=a["table"].astype("int64"), lens=a["lens"].astype("int64"))
     for w, g in zip(want, got):
         np.testing.assert_array_equal(w.numpy(), g.numpy())
+
+
+# ------------------------------------------------- the CuTe path up to the kernel call (no GPU needed)
+@pytest.fixture
+def stub_kernel(monkeypatch):
+    """The real op, glue and launcher on CPU tensors up to the compiled kernel: the backend resolves to
+    "cute", the arch reads 90 and the SM count 132, and the compile functions return recorders of the launch
+    arguments (``rec.cfgs``: configs compiled; ``rec.calls``: the decode kernel's tensor arguments). The
+    launch memos are emptied for the test and restored after it, so no stub outlives it."""
+    from types import SimpleNamespace
+
+    import paddle_fa4.decode as dec
+    from cute_kernels import arch as _arch
+    from cute_kernels import jit_cache
+    from cute_kernels.decode import launch
+    from paddle_fa4._cute import decode as glue
+
+    rec = SimpleNamespace(cfgs=[], calls=[], combines=0)
+
+    def compile_decode(cfg):
+        rec.cfgs.append(cfg)
+        return lambda *args: rec.calls.append(args)
+
+    def compile_combine(cfg):
+        def comb(*args):
+            rec.combines += 1
+        return comb
+
+    monkeypatch.setattr(launch, "compile_decode", compile_decode)
+    monkeypatch.setattr(launch, "compile_combine", compile_combine)
+    monkeypatch.setattr(glue, "device_of", lambda t: (90, 0, t.place))
+    monkeypatch.setattr(_arch, "device_sm_count", lambda index: 132)
+    monkeypatch.setattr(dec, "resolve_backend", lambda op, backend, tensor, reason, stacklevel=4: "cute")
+    saved = (dict(jit_cache._FAST), dict(glue._PLANS))
+    jit_cache._FAST.clear()
+    glue._PLANS.clear()
+    yield rec
+    jit_cache._FAST.clear()
+    jit_cache._FAST.update(saved[0])
+    glue._PLANS.clear()
+    glue._PLANS.update(saved[1])
+
+
+def test_dense_index_reaches_the_kernel_as_the_callers_tensors(stub_kernel):
+    """flash_attn_with_kvcache's [B] lengths and [B, max_pages] table reach the kernel as the caller's own
+    int32 tensors (no copy expands them over the kv heads; Hkv = 2 here) and select the dense-index kernel;
+    a second call of the same shapes compiles nothing and launches with the same objects."""
+    case = make_case(70, [20, 9], hkv=2, group=2, page=8)
+    q, k, v, lens, table = tensors(case)
+    q, k, v = (x.astype("bfloat16") for x in (q, k, v))
+    for _ in range(2):
+        paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table, num_splits=1)
+    assert len(stub_kernel.cfgs) == 1 and stub_kernel.cfgs[0].dense_index and not stub_kernel.cfgs[0].split
+    for call in stub_kernel.calls:
+        assert call[3] is lens and call[4] is table  # seqlens, table
+    # split: the same tensors, the split kernel and the combine
+    paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table, num_splits=3)
+    assert stub_kernel.cfgs[-1].dense_index and stub_kernel.cfgs[-1].split and stub_kernel.combines == 1
+    assert stub_kernel.calls[-1][3] is lens and stub_kernel.calls[-1][4] is table
+    assert list(stub_kernel.calls[-1][5].shape) == [3, 2, 1, 4, 32]  # o_part [S, B, Sq, Hq, D]
+    # contiguous cache: the [B] lengths as they are, no table
+    kc = paddle.zeros([2, 30, 2, 32], dtype="bfloat16")
+    paddle_fa4.flash_attn_with_kvcache(q, kc, kc, lens, num_splits=1)
+    assert stub_kernel.cfgs[-1].dense_index and stub_kernel.cfgs[-1].layout == "contiguous"
+    assert stub_kernel.calls[-1][3] is lens and stub_kernel.calls[-1][4] is None
+
+
+def test_per_kv_head_tables_reach_the_kernel_as_given(stub_kernel):
+    case = make_case(71, [12, 30], hkv=2, group=1, page=4)
+    q, k, v, _, _ = (x.astype("bfloat16") if x.dtype == paddle.float32 else x for x in tensors(case))
+    st = paddle.to_tensor(np.repeat(case["table"][:, None], 2, 1))
+    sl = paddle.to_tensor(np.array([[12, 5], [30, 1]], dtype=np.int32))
+    paddle_fa4.sparse_decode_attention(q, k, v, st, sl, num_splits=1)
+    assert not stub_kernel.cfgs[-1].dense_index
+    assert stub_kernel.calls[-1][3] is sl and stub_kernel.calls[-1][4] is st
+
+
+def test_converted_or_strided_index_tensors_are_copied_once_not_expanded(stub_kernel):
+    """int64 index tensors are converted (one int32 copy, the documented cost); a strided table (a transposed
+    buffer) is read through one compact copy; both keep the dense shapes [B] / [B, max_pages]."""
+    case = make_case(72, [20, 9], hkv=2, group=2, page=8)
+    q, k, v, lens, table = tensors(case)
+    q, k, v = (x.astype("bfloat16") for x in (q, k, v))
+    paddle_fa4.flash_attn_with_kvcache(q, k, v, lens.astype("int64"), block_table=table.astype("int64"),
+                                       num_splits=1)
+    seq_arg, tab_arg = stub_kernel.calls[-1][3:5]
+    assert seq_arg.dtype == paddle.int32 and list(seq_arg.shape) == [2] and list(tab_arg.shape) == list(table.shape)
+    np.testing.assert_array_equal(tab_arg.numpy(), case["table"])
+    strided = paddle.to_tensor(np.ascontiguousarray(case["table"].T)).transpose([1, 0])
+    assert not strided.is_contiguous()
+    paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=strided, num_splits=1)
+    tab_arg = stub_kernel.calls[-1][4]
+    assert tab_arg is not strided and tab_arg.is_contiguous() and list(tab_arg.shape) == list(table.shape)
+    np.testing.assert_array_equal(tab_arg.numpy(), case["table"])
+    assert stub_kernel.calls[-1][3] is lens
+
+
+def test_auto_splits_and_outputs_from_the_cached_plan(stub_kernel):
+    """num_splits=None: the split count from shapes (SM count 132), partials and block_logit sized by the plan;
+    the plan is built once per shape key."""
+    from paddle_fa4._cute import decode as glue
+
+    case = make_case(73, [4000], hkv=2, group=4, page=64)
+    q, k, v, lens, table = tensors(case)
+    q, k, v = (x.astype("bfloat16") for x in (q, k, v))
+    for _ in range(2):
+        out, lse, bl = paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table,
+                                                          return_block_logit=True, block_size=64)
+    assert len(glue._PLANS) == 1
+    (launch, bl_shape, o_shape, l_shape), = glue._PLANS.values()
+    splits = o_shape[0]
+    assert splits > 1 and l_shape[0] == splits and launch.config.split and launch.config.dense_index
+    sk_max = case["table"].shape[1] * 64
+    assert bl_shape == (1, 8, 1, -(-sk_max // 64)) and list(bl.shape) == list(bl_shape)
+    assert list(out.shape) == [1, 1, 8, 32] and list(lse.shape) == [1, 8, 1]
+    assert len(stub_kernel.cfgs) == 1 and stub_kernel.cfgs[0].split and stub_kernel.cfgs[0].block_size == 64
+
+
+def test_block_table_entry_limit(monkeypatch):
+    """The dense table's row offset is 32-bit: a table of 2^31 or more entries is refused before any work
+    (shown with the bound lowered: such a table does not fit this machine)."""
+    import paddle_fa4._validate as V
+
+    a = _base()  # table [2, 5]
+    _dense(a)  # 10 entries: fine
+    monkeypatch.setattr(V, "INT32_MAX", 9)
+    with pytest.raises(ValueError, match=r"flash_attn_with_kvcache: block_table must hold fewer than 2\^31 page "
+                                         r"ids, got shape \[2, 5\]"):
+        _dense(a)

@@ -6,7 +6,8 @@ sizes 1/16/64/128, ragged lengths (0, 1, not a multiple of P), padding page ids 
 unused page tails and unlisted pages, Sq 1/2/4/16 bottom-right causal, window, softcap, G 1/4/8/16
 and MQA (G 64), D 64/128/256, bf16/fp16, the three cache layouts, per-kv-head (sparse) tables,
 block_logit's exact -inf pattern, split vs unsplit within tolerance and each bitwise repeatable over
-3 runs, CUDA-graph capture then replay with changed lengths.
+3 runs, CUDA-graph capture then replay with changed lengths, FA's dense [B] / [B, n] index form (read in
+place by every kv head) bitwise equal to the per-kv-head form.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ def glue(monkeypatch):
     from paddle_fa4 import _bridge
     from paddle_fa4._cute import decode as dec
 
-    def empty(shape, dtype, like):
+    def empty(shape, dtype, like, place=None):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         return torch.full(list(shape), float("nan"), dtype=dtype, device=like.device)
 
     monkeypatch.setattr(_bridge, "empty", empty)
-    monkeypatch.setattr(dec, "arch_of", lambda t: torch_cuda_arch())
+    monkeypatch.setattr(dec, "device_of", lambda t: (torch_cuda_arch(), t.device.index or 0, t.device))
     return dec
 
 
@@ -236,6 +237,80 @@ def test_per_kv_head_tables(glue):
     """Sparse decode's form: each (sequence, kv head) lists its own pages and length."""
     lens = np.array([[0, 5, 300, 64], [129, 1, 0, 1000]])
     full_check(glue, make_case(80, lens=lens, hkv=4, per_head=True), splits=(1, 3))
+
+
+def dense_form(case):
+    """The case's per-kv-head index tensors as FA's dense ``[B]`` lengths / ``[B, n]`` table (every kv head of a
+    sequence shares them: make_case without per_head), fresh compact tensors."""
+    q, k, v, seq, table = case
+    assert bool((seq == seq[:, :1]).all()) and (table is None or bool((table == table[:, :1]).all()))
+    return q, k, v, seq[:, 0].contiguous(), None if table is None else table[:, 0].contiguous()
+
+
+def _bitwise_equal(a, b):
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32),
+                               y.view(torch.int16) if y.element_size() == 2 else y.view(torch.int32))
+
+
+@pytest.mark.parametrize("layout,page,hkv,group,sq,bs,left", [
+    ("hnd", 16, 4, 4, 1, 0, -1),
+    ("hnd", 64, 2, 8, 4, 64, -1),
+    ("hnd", 1, 2, 4, 2, 0, -1),  # one table read per key row
+    ("hnd", 8, 8, 1, 1, 16, 50),  # page groups of a lane's rows; a left window
+    ("nhd", 32, 4, 2, 2, 0, -1),
+    ("contiguous", 0, 4, 4, 1, 64, -1),
+])
+def test_dense_index_form_equals_per_kv_head(glue, layout, page, hkv, group, sq, bs, left):
+    """FA's dense [B] lengths / [B, n] table read in place by every kv head (kernels compiled with dense_index,
+    no expanded copy) give bitwise the per-kv-head [B, Hkv] / [B, Hkv, n] result (split and unsplit), and both
+    match the oracle; Hkv > 1 so a wrong kv-head stride would read another head's row."""
+    case = make_case(200 + page + hkv, lens=[0, 1, 37, 300, 129], hkv=hkv, group=group, sq=sq,
+                     page=page or 16, layout=layout)
+    dense = dense_form(case)
+    kw = dict(layout=layout, bs=bs, causal=left < 0, left=left, right=0)
+    ref = reference(case, nb=_nb(case, layout, bs) if bs else 0, **kw)
+    for s in (1, 3):
+        per_head = run_glue(glue, case, splits=s, **kw)
+        got = run_glue(glue, dense, splits=s, **kw)
+        check(got, ref, case[0].dtype, bs)
+        _bitwise_equal(got, per_head)
+
+
+def test_dense_index_reaches_the_launcher_uncopied(glue, monkeypatch):
+    """The glue hands the launcher the caller's compact dense index tensors themselves (no expand, no copy);
+    a strided one (a column slice of a wider table) goes through one compact copy, same result."""
+    from cute_kernels.decode import launch
+
+    case = dense_form(make_case(210, lens=[5, 300, 64], hkv=4, page=16))
+    q, k, v, seq, table = case
+    seen = []
+    real = launch.decode_launcher
+
+    def spy_launcher(*a, **kw):  # the glue's plan holds the launch function: record what it is called with
+        fn = real(*a, **kw)
+
+        def launch_fn(*args):
+            seen.append((args[3], args[4]))
+            return fn(*args)
+        return launch_fn
+
+    monkeypatch.setattr(launch, "decode_launcher", spy_launcher)
+    monkeypatch.setattr(glue, "_PLANS", {})  # plans built here hold the spy; dropped after the test
+    want = run_glue(glue, case, splits=1)
+    # the same storage (torch tensors are passed detached: a new object over the caller's memory)
+    for got_t, user_t in zip(seen[-1], (seq, table)):
+        assert got_t.data_ptr() == user_t.data_ptr() and tuple(got_t.shape) == tuple(user_t.shape)
+    wide = torch.full((table.shape[0], table.shape[1] + 5), -1, dtype=torch.int32, device=table.device)
+    wide[:, :table.shape[1]] = table
+    strided = wide[:, :table.shape[1]]
+    assert not strided.is_contiguous()
+    got = run_glue(glue, (q, k, v, seq, strided), splits=1)
+    copied = seen[-1][1]
+    assert copied.data_ptr() != wide.data_ptr() and copied.is_contiguous() and tuple(copied.shape) == tuple(table.shape)
+    _bitwise_equal(got, want)
 
 
 def test_auto_splits_long(glue):
