@@ -238,7 +238,7 @@ def run_ab(args, timer) -> list:
                dict(b=1, sk=32768, hq=32, hkv=8, layout="hnd", page=64),
                dict(b=8, sk=8192, hq=32, hkv=8, layout="hnd", page=64)):
         shapes = {"auto": Shape(**kw)}
-        for s in (8, 16, 64):
+        for s in (2, 4, 8, 16, 32):
             shapes[f"s{s}"] = Shape(**kw, splits=s)
         res = bench_windows({n: sh.ours for n, sh in shapes.items()}, rounds=args.rounds, timer=timer)
         line = {"shape": kw, "auto_splits": shapes["auto"].splits,

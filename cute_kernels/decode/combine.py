@@ -7,8 +7,8 @@
 split saw no key), ``lse_part [S, B, Sq, Hq]`` fp32 (-inf where empty). One warp per output row
 (b, s, hq); lane ``i`` owns the ``D / 32`` contiguous elements at ``i * D / 32``. The split weights are
 computed lane-parallel (lane i: splits i, i + 32, ...; max and sum by butterfly, a fixed pattern) and
-staged in shared memory; the weighted sum of the partials runs over s = 0, 1, ... in that order with the
-loads of 8 splits issued together. At most ``MAX_SPLITS`` splits.
+staged in shared memory; the weighted sum of the partials runs over s = 0, 1, ... in that order, the
+loads of 16 splits issued together before their multiply-adds. At most ``MAX_SPLITS`` splits.
 
 Launched as a programmatic dependent of the split kernel (``use_pdl``): its launch overlaps the split
 kernel's tail, and ``griddepcontrol.wait`` at its start holds every thread until the split grid has
@@ -31,7 +31,7 @@ from cute_kernels.dtypes import cutlass_dtype
 
 WARPS = 4
 MAX_SPLITS = 128  # config.MAX_SPLITS: the launcher never passes more partials
-UNROLL = 8
+UNROLL = 16
 
 
 @dataclass(frozen=True)
@@ -98,13 +98,23 @@ class DecodeCombine:
             acc = cute.make_rmem_tensor(cute.make_layout(self.vec), Float32)
             acc.fill(0.0)
             d0 = lane * self.vec
-            for base in cutlass.range(0, n, UNROLL, unroll=1):  # loads of UNROLL splits in flight, summed in order
+            vals = cute.make_rmem_tensor(cute.make_layout((UNROLL, self.vec)), Float32)
+            for base in cutlass.range(0, n, UNROLL, unroll=1):
+                # every load of UNROLL splits issued before the first multiply-add (one memory round trip per
+                # UNROLL splits), then summed in split order
+                for u in cutlass.range_constexpr(UNROLL):
+                    sp = base + u
+                    for v in cutlass.range_constexpr(self.vec):
+                        vals[u, v] = Float32(0.0)
+                    if sp < n:
+                        for v in cutlass.range_constexpr(self.vec):
+                            vals[u, v] = mOp[sp, b, s, h, d0 + v]
                 for u in cutlass.range_constexpr(UNROLL):
                     sp = base + u
                     if sp < n:
                         w = sW[warp, sp]
                         for v in cutlass.range_constexpr(self.vec):
-                            acc[v] = acc[v] + w * mOp[sp, b, s, h, d0 + v]
+                            acc[v] = acc[v] + w * vals[u, v]
             empty = tot == 0.0 or tot != tot
             inv = Float32(0.0) if empty else 1.0 / tot
             for v in cutlass.range_constexpr(self.vec):

@@ -135,11 +135,14 @@ def ctas_per_sm(cfg: DecodeConfig) -> int:
 def choose_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, sk_max: int, sm_count: int) -> int:
     """Split count from shapes only (never a device read, so a CUDA graph can capture it).
 
-    Enough CTAs to fill ``sm_count * ctas_per_sm`` slots, at least ``MIN_KEYS_PER_SPLIT`` keys a split,
+    Enough CTAs to give every SM one (``sm_count``), at least ``MIN_KEYS_PER_SPLIT`` keys a split,
     and among the counts that qualify the smallest whose waves are within 5 % of the fullest.
     """
     base = max(1, batch * num_kv_heads * cfg.row_blocks)
-    slots = sm_count * ctas_per_sm(cfg)
+    # one CTA per SM, not every resident slot: on an H100 at B 1, Sk 32K, Hkv 8, 16 splits (128 CTAs) took
+    # 54.2 us against 57.1 us for 33 (264 CTAs, two per SM), fewer partials for the combine too
+    # (bench/decode_probe.py, docs/decode.md)
+    slots = sm_count
     cap = max(1, min(MAX_SPLITS, sk_max // MIN_KEYS_PER_SPLIT))
     if base >= slots or cap == 1:
         return 1
