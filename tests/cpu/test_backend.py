@@ -336,11 +336,16 @@ def test_parts_without_a_build_fall_back(monkeypatch, fresh_warnings, cc):
         paddle_fa4.flash_attn_fwd(q, q, q, backend="cute")
 
 
-def test_auto_holds_back_paths_not_yet_run_on_a_gpu(fake_gpu, fresh_warnings):
-    """``NOT_YET_RUN`` (SM90 FlashMask / block_bos paths, compiled but never run on a GPU): ``auto`` takes the
-    reference for them and says why, ``cute`` runs the kernel, dense calls and SM100 are not held back."""
+def test_auto_holds_back_paths_not_yet_run_on_a_gpu(fake_gpu, fresh_warnings, monkeypatch):
+    """``NOT_YET_RUN`` (kernel paths compiled but never run on a GPU): ``auto`` takes the reference for them and
+    says why, ``cute`` runs the kernel, dense calls and SM100 are not held back. Empty today (the SM90 FlashMask
+    paths ran on an H100): auto takes the kernel for them; the mechanism is checked with an entry put back."""
     q = t([1, 32, 2, 64], "bfloat16")
     lts = paddle.full([1, 1, 32, 1], 32, dtype="int32")
+    spec = validate_fwd(q, q, q, None, True, (None, None), 0.0, None, None, None, None, None, 64, True, None,
+                        startend_row_indices=lts)
+    assert not glue.NOT_YET_RUN and glue.unverified_reason(90, spec) is None  # auto: the GPU-run kernel
+    monkeypatch.setattr(glue, "NOT_YET_RUN", {(90, "startend_row_indices")})
     with pytest.warns(UserWarning, match="startend_row_indices path has not run on a GPU yet"):
         out, _ = paddle_fa4.flash_attn_fwd(q, q, q, causal=True, startend_row_indices=lts)
     assert not fake_gpu.runs and float(out.astype("float32").abs().max()) != 7.0
@@ -350,7 +355,5 @@ def test_auto_holds_back_paths_not_yet_run_on_a_gpu(fake_gpu, fresh_warnings):
     assert backend_mod.resolve_backend("op", "cute", q, lambda arch: None, auto_reason=held) == "cute"
     with pytest.warns(UserWarning, match=r"op: using the reference backend \(not run yet\)"):
         assert backend_mod.resolve_backend("op", "auto", q, lambda arch: None, auto_reason=held) == "reference"
-    spec = validate_fwd(q, q, q, None, True, (None, None), 0.0, None, None, None, None, None, 64, True, None,
-                        startend_row_indices=lts)
     assert "startend_row_indices" in glue.unverified_reason(90, spec)
     assert glue.unverified_reason(100, spec) is None and glue.unverified_reason(90, spec_for(q, q, q)) is None
