@@ -201,7 +201,7 @@ def _fmt(row):
 
 def plan(quick: bool, heads=HEADS, kinds=("dense", "blk", "sparse"), layouts=("contiguous", "hnd16", "hnd64")):
     out = []
-    for hq, hkv in heads:
+    for hq, hkv in heads if "dense" in kinds else ():
         for layout, page in (("contiguous", 0), ("hnd", 16), ("hnd", 64)):
             if (layout if layout == "contiguous" else f"{layout}{page}") not in layouts:
                 continue
