@@ -560,3 +560,27 @@ def write_markdown(path, text: str) -> None:
     else:
         with open(path, "w") as fh:
             fh.write(text)
+
+
+def cpu_us_per_call(fn, n: int, repeats: int) -> dict:
+    """``{"median", "min"}`` microseconds per call over ``repeats`` timings of ``n`` calls with no GPU involved
+    (the CPU host-path benches; on a shared or virtualised CPU the minimum is the steadier figure)."""
+    import statistics
+
+    return host_us_per_call(fn, n=n, repeats=repeats, busy=False,
+                            summarize=lambda v: {"median": statistics.median(v), "min": min(v)})
+
+
+def write_host_rows(path, rows: dict, argv, n: int, repeats: int, **extra) -> None:
+    """The CPU host-path benches' JSON: ``{"run": {date, cpu, n, repeats, command, **extra}, "us_per_call": rows}``."""
+    import json
+    import platform
+
+    if not path:
+        return
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "cpu": platform.processor() or platform.machine(), "n": n, "repeats": repeats, **extra,
+            "command": " ".join([os.path.basename(sys.argv[0])] + list(argv if argv is not None else sys.argv[1:]))}
+    with open(path, "w") as fh:
+        json.dump({"run": info, "us_per_call": rows}, fh, indent=1)
+

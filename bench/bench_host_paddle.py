@@ -29,17 +29,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _timing import host_us_per_call  # noqa: E402
+from _timing import cpu_us_per_call, write_host_rows  # noqa: E402
 
 
 def _noop(*args, **kwargs):
@@ -73,11 +69,6 @@ def stubbed_launch(arch: int = 90):
             setattr(mod, name, value)
 
 
-def per_call_us(fn, n: int, repeats: int) -> dict:
-    """``{"median", "min"}`` microseconds per call over ``repeats`` timings of ``n`` calls (on a shared
-    or virtualised CPU the minimum is the steadier figure)."""
-    return host_us_per_call(fn, n=n, repeats=repeats, busy=False,
-                            summarize=lambda v: {"median": statistics.median(v), "min": min(v)})
 
 
 def make_calls(paddle, pf):
@@ -153,14 +144,9 @@ def main(argv=None) -> int:
     with stubbed_launch():
         calls = make_calls(paddle, pf)
         for name, fn in calls.items():
-            rows[name] = per_call_us(fn, args.n, args.repeats)
+            rows[name] = cpu_us_per_call(fn, args.n, args.repeats)
             print(f"{name:9s} {rows[name]['median']:8.1f} us per call (min {rows[name]['min']:.1f})", flush=True)
-    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "paddle": paddle.__version__,
-            "cpu": platform.processor() or platform.machine(), "n": args.n, "repeats": args.repeats,
-            "command": " ".join([os.path.basename(sys.argv[0])] + list(argv if argv is not None else sys.argv[1:]))}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"run": info, "us_per_call": rows}, fh, indent=1)
+    write_host_rows(args.json, rows, argv, args.n, args.repeats, paddle=paddle.__version__)
     return 0
 
 

@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _timing import host_us_per_call  # noqa: E402
+from _timing import cpu_us_per_call, write_host_rows  # noqa: E402
 
 B, HQ, HKV, D, P, PAGES = 1, 32, 8, 128, 16, 16
 
@@ -89,9 +86,6 @@ def stubbed(arch: int = 90):
             m.update(k)
 
 
-def per_call_us(fn, n: int, repeats: int) -> dict:
-    return host_us_per_call(fn, n=n, repeats=repeats, busy=False,
-                            summarize=lambda v: {"median": statistics.median(v), "min": min(v)})
 
 
 def launcher_calls():
@@ -170,15 +164,9 @@ def main(argv=None) -> int:
         if groups & {"glue", "op"}:
             calls.update({n: f for n, f in paddle_calls(args.glue_form).items() if n.split("_")[0] in groups})
         for name, fn in calls.items():
-            rows[name] = per_call_us(fn, args.n, args.repeats)
+            rows[name] = cpu_us_per_call(fn, args.n, args.repeats)
             print(f"{name:16s} {rows[name]['median']:8.2f} us per call (min {rows[name]['min']:.2f})", flush=True)
-    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(), "n": args.n,
-            "repeats": args.repeats,
-            "command": " ".join([os.path.basename(sys.argv[0])] + list(argv if argv is not None else sys.argv[1:]))}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"run": info, "us_per_call": rows}, fh, indent=1)
+    write_host_rows(args.json, rows, argv, args.n, args.repeats, python=platform.python_version())
     return 0
 
 
