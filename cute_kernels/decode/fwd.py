@@ -269,24 +269,29 @@ class DecodeFwd:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         o_words = KG * MB * D
-        o_base = kg * MB * D
+        o_col = 0
         if const_expr(DS > 1):
-            o_base = o_base + dh * DO  # this warp's columns
+            o_col = dh * DO  # this warp's columns
         for mt in cutlass.range_constexpr(MT):
             for nd in cutlass.range_constexpr(DO // 8):
                 for j in cutlass.range_constexpr(4):
                     r = mt * 16 + lane // 4 + 8 * (j // 2)
-                    sW[o_base + r * D + nd * 8 + (lane % 4) * 2 + j % 2] = rO[mt, nd, j]
-        # a group's warps hold the same (max, sum): its first warp writes them
-        stats_writer = lane % 4 == 0
-        if const_expr(DS > 1):
-            stats_writer = stats_writer & (dh == 0)
+                    if const_expr(DS > 1):
+                        sW[(kg * MB + r) * D + o_col + nd * 8 + (lane % 4) * 2 + j % 2] = rO[mt, nd, j]
+                    else:
+                        sW[(kg * MB + r) * D + nd * 8 + (lane % 4) * 2 + j % 2] = rO[mt, nd, j]
         for r in cutlass.range_constexpr(2 * MT):
             tot = row_allreduce(sm.row_sum[r], 4, operator.add)
-            if stats_writer:
-                rr = (r // 2) * 16 + (r % 2) * 8 + lane // 4
-                sW[o_words + kg * MB + rr] = sm.row_max[r]
-                sW[o_words + KG * MB + kg * MB + rr] = tot
+            if const_expr(DS > 1):
+                if (lane % 4 == 0) & (dh == 0):  # a pair holds the same (max, sum): its first warp writes them
+                    rr = (r // 2) * 16 + (r % 2) * 8 + lane // 4
+                    sW[o_words + kg * MB + rr] = sm.row_max[r]
+                    sW[o_words + KG * MB + kg * MB + rr] = tot
+            else:
+                if lane % 4 == 0:
+                    rr = (r // 2) * 16 + (r % 2) * 8 + lane // 4
+                    sW[o_words + kg * MB + rr] = sm.row_max[r]
+                    sW[o_words + KG * MB + kg * MB + rr] = tot
         cute.arch.sync_threads()
         n_valid = cutlass.min(ROWS - q_row0, MB)
         for idx in cutlass.range(tidx, n_valid * D, 32 * WARPS, unroll=1):
@@ -511,15 +516,20 @@ class DecodeFwd:
     def _store_block_logit(self, mBL, rBL, rows_m: list, b: Int32, h: Int32, j: Int32, bl_scale: Float32,
                            lane: Int32, dh):
         """Quad leader lanes store; with d_split 2 only the group's first warp (both hold the same maxima)."""
-        cfg = self.cfg
-        writer = lane % 4 == 0
         if const_expr(self.DS > 1):
-            writer = writer & (dh == 0)
-        if writer:
-            if j < mBL.shape[3]:
-                for r in cutlass.range_constexpr(len(rows_m)):
-                    m = rows_m[r]
-                    if m < cfg.rows:
-                        s = m // cfg.group
-                        mBL[b, h * cfg.group + (m - s * cfg.group), s, j] = rBL[r] * bl_scale
+            if (lane % 4 == 0) & (dh == 0):
+                self._store_block_logit_rows(mBL, rBL, rows_m, b, h, j, bl_scale)
+        else:
+            if lane % 4 == 0:
+                self._store_block_logit_rows(mBL, rBL, rows_m, b, h, j, bl_scale)
+
+    @cute.jit
+    def _store_block_logit_rows(self, mBL, rBL, rows_m: list, b: Int32, h: Int32, j: Int32, bl_scale: Float32):
+        cfg = self.cfg
+        if j < mBL.shape[3]:
+            for r in cutlass.range_constexpr(len(rows_m)):
+                m = rows_m[r]
+                if m < cfg.rows:
+                    s = m // cfg.group
+                    mBL[b, h * cfg.group + (m - s * cfg.group), s, j] = rBL[r] * bl_scale
 
