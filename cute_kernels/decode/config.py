@@ -19,7 +19,7 @@ PAGE_SIZES = (1, 8, 16, 32, 64, 128, 256)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("bfloat16", "float16")
 
-WARPS = 4  # warps per CTA; each takes its own contiguous quarter of the CTA's keys
+WARPS = 4  # warps per CTA; each key group of them (config.key_groups) takes its own contiguous part of the CTA's keys
 KEYS_PER_STEP = 16  # keys one warp consumes per pipeline step (one k16 of P @ V)
 RING_BYTES_PER_WARP = 24 * 1024  # target bytes of K + V in each warp's cp.async ring
 MAX_GROUP_ROWS = 256  # G * Sq
@@ -58,6 +58,21 @@ class DecodeConfig:
         return 1 if self.rows <= 16 or self.head_dim > 128 else 2
 
     @property
+    def d_split(self) -> int:
+        """Warps that share one key range, each holding D / d_split columns of O (1, or 2 at d 256).
+
+        A warp's O is m_tiles x 16 x (head_dim / d_split) fp32: 128 registers a lane at d 256 unsplit, which left
+        no room under the 255-register limit (ptxas spilled). At d 256 a pair of warps reads the same keys, both
+        compute S = Q K^T over the whole head dim (identical instructions on identical data, so identical P) and
+        each accumulates its own half of O's columns from its own half of V."""
+        return 2 if self.head_dim > 128 else 1
+
+    @property
+    def key_groups(self) -> int:
+        """Groups of ``d_split`` warps; each takes a contiguous part of the CTA's keys and has its own load ring."""
+        return WARPS // self.d_split
+
+    @property
     def rows_per_cta(self) -> int:
         return 16 * self.m_tiles
 
@@ -78,16 +93,17 @@ class DecodeConfig:
 
     @property
     def stages(self) -> int:
-        return max(2, min(8, self.ring_kb * 1024 // self.stage_bytes))
+        """Steps in each key group's ring (its ``d_split`` warps' ``ring_kb`` budgets together)."""
+        return max(2, min(8, self.d_split * self.ring_kb * 1024 // self.stage_bytes))
 
     @property
     def ring_bytes(self) -> int:
-        return WARPS * self.stages * self.stage_bytes
+        return self.key_groups * self.stages * self.stage_bytes
 
     @property
     def merge_bytes(self) -> int:
-        """The warps' (O, max, sum) exchanged through shared memory after the key loop (reuses the ring)."""
-        return WARPS * self.rows_per_cta * (self.head_dim + 2) * 4
+        """The key groups' (O, max, sum) exchanged through shared memory after the key loop (reuses the ring)."""
+        return self.key_groups * self.rows_per_cta * (self.head_dim + 2) * 4
 
     @property
     def q_bytes(self) -> int:
@@ -99,7 +115,7 @@ class DecodeConfig:
 
     @property
     def key_align(self) -> int:
-        """Granule of the key ranges handed to warps: whole block_logit blocks (or whole steps)."""
+        """Granule of the key ranges handed to key groups: whole block_logit blocks (or whole steps)."""
         return self.block_size if self.block_size else KEYS_PER_STEP
 
 

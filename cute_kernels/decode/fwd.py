@@ -5,16 +5,24 @@ block, split). GQA packing: the ``G * Sq`` query rows of kv head h (row m = s * 
 h * G + g, query token s) share the MMA's M (16 rows per m16 tile, 1 or 2 tiles per CTA; more rows
 take more row blocks, which read the keys again, mostly from L2).
 
+Key groups. At d <= 128 each warp is its own key group (4 groups). At d 256 (``cfg.d_split`` 2) the
+warps pair up (2 groups): both warps of a pair read the same keys and compute the same S = Q K^T
+over the whole head dim, and each accumulates its own half of O's columns (D / 2 = 128 fp32 columns,
+64 registers a lane instead of 128, which had ptxas spilling at the 255-register limit).
+
 Keys. The keys a (b, h) sees are ``[K0, L)`` with L = seqlens[b, h] (clamped to the table's reach; with
 ``cfg.dense_index`` every h reads ``seqlens[b]`` and ``table[b, j]``, a kv-head stride of 0 at compile time)
 and K0 the first key any row's window reaches, rounded down to ``key_align`` (block_logit's block, or
 one 16-key step). The split count S is a launch-time value: split ``sp`` takes the ``sp``-th of S
-chunks of ``ceil((L - K0) / S)`` keys rounded up to ``WARPS * key_align``, and each warp a contiguous
-quarter of its CTA's chunk. The partition depends on L and S only, so the result is a deterministic
-function of the inputs and S (bitwise repeatable), and short sequences still spread over all warps.
+chunks of ``ceil((L - K0) / S)`` keys rounded up to ``key_groups * key_align``, and each key group a
+contiguous quarter (d 256: half) of its CTA's chunk. The partition depends on L and S only, so the
+result is a deterministic function of the inputs and S (bitwise repeatable), and short sequences
+still spread over all warps.
 
-Loads. Each warp runs its own cp.async ring (``cfg.stages`` steps of 16 keys: a K tile and a V tile,
-rows of 16-byte chunks swizzled by ``chunk ^ (row % 8)``). Every lane gathers its 16-byte chunks
+Loads. Each key group runs its own cp.async ring (``cfg.stages`` steps of 16 keys: a K tile and a V
+tile, rows of 16-byte chunks swizzled by ``chunk ^ (row % 8)``). A warp alone syncs with
+``__syncwarp``; a d 256 pair loads one half of the columns each (its own half of V, which only it
+reads, and half of K) and meets at one named barrier per step (see ``_step``). Every lane gathers its 16-byte chunks
 straight from the page table: key t of (b, h) is row ``t % P`` of page ``table[b, h, t // P]``, at
 element offset ``page * stride_page + h * stride_h + row * stride_row`` (the three layouts differ
 only in strides; "contiguous" is page b, row t). A key t >= L, a page id outside [0, num_pages) or a
@@ -28,16 +36,16 @@ fragments held in registers or re-read), softcap (``common.softmax.softcap_logit
 max, the online softmax of ``common.softmax.OnlineSoftmax`` (quad rows: 4 lanes per row), P packed
 to 16 bits in registers and O += P V (V fragments by ldmatrix.trans).
 
-Epilogue. The 4 warps' (O, row max, row sum) go through shared memory (the drained ring) and are
-merged in warp order, then written either as the final output (bf16/fp16 ``out [B, Sq, Hq, D]``,
+Epilogue. The key groups' (O, row max, row sum) go through shared memory (the drained ring) and are
+merged in group order, then written either as the final output (bf16/fp16 ``out [B, Sq, Hq, D]``,
 fp32 ``lse [B, Hq, Sq]``) or as fp32 split partials (``o_part [S, B, Sq, Hq, D]`` normalised per
 split, ``lse_part [S, B, Sq, Hq]``) that ``combine.py`` merges in split order. A row with no
 visible key gets O = 0 and lse = -inf (also in a partial).
 
 block_logit ``[B, Hq, Sq, nb]``: each warp keeps a running max per row over the steps of the current
-block and stores it (times softmax_scale unless softcap already scaled it) when the block ends; its
-key ranges start on block boundaries, so every block in [K0 / bs, ceil(L / bs)) is written by exactly
-one warp. The CTA of split 0 writes -inf to the blocks outside that range (before the window, past
+block and stores it (times softmax_scale unless softcap already scaled it) when the block ends (in a
+d 256 pair only the first warp stores; both hold the same maxima); key group ranges start on block
+boundaries, so every block in [K0 / bs, ceil(L / bs)) is written by exactly one warp. The CTA of split 0 writes -inf to the blocks outside that range (before the window, past
 L). Every entry is written exactly once with plain stores (no pre-fill, no atomics).
 """
 
@@ -72,9 +80,13 @@ class DecodeFwd:
         self.MT = cfg.m_tiles
         self.MB = cfg.rows_per_cta
         self.S = cfg.stages
+        self.DS = cfg.d_split
+        self.KG = cfg.key_groups
+        self.DO = self.D // self.DS  # O columns of one warp
         self.chunks = self.D // 8  # 16-byte chunks per row
-        self.rows_per_instr = max(1, 32 // self.chunks)
-        self.lanes_per_row = min(32, self.chunks)
+        ld_chunks = self.DO // 8  # chunks of a K / V row one warp loads (its own columns' share)
+        self.rows_per_instr = max(1, 32 // ld_chunks)
+        self.lanes_per_row = min(32, ld_chunks)
         self.tile_bytes = KW * self.D * 2
 
     # ------------------------------------------------------------------ host side of the launch
@@ -85,9 +97,13 @@ class DecodeFwd:
         cfg = self.cfg
         bh = mSeq.shape[0] * self._kv_heads(mSeq, mK)
         splits = mO.shape[0] if const_expr(cfg.split) else 1
+        # d 256: one CTA per SM is all ptxas may assume (.minnctapersm 1); without it the CUDA 12 ptxas for sm_100a
+        # capped the warp pairs' kernel at 168 registers (3 CTAs of 128 threads) and spilled 8 B. Shared memory
+        # allows 2 CTAs per SM, which 255 registers still do.
+        occupancy = {"min_blocks_per_mp": 1} if const_expr(cfg.d_split > 1) else {}
         self.kernel(mQ, mK, mV, mSeq, mTable, mO, mLse, mBL, softmax_scale, softcap, window_left,
                     window_right).launch(grid=[bh * cfg.row_blocks, splits, 1], block=[32 * WARPS, 1, 1],
-                                         smem=cfg.smem_bytes, stream=stream)
+                                         smem=cfg.smem_bytes, stream=stream, **occupancy)
 
     # ------------------------------------------------------------------ device
     @cute.kernel
@@ -96,12 +112,19 @@ class DecodeFwd:
                window_left: Int32, window_right: Int32):
         cfg = self.cfg
         D, MT, MB, S, G, Sq = self.D, self.MT, self.MB, self.S, cfg.group, cfg.seqlen_q
+        DS, KG, DO = self.DS, self.KG, self.DO
         ROWS = cfg.rows
         tidx, _, _ = cute.arch.thread_idx()
         bidx, sp, _ = cute.arch.block_idx()
         _, n_splits, _ = cute.arch.grid_dim()
         lane = tidx % 32
         wn = tidx // 32
+        # key group of this warp and its share of O's columns (d_split 1: group = warp, all columns)
+        kg = wn
+        dh = 0
+        if const_expr(DS > 1):
+            kg = wn // DS
+            dh = wn % DS
         hkv = self._kv_heads(mSeq, mK)
         rb = bidx % cfg.row_blocks
         bh = bidx // cfg.row_blocks
@@ -114,7 +137,7 @@ class DecodeFwd:
         sW = smem.allocate_tensor(Float32, cute.make_layout(max(cfg.ring_bytes, cfg.merge_bytes) // 4),
                                   byte_alignment=128)
         q_base = sQ.iterator.toint()
-        ring_base = sW.iterator.toint() + wn * (S * 2 * self.tile_bytes)
+        ring_base = sW.iterator.toint() + kg * (S * 2 * self.tile_bytes)
 
         # ---- sequence facts
         if const_expr(cfg.layout == "contiguous"):
@@ -128,10 +151,10 @@ class DecodeFwd:
         A = cfg.key_align
         K0 = (kmin // A) * A
         span = cutlass.max(L - K0, 0)
-        gran = WARPS * A
+        gran = KG * A
         chunk = ((span + n_splits - 1) // n_splits + gran - 1) // gran * gran
-        per_warp = chunk // WARPS
-        w_start = K0 + sp * chunk + wn * per_warp
+        per_warp = chunk // KG
+        w_start = K0 + sp * chunk + kg * per_warp
         l_up = (L + KW - 1) // KW * KW
         w_end = cutlass.min(w_start + per_warp, l_up)
         n_steps = cutlass.max(w_end - w_start, 0) // KW
@@ -171,10 +194,12 @@ class DecodeFwd:
         v_gbase = mV.iterator.toint()
         ld_row = lane // self.lanes_per_row
         ld_chunk = lane % self.lanes_per_row
+        if const_expr(DS > 1):
+            ld_chunk = ld_chunk + dh * (DO // 8)  # this warp's columns of K and V
 
         # ---- fragments and state
         rQ = cute.make_rmem_tensor(cute.make_layout((MT, D // 16, 4)), Int32)
-        rO = cute.make_rmem_tensor(cute.make_layout((MT, D // 8, 4)), Float32)
+        rO = cute.make_rmem_tensor(cute.make_layout((MT, DO // 8, 4)), Float32)
         rO.fill(0.0)
         acc = cute.make_rmem_tensor(cute.make_layout((2 * MT, 2 * (KW // 8))), Float32)
         rBL = cute.make_rmem_tensor(cute.make_layout(2 * MT), Float32)
@@ -219,10 +244,22 @@ class DecodeFwd:
         k_lchunk = (lane // 8) % 2
         v_lrow = (lane % 8) + 8 * ((lane // 8) % 2)  # V^T: (keys 0-7 | 8-15) x (d chunk 2j | 2j+1)
         v_lchunk = lane // 16
+        # byte offset of this warp's V columns in a V row (the swizzle permutes chunks within aligned groups of 8,
+        # so each half of a row keeps its own chunks)
+        v_col = 0
+        sw = None
+        if const_expr(DS > 1):
+            v_col = dh * (DO * 2)
+            # d 256's fragment addresses: chunk (2 kk + c) ^ (row % 8) = 8 (kk // 4) + ((2 (kk % 4) + c) ^ (row % 8)),
+            # so four registers per operand (kk % 4) and the 128-byte group (kk // 4) as the ldmatrix immediate
+            sw = dict(k=[k_lrow * (D * 2) + (((2 * rr + k_lchunk) ^ (lane % 8)) * 16) for rr in range(4)],
+                      v=[v_lrow * (D * 2) + v_col + (((2 * rr + v_lchunk) ^ (lane % 8)) * 16) for rr in range(4)],
+                      q=[q_base + q_lrow * (D * 2) + (((2 * rr + q_lchunk) ^ (lane % 8)) * 16) for rr in range(4)])
         ctx = dict(n_steps=n_steps, w_start=w_start, w_end=w_end, ring_base=ring_base, q_base=q_base, mTable=mTable,
                    b=b, h=h, L=L, kmin=kmin, num_pages=num_pages, k_gbase=k_gbase, v_gbase=v_gbase, st_page=st_page,
                    st_h=st_h, st_row=st_row, ld_row=ld_row, ld_chunk=ld_chunk, lane=lane, k_lrow=k_lrow,
-                   k_lchunk=k_lchunk, v_lrow=v_lrow, v_lchunk=v_lchunk, q_lrow=q_lrow, q_lchunk=q_lchunk, rQ=rQ, rO=rO,
+                   k_lchunk=k_lchunk, v_lrow=v_lrow, v_lchunk=v_lchunk, sw=sw, kg=kg, dh=dh, q_lrow=q_lrow,
+                   q_lchunk=q_lchunk, rQ=rQ, rO=rO,
                    acc=acc, rBL=rBL, sm=sm, softcap_in=softcap_in, softcap=softcap, cols=cols, rows_s=rows_s,
                    rows_m=rows_m, shift=shift, window_left=window_left, window_right=window_right, mBL=mBL,
                    bl_scale=bl_scale)
@@ -231,35 +268,47 @@ class DecodeFwd:
 
         if const_expr(cfg.split):  # let the combine (a programmatic dependent) launch while this grid drains
             cute.arch.griddepcontrol_launch_dependents()
-        # ---- merge the warps' (O, max, sum) through shared memory, in warp order
+        # ---- merge the key groups' (O, max, sum) through shared memory, in group order
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        o_words = WARPS * MB * D
+        o_words = KG * MB * D
+        o_col = 0
+        if const_expr(DS > 1):
+            o_col = dh * DO  # this warp's columns
         for mt in cutlass.range_constexpr(MT):
-            for nd in cutlass.range_constexpr(D // 8):
+            for nd in cutlass.range_constexpr(DO // 8):
                 for j in cutlass.range_constexpr(4):
                     r = mt * 16 + lane // 4 + 8 * (j // 2)
-                    sW[(wn * MB + r) * D + nd * 8 + (lane % 4) * 2 + j % 2] = rO[mt, nd, j]
+                    if const_expr(DS > 1):
+                        sW[(kg * MB + r) * D + o_col + nd * 8 + (lane % 4) * 2 + j % 2] = rO[mt, nd, j]
+                    else:
+                        sW[(kg * MB + r) * D + nd * 8 + (lane % 4) * 2 + j % 2] = rO[mt, nd, j]
         for r in cutlass.range_constexpr(2 * MT):
             tot = row_allreduce(sm.row_sum[r], 4, operator.add)
-            if lane % 4 == 0:
-                rr = (r // 2) * 16 + (r % 2) * 8 + lane // 4
-                sW[o_words + wn * MB + rr] = sm.row_max[r]
-                sW[o_words + WARPS * MB + wn * MB + rr] = tot
+            if const_expr(DS > 1):
+                if (lane % 4 == 0) & (dh == 0):  # a pair holds the same (max, sum): its first warp writes them
+                    rr = (r // 2) * 16 + (r % 2) * 8 + lane // 4
+                    sW[o_words + kg * MB + rr] = sm.row_max[r]
+                    sW[o_words + KG * MB + kg * MB + rr] = tot
+            else:
+                if lane % 4 == 0:
+                    rr = (r // 2) * 16 + (r % 2) * 8 + lane // 4
+                    sW[o_words + kg * MB + rr] = sm.row_max[r]
+                    sW[o_words + KG * MB + kg * MB + rr] = tot
         cute.arch.sync_threads()
         n_valid = cutlass.min(ROWS - q_row0, MB)
         for idx in cutlass.range(tidx, n_valid * D, 32 * WARPS, unroll=1):
             r = idx // D
             d = idx - r * D
             mx = sW[o_words + r]
-            for w in cutlass.range_constexpr(1, WARPS):
+            for w in cutlass.range_constexpr(1, KG):
                 mx = cute.arch.fmax(mx, sW[o_words + w * MB + r])
             m_ref = exp2_reference(mx)
             tot = Float32(0.0)
             o = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
+            for w in cutlass.range_constexpr(KG):
                 wt = cute.math.exp2((sW[o_words + w * MB + r] - m_ref) * scale_log2, fastmath=True)
-                tot = tot + wt * sW[o_words + WARPS * MB + w * MB + r]
+                tot = tot + wt * sW[o_words + KG * MB + w * MB + r]
                 o = o + wt * sW[(w * MB + r) * D + d]
             empty = tot == 0.0 or tot != tot
             o = Float32(0.0) if empty else o / tot
@@ -298,9 +347,14 @@ class DecodeFwd:
 
     @cute.jit
     def _step(self, i: Int32, ctx: dict):
-        """One pipeline step of a warp: issue the load S - 1 steps ahead, wait for step ``i``, consume it."""
+        """One pipeline step of a warp: issue the load S - 1 steps ahead, wait for step ``i``, consume it.
+
+        d_split 2: the group's two warps each load their own half of the K and V columns; both read all of K, each
+        only its own half of V. One named barrier of the pair per step, after this warp's copies of step ``i`` have
+        landed: it makes the partner's K half visible, and it follows both warps' reads of step ``i - 1``, whose slot
+        the load issued next overwrites."""
         cfg = self.cfg
-        D, MT, S = self.D, self.MT, self.S
+        D, MT, S, DS, DO = self.D, self.MT, self.S, self.DS, self.DO
         n_steps, w_start, w_end, ring_base, q_base = (ctx[k] for k in ("n_steps", "w_start", "w_end", "ring_base",
                                                                         "q_base"))
         lane, k_lrow, k_lchunk, v_lrow, v_lchunk, q_lrow, q_lchunk = (
@@ -308,25 +362,36 @@ class DecodeFwd:
         rQ, rO, acc, rBL, sm, cols = (ctx[k] for k in ("rQ", "rO", "acc", "rBL", "sm", "cols"))
         softcap_in, softcap = ctx["softcap_in"], ctx["softcap"]
         mTable, b, h, L = ctx["mTable"], ctx["b"], ctx["h"], ctx["L"]
-        cute.arch.sync_warp()  # every lane is done reading the slot the next load overwrites
+        if const_expr(DS > 1):
+            cute.arch.cp_async_wait_group(S - 2)  # this warp's copies of step i have landed
+            cute.arch.barrier(barrier_id=1 + ctx["kg"], number_of_threads=32 * DS)
+        else:
+            cute.arch.sync_warp()  # every lane is done reading the slot the next load overwrites
         nxt = i + S - 1
         if nxt < n_steps:
             self._load_step(w_start + nxt * KW, nxt % S, ring_base, mTable, b, h, L, ctx["kmin"], ctx["num_pages"],
                             ctx["k_gbase"], ctx["v_gbase"], ctx["st_page"], ctx["st_h"], ctx["st_row"],
                             ctx["ld_row"], ctx["ld_chunk"])
         cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(S - 1)
-        cute.arch.sync_warp()
+        if const_expr(DS == 1):
+            cute.arch.cp_async_wait_group(S - 1)
+            cute.arch.sync_warp()
         t0 = w_start + i * KW
         sK = ring_base + (i % S) * (2 * self.tile_bytes)
         sV = sK + self.tile_bytes
         # S = Q K^T
         acc.fill(0.0)
+        sw = ctx["sw"]
         for kk in cutlass.range_constexpr(D // 16):
-            kb = ldsm_x4(sK + k_lrow * (D * 2) + (((2 * kk + k_lchunk) ^ (lane % 8)) * 16))
+            if const_expr(DS > 1):
+                kb = ldsm_x4(sK + sw["k"][kk % 4], offset=(kk // 4) * 128)
+            else:
+                kb = ldsm_x4(sK + k_lrow * (D * 2) + (((2 * kk + k_lchunk) ^ (lane % 8)) * 16))
             for mt in cutlass.range_constexpr(MT):
                 if const_expr(cfg.q_in_regs):
                     qa = [rQ[mt, kk, j] for j in range(4)]
+                elif const_expr(DS > 1):
+                    qa = ldsm_x4(sw["q"][kk % 4], offset=mt * 16 * (D * 2) + (kk // 4) * 128)
                 else:
                     r = mt * 16 + q_lrow
                     qa = ldsm_x4(q_base + r * (D * 2) + (((2 * kk + q_lchunk) ^ (r % 8)) * 16))
@@ -354,7 +419,7 @@ class DecodeFwd:
                 local_max.append(mr)
         row_scale = sm.update(acc, False, local_max)
         for mt in cutlass.range_constexpr(MT):
-            for nd in cutlass.range_constexpr(D // 8):
+            for nd in cutlass.range_constexpr(DO // 8):
                 for j in cutlass.range_constexpr(4):
                     rO[mt, nd, j] = rO[mt, nd, j] * row_scale[2 * mt + j // 2]
         # P (A operand of P V) from the S accumulator, one k16 = the step's 16 keys
@@ -364,8 +429,11 @@ class DecodeFwd:
                        pack2(acc[2 * mt + 1, 0], acc[2 * mt + 1, 1], self.bf16),
                        pack2(acc[2 * mt, 2], acc[2 * mt, 3], self.bf16),
                        pack2(acc[2 * mt + 1, 2], acc[2 * mt + 1, 3], self.bf16)])
-        for jd in cutlass.range_constexpr(D // 16):
-            vb = ldsm_x4(sV + v_lrow * (D * 2) + (((2 * jd + v_lchunk) ^ (lane % 8)) * 16), True)
+        for jd in cutlass.range_constexpr(DO // 16):
+            if const_expr(DS > 1):
+                vb = ldsm_x4(sV + sw["v"][jd % 4], True, offset=(jd // 4) * 128)
+            else:
+                vb = ldsm_x4(sV + v_lrow * (D * 2) + (((2 * jd + v_lchunk) ^ (lane % 8)) * 16), True)
             for mt in cutlass.range_constexpr(MT):
                 for half in cutlass.range_constexpr(2):
                     nd = 2 * jd + half
@@ -377,7 +445,7 @@ class DecodeFwd:
             t_end = t0 + KW
             if (t_end % cfg.block_size == 0) | (t_end >= w_end):
                 self._store_block_logit(ctx["mBL"], rBL, ctx["rows_m"], b, h, t0 // cfg.block_size, ctx["bl_scale"],
-                                        lane)
+                                        lane, ctx["dh"])
                 rBL.fill(-Float32.inf)
 
     @cute.jit
@@ -449,15 +517,24 @@ class DecodeFwd:
 
     @cute.jit
     def _store_block_logit(self, mBL, rBL, rows_m: list, b: Int32, h: Int32, j: Int32, bl_scale: Float32,
-                           lane: Int32):
+                           lane: Int32, dh):
+        """Quad leader lanes store; with d_split 2 only the group's first warp (both hold the same maxima)."""
+        if const_expr(self.DS > 1):
+            if (lane % 4 == 0) & (dh == 0):
+                self._store_block_logit_rows(mBL, rBL, rows_m, b, h, j, bl_scale)
+        else:
+            if lane % 4 == 0:
+                self._store_block_logit_rows(mBL, rBL, rows_m, b, h, j, bl_scale)
+
+    @cute.jit
+    def _store_block_logit_rows(self, mBL, rBL, rows_m: list, b: Int32, h: Int32, j: Int32, bl_scale: Float32):
         cfg = self.cfg
-        if lane % 4 == 0:
-            if j < mBL.shape[3]:
-                for r in cutlass.range_constexpr(len(rows_m)):
-                    m = rows_m[r]
-                    if m < cfg.rows:
-                        s = m // cfg.group
-                        mBL[b, h * cfg.group + (m - s * cfg.group), s, j] = rBL[r] * bl_scale
+        if j < mBL.shape[3]:
+            for r in cutlass.range_constexpr(len(rows_m)):
+                m = rows_m[r]
+                if m < cfg.rows:
+                    s = m // cfg.group
+                    mBL[b, h * cfg.group + (m - s * cfg.group), s, j] = rBL[r] * bl_scale
 
     # ------------------------------------------------------------------ index tensors (trace-time helpers)
     # Per kv head (cfg.dense_index False): seqlens [B, Hkv], table [B, Hkv, n]. Dense: seqlens [B], table [B, n],

@@ -235,6 +235,9 @@ def _decode_matrix(arch: int, full: bool = False):
         C(arch=arch, group=8, seqlen_q=4, page_size=64, mask_right=True, block_size=64, split=True),
         C(arch=arch, dtype="float16", head_dim=64, group=1, layout="nhd", page_size=1, mask_right=True,
           mask_left=True, softcap=True),
+        # d 256 (warp pairs, config.d_split): contiguous + block_logit unsplit, and paged P 8 (page groups) split
+        C(arch=arch, head_dim=256, group=16, layout="contiguous", page_size=0, block_size=64),
+        C(arch=arch, head_dim=256, page_size=8, mask_right=True, split=True),
         C(arch=arch, group=8, seqlen_q=16, page_size=128, mask_right=True, block_size=16, split=True),
         # the dense index form (seqlens [B], table [B, n] read by every kv head): FA's call, the serving default
         C(arch=arch, mask_right=True, dense_index=True),
@@ -245,9 +248,7 @@ def _decode_matrix(arch: int, full: bool = False):
     ]
     if not full:
         return base
-    # d 256 holds a 16 x 256 fp32 O per warp at the 255-register limit: its configs spill under the CUDA 13 ptxas
-    # (32-68 B; docs/decode.md), so they are in the full matrix only until d is split across warps
-    out = base + [C(arch=arch, head_dim=256, group=16, layout="contiguous", page_size=0, block_size=64)]
+    out = list(base)
     for dt in ("bfloat16", "float16"):
         for d in (64, 128, 256):
             for p in (1, 8, 16, 32, 64, 128, 256):

@@ -34,12 +34,16 @@ def cp_async_16(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def ldsm_x4(smem_addr, trans: bool = False, *, loc=None, ip=None):
-    """Four 8x8 b16 matrices from shared memory (lane i gives the row address of matrix i // 8)."""
+def ldsm_x4(smem_addr, trans: bool = False, offset: int = 0, *, loc=None, ip=None):
+    """Four 8x8 b16 matrices from shared memory (lane i gives the row address of matrix i // 8).
+
+    ``offset``: a compile-time byte offset added in the instruction's address (``[reg+imm]``), so addresses that
+    differ by a constant share one register."""
+    addr = f"$4+{int(offset)}" if offset else "$4"
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
+        f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [{addr}];",
         "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=_ATT)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 

@@ -67,7 +67,7 @@ def test_unsupported_configs_name_the_case():
 
 
 def test_tiling_rules():
-    from cute_kernels.decode.config import DecodeConfig
+    from cute_kernels.decode.config import DecodeConfig, ctas_per_sm
 
     c = DecodeConfig(arch=90, group=4, seqlen_q=1)
     assert (c.m_tiles, c.row_blocks, c.q_in_regs) == (1, 1, True)
@@ -80,6 +80,10 @@ def test_tiling_rules():
     for d in (64, 128, 256):
         cfg = DecodeConfig(arch=90, head_dim=d)
         assert cfg.stages >= 2 and cfg.merge_bytes <= max(cfg.ring_bytes, cfg.merge_bytes) <= 227 * 1024
+        # d 256: warp pairs share a key range and split O's columns; d <= 128: every warp its own range
+        assert (cfg.d_split, cfg.key_groups) == ((2, 2) if d == 256 else (1, 4))
+    c = DecodeConfig(arch=90, head_dim=256)  # a pair's ring holds both warps' budgets: 3 steps of 16 KB
+    assert (c.stages, c.ring_bytes) == (3, 2 * 3 * 16384) and ctas_per_sm(c) == 2
 
 
 def test_choose_splits_from_shapes_only():

@@ -4,7 +4,8 @@ The glue is driven with torch CUDA tensors (``_bridge.empty`` pointed at torch, 
 buffer with NaN so an output entry the kernels never write fails the comparison). Covered: page
 sizes 1/16/64/128, ragged lengths (0, 1, not a multiple of P), padding page ids (-1, huge), NaN in
 unused page tails and unlisted pages, Sq 1/2/4/16 bottom-right causal, window, softcap, G 1/4/8/16
-and MQA (G 64), D 64/128/256, bf16/fp16, the three cache layouts, per-kv-head (sparse) tables,
+and MQA (G 64), D 64/128/256 (d 256's warp pairs: GQA groups, page sizes 1/8/16 and contiguous,
+block_logit, window + softcap, split and unsplit), bf16/fp16, the three cache layouts, per-kv-head (sparse) tables,
 block_logit's exact -inf pattern, split vs unsplit within tolerance and each bitwise repeatable over
 3 runs, CUDA-graph capture then replay with changed lengths, FA's dense [B] / [B, n] index form (read in
 place by every kv head) bitwise equal to the per-kv-head form.
@@ -198,6 +199,23 @@ def test_d256_page1_and_d64_page8(glue):
     """The grouped page reads of P < 16 (one table read per page group of a lane's rows)."""
     full_check(glue, make_case(45, lens=[0, 5, 200], d=256, page=1, sq=2), splits=(1, 3), repeat=2)
     full_check(glue, make_case(46, lens=[7, 8, 333], d=64, page=8, group=8), splits=(1, 3), repeat=2)
+
+
+@pytest.mark.parametrize("layout,page,group,sq,bs,dtype,left,softcap", [
+    ("hnd", 8, 8, 4, 64, torch.bfloat16, -1, 0.0),  # 32 rows: two row blocks; page groups of 8 per warp half
+    ("contiguous", 0, 16, 1, 128, torch.bfloat16, 100, 30.0),  # 16 rows, window + softcap + block_logit
+    ("nhd", 16, 1, 1, 16, torch.float16, -1, 0.0),  # one row, a block_logit block per step
+    ("hnd", 1, 4, 2, 32, torch.float16, 60, 0.0),  # P 1 (a table read per row) with a left window
+])
+def test_d256_warp_pairs(glue, layout, page, group, sq, bs, dtype, left, softcap):
+    """d 256 runs two warps per key range, each with half of O's columns (config.d_split): GQA groups, row blocks,
+    split / unsplit (the block maxima bitwise equal across split counts, every entry written once), page sizes
+    1 / 8 / 16 and the contiguous cache, window + softcap, bf16 and fp16. Lengths leave one pair with no keys, end
+    mid-step and mid-block."""
+    case = make_case(130 + page + group, lens=[0, 3, 45, 777], d=256, page=max(page, 1), group=group, sq=sq,
+                     layout=layout, dtype=dtype)
+    full_check(glue, case, layout=layout, bs=bs, causal=left < 0, left=left, right=0, softcap=softcap,
+               splits=(1, 3), repeat=2)
 
 
 def test_fp16(glue):
