@@ -227,7 +227,8 @@ def _run(op, backend, q, k_cache, v_cache, seqlens, table, layout, paged, sparse
         return _glue().unsupported_reason(arch, q, k_cache, v_cache, layout=layout, paged=paged, sparse=sparse,
                                           block_logit_size=bl_size)
 
-    name = resolve_backend(op, backend, q, reason, stacklevel=5)
+    name = resolve_backend(op, backend, q, reason, stacklevel=5,
+                           auto_reason=lambda arch: _glue().unverified_reason(arch, q))
     if batch == 0 or sk_max == 0 or num_units == 0:  # no key exists: out 0, lse / block_logit -inf
         import paddle
 

@@ -306,7 +306,7 @@ def fake_glue(monkeypatch):
     monkeypatch.setitem(sys.modules, "paddle_fa4._cute.decode", glue)
     monkeypatch.setattr(paddle_fa4._cute, "decode", glue, raising=False)
 
-    def resolve(op, backend, tensor, reason, stacklevel=4):
+    def resolve(op, backend, tensor, reason, stacklevel=4, **kw):
         return "cute" if backend in ("auto", "cute") and reason(90) is None else "reference"
 
     monkeypatch.setattr(dec, "resolve_backend", resolve)
@@ -429,7 +429,7 @@ def stub_kernel(monkeypatch):
     monkeypatch.setattr(launch, "compile_combine", compile_combine)
     monkeypatch.setattr(glue, "device_of", lambda t: (90, 0, t.place))
     monkeypatch.setattr(_arch, "device_sm_count", lambda index: 132)
-    monkeypatch.setattr(dec, "resolve_backend", lambda op, backend, tensor, reason, stacklevel=4: "cute")
+    monkeypatch.setattr(dec, "resolve_backend", lambda op, backend, tensor, reason, stacklevel=4, **kw: "cute")
     saved = (dict(jit_cache._FAST), dict(glue._PLANS))
     jit_cache._FAST.clear()
     glue._PLANS.clear()
@@ -526,3 +526,26 @@ def test_block_table_entry_limit(monkeypatch):
     with pytest.raises(ValueError, match=r"flash_attn_with_kvcache: block_table must hold fewer than 2\^31 page "
                                          r"ids, got shape \[2, 5\]"):
         _dense(a)
+
+
+def test_auto_holds_back_the_decode_path_not_yet_run(monkeypatch):
+    """``_cute.decode.NOT_YET_RUN``: the d 256 warp-pair path (written after the last GPU run) is held back from
+    ``auto`` on SM90 with a reason; d 128 is not; the public op hands resolve_backend that auto_reason."""
+    import paddle_fa4.decode as dec
+    from paddle_fa4._cute import decode as glue
+
+    q256 = paddle.zeros([1, 1, 4, 256], dtype="bfloat16")
+    q128 = paddle.zeros([1, 1, 4, 128], dtype="bfloat16")
+    assert "head_dim 256" in glue.unverified_reason(90, q256)
+    assert glue.unverified_reason(90, q128) is None and glue.unverified_reason(100, q256) is None
+    seen = {}
+
+    def resolve(op, backend, tensor, reason, stacklevel=4, auto_reason=None):
+        seen["why"] = auto_reason(90)
+        return "reference"
+
+    monkeypatch.setattr(dec, "resolve_backend", resolve)
+    k = paddle.zeros([1, 32, 1, 256], dtype="bfloat16")
+    lens = paddle.to_tensor([5], dtype="int32")
+    paddle_fa4.flash_attn_with_kvcache(paddle.zeros([1, 1, 1, 256], dtype="bfloat16"), k, k, lens)
+    assert "head_dim 256" in seen["why"]
