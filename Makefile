@@ -4,7 +4,8 @@
 #   make test   - the test suite (CPU tests + compile checks for sm_90a and sm_100a; GPU suites skip)
 #   make check ARCH=sm_100a [KERNEL=attention_fwd] [CHECK_ARGS=--full] - compile-check kernels with the venv's
 #                   python (python -m cute_kernels.check; no GPU needed)
-#   make check-cu13 - the compile check again under the DSL's CUDA 13 build (CI runs it after make test)
+#   make check-cu13 - the default compile matrices of sm_90a, sm_100a and sm_103a under the DSL's CUDA 13 build
+#                     (CI runs it after make test)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -42,6 +43,7 @@ check-cu13:
 	.venv-cu13/bin/python -m pip install -q "nvidia-cutlass-dsl[cu13]==4.8.1" "apache-tvm-ffi>=0.1.11,<0.2" numpy
 	CUTE_KERNELS_CHECK_DSL_CUDA=13 .venv-cu13/bin/python -m cute_kernels.check --arch sm_90a
 	CUTE_KERNELS_CHECK_DSL_CUDA=13 .venv-cu13/bin/python -m cute_kernels.check --arch sm_100a
+	CUTE_KERNELS_CHECK_DSL_CUDA=13 .venv-cu13/bin/python -m cute_kernels.check --arch sm_103a
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -143,6 +143,7 @@ DS_CHUNK = 16  # dP^T / dS^T columns per TMEM load / smem store in the compute w
 STAT_CHUNK = 16  # lse_log2 / dpsum values per vector load in the compute warps
 
 assert DQT_BOXES * DQT_BOX == MMA_M
+assert DS_CHUNK % STAT_CHUNK == 0, "a dP^T / S^T chunk reads whole lse / dpsum chunks"
 assert all(ACCUM_ROW_PAD % m == 0 and m % DQ_SEM_ROWS == 0 for m in (TILE_M, TILE_M_WIDE)), \
     "query tiles own whole accumulator / counter blocks"
 
@@ -304,6 +305,59 @@ def check_operand_aliases(pairs, rows: int, cols: int, step: int = 8, col_off: i
                 if oa != ob + start:
                     raise ValueError(f"{name}: element ({r}, {c + col_off}) at {oa} vs {ob} + {start}")
     return start
+
+
+# Note [compute warps' registers]
+# The compute warps run the query-tile loop in 192 registers (REGS). Under the DSL's CUDA 13 ptxas on sm_103a
+# they ran short: the default matrix's d 96 GQA 2 causal softcap config and 41 varlen causal / window configs of
+# `--full` spilled 8-60 B, values reloaded in every iteration (the swizzled dS^T store addresses, the smem base of
+# the mbarrier waits' retry path). Two changes, no arithmetic changed, make every config fit:
+# * S^T by chunks: S^T was read as the warpgroup's 64 columns at once, and ptxas issued all 64 lse loads of the
+#   iteration right after it, so 64 S + 64 lse registers were live through softcap / mask / exp2 (the peak of
+#   the loop). S^T is now read DS_CHUNK columns at a time, as dP^T already was, each chunk softcapped, masked and
+#   exponentiated before the next is read: the same operations on each element, in the same order; P^T is
+#   written after the last chunk and the Compute barrier, as before. `s_to_p` does it, called in one branch
+#   with the mask and in the other without (the old code's one runtime branch per query tile): with the
+#   branch taken per chunk the CUDA 12 ptxas kept the chunks' mask predicates in registers (P2R) and spilled
+#   64 B in bf16 d 96 varlen window configs.
+# * TMEM copies by warp: a 32x32b tcgen05.ld / st moves TMEM lanes [32 w, 32 w + 32) of warp w % 4 (thread =
+#   lane, values = columns): its tiled layout gives the 32 threads of a warp stride 0, so the TMEM address of a
+#   thread's slice depends on its warp only. Sliced by threadIdx, ptxas kept such addresses in vector registers
+#   (moved to a uniform register at each tcgen05 instruction); sliced by the warp-uniform 32 (warp % 4)
+#   (`warp_lane0`, which checks the stride 0 at trace time) the same numbers are computed in uniform registers.
+#   The register side of such a copy is the thread's own fragment, the same for every thread.
+# Neither alone is enough (S^T by chunks alone: four d 64 configs without a mask newly spilled 16 B under CUDA 13).
+# * FlashMask (a `startend` build): a step whose query tile the key tile's bound minima / maxima cut
+#   (`fm.classify_tile`: not whole) takes the masked branch as well, where `s_to_p` loads this key's bounds once
+#   (n registers, made relative to q0) and masks each chunk after the causal / window mask, compile-time columns
+#   against them; whole steps take the unmasked branch. Where only one of the two masks cuts a step, the other
+#   masks nothing there (rows >= seqlen_q get P = 0 with or without it), so every P is the one of the separate
+#   masks before. The mask head is stepped with the query head (`fm_head`, `fm_head_rem`, from head //
+#   fm_head_div of the first head) instead of divided per step: with the division in the loop, ptxas kept the
+#   divisor's reciprocal and operands in registers through it and 2 of the 5 FlashMask lines of the default
+#   matrix spilled 24-32 B under CUDA 13 on sm_103a (with the bounds applied per chunk inside the old code's
+#   per-chunk mask branch, 3 of 5 spilled 16-212 B).
+# Headroom (CUDA 13, sm_103a, setmaxnreg 176 instead of 192 for the compute warps): the two configs that spilled
+# most before (bf16 d 128 varlen window, the d 96 GQA 2 causal softcap one) compile spill-free (b5747b1; the d 96
+# one again with FlashMask's code in, 2026-12-07); the FlashMask lts_lte line (d 128, GQA 4, deterministic)
+# spills 40 B there: FlashMask's lines have less than 16 registers to spare.
+# Tried and not kept (2026-12-07, the bf16 varlen configs on sm_103a / CUDA 13 unless said): the dS^T stores at one
+# swizzled row address XOR 16 piece instead of eight swizzled addresses (ptxas computes the eight XORs before the
+# loop anyway; with the two changes above it spilled 16-24 B under CUDA 12 on sm_100a, d 64 with a window);
+# setmaxnreg 64 / 200 / 48 instead of 64 / 192 / 64 (13 of 72 spilled, 20-284 B).
+
+
+def warp_lane0(tiled_copy, tmem_side: str) -> Int32:
+    """32 (warp % 4) as a warp-uniform value: the slice index of a 32x32b TMEM copy (Note [compute warps'
+    registers]) whose TMEM operand is its ``tmem_side`` ("src": tcgen05.ld, "dst": tcgen05.st). Trace time:
+    ValueError unless that side's TV layout gives the threads of one warp one offset (thread mode (32, n),
+    stride 0 in its first mode). Its register side is only ever the thread's own fragment."""
+    tv = tiled_copy.layout_src_tv_tiled if tmem_side == "src" else tiled_copy.layout_dst_tv_tiled
+    thr_shape, thr_stride = tv.shape[0], tv.stride[0]
+    if not (isinstance(thr_shape, tuple) and thr_shape[0] == 32 and thr_stride[0] == 0):
+        raise ValueError(f"TMEM copy sliced by warp: its {tmem_side} TV layout {tv} gives a warp's threads "
+                         "different TMEM offsets")
+    return (cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4) * 32
 
 
 def tmem_chunk_copy(tAcc, rows: int, cols: int, tidx):
@@ -931,36 +985,31 @@ class FlashBwdSm100:
         tidx = cute.arch.thread_idx()[0] % 128  # TMEM lane = key row of the tile
         wg = (cute.arch.make_warp_uniform(cute.arch.warp_idx()) - _WARPS_COMPUTE[0]) // 4
         half = self.tile_m // 2  # query columns of this warpgroup
-        # S^T / dP^T: (128 keys, 64 query columns) of this warpgroup
+        # S^T / dP^T: (128 keys, 64 query columns) of this warpgroup, both read in DS_CHUNK-column chunks; the
+        # TMEM copies are sliced by a warp-uniform index (Note [compute warps' registers])
         tS_all = tStS[(None, None), 0, 0]
-        half_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, half)))
-        t2r_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
-        tiled_t2r = tcgen05.make_tmem_copy(t2r_atom, cute.make_tensor(tS_all.iterator, half_layout))
-        thr_t2r = tiled_t2r.get_slice(tidx)
-        tS_t2r0 = thr_t2r.partition_S(cute.make_tensor(tS_all.iterator, half_layout))
-        tS_t2r = cute.make_tensor(tS_t2r0.iterator + half * wg, tS_t2r0.layout)
-        # dP^T and dS^T in DS_CHUNK-column chunks (fewer live registers than the whole half)
         tdP_all = tdPtdP[(None, None), 0, 0]
         chunk_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, DS_CHUNK)))
         t2r_atom_c = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DS_CHUNK)), Float32)
         tiled_t2r_c = tcgen05.make_tmem_copy(t2r_atom_c, cute.make_tensor(tdP_all.iterator, chunk_layout))
-        thr_t2r_c = tiled_t2r_c.get_slice(tidx)
+        thr_t2r_c = tiled_t2r_c.get_slice(warp_lane0(tiled_t2r_c, "src"))
+        tS_t2r0 = thr_t2r_c.partition_S(cute.make_tensor(tS_all.iterator, chunk_layout))
         tdP_t2r0 = thr_t2r_c.partition_S(cute.make_tensor(tdP_all.iterator, chunk_layout))
         rdP_shape = thr_t2r_c.partition_D(cute.make_identity_tensor((TILE_N, DS_CHUNK))).shape
-        rS_shape = thr_t2r.partition_D(cute.make_identity_tensor((TILE_N, half))).shape
         # P^T: this warpgroup's 64 query columns as 32 packed 16-bit pairs, at P + 32 wg
         p_cols = half * self.dtype.width // 32
         p_layout = cute.composition(tS_all.layout, cute.make_layout((TILE_N, p_cols)))
         r2t_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols)), Float32)
         tP0 = cute.make_tensor(tS_all.iterator + (self.tmem["P"] - self.tmem["S"]), p_layout)
-        thr_r2t = tcgen05.make_tmem_copy(r2t_atom, tP0).get_slice(tidx)
+        thr_r2t = tcgen05.make_tmem_copy(r2t_atom, tP0)
+        thr_r2t = thr_r2t.get_slice(warp_lane0(thr_r2t, "dst"))
         tP_r2t0 = thr_r2t.partition_D(tP0)
         tP_r2t = cute.make_tensor(tP_r2t0.iterator + p_cols * wg, tP_r2t0.layout)
         rP_shape = thr_r2t.partition_S(cute.make_identity_tensor((TILE_N, p_cols))).shape
         # dS^T -> smem (row = key, columns = this warpgroup's query half)
+        n_ds = half // DS_CHUNK
         r2s_atom = sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_t2r_c)
         thr_r2s = cute.make_tiled_copy_D(r2s_atom, tiled_t2r_c).get_slice(tidx)
-        n_ds = half // DS_CHUNK
 
         key = n_tile * TILE_N + tidx  # key row within the sequence
         tanh_coef = Float32(0.0)
@@ -974,18 +1023,16 @@ class FlashBwdSm100:
             ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             bar_compute = pipeline.NamedBarrier(barrier_id=int(BwdBarrier.Compute), num_threads=ROLE_THREADS["compute"])
             head, m_tile = self.first_coords(tile)
+            fm_head = Int32(0)
+            fm_head_rem = Int32(0)
+            if const_expr(fmask is not None):
+                # the mask head of `head` (head // fm_head_div) and the remainder, stepped with the head below
+                # (no division in the loop: ptxas kept the divisor's reciprocal in registers through it)
+                fm_head = head // fmask[2]
+                fm_head_rem = head - fm_head * fmask[2]
             for it in cutlass.range(n_iter, unroll=1):
                 q0 = m_tile * self.tile_m + half * wg  # first query row (sequence-relative) of this WG's columns
                 stats_off = self.stats_offset(mLSElog2, head, batch, accum_row0 + q0)
-                # 1. S^T columns -> registers
-                pipe_S.consumer_wait(s_state)
-                rS = cute.make_rmem_tensor(rS_shape, Float32)
-                cute.copy(thr_t2r, tS_t2r, rS)
-                cute.arch.fence_view_async_tmem_load()
-                # 2. softcap (keep tanh for the chain rule), mask, P = exp2(s * scale_log2 - lse_log2)
-                if const_expr(cfg.has_softcap):
-                    for k in cutlass.range_constexpr(half):
-                        rS[k] = softcap_logit(rS[k], softcap_in, softcap)
                 # mask only where the tile crosses a limit (TileRange's rule; rows >= seqlen_q get P = 0
                 # from their +inf lse fill, see load_row_stats)
                 need_mask = n_tile * TILE_N + TILE_N > seqlen_k
@@ -993,35 +1040,28 @@ class FlashBwdSm100:
                     rng = TileRange.create(m_tile * self.tile_m, seqlen_q, seqlen_k, left, right, self.tile_m, TILE_N,
                                            True, cfg.has_window)
                     need_mask = need_mask | (n_tile >= rng.n_right_mask) | (n_tile < rng.n_left_mask)
-                fm_partial = False
+                fm_bounds = None
                 if const_expr(fmask is not None):
                     # FlashMask: the column bounds cut this step unless the key tile's min / max leave the
-                    # query tile whole (steps they skip are masked entirely: P = dS = 0)
+                    # query tile whole (steps they skip are masked entirely: P = dS = 0); a cut step takes the
+                    # masked branch, which also masks with this key's bounds
                     mStartend, mFmMinMax, fm_head_div = fmask
-                    mh = head // fm_head_div
+                    mh = fm_head
                     m0 = m_tile * self.tile_m
                     lo, hi = fm.load_tile_minmax(mFmMinMax[batch, mh, None, None], n_tile, cfg.startend)
                     _skip, whole = fm.classify_tile(m0, cutlass.min(m0 + self.tile_m, seqlen_q), lo, hi, cfg.startend)
-                    fm_partial = not whole
+                    need_mask = need_mask | (not whole)
+                    fm_bounds = (mStartend[batch, mh, None, None], cutlass.min(key, seqlen_k - 1))
+                # 1.-2. per DS_CHUNK columns: S^T -> registers, softcap (keep tanh for the chain rule), mask,
+                # P = exp2(s * scale_log2 - lse_log2) (Note [compute warps' registers])
+                pipe_S.consumer_wait(s_state)
+                rS = cute.make_rmem_tensor((half,), Float32)
                 if need_mask:
-                    apply_mask_kv_major(cute.make_tensor(rS.iterator, cute.make_layout((1, half), stride=(0, 1))),
-                                        cols, [key], q0, seqlen_k, shift, left, right,
-                                        cfg.causal or cfg.has_window, cfg.has_window)
-                if const_expr(fmask is not None):
-                    if fm_partial:
-                        key_b = fm.load_bounds(mStartend[batch, mh, None, None], cutlass.min(key, seqlen_k - 1),
-                                               cfg.startend)
-                        fm.mask_kv_major_with_bounds(
-                            cute.make_tensor(rS.iterator, cute.make_layout((1, half), stride=(0, 1))), cols, [key_b],
-                            q0, cfg.startend, -Float32.inf)
-                for j in cutlass.range_constexpr(half // STAT_CHUNK):
-                    rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j, seqlen_q, Float32.inf)
-                    for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):
-                        k = j * STAT_CHUNK + kk
-                        x0, x1 = cute.arch.fma_packed_f32x2((rS[k], rS[k + 1]), (scale_log2, scale_log2),
-                                                            (-rLSE[kk], -rLSE[kk + 1]))
-                        rS[k] = cute.math.exp2(x0, fastmath=True)
-                        rS[k + 1] = cute.math.exp2(x1, fastmath=True)
+                    self.s_to_p(rS, thr_t2r_c, tS_t2r0, rdP_shape, half * wg, True, cols, key, q0, seqlen_k, shift,
+                                left, right, mLSElog2, stats_off, seqlen_q, scale_log2, softcap_in, softcap, fm_bounds)
+                else:
+                    self.s_to_p(rS, thr_t2r_c, tS_t2r0, rdP_shape, half * wg, False, cols, key, q0, seqlen_k, shift,
+                                left, right, mLSElog2, stats_off, seqlen_q, scale_log2, softcap_in, softcap, None)
                 # 3. P^T (16-bit) over S^T once every compute thread has read its S^T columns
                 rP = cute.make_rmem_tensor(rP_shape, Float32)
                 rP_h = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(half))
@@ -1067,7 +1107,14 @@ class FlashBwdSm100:
                 cute.arch.fence_view_async_shared()
                 pipe_dS.producer_commit(ds_state)
                 ds_state.advance()
-                head, m_tile = self.next_coords(head, m_tile, tile)
+                head_next, m_tile = self.next_coords(head, m_tile, tile)
+                if const_expr(fmask is not None):
+                    if head_next != head:
+                        fm_head_rem = fm_head_rem + 1
+                        if fm_head_rem == fmask[2]:
+                            fm_head_rem = Int32(0)
+                            fm_head = fm_head + 1
+                head = head_next
         # 6. epilogue: dK = softmax_scale * acc, dV = acc, this warpgroup's half of the head dims
         dkv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         if n_iter > 0:
@@ -1081,6 +1128,46 @@ class FlashBwdSm100:
         if n_iter > 0:
             cute.arch.fence_view_async_tmem_load()
             pipe_dKV.consumer_release(dkv_state)
+
+    @cute.jit
+    def s_to_p(self, rS, thr_t2r_c, tS_t2r0, rdP_shape, col0: Int32, masked: cutlass.Constexpr, cols, key: Int32,
+               q0: Int32, seqlen_k: Int32, shift: Int32, left: Int32, right: Int32, mLSElog2, stats_off,
+               seqlen_q: Int32, scale_log2: Float32, softcap_in: Float32, softcap: Float32, fm_bounds=None):
+        """P = exp2(softcap(S^T) [masked] * scale_log2 - lse_log2) into ``rS`` (this warpgroup's columns from
+        ``col0`` of the S^T view ``tS_t2r0``), DS_CHUNK columns at a time (Note [compute warps' registers]); the
+        caller waits for S^T and writes P^T after every compute thread has run this. ``masked``: the causal /
+        window / key-tail mask and, with ``fm_bounds`` (a FlashMask build: the mask head's ``(Sk, n)`` bounds
+        and this key's clamped index), the key's column bounds."""
+        cfg = self.cfg
+        kb = None
+        if const_expr(masked and fm_bounds is not None):
+            # this key's FlashMask bounds, made relative to q0 once: each chunk compares compile-time columns
+            mBounds, key_c = fm_bounds
+            kb = [x - q0 for x in fm.load_bounds(mBounds, key_c, cfg.startend)]
+        for j in cutlass.range_constexpr(len(cols) // DS_CHUNK):
+            c0 = j * DS_CHUNK
+            cute.copy(thr_t2r_c, cute.make_tensor(tS_t2r0.iterator + col0 + c0, tS_t2r0.layout),
+                      cute.make_tensor(rS.iterator + c0, cute.make_layout(rdP_shape)))
+            cute.arch.fence_view_async_tmem_load()
+            if const_expr(cfg.has_softcap):
+                for k in cutlass.range_constexpr(c0, c0 + DS_CHUNK):
+                    rS[k] = softcap_logit(rS[k], softcap_in, softcap)
+            if const_expr(masked):
+                apply_mask_kv_major(cute.make_tensor(rS.iterator + c0, cute.make_layout((1, DS_CHUNK), stride=(0, 1))),
+                                    cols[c0:c0 + DS_CHUNK], [key], q0, seqlen_k, shift, left, right,
+                                    cfg.causal or cfg.has_window, cfg.has_window)
+                if const_expr(kb is not None):
+                    for k in cutlass.range_constexpr(c0, c0 + DS_CHUNK):
+                        rS[k] = -Float32.inf if fm.row_masked(cols[k], kb, cfg.startend) else rS[k]
+            for jj in cutlass.range_constexpr(DS_CHUNK // STAT_CHUNK):
+                rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j * DS_CHUNK // STAT_CHUNK + jj, seqlen_q,
+                                           Float32.inf)
+                for kk in cutlass.range_constexpr(0, STAT_CHUNK, 2):
+                    k = c0 + jj * STAT_CHUNK + kk
+                    x0, x1 = cute.arch.fma_packed_f32x2((rS[k], rS[k + 1]), (scale_log2, scale_log2),
+                                                        (-rLSE[kk], -rLSE[kk + 1]))
+                    rS[k] = cute.math.exp2(x0, fastmath=True)
+                    rS[k + 1] = cute.math.exp2(x1, fastmath=True)
 
     @cute.jit
     def softcap_grad(self, ds: Float32, p: Float32, lse_log2: Float32, tanh_coef: Float32) -> Float32:

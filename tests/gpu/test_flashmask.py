@@ -337,8 +337,11 @@ def test_backward_random_masks_sq_ne_sk(causal, cols):
         check_bwd(q, k, v, se, causal)
 
 
-@pytest.mark.parametrize("hq,hkv,hm", [(8, 2, 8), (8, 1, 1), (4, 4, 4)])
+@pytest.mark.parametrize("hq,hkv,hm", [(8, 2, 8), (8, 1, 1), (4, 4, 4), (8, 2, 2), (8, 2, 1)])
 def test_backward_mask_heads(hq, hkv, hm):
+    """Mask heads Hq / Hkv / 1 against GQA groups: (8, 2, 2) and (8, 2, 1) give the second kv head's group
+    (query heads 4-7) mask head 1 resp. 0 (the SM100 backward steps the mask head with the query head
+    instead of dividing, from head // (Hq // Hm) of the group's first head)."""
     rng = np.random.default_rng(hq + hm)
     se = F.random_mask(rng, 1, hm, 400, 400, False, 4)
     q, k, v = make_qkv(1, 400, 400, hq, hkv, 128, dtype=torch.float16)
