@@ -109,7 +109,8 @@ from .config import FwdConfig
 # pre-fill is needed.
 # block_bos builds (document-relative blocks): each row's block grid starts at its own origin, so a
 # visited tile stores the blocks that START in it (the row split at its block starts, the part below
-# the lowest start carried to the next key tile, common/block_logit.row_relative_blocks), the last
+# the lowest start carried to the next key tile: common/block_logit.row_relative_maxima in step 4,
+# store_relative_row in step 6, where the plain path stores), the last
 # visited tile also the carried one, and fill_unvisited_relative writes the blocks no visited key
 # tile meets, per row. The same exactly-once argument holds (tests/cpu/test_block_bos_row_plan.py
 # replays it); S is split once per entry at the row's start column, so the SM100 path needs no
@@ -764,7 +765,7 @@ class FlashFwdSm100:
         scale_state = _slot_state(self.q_stage, stage, producer=True)
         stats_state = _slot_state(self.q_stage, stage, producer=True)
         # B = 2 * TILE_N: max of the odd key tile so far; block_bos: the block carried to the next key tile
-        # (common/block_logit.row_relative_blocks)
+        # (common/block_logit.row_relative_maxima / store_relative_row)
         carry = cute.make_rmem_tensor((1,), Float32)
         carry.fill(-Float32.inf)
         work_idx = sched.first()
@@ -887,10 +888,9 @@ class FlashFwdSm100:
         # 4. block maxima and the tile max from the same fmax3 tree
         blocks = None
         if const_expr(cfg.block_bos):
-            # document-relative blocks: the finished ones are stored here, the tile max comes with them
-            tile_max = blk.row_relative_blocks(
-                self.bos_shape, tSrS, n_tile * TILE_N, bos[0], carry, gBL[tidx, None], bos[1],
-                n_tile == tile.keys.n_min, None if const_expr(cfg.has_softcap) else logit_scale)
+            # document-relative blocks: the maxima of the blocks starting in this tile (stored in step 6) and
+            # the tile max with them
+            blocks, tile_max = blk.row_relative_maxima(self.bos_shape, tSrS, n_tile * TILE_N, bos[0], carry)
         elif const_expr(cfg.has_block_logit):
             bpt = self.bl_shape.blocks_per_tile
             per = n // bpt
@@ -910,6 +910,9 @@ class FlashFwdSm100:
         pipe_scale.producer_commit(scale_state)
         max_safe = exp2_reference(row_max_use)
         # 6. block_logit: this tile's block maxima, scaled once, plain stores (one writer per entry)
+        if const_expr(cfg.block_bos):
+            blk.store_relative_row(self.bos_shape, blocks, n_tile * TILE_N, bos[0], carry, gBL[tidx, None], bos[1],
+                                   n_tile == tile.keys.n_min, None if const_expr(cfg.has_softcap) else logit_scale)
         if const_expr(cfg.has_block_logit and not cfg.block_bos):
             scale = None if const_expr(cfg.has_softcap) else logit_scale
             gRow = gBL[tidx, None]

@@ -519,18 +519,22 @@ def fill_unvisited_relative(gRows: cute.Tensor, gBos: cute.Tensor, num_rows: Int
 # segment: ``u_abs = (bos_i - n0) mod bs`` (bs <= tile_n: the start in every segment, u = u_abs; bs >
 # tile_n: a start in this tile iff u_abs < tile_n, and u = min(u_abs, tile_n)). So each segment splits
 # once, at the runtime column u, into a ``lower`` part (columns < u: the block that started further
-# down) and an ``upper`` part (columns >= u: the block starting at u) -- two selects and two maxima per
-# S entry, no per-entry block ids.
+# down) and an ``upper`` part (columns >= u: the block starting at u) -- per pair of S entries two
+# compares, four selects and two three-input maxima; no per-entry block ids.
 #
 # Walking the segments from the top of the tile down (tiles are visited in descending order), the
-# block starting in segment m is finished there: max(upper(m), the running ``cur``), stored at once;
-# then ``cur = lower(m)`` carries its predecessor down to the next segment or, from segment 0, to the
-# next (lower) key tile (``carry``). With bs > tile_n a tile without a start folds all of itself into
-# ``cur``. On the last visited tile the carried block is stored too, unless it is empty (u_abs == 0:
-# the block containing the tile's first key starts exactly there and was stored already). Every
-# block that meets the visited keys is so stored exactly once, by plain stores -- the same set
-# ``fill_unvisited_relative`` leaves alone -- with no global reads. The integer part of a tile's plan
-# is ``relative_tile_plan`` (plain operators: also evaluated on Python ints by tests/cpu).
+# block starting in segment m is finished there: max(upper(m), the running ``cur``); then ``cur =
+# lower(m)`` carries its predecessor down to the next segment or, from segment 0, to the next (lower)
+# key tile (``carry``). ``row_relative_maxima`` does this while S is in registers; the finished blocks
+# are stored later by ``store_relative_row`` (the SM100 softmax: after the row max is handed over, where
+# the plain path stores its blocks; stored next to the split they spilled at block size 16 with softcap,
+# and after P was written the row address, scheduled early, spilled at d 64 causal bs 256). With
+# bs > tile_n a tile without a start folds all of itself into ``cur``. On the last visited tile the carried block
+# is stored too, unless it is empty (u_abs == 0: the block containing the tile's first key starts
+# exactly there and was stored already). Every block that meets the visited keys is so stored exactly
+# once, by plain stores -- the same set ``fill_unvisited_relative`` leaves alone -- with no global
+# reads. The integer part of a tile's plan is ``relative_tile_plan`` (plain operators: also evaluated
+# on Python ints by tests/cpu/test_block_bos_row_plan.py, which replays the whole plan).
 
 
 class RowRelativeShape:
@@ -582,18 +586,19 @@ def _store_block(gRow: cute.Tensor, k: Int32, v: Float32, limit: Int32, scale: F
 
 
 @cute.jit
-def row_relative_blocks(shape: cutlass.Constexpr, row: cute.Tensor, n0: Int32, bos: Int32, carry: cute.Tensor,
-                        gRow: cute.Tensor, limit: Int32, last_tile: Boolean, scale: Float32 | None) -> Float32:
-    """One key tile of one row (``row``: its tile_n masked scores, register k = column k; ``n0``: the tile's
-    first key): stores the blocks that start in the tile (and, on the ``last_tile``, the carried one) into
-    ``gRow[k]`` for 0 <= k < ``limit`` (0 for a row past the sequence), carries the rest in ``carry`` (1,)
-    fp32 (-inf before a work tile's first key tile; left -inf after its last), and returns the row's tile
-    max (every column lies in exactly one part, so this is the plain row max)."""
-    u_abs, k_top = relative_tile_plan(shape, n0, bos)
+def row_relative_maxima(shape: cutlass.Constexpr, row: cute.Tensor, n0: Int32, bos: Int32, carry: cute.Tensor):
+    """One key tile of one row, first half (while S is in registers): ``row`` holds the tile_n masked scores
+    (register k = column k), ``n0`` the tile's first key. Returns ``(finished, tile_max)``: ``finished``
+    (segments,) fp32, entry i the block starting in segment ``segments - 1 - i`` (bs > tile_n: the one
+    starting in the tile, if any), and the row's tile max (every column lies in exactly one part, so this is
+    the plain row max); ``carry`` (1,) fp32 becomes the part below the lowest start, folded into what it
+    carried from the tile above (-inf before a work tile's first key tile). ``store_relative_row`` stores."""
+    u_abs, _k_top = relative_tile_plan(shape, n0, bos)
     wide = shape.block_size > shape.tile_n
     u = u_abs
     if const_expr(wide):
         u = cutlass.min(u_abs, Int32(shape.tile_n))
+    finished = cute.make_rmem_tensor((shape.segments,), Float32)
     cur = carry[0]
     tile_max = -Float32.inf
     for i in cutlass.range_constexpr(shape.segments):
@@ -601,15 +606,30 @@ def row_relative_blocks(shape: cutlass.Constexpr, row: cute.Tensor, n0: Int32, b
         lower, upper = split_segment(row, m * shape.seg, shape.seg, u)
         tile_max = fmax3(tile_max, lower, upper)
         val = cute.arch.fmax(upper, cur)
+        finished[i] = val
         if const_expr(wide):
-            starts = u_abs < shape.tile_n
-            if starts:
-                _store_block(gRow, k_top, val, limit, scale)
-            cur = lower if starts else cute.arch.fmax(val, lower)
+            cur = lower if u_abs < shape.tile_n else cute.arch.fmax(val, lower)
         else:
-            _store_block(gRow, k_top - i, val, limit, scale)
             cur = lower
-    if last_tile and u_abs != 0:
-        _store_block(gRow, k_top - shape.segments, cur, limit, scale)
-    carry[0] = -Float32.inf if last_tile else cur
-    return tile_max
+    carry[0] = cur
+    return finished, tile_max
+
+
+@cute.jit
+def store_relative_row(shape: cutlass.Constexpr, finished: cute.Tensor, n0: Int32, bos: Int32, carry: cute.Tensor,
+                       gRow: cute.Tensor, limit: Int32, last_tile: Boolean, scale: Float32 | None):
+    """Second half (any time later in the same key step): the blocks of
+    ``finished`` (``row_relative_maxima``) into ``gRow[k]`` for 0 <= k < ``limit`` (0 for a row past the
+    sequence), and on the ``last_tile`` the carried block too (unless the tile's first key starts a block:
+    it is empty), leaving ``carry`` -inf for the next work tile."""
+    u_abs, k_top = relative_tile_plan(shape, n0, bos)
+    if const_expr(shape.block_size > shape.tile_n):
+        if u_abs < shape.tile_n:
+            _store_block(gRow, k_top, finished[0], limit, scale)
+    else:
+        for i in cutlass.range_constexpr(shape.segments):
+            _store_block(gRow, k_top - i, finished[i], limit, scale)
+    if last_tile:
+        if u_abs != 0:
+            _store_block(gRow, k_top - shape.segments, carry[0], limit, scale)
+        carry[0] = -Float32.inf

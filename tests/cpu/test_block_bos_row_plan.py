@@ -1,9 +1,9 @@
 """The one-row-per-thread document-relative block_logit plan (common/block_logit.py, used by the SM100 forward)
 against the block_bos rule, on the CPU.
 
-The kernel's per-key-tile step (``row_relative_blocks``) and its unvisited-block fill
-(``fill_unvisited_relative``) are device code; this file replays their logic in Python around the real integer
-plan of a tile (``relative_tile_plan``, plain operators, so it runs on Python ints too) over random rows,
+The kernel's per-key-tile step (``row_relative_maxima`` on the S row, ``store_relative_row`` once the row max
+is handed over) and its unvisited-block fill (``fill_unvisited_relative``) are device code; this file replays
+their logic in Python around the real integer plan of a tile (``relative_tile_plan``, plain operators, so it runs on Python ints too) over random rows,
 origins, block sizes and visited key-tile ranges, and checks the two things the kernel relies on: every entry
 ``[0, nb)`` of a row is written exactly once, and each written value is the rule's block max (keys
 ``[bos + j * bs, bos + (j + 1) * bs)``, keys before ``bos`` in no block, keys of unvisited tiles masked).
@@ -27,30 +27,44 @@ def _split(seg_vals: np.ndarray, u: int):
     return lower, upper
 
 
-def _tile_step(shape, row: np.ndarray, n0: int, bos: int, carry: float, limit: int, last: bool, writes):
-    """row_relative_blocks on one tile of one row: (new carry, tile max); stores go to ``writes`` (k, value)."""
-    u_abs, k_top = relative_tile_plan(shape, n0, bos)
+def _maxima(shape, row: np.ndarray, n0: int, bos: int, carry: list):
+    """row_relative_maxima: (finished blocks top down, tile max); ``carry[0]`` becomes the part below the
+    lowest start."""
+    u_abs, _k_top = relative_tile_plan(shape, n0, bos)
     wide = shape.block_size > shape.tile_n
     u = min(u_abs, shape.tile_n) if wide else u_abs
-    cur = carry
+    finished = []
+    cur = carry[0]
     tile_max = NEG
     for i in range(shape.segments):
         m = shape.segments - 1 - i
         lower, upper = _split(row[m * shape.seg:(m + 1) * shape.seg], u)
         tile_max = max(tile_max, lower, upper)
         val = max(upper, cur)
-        if wide:
-            starts = u_abs < shape.tile_n
-            if starts and 0 <= k_top < limit:
-                writes.append((k_top, val))
-            cur = lower if starts else max(val, lower)
-        else:
-            if 0 <= k_top - i < limit:
-                writes.append((k_top - i, val))
-            cur = lower
-    if last and u_abs != 0 and 0 <= k_top - shape.segments < limit:
-        writes.append((k_top - shape.segments, cur))
-    return (NEG if last else cur), tile_max
+        finished.append(val)
+        cur = (lower if u_abs < shape.tile_n else max(val, lower)) if wide else lower
+    carry[0] = cur
+    return finished, tile_max
+
+
+def _store(shape, finished, n0: int, bos: int, carry: list, limit: int, last: bool, writes):
+    """store_relative_row: stores go to ``writes`` as (k, value)."""
+    u_abs, k_top = relative_tile_plan(shape, n0, bos)
+
+    def store(k, v):
+        if 0 <= k < limit:
+            writes.append((k, v))
+
+    if shape.block_size > shape.tile_n:
+        if u_abs < shape.tile_n:
+            store(k_top, finished[0])
+    else:
+        for i in range(shape.segments):
+            store(k_top - i, finished[i])
+    if last:
+        if u_abs != 0:
+            store(k_top - shape.segments, carry[0])
+        carry[0] = NEG
 
 
 def _fill_unvisited(bos: int, nb: int, key_lo: int, key_hi: int, bs: int) -> list:
@@ -78,16 +92,17 @@ def _run_row(s_row, bos, bs, tile_n, n_min, n_max, sk, valid=True):
     nb = -(-sk // bs)
     limit = nb if valid else 0
     writes = []
-    carry = NEG
+    carry = [NEG]
     padded = np.full(max(n_max, -(-sk // tile_n)) * tile_n, NEG)
     padded[:sk] = s_row
     row_max = NEG
     for n_tile in range(n_max - 1, n_min - 1, -1):
         n0 = n_tile * tile_n
-        carry, tmax = _tile_step(shape, padded[n0:n0 + tile_n], n0, bos, carry, limit, n_tile == n_min, writes)
+        finished, tmax = _maxima(shape, padded[n0:n0 + tile_n], n0, bos, carry)
+        _store(shape, finished, n0, bos, carry, limit, n_tile == n_min, writes)
         row_max = max(row_max, tmax)
         assert tmax == padded[n0:n0 + tile_n].max(), "tile max must be the plain row max of the tile"
-    assert carry == NEG, "the carry is left -inf after a work tile"
+    assert carry[0] == NEG, "the carry is left -inf after a work tile"
     if valid:
         key_lo, key_hi = n_min * tile_n, n_max * tile_n
         writes += [(k, NEG) for k in _fill_unvisited(bos, nb, key_lo, key_hi if n_max > n_min else key_lo, bs)]
