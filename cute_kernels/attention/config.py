@@ -27,7 +27,7 @@ With ``startend`` (FlashMask, dense only) three int32 tensors follow the stream 
 
 with NT / MT the kernel's key / query tile counts (``launch.fm_tiles``).
 
-With ``block_bos`` (SM90 only so far) one more int32 tensor follows them (the three are None without
+With ``block_bos`` (SM90 and SM100) one more int32 tensor follows them (the three are None without
 ``startend``):
 
     mBlockBos    [B, Sq]              each query row's origin: block j of row i covers keys
@@ -76,7 +76,7 @@ class FwdConfig:
 
 #: The FlashMask tensors a ``startend`` build takes after the stream argument (the module docstring).
 FM_ARGS = ("mStartend", "mFmMinMax", "mFmRanges")
-#: The tensor a ``block_bos`` build takes after them (SM90).
+#: The tensor a ``block_bos`` build takes after them.
 BOS_ARGS = ("mBlockBos",)
 
 

@@ -107,6 +107,14 @@ from .config import FwdConfig
 # that see no key at all. Visited tiles store every block they cover (fully masked blocks come out
 # -inf from the mask), so each entry of [0, nb) of a valid row is written exactly once and no
 # pre-fill is needed.
+# block_bos builds (document-relative blocks): each row's block grid starts at its own origin, so a
+# visited tile stores the blocks that START in it (the row split at its block starts, the part below
+# the lowest start carried to the next key tile: common/block_logit.row_relative_maxima in step 4,
+# store_relative_row in step 6, where the plain path stores), the last
+# visited tile also the carried one, and fill_unvisited_relative writes the blocks no visited key
+# tile meets, per row. The same exactly-once argument holds (tests/cpu/test_block_bos_row_plan.py
+# replays it); S is split once per entry at the row's start column, so the SM100 path needs no
+# per-entry block ids and no cross-lane reduction.
 
 # Conditional rescaling (common/softmax.conditional_max): the running row max only moves when the new
 # tile max exceeds it by more than RESCALE_THRESHOLD_LOG2 (log2 units), so most tiles need no O rescale
@@ -302,7 +310,7 @@ class FlashFwdSm100:
         # block_logit bookkeeping (shared with SM90): one thread owns a whole S row, so
         # rows_per_thread = threads_per_row = 1 and no cross-lane reduction is needed.
         self.bl_shape = blk.BlockLogitShape(TILE_N, cfg.block_size, 1, 1) if cfg.has_block_logit else None
-        self.bos_shape = blk.RelativeBlockShape(TILE_N, cfg.block_size, 1) if cfg.block_bos else None
+        self.bos_shape = blk.RowRelativeShape(TILE_N, cfg.block_size) if cfg.block_bos else None
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -322,12 +330,8 @@ class FlashFwdSm100:
             return f"qhead_per_kvhead {cfg.qhead_per_kvhead}"
         if cfg.has_startend and cfg.varlen:
             return "FlashMask startend_row_indices with varlen"
-        if cfg.block_bos:
-            # The path below (softmax_step's block_bos branch) is written and compiles, but its softmax warpgroup
-            # spills at 128 registers in some lines (sm_100a, 2026-12-07: d 128 causal + mask + block 64 184 B, or
-            # d 64 block 16 + mask 16-104 B depending on the store's code shape): not enabled until it is clean.
-            return ("block_logit with block_bos (document-relative blocks) on SM100: the kernel path spills, "
-                    "not enabled yet")
+        if cfg.block_bos and (cfg.varlen or not cfg.has_block_logit):
+            return "block_bos needs block_logit on a dense (not varlen) call"
         return None
 
     def role_regs(self) -> tuple:
@@ -760,12 +764,10 @@ class FlashFwdSm100:
         s_state = _slot_state(self.q_stage, stage, producer=False)
         scale_state = _slot_state(self.q_stage, stage, producer=True)
         stats_state = _slot_state(self.q_stage, stage, producer=True)
-        carry = cute.make_rmem_tensor((1,), Float32)  # B = 2 * TILE_N: max of the odd key tile so far
+        # B = 2 * TILE_N: max of the odd key tile so far; block_bos: the block carried to the next key tile
+        # (common/block_logit.row_relative_maxima / store_relative_row)
+        carry = cute.make_rmem_tensor((1,), Float32)
         carry.fill(-Float32.inf)
-        carry_id = None  # block_bos: the carried block's id (common/block_logit.store_relative_blocks)
-        if const_expr(self.cfg.block_bos):
-            carry_id = cute.make_rmem_tensor((1,), Int32)
-            carry_id.fill(-1)
         work_idx = sched.first()
         while work_idx < sched.total:
             tile = sched.work_tile(work_idx)
@@ -777,11 +779,14 @@ class FlashFwdSm100:
                 gBL = self.block_logit_rows(mBlockLogit, tile.seqlen.offset_q + stage_row0, tile.head, tile.batch)
             row_max = Float32(-Float32.inf)
             row_sum = Float32(0.0)
-            bos = None  # block_bos: this row's origin
+            bos = None  # block_bos: (this row's origin, the blocks it may store: nb, 0 past the sequence)
             if const_expr(self.cfg.block_bos):
-                bos = Int32(0)
+                bos_row = Int32(0)
+                bos_limit = Int32(0)
                 if row < tile.seqlen.seqlen_q:
-                    bos = mBlockBos[tile.batch, row]
+                    bos_row = mBlockBos[tile.batch, row]
+                    bos_limit = gBL.shape[1]
+                bos = (bos_row, bos_limit)
             if tile.has_keys:
                 for step in cutlass.range(tile.keys.n_max - tile.keys.n_min, unroll=1):
                     n_tile = tile.keys.n_max - 1 - step
@@ -798,7 +803,7 @@ class FlashFwdSm100:
                     row_max, row_sum = self.softmax_step(
                         step, need_mask, n_tile, tile, row, row_max, row_sum, carry, gBL, stage, tmem, sScale,
                         pipe_s, s_state, pipe_scale, scale_state, scale_log2, softcap_in, softcap, logit_scale,
-                        tidx, bos, carry_id)
+                        tidx, bos)
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
                 self.publish_row_stats(pipe_stats, stats_state, sRowSum, sRowMax, tidx, stage, row_sum, row_max)
@@ -861,11 +866,11 @@ class FlashFwdSm100:
     def softmax_step(self, step: Int32, need_mask, n_tile: Int32, tile: WorkTile, row: Int32,
                      row_max: Float32, row_sum: Float32, carry: cute.Tensor, gBL, stage: Int32, tmem,
                      sScale, pipe_s, s_state, pipe_scale, scale_state, scale_log2: Float32,
-                     softcap_in: Float32, softcap: Float32, logit_scale: Float32, tidx: Int32, bos=None,
-                     carry_id=None):
+                     softcap_in: Float32, softcap: Float32, logit_scale: Float32, tidx: Int32, bos=None):
         """One key tile of one query row: S -> (softcap, mask) -> block maxima, row max -> P, sum.
-        ``bos``/``carry_id`` (block_bos builds): the row's origin and the carried block's id (``carry`` then
-        holds its value), common/block_logit.py's document-relative section."""
+        ``bos`` (block_bos builds): (the row's origin, the number of blocks it stores: nb, 0 past the
+        sequence); ``carry`` then holds the block carried down to the next key tile (common/block_logit.py,
+        one row per thread)."""
         cfg = self.cfg
         thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP = tmem
         # 1. wait for S_stage = Q K^T of this key tile and load the whole row (128 fp32)
@@ -883,7 +888,9 @@ class FlashFwdSm100:
         # 4. block maxima and the tile max from the same fmax3 tree
         blocks = None
         if const_expr(cfg.block_bos):
-            tile_max = max_tree([tSrS[k] for k in range(n)])
+            # document-relative blocks: the maxima of the blocks starting in this tile (stored in step 6) and
+            # the tile max with them
+            blocks, tile_max = blk.row_relative_maxima(self.bos_shape, tSrS, n_tile * TILE_N, bos[0], carry)
         elif const_expr(cfg.has_block_logit):
             bpt = self.bl_shape.blocks_per_tile
             per = n // bpt
@@ -904,17 +911,9 @@ class FlashFwdSm100:
         max_safe = exp2_reference(row_max_use)
         # 6. block_logit: this tile's block maxima, scaled once, plain stores (one writer per entry)
         if const_expr(cfg.block_bos):
-            # the row's own block grid (origin bos): one thread per row, no cross-lane reduction
-            scale = None if const_expr(cfg.has_softcap) else logit_scale
-            k_lo, off = blk.relative_origin(cfg.block_size, n_tile * TILE_N, bos)
-            s_row = cute.make_tensor(tSrS.iterator, cute.make_layout((1, n), stride=(n, 1)))
-            rel = blk.partial_relative_block_max(self.bos_shape, s_row, list(range(n)), Int32(0), 0, off)
-            limit = Int32(0)
-            if row < tile.seqlen.seqlen_q:
-                limit = gBL.shape[1]
-            blk.store_relative_blocks(self.bos_shape, rel, gBL[tidx, None], k_lo, off, limit,
-                                      n_tile == tile.keys.n_min, carry, carry_id, 0, scale)
-        elif const_expr(cfg.has_block_logit):
+            blk.store_relative_row(self.bos_shape, blocks, n_tile * TILE_N, bos[0], carry, gBL[tidx, None], bos[1],
+                                   n_tile == tile.keys.n_min, None if const_expr(cfg.has_softcap) else logit_scale)
+        if const_expr(cfg.has_block_logit and not cfg.block_bos):
             scale = None if const_expr(cfg.has_softcap) else logit_scale
             gRow = gBL[tidx, None]
             nb = gBL.shape[1]

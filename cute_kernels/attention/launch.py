@@ -108,7 +108,7 @@ def fake_fm_args(cfg: FwdConfig) -> tuple:
 
 
 def fake_bos_args(cfg: FwdConfig) -> tuple:
-    """SM90 ``block_bos`` build: (None x 3 without startend, then a fake mBlockBos [B, Sq]), else ()."""
+    """``block_bos`` build: (None x 3 without startend, then a fake mBlockBos [B, Sq]), else ()."""
     if not cfg.block_bos:
         return ()
     import cutlass
@@ -294,20 +294,39 @@ def _fm_matrix(arch: int) -> list[FwdConfig]:
     return [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in lines]
 
 
-def _bos_matrix(arch: int) -> list[FwdConfig]:
-    """Document-relative block_logit (``block_bos=True``) lines, SM90 only (SM100 refuses block_bos:
-    its path spills, fwd_sm100.unsupported_reason): block sizes below, equal to and above the key tile,
-    with and without a FlashMask mask, causal, window, softcap, GQA."""
-    if _arch.family(arch) != 90:
-        return []
+def _bos_matrix(arch: int, full: bool) -> list[FwdConfig]:
+    """Document-relative block_logit (``block_bos=True``) lines: block sizes below, equal to and above the key
+    tile, with and without a FlashMask mask, causal, window, softcap, GQA (both archs); SM100 adds d 192 and
+    (192, 128), and its full matrix every head dim x block size x mask (none, causal, window), softcap and
+    each FlashMask layout."""
     lines = [("bfloat16", 128, 1, True, False, False, 64, "lts"),
              ("bfloat16", 128, 4, False, False, False, 16, ""),
              ("float16", 64, 2, True, True, False, 128, ""),
              ("bfloat16", 128, 1, False, False, True, 32, "lts_lte_uts_ute"),
              ("bfloat16", 256, 1, True, False, False, 256, "lts_lte"),
              ("bfloat16", 64, 1, False, False, False, 16, "lts_ute")]
-    return [fwd_config(arch, dt, d, d, r, c, w, sc, b, False, startend=se, block_bos=True)
-            for dt, d, r, c, w, sc, b, se in lines]
+    out = [fwd_config(arch, dt, d, d, r, c, w, sc, b, False, startend=se, block_bos=True)
+           for dt, d, r, c, w, sc, b, se in lines]
+    if _arch.family(arch) != 100:
+        return out
+    out += [fwd_config(arch, "bfloat16", 192, 192, 2, True, False, False, 16, False, block_bos=True),
+            fwd_config(arch, "float16", 192, 128, 1, False, True, False, 256, False, startend="lts_ute",
+                       block_bos=True)]
+    if full:
+        seen = set(out)
+        more = [fwd_config(arch, dt, d, dv, r, mask == "causal", mask == "window", False, bs, False, block_bos=True)
+                for (d, dv), dt, r in (((64, 64), "float16", 1), ((128, 128), "bfloat16", 4),
+                                       ((192, 192), "bfloat16", 1), ((256, 256), "float16", 2),
+                                       ((192, 128), "bfloat16", 1))
+                for mask in ("none", "causal", "window") for bs in BLOCK_SIZES]
+        more += [fwd_config(arch, "bfloat16", d, d, 1, c, False, True, bs, False, startend=se, block_bos=True)
+                 for d in (64, 256) for c, se in ((True, ""), (False, "lts_lte_uts_ute")) for bs in (16, 256)]
+        more += [fwd_config(arch, "bfloat16", d, d, 1, c, False, False, bs, False, startend=se, block_bos=True)
+                 for d in (128, 256) for c, se in ((True, "lts"), (True, "lts_lte"), (False, "lts_ute"),
+                                                   (False, "lts_lte_uts_ute"))
+                 for bs in (16, 256)]
+        out += [c for c in more if c not in seen and not seen.add(c)]
+    return out
 
 
 def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
@@ -315,7 +334,7 @@ def config_matrix(arch: int, full: bool = False) -> list[FwdConfig]:
     capability ``arch``; the configs of 10.0 and 10.3 differ only in ``arch``. Each FlashMask line names
     its column layout (``startend=...``); document-relative block_logit lines say ``block_bos=True``."""
     arch = int(arch)
-    return _dense_matrix(arch, full) + _fm_matrix(arch) + _bos_matrix(arch)
+    return _dense_matrix(arch, full) + _fm_matrix(arch) + _bos_matrix(arch, full)
 
 
 CHECKS = {"attention_fwd": (config_matrix, compile_fwd, smem_bytes)}

@@ -87,6 +87,7 @@ from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .math_sm100 import fmax3
 from .utils import row_allreduce, tree_max
 
 
@@ -505,3 +506,130 @@ def fill_unvisited_relative(gRows: cute.Tensor, gBos: cute.Tensor, num_rows: Int
             gRows[r, c] = -Float32.inf
         for c in cutlass.range(hi + lane, nb, warp_size, unroll=1):
             gRows[r, c] = -Float32.inf
+
+
+# ---------------------------------------------------------------------------------------------
+# Document-relative blocks with one row per thread (the SM100 softmax: a thread holds its whole S row,
+# register k = tile column k)
+#
+# Same rule as above (key ``c`` of row ``i`` in relative block ``floor((c - bos_i) / bs)``), a cheaper
+# form for a thread that owns whole rows. Cut the tile into ``segments`` aligned segments of
+# ``seg = min(bs, tile_n)`` columns. The row's block starts are ``bos_i + k * bs``; since a tile starts
+# at a multiple of ``tile_n``, every segment holds at most one start, at the same column ``u`` of each
+# segment: ``u_abs = (bos_i - n0) mod bs`` (bs <= tile_n: the start in every segment, u = u_abs; bs >
+# tile_n: a start in this tile iff u_abs < tile_n, and u = min(u_abs, tile_n)). So each segment splits
+# once, at the runtime column u, into a ``lower`` part (columns < u: the block that started further
+# down) and an ``upper`` part (columns >= u: the block starting at u) -- per pair of S entries two
+# compares, four selects and two three-input maxima; no per-entry block ids.
+#
+# Walking the segments from the top of the tile down (tiles are visited in descending order), the
+# block starting in segment m is finished there: max(upper(m), the running ``cur``); then ``cur =
+# lower(m)`` carries its predecessor down to the next segment or, from segment 0, to the next (lower)
+# key tile (``carry``). ``row_relative_maxima`` does this while S is in registers; the finished blocks
+# are stored later by ``store_relative_row`` (the SM100 softmax: after the row max is handed over, where
+# the plain path stores its blocks; stored next to the split they spilled at block size 16 with softcap,
+# and after P was written the row address, scheduled early, spilled at d 64 causal bs 256). With
+# bs > tile_n a tile without a start folds all of itself into ``cur``. On the last visited tile the carried block
+# is stored too, unless it is empty (u_abs == 0: the block containing the tile's first key starts
+# exactly there and was stored already). Every block that meets the visited keys is so stored exactly
+# once, by plain stores -- the same set ``fill_unvisited_relative`` leaves alone -- with no global
+# reads. The integer part of a tile's plan is ``relative_tile_plan`` (plain operators: also evaluated
+# on Python ints by tests/cpu/test_block_bos_row_plan.py, which replays the whole plan).
+
+
+class RowRelativeShape:
+    """Compile-time facts of the one-row-per-thread document-relative path (section comment)."""
+
+    def __init__(self, tile_n: int, block_size: int):
+        if block_size % 8 != 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_logit: block_size must be a power of two >= 8, got {block_size}")
+        if tile_n & (tile_n - 1):
+            raise ValueError(f"block_logit: tile_n must be a power of two, got {tile_n}")
+        self.tile_n = tile_n
+        self.block_size = block_size
+        self.seg = min(block_size, tile_n)
+        self.segments = tile_n // self.seg
+        self.log2_block = block_size.bit_length() - 1
+
+
+def relative_tile_plan(shape, n0, bos):
+    """(u_abs, k_top) of the key tile starting at ``n0`` (a multiple of tile_n) for origin ``bos``:
+    ``u_abs = (bos - n0) mod bs`` (the first block start at or above n0 is n0 + u_abs) and ``k_top``, the
+    id of the block starting in the top segment (at n0 + tile_n - seg + u_abs; for bs > tile_n that may
+    lie above the tile). Plain operators only, so it runs on DSL Int32 and on Python ints alike."""
+    u_abs = (bos - n0) & (shape.block_size - 1)
+    k_top = (n0 + (shape.tile_n - shape.seg) + u_abs - bos) >> shape.log2_block
+    return u_abs, k_top
+
+
+@cute.jit
+def split_segment(row: cute.Tensor, first: cutlass.Constexpr, size: cutlass.Constexpr, u: Int32):
+    """(lower, upper): the max of ``row[first + j]`` over j < u and over j >= u (-inf if empty)."""
+    ninf = -Float32.inf
+    lower = ninf
+    upper = ninf
+    for j in cutlass.range_constexpr(0, size, 2):
+        a = row[first + j]
+        b = row[first + j + 1]
+        lo_a = j < u
+        lo_b = j + 1 < u
+        lower = fmax3(lower, a if lo_a else ninf, b if lo_b else ninf)
+        upper = fmax3(upper, ninf if lo_a else a, ninf if lo_b else b)
+    return lower, upper
+
+
+@cute.jit
+def _store_block(gRow: cute.Tensor, k: Int32, v: Float32, limit: Int32, scale: Float32 | None):
+    """``gRow[k] = v * scale`` for 0 <= k < limit (scale None: v as it is)."""
+    if k >= 0 and k < limit:
+        _store_scaled(gRow, k, v, scale)
+
+
+@cute.jit
+def row_relative_maxima(shape: cutlass.Constexpr, row: cute.Tensor, n0: Int32, bos: Int32, carry: cute.Tensor):
+    """One key tile of one row, first half (while S is in registers): ``row`` holds the tile_n masked scores
+    (register k = column k), ``n0`` the tile's first key. Returns ``(finished, tile_max)``: ``finished``
+    (segments,) fp32, entry i the block starting in segment ``segments - 1 - i`` (bs > tile_n: the one
+    starting in the tile, if any), and the row's tile max (every column lies in exactly one part, so this is
+    the plain row max); ``carry`` (1,) fp32 becomes the part below the lowest start, folded into what it
+    carried from the tile above (-inf before a work tile's first key tile). ``store_relative_row`` stores."""
+    u_abs, _k_top = relative_tile_plan(shape, n0, bos)
+    wide = shape.block_size > shape.tile_n
+    u = u_abs
+    if const_expr(wide):
+        u = cutlass.min(u_abs, Int32(shape.tile_n))
+    finished = cute.make_rmem_tensor((shape.segments,), Float32)
+    cur = carry[0]
+    tile_max = -Float32.inf
+    for i in cutlass.range_constexpr(shape.segments):
+        m = shape.segments - 1 - i
+        lower, upper = split_segment(row, m * shape.seg, shape.seg, u)
+        tile_max = fmax3(tile_max, lower, upper)
+        val = cute.arch.fmax(upper, cur)
+        finished[i] = val
+        if const_expr(wide):
+            cur = lower if u_abs < shape.tile_n else cute.arch.fmax(val, lower)
+        else:
+            cur = lower
+    carry[0] = cur
+    return finished, tile_max
+
+
+@cute.jit
+def store_relative_row(shape: cutlass.Constexpr, finished: cute.Tensor, n0: Int32, bos: Int32, carry: cute.Tensor,
+                       gRow: cute.Tensor, limit: Int32, last_tile: Boolean, scale: Float32 | None):
+    """Second half (any time later in the same key step): the blocks of
+    ``finished`` (``row_relative_maxima``) into ``gRow[k]`` for 0 <= k < ``limit`` (0 for a row past the
+    sequence), and on the ``last_tile`` the carried block too (unless the tile's first key starts a block:
+    it is empty), leaving ``carry`` -inf for the next work tile."""
+    u_abs, k_top = relative_tile_plan(shape, n0, bos)
+    if const_expr(shape.block_size > shape.tile_n):
+        if u_abs < shape.tile_n:
+            _store_block(gRow, k_top, finished[0], limit, scale)
+    else:
+        for i in cutlass.range_constexpr(shape.segments):
+            _store_block(gRow, k_top - i, finished[i], limit, scale)
+    if last_tile:
+        if u_abs != 0:
+            _store_block(gRow, k_top - shape.segments, carry[0], limit, scale)
+        carry[0] = -Float32.inf

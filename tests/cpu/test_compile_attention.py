@@ -52,18 +52,15 @@ def test_unsupported_reasons_name_the_case():
     assert "head_dim_v 64" in unsupported_reason(fwd_config(90, "bfloat16", 128, 64, 1, False, False, False, 0, False))
     assert "block_size 48" in unsupported_reason(fwd_config(90, "bfloat16", 128, 128, 1, False, False, False, 48, False))
     assert "compute capability 8.0" in unsupported_reason(fwd_config(80, "bfloat16", 128, 128, 1, False, False, False, 0, False))
-    # block_bos: the SM90 kernel takes it (dense, with block_logit); SM100 names the case
-    for se in ("", "lts"):
-        assert unsupported_reason(fwd_config(90, "bfloat16", 128, 128, 1, True, False, False, 64, False,
-                                             startend=se, block_bos=True)) is None
-    for arch in (100, 103):
-        reason = unsupported_reason(fwd_config(arch, "bfloat16", 128, 128, 1, True, False, False, 64, False,
-                                               block_bos=True))
-        assert "block_bos" in reason and "SM100" in reason
-    assert "block_bos" in unsupported_reason(fwd_config(90, "bfloat16", 128, 128, 1, True, False, False, 64, True,
-                                                        block_bos=True))
-    assert "block_bos" in unsupported_reason(fwd_config(90, "bfloat16", 128, 128, 1, True, False, False, 0, False,
-                                                        block_bos=True))
+    # block_bos: both kernels take it (dense, with block_logit); varlen or no block_logit is named
+    for arch in (90, 100, 103):
+        for se in ("", "lts"):
+            assert unsupported_reason(fwd_config(arch, "bfloat16", 128, 128, 1, True, False, False, 64, False,
+                                                 startend=se, block_bos=True)) is None
+        assert "block_bos" in unsupported_reason(fwd_config(arch, "bfloat16", 128, 128, 1, True, False, False, 64,
+                                                            True, block_bos=True))
+        assert "block_bos" in unsupported_reason(fwd_config(arch, "bfloat16", 128, 128, 1, True, False, False, 0,
+                                                            False, block_bos=True))
 
 
 def test_config_matrix_covers_both_archs():
@@ -73,9 +70,12 @@ def test_config_matrix_covers_both_archs():
         small = config_matrix(arch, False)
         bos = [c for c in small if c.block_bos]
         small = [c for c in small if not c.block_bos]
-        # block_bos lines (SM90 only): block sizes below, at and above tile_n, with and without a mask
+        # block_bos lines: block sizes below, at and above tile_n, with and without a mask (SM100: also d 192
+        # and (192, 128))
         assert (len(bos) >= 5 and {c.block_size for c in bos} >= {16, 64, 256}
-                and {c.startend for c in bos} >= {"", "lts"}) if arch == 90 else not bos
+                and {c.startend for c in bos} >= {"", "lts"})
+        assert arch == 90 or {(c.head_dim, c.head_dim_v) for c in bos} >= {(64, 64), (128, 128), (192, 192),
+                                                                          (256, 256), (192, 128)}
         dense = [c for c in small if not c.startend]
         assert 6 <= len(dense) <= 10 and all(c.arch == arch for c in small)
         # FlashMask lines: every column layout, in the default matrix and the full one
@@ -87,6 +87,14 @@ def test_config_matrix_covers_both_archs():
         assert {c.head_dim for c in full} >= {64, 128, 192, 256}
         assert any(c.varlen for c in full) and any(c.has_window for c in full)
         assert any(c.qhead_per_kvhead > 1 for c in full)
+        if arch == 100:  # every head dim x block size x mask with block_bos, each FlashMask layout, softcap
+            fb = [c for c in full if c.block_bos]
+            assert {(c.head_dim, c.head_dim_v, c.block_size, c.causal, c.has_window) for c in fb} >= {
+                (d, dv, bs, m == "causal", m == "window") for d, dv in ((64, 64), (128, 128), (192, 192),
+                                                                        (256, 256), (192, 128))
+                for bs in (16, 32, 64, 128, 256) for m in ("none", "causal", "window")}
+            assert {c.startend for c in fb} == layouts | {""} and any(c.has_softcap for c in fb)
+            assert len(fb) == len(set(fb)) and not any(c.varlen for c in fb)
 
 
 def test_block_logit_shape_rejects_straddling_blocks():

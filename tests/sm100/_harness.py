@@ -14,6 +14,8 @@ import math
 import numpy as np
 
 SENTINEL = 987654.0
+#: FlashMask layout of a mask with (causal, columns): the launcher's config name for it
+LAYOUT = {(True, 1): "lts", (True, 2): "lts_lte", (False, 2): "lts_ute", (False, 4): "lts_lte_uts_ute"}
 DTYPES = {"bfloat16": None, "float16": np.float16}
 
 
@@ -162,7 +164,10 @@ class Runner:
 
     # -- the call
     def run(self, q, k, v, *, dtype="bfloat16", causal=False, window=(-1, -1), softcap=0.0, scale=None,
-            block_size=0, fill=SENTINEL, cu_q=None, cu_k=None, max_sq=None, max_sk=None, pack_gqa=None):
+            block_size=0, fill=SENTINEL, cu_q=None, cu_k=None, max_sq=None, max_sk=None, pack_gqa=None,
+            startend=None, block_bos=None):
+        """``startend``: a FlashMask mask int32 ``[B, Hm, Sk, n]`` (dense only); ``block_bos``: int32
+        ``[B, Sq]`` document-relative block origins (dense, with ``block_size``)."""
         varlen = cu_q is not None
         d = q.shape[-1]
         scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -193,6 +198,10 @@ class Runner:
                           backend="cute" if self.framework == "paddle" else "reference")
             if varlen:
                 kwargs.update(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max_sq, max_seqlen_k=max_sk)
+            if startend is not None:
+                kwargs["startend_row_indices"] = self._to_device(np.asarray(startend, np.int32), "int32")
+            if block_bos is not None:
+                kwargs["block_bos"] = self._to_device(np.asarray(block_bos, np.int32), "int32")
             res = paddle_fa4.flash_attn_fwd(tq, tk, tv, **kwargs)
             out, lse = res[0], res[1]
         else:
@@ -202,14 +211,66 @@ class Runner:
 
             from tests.conftest import torch_cuda_arch
 
+            layout = "" if startend is None else LAYOUT[(causal, np.shape(startend)[-1])]
             cfg = fwd_config(torch_cuda_arch(), dtype, d, v.shape[-1], hq // hkv, causal, tuple(window) != (-1, -1),
-                             softcap > 0, block_size, varlen)
+                             softcap > 0, block_size, varlen, startend=layout, block_bos=block_bos is not None)
             out = torch.empty(*tq.shape[:-1], tv.shape[-1], device="cuda", dtype=tq.dtype)
             lse = torch.empty(*lse_shape, device="cuda", dtype=torch.float32)
+            mask_kw = {}
+            if startend is not None:  # the FlashMask bounds and the launch's metadata workspace
+                from cute_kernels.attention import fm_meta
+                from cute_kernels.attention.launch import fm_meta_config
+
+                se = self._to_device(np.asarray(startend, np.int32), "int32")
+                shapes = fm_meta.workspace_shapes(fm_meta_config(cfg), q.shape[0], se.shape[1], q.shape[1],
+                                                  k.shape[1])
+                mask_kw = {name: torch.full(shape, -7, device="cuda", dtype=torch.int32)
+                           for name, (shape, _) in shapes.items()}
+                mask_kw["startend"] = se
+            if block_bos is not None:
+                mask_kw["block_bos"] = self._to_device(np.asarray(block_bos, np.int32), "int32")
             run_fwd(cfg, tq, tk, tv, out, lse, bl, cq, ck, softmax_scale=scale, softcap=softcap,
-                    window_left=window[0], window_right=window[1], max_seqlen_q=max_sq)
+                    window_left=window[0], window_right=window[1], max_seqlen_q=max_sq, **mask_kw)
         self.synchronize()
         return self._to_numpy(out), self._to_numpy(lse), self._to_numpy(bl)
+
+
+def reference_masked(q, k, v, vis, *, softcap=0.0, scale=None, block_size=0, block_bos=None, eager_dtype=None):
+    """float64 out/lse/block_logit of dense q/k/v ``[B, S, H, D]`` under any visibility ``vis [B, Hq, Sq, Sk]``
+    (FlashMask masks expanded by tests/oracles/flashmask.expand); with ``block_bos [B, Sq]`` block j of row i
+    is the max over keys [bos_i + j bs, bos_i + (j + 1) bs) (keys before bos_i in no block)."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    rep = hq // hkv
+    kk = np.repeat(k.astype(np.float64), rep, axis=2)
+    vv = np.repeat(v.astype(np.float64), rep, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), kk) * scale
+    if softcap > 0:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(vis, s, -np.inf)
+    m = s.max(-1, keepdims=True) if sk else np.full((b, hq, sq, 1), -np.inf)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m_safe)
+    den = p.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(den[..., 0] > 0, np.log(den[..., 0]) + m_safe[..., 0], -np.inf)
+        pn = p / np.where(den > 0, den, 1.0)
+        if eager_dtype is not None:
+            pn = round_to(pn, eager_dtype).astype(np.float64)
+        out = np.where(den > 0, np.einsum("bhqk,bkhd->bhqd", pn, vv), 0.0)
+        if eager_dtype is not None:
+            out = round_to(out, eager_dtype).astype(np.float64)
+    bl = None
+    if block_size:
+        nb = -(-sk // block_size)
+        origin = np.zeros((b, sq), np.int64) if block_bos is None else np.asarray(block_bos, np.int64)
+        keys = origin[:, :, None] + np.arange(nb * block_size)[None, None, :]  # [B, Sq, nb * bs]
+        inside = keys < sk
+        idx = np.broadcast_to(np.where(inside, keys, 0)[:, None], (b, hq, sq, nb * block_size))
+        g = np.where(inside[:, None], np.take_along_axis(s, idx, axis=3), -np.inf)
+        bl = g.reshape(b, hq, sq, nb, block_size).max(-1)
+    return out.transpose(0, 2, 1, 3), lse, bl
 
 
 def check_block_logit(bl: np.ndarray, bl_ref: np.ndarray) -> None:
