@@ -54,6 +54,25 @@ def visible(sq: int, sk: int, causal: bool, window) -> np.ndarray:
     return ok
 
 
+def _masked_softmax_pv(s, vv, spec: str, eager_dtype):
+    """(out, lse) of the masked scores ``s`` (-inf where not visible; keys on the last axis) and values ``vv``
+    (``spec`` the P @ V einsum): fp64, a row with no visible key gets out 0 and lse -inf; ``eager_dtype``
+    rounds P and out like an eager framework would."""
+    m = s.max(-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m_safe)
+    den = p.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(den[..., 0] > 0, np.log(den[..., 0]) + m_safe[..., 0], -np.inf)
+        pn = p / np.where(den > 0, den, 1.0)
+        if eager_dtype is not None:
+            pn = round_to(pn, eager_dtype).astype(np.float64)
+        out = np.where(den > 0, np.einsum(spec, pn, vv), 0.0)
+        if eager_dtype is not None:
+            out = round_to(out, eager_dtype).astype(np.float64)
+    return out, lse
+
+
 def _reference_one(q, k, v, scale, causal, window, softcap, block_size, nb, eager_dtype=None):
     """q [Sq, Hq, D], k/v [Sk, Hkv, D] -> out [Sq, Hq, D], lse [Hq, Sq], bl [Hq, Sq, nb] (float64).
 
@@ -70,18 +89,7 @@ def _reference_one(q, k, v, scale, causal, window, softcap, block_size, nb, eage
         s = softcap * np.tanh(s / softcap)
     vis = visible(sq, sk, causal, window)
     s = np.where(vis[None], s, -np.inf)
-    m = s.max(-1, keepdims=True) if sk else np.full((hq, sq, 1), -np.inf)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m_safe)
-    den = p.sum(-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(den[..., 0] > 0, np.log(den[..., 0]) + m_safe[..., 0], -np.inf)
-        pn = p / np.where(den > 0, den, 1.0)
-        if eager_dtype is not None:
-            pn = round_to(pn, eager_dtype).astype(np.float64)
-        out = np.where(den > 0, np.einsum("hqk,khd->hqd", pn, vv), 0.0)
-        if eager_dtype is not None:
-            out = round_to(out, eager_dtype).astype(np.float64)
+    out, lse = _masked_softmax_pv(s, vv, "hqk,khd->hqd", eager_dtype)
     bl = None
     if block_size:
         pad = nb * block_size - sk
@@ -249,18 +257,7 @@ def reference_masked(q, k, v, vis, *, softcap=0.0, scale=None, block_size=0, blo
     if softcap > 0:
         s = softcap * np.tanh(s / softcap)
     s = np.where(vis, s, -np.inf)
-    m = s.max(-1, keepdims=True) if sk else np.full((b, hq, sq, 1), -np.inf)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m_safe)
-    den = p.sum(-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(den[..., 0] > 0, np.log(den[..., 0]) + m_safe[..., 0], -np.inf)
-        pn = p / np.where(den > 0, den, 1.0)
-        if eager_dtype is not None:
-            pn = round_to(pn, eager_dtype).astype(np.float64)
-        out = np.where(den > 0, np.einsum("bhqk,bkhd->bhqd", pn, vv), 0.0)
-        if eager_dtype is not None:
-            out = round_to(out, eager_dtype).astype(np.float64)
+    out, lse = _masked_softmax_pv(s, vv, "bhqk,bkhd->bhqd", eager_dtype)
     bl = None
     if block_size:
         nb = -(-sk // block_size)
