@@ -3,7 +3,7 @@
     python bench/decode_probe.py [--shapes b1_32k,b8_8k] [--rounds 3] [--window 0.3]
     python bench/decode_probe.py --ncu-once b1_32k       # one launch each, for ``ncu -k regex:Decode``
 
-Per shape (bf16, d 128, Hq/Hkv 32/8, paged P 64, one query token, causal), every variant in its own
+Per shape (bf16, d 128, Hq/Hkv 32/8 paged P 64 or 8/1 contiguous (m*), one query token, causal), every variant in its own
 window of bench/_timing.py (L2 flushed, alternating rounds, one process):
 
   step        the decode step as served: split kernel + combine (the split count the host picks)
@@ -35,6 +35,12 @@ SHAPES = {
     "b1_8k": dict(b=1, sk=8192, hq=32, hkv=8, layout="hnd", page=64),
     "b8_8k": dict(b=8, sk=8192, hq=32, hkv=8, layout="hnd", page=64),
     "b1_32k_c": dict(b=1, sk=32768, hq=32, hkv=8, layout="contiguous", page=0),
+    # one kv head (Hq / Hkv 8 / 1), contiguous: the shapes that miss the bars
+    "m1_32k": dict(b=1, sk=32768, hq=8, hkv=1, layout="contiguous", page=0),
+    "m1_128k": dict(b=1, sk=131072, hq=8, hkv=1, layout="contiguous", page=0),
+    "m8_32k": dict(b=8, sk=32768, hq=8, hkv=1, layout="contiguous", page=0),
+    "m64_4k": dict(b=64, sk=4096, hq=8, hkv=1, layout="contiguous", page=0),
+    "m256_2k": dict(b=256, sk=2048, hq=8, hkv=1, layout="contiguous", page=0),
 }
 
 
