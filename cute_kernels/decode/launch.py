@@ -31,7 +31,7 @@ from cute_kernels.jit_cache import fast_lookup as _lookup
 from cute_kernels.jit_cache import fast_memo as _fast
 from cute_kernels.jit_cache import jit_cache
 
-from .combine import WARPS as COMBINE_WARPS
+from .combine import smem_bytes as combine_smem_bytes
 from .combine import CombineConfig, DecodeCombine
 from .config import MAX_SPLITS, PAGE_SIZES, DecodeConfig, choose_splits, unsupported_reason
 from .fwd import DecodeFwd
@@ -275,5 +275,5 @@ def _combine_matrix(arch: int, full: bool = False):
 
 CHECKS = {
     "decode_attention": (_decode_matrix, compile_decode, lambda cfg: cfg.smem_bytes),
-    "decode_combine": (_combine_matrix, compile_combine, lambda cfg: 4 * COMBINE_WARPS * MAX_SPLITS),
+    "decode_combine": (_combine_matrix, compile_combine, lambda cfg: combine_smem_bytes(cfg.head_dim)),
 }

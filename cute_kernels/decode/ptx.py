@@ -4,6 +4,7 @@
   destination and reads nothing, which is how a key past its sequence, a padding page id or an
   unused page tail becomes a zero row in shared memory (its stale bytes, NaN included, are never
   loaded, so P = 0 times V stays 0).
+* ``cp_async_ca``: ``cp.async.ca.shared.global`` of 4, 8 or 16 bytes (the combine's staged partial loads).
 * ``ldsm_x4``: ``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``, four 8x8 16-bit matrices.
 * ``mma_16816``: ``mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}``, fp32 accumulators.
 * ``pack2``: two fp32 -> one 32-bit register of two 16-bit values (low half = first argument).
@@ -30,6 +31,17 @@ def cp_async_16(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
         [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
          Int32(src_bytes).ir_value(loc=loc, ip=ip)],
         "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=_ATT)
+
+
+@dsl_user_op
+def cp_async_ca(smem_addr, gmem_addr, nbytes: int, *, loc=None, ip=None) -> None:
+    """Copy ``nbytes`` (4, 8 or 16, a compile-time size) global -> shared asynchronously (``cp.async.ca``)."""
+    assert nbytes in (4, 8, 16)
+    llvm.inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        f"cp.async.ca.shared.global [$0], [$1], {int(nbytes)};", "r,l",
         has_side_effects=True, is_align_stack=False, asm_dialect=_ATT)
 
 

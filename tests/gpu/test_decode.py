@@ -331,6 +331,14 @@ def test_dense_index_reaches_the_launcher_uncopied(glue, monkeypatch):
     _bitwise_equal(got, want)
 
 
+@pytest.mark.parametrize("splits", [17, 40, 70, 128])
+def test_combine_many_splits(glue, splits):
+    """The combine's warps per row (1 per 16 splits, up to 8: combine.warps_per_row) and its staged loads: a row's
+    splits spread over 2-8 warps whose part sums are added in part order; against the oracle, bitwise repeatable,
+    and within tolerance of the unsplit result (ragged lengths: empty splits and rows)."""
+    full_check(glue, make_case(90 + splits, lens=[0, 5, 3000, 9000], group=8, hkv=1), splits=(1, splits), repeat=2)
+
+
 def test_auto_splits_long(glue):
     """num_splits=None at a length where the host picks many splits; against the oracle and repeatable."""
     case = make_case(90, lens=[8000], hkv=2, group=4, page=64)
