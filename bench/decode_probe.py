@@ -11,6 +11,7 @@ window of bench/_timing.py (L2 flushed, alternating rounds, one process):
   combine     the combine kernel alone (on the partials of the step above)
   step_nopdl  the step with the combine launched without programmatic dependent launch
   s<N>        the step with N splits
+  ring<KB>    the step with a per-warp load ring of KB (``--rings``)
   read_same   ``x.sum()`` over a buffer of the step's K + V bytes: the small-read floor of the same size
 
 It prints microseconds and the KV rate of each against the 2 GiB streaming read of the same process,
@@ -44,7 +45,7 @@ SHAPES = {
 }
 
 
-def variants(name: str, extra_splits):
+def variants(name: str, extra_splits, rings=()):
     torch, L = BD.torch, BD.L
     shp = BD.Shape(**SHAPES[name])
     fns = {"step": shp.ours}
@@ -74,6 +75,8 @@ def variants(name: str, extra_splits):
             o = BD.Shape(**SHAPES[name], splits=s)
             keep.append(o)
             fns[f"s{s}"] = o.ours
+    for kb in rings:  # the per-warp load ring (KB of K + V in flight per warp; 24 by default)
+        fns[f"ring{kb}"] = (lambda kb=kb: shp.ours(kb))
     x = torch.empty(shp.keys * BD.D * 2 * 2 // 4, dtype=torch.float32, device="cuda").normal_()
     keep.append(x)
     fns["read_same"] = lambda: x.sum()
@@ -84,6 +87,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="b1_32k,b8_8k")
     ap.add_argument("--splits", default="16,33,48,66,99,128")
+    ap.add_argument("--rings", default="", help="ring_kb variants of the step, e.g. 32,48")
     ap.add_argument("--ncu-once", default=None)
     ap.add_argument("--flush-modes", default="zero,read", help="L2 flush modes to compare (bench/_timing.py)")
     add_method_args(ap)
@@ -103,7 +107,8 @@ def main(argv=None):
         read_bw, _ = BD.ceilings(timer, args.rounds)
         print(f"{torch.cuda.get_device_name()}: flush {mode}: streaming read {read_bw / 1e9:.0f} GB/s", flush=True)
         for name in args.shapes.split(","):
-            shp, fns, keep = variants(name, [int(s) for s in args.splits.split(",") if s])
+            shp, fns, keep = variants(name, [int(s) for s in args.splits.split(",") if s],
+                                        [int(r) for r in args.rings.split(",") if r])
             res = bench_windows(fns, rounds=args.rounds, timer=timer)
             kv = shp.keys * BD.D * 2 * 2
             print(f"{name} (flush {mode}): auto splits {shp.splits}, KV {kv / 1e6:.1f} MB, "
