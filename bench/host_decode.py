@@ -3,14 +3,14 @@
     python bench/host_decode.py [--n 2000] [--repeats 7] [--json FILE] [--rows launcher,glue,op]
 
 Every line of the path runs up to the compiled TVM-FFI function, which is replaced by a no-op:
-``compile_decode`` / ``compile_combine`` return a stub, the tensors' arch reads as 90 after one place
+``compile_decode`` / ``compile_decode_step`` (the split kernel + combine entry) / ``compile_combine`` return a stub, the tensors' arch reads as 90 after one place
 query (so the ops take the CuTe backend) and the SM count as the H100's 132. What the stub leaves out is the TVM-FFI call itself
 (DLPack of the arguments, their checks, the launch): ``python bench/bench_decode.py --host-n 100`` measures
 the launcher with it, on a GPU with torch tensors.
 
 Rows (B 1, Sq 1, Hq/Hkv 32/8, d 128, hnd P 16, 16 pages; the dense form ``[B, n]`` table / ``[B]`` lengths):
 
-* ``launcher`` / ``launcher_split`` / ``launcher_sparse``: ``run_decode`` unsplit, split in 4 (+ combine), and
+* ``launcher`` / ``launcher_split`` / ``launcher_sparse``: ``run_decode`` unsplit, split in 4 (one entry launches the split kernel and the combine), and
   with a per-kv-head ``[B, Hkv, n]`` table; the tensors are numpy arrays (DLPack-capable, a tuple ``shape``
   as cheap as torch's), standing in for the torch tensors of the GPU measurement.
 * ``splits``: ``choose_num_splits`` (what ``num_splits=None`` costs on top of the launcher).
@@ -54,7 +54,7 @@ def stubbed(arch: int = 90):
     from paddle_fa4._cute import decode as glue
 
     saved = [(bridge, "tensor_arch"), (backend, "tensor_arch"), (_arch, "device_sm_count"), (validate, "host_values"),
-             (launch, "compile_decode"), (launch, "compile_combine")]
+             (launch, "compile_decode"), (launch, "compile_combine"), (launch, "compile_decode_step")]
     if hasattr(glue, "device_of"):
         saved.append((glue, "device_of"))
     old = [getattr(mod, name) for mod, name in saved]
@@ -69,7 +69,7 @@ def stubbed(arch: int = 90):
         glue.device_of = device_of
     _arch.device_sm_count = lambda index: 132
     validate.host_values = lambda t: None  # as for a GPU tensor: never read back
-    launch.compile_decode = launch.compile_combine = lambda cfg: _noop
+    launch.compile_decode = launch.compile_combine = launch.compile_decode_step = lambda cfg: _noop
     from cute_kernels import jit_cache
 
     memos = [m for m in (jit_cache._FAST, getattr(glue, "_PLANS", None)) if m is not None]

@@ -24,6 +24,8 @@ Tensors (int32 index tensors, every tensor compact row-major):
 
 from __future__ import annotations
 
+import cutlass.cute as cute
+
 from cute_kernels import arch as _arch
 from cute_kernels.dtypes import cutlass_dtype, dtype_name
 from cute_kernels.jit_cache import direct_call as _direct
@@ -82,6 +84,42 @@ def compile_decode(cfg: DecodeConfig):
     f32, i32 = cutlass.Float32, cutlass.Int32
     return cute.compile(DecodeFwd(cfg), *_fakes(cfg), f32(1.0), f32(0.0), i32(-1), i32(-1), fake_stream(),
                         options=arch_options(cfg.arch))
+
+
+class DecodeSplitStep:
+    """The split kernel and the combine behind one host entry: one TVM-FFI call (each tensor converted once) launches
+    both, the combine as the programmatic dependent of the split kernel, as two separate calls would."""
+
+    def __init__(self, cfg: DecodeConfig):
+        self.fwd = DecodeFwd(cfg)
+        self.comb = DecodeCombine(CombineConfig(arch=cfg.arch, dtype=cfg.dtype, head_dim=cfg.head_dim))
+
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mSeq, mTable, mOp, mLp, mBL, mO, mLse, softmax_scale, softcap, window_left,
+              window_right, stream):
+        self.fwd(mQ, mK, mV, mSeq, mTable, mOp, mLp, mBL, softmax_scale, softcap, window_left, window_right, stream)
+        self.comb(mOp, mLp, mO, mLse, stream)
+
+
+@jit_cache
+def compile_decode_step(cfg: DecodeConfig):
+    """The split config's kernel and the combine as one compiled function (``DecodeSplitStep``): ``step(q, k, v,
+    seqlens, table, o_part, lse_part, block_logit, out, lse, scale, softcap, window_left, window_right)``."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym
+
+    reason = unsupported_reason(cfg)
+    if reason is not None:
+        raise NotImplementedError(f"decode attention: {reason}")
+    assert cfg.split, "a split step needs a split config"
+    f32, i32 = cutlass.Float32, cutlass.Int32
+    q, k, v, seq, table, o_part, lse_part, blk = _fakes(cfg)
+    out = fake_tensor(cutlass_dtype(cfg.dtype), (sym(), cfg.seqlen_q, sym(), cfg.head_dim))
+    lse = fake_tensor(f32, (sym(), sym(), cfg.seqlen_q), align_bytes=4)
+    return cute.compile(DecodeSplitStep(cfg), q, k, v, seq, table, o_part, lse_part, blk, out, lse, f32(1.0),
+                        f32(0.0), i32(-1), i32(-1), fake_stream(), options=arch_options(cfg.arch))
 
 
 @jit_cache
@@ -211,16 +249,16 @@ def _build_launch(q, k_cache, seqlens, table, has_bl, split, *, layout, has_left
     a = _arch.kernel_arch(arch)
     cfg = decode_config(q, k_cache, layout=layout, causal_or_right=has_right, has_left=has_left, softcap=capped,
                         block_size=block_size, split=split, arch=a, ring_kb=ring_kb, dense_index=seqlens.ndim == 1)
-    fwd = _direct(compile_decode(cfg))
     if not split:
+        fwd = _direct(compile_decode(cfg))
+
         def launch(q, k, v, seqlens, table, out, lse, block_logit, o_part, lse_part, scale, cap, left, right):
             fwd(q, k, v, seqlens, table, out, lse, block_logit, scale, cap, left, right)
     else:
-        comb = _direct(compile_combine(CombineConfig(arch=a, dtype=cfg.dtype, head_dim=cfg.head_dim)))
+        step = _direct(compile_decode_step(cfg))  # the split kernel + the combine, one host call
 
         def launch(q, k, v, seqlens, table, out, lse, block_logit, o_part, lse_part, scale, cap, left, right):
-            fwd(q, k, v, seqlens, table, o_part, lse_part, block_logit, scale, cap, left, right)
-            comb(o_part, lse_part, out, lse)
+            step(q, k, v, seqlens, table, o_part, lse_part, block_logit, out, lse, scale, cap, left, right)
     launch.dtype = q.dtype  # the key holds its id: this reference keeps the id this dtype's
     launch.config = cfg
     return launch

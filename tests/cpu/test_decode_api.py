@@ -425,8 +425,17 @@ def stub_kernel(monkeypatch):
             rec.combines += 1
         return comb
 
+    def compile_decode_step(cfg):  # the split kernel + the combine behind one entry (launch.DecodeSplitStep)
+        rec.cfgs.append(cfg)
+
+        def step(*args):
+            rec.calls.append(args)
+            rec.combines += 1
+        return step
+
     monkeypatch.setattr(launch, "compile_decode", compile_decode)
     monkeypatch.setattr(launch, "compile_combine", compile_combine)
+    monkeypatch.setattr(launch, "compile_decode_step", compile_decode_step)
     monkeypatch.setattr(glue, "device_of", lambda t: (90, 0, t.place))
     monkeypatch.setattr(_arch, "device_sm_count", lambda index: 132)
     monkeypatch.setattr(dec, "resolve_backend", lambda op, backend, tensor, reason, stacklevel=4, **kw: "cute")
@@ -452,7 +461,7 @@ def test_dense_index_reaches_the_kernel_as_the_callers_tensors(stub_kernel):
     assert len(stub_kernel.cfgs) == 1 and stub_kernel.cfgs[0].dense_index and not stub_kernel.cfgs[0].split
     for call in stub_kernel.calls:
         assert call[3] is lens and call[4] is table  # seqlens, table
-    # split: the same tensors, the split kernel and the combine
+    # split: the same tensors, the split kernel and the combine (one entry)
     paddle_fa4.flash_attn_with_kvcache(q, k, v, lens, block_table=table, num_splits=3)
     assert stub_kernel.cfgs[-1].dense_index and stub_kernel.cfgs[-1].split and stub_kernel.combines == 1
     assert stub_kernel.calls[-1][3] is lens and stub_kernel.calls[-1][4] is table
