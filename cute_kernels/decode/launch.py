@@ -311,7 +311,14 @@ def _combine_matrix(arch: int, full: bool = False):
     return [CombineConfig(arch=arch, dtype=dt, head_dim=d) for dt in dts for d in dims]
 
 
+def _step_matrix(arch: int, full: bool = False):
+    """The split configs of the decode matrix, compiled as the split step (split kernel + combine, one entry)."""
+    return [c for c in _decode_matrix(arch, full) if c.split]
+
+
 CHECKS = {
     "decode_attention": (_decode_matrix, compile_decode, lambda cfg: cfg.smem_bytes),
+    "decode_split_step": (_step_matrix, compile_decode_step,
+                          lambda cfg: max(cfg.smem_bytes, combine_smem_bytes(cfg.head_dim))),
     "decode_combine": (_combine_matrix, compile_combine, lambda cfg: combine_smem_bytes(cfg.head_dim)),
 }

@@ -12,7 +12,7 @@ import pytest
 
 from tests.cpu._check_cli import run_check
 
-KERNELS = ("decode_attention", "decode_combine")
+KERNELS = ("decode_attention", "decode_combine", "decode_split_step")
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
 
