@@ -150,21 +150,20 @@ class DecodeCombine:
             for base in cutlass.range(lo, hi, ns, unroll=1):
                 # every copy of ns splits issued before the first multiply-add (one memory round trip per
                 # ns splits); each lane waits for its own copies and reads back only those, so no warp barrier.
-                # A slot past the part re-reads its last split (straight-line copies), weighted 0 below.
+                # The slot tests are warp-uniform (a warp's lanes share one row and part): a slot past the part
+                # is neither copied nor added (its stage entry may hold anything, NaN included).
                 for u in cutlass.range_constexpr(ns):
-                    sp = cutlass.min(base + u, hi - 1)
-                    g = g_base + (Int64(sp) * split_stride + row_off) * 4
-                    for c in cutlass.range_constexpr(self.vec * 4 // nbytes):
-                        cp_async_ca(s_base + (u * self.cfg.head_dim) * 4 + c * nbytes, g + c * nbytes, nbytes)
+                    if base + u < hi:
+                        g = g_base + (Int64(base + u) * split_stride + row_off) * 4
+                        for c in cutlass.range_constexpr(self.vec * 4 // nbytes):
+                            cp_async_ca(s_base + (u * self.cfg.head_dim) * 4 + c * nbytes, g + c * nbytes, nbytes)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)
                 for u in cutlass.range_constexpr(ns):
-                    # weight 0 past the part: acc + 0 * (a finite re-read partial) leaves acc as it is, and a
-                    # non-finite one is the part's own last split, added anyway
-                    w = sW[warp, cutlass.min(base + u, hi - 1)]
-                    w = w if base + u < hi else Float32(0.0)
-                    for v in cutlass.range_constexpr(self.vec):
-                        acc[v] = acc[v] + w * sStage[warp, u, d0 + v]
+                    if base + u < hi:
+                        w = sW[warp, base + u]
+                        for v in cutlass.range_constexpr(self.vec):
+                            acc[v] = acc[v] + w * sStage[warp, u, d0 + v]
             for v in cutlass.range_constexpr(self.vec):
                 sStage[warp, 0, d0 + v] = acc[v]
         cute.arch.sync_threads()
