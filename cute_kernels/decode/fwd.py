@@ -100,7 +100,10 @@ class DecodeFwd:
         # d 256: one CTA per SM is all ptxas may assume (.minnctapersm 1); without it the CUDA 12 ptxas for sm_100a
         # capped the warp pairs' kernel at 168 registers (3 CTAs of 128 threads) and spilled 8 B. Shared memory
         # allows 2 CTAs per SM, which 255 registers still do.
-        occupancy = {"min_blocks_per_mp": 1} if const_expr(cfg.d_split > 1) else {}
+        # SM100: the same hint for every config. Without it the CUDA 13 ptxas for sm_100a capped the d 64 dense-index
+        # split configs at 128 registers and spilled 32 B (shared memory allows 2 CTAs per SM, which 255 registers
+        # still do). SM90 keeps its GPU-verified allocation.
+        occupancy = {"min_blocks_per_mp": 1} if const_expr(cfg.d_split > 1 or cfg.arch >= 100) else {}
         self.kernel(mQ, mK, mV, mSeq, mTable, mO, mLse, mBL, softmax_scale, softcap, window_left,
                     window_right).launch(grid=[bh * cfg.row_blocks, splits, 1], block=[32 * WARPS, 1, 1],
                                          smem=cfg.smem_bytes, stream=stream, **occupancy)
