@@ -5,7 +5,7 @@
 The decode kernel is one source for SM90 and SM100 (mma.sync + cp.async, cute_kernels/decode/fwd.py), so the
 Hopper runs of tests/gpu/test_decode.py verify its numerics; this file runs a representative subset of those
 cases on the Blackwell binary (paged with NaN tails and padding ids, split vs unsplit and bitwise repeats,
-multi-token causal, block_logit's -inf pattern, MQA, d 256, the contiguous layout) through the same glue with
+multi-token causal, block_logit's -inf pattern, MQA, d 256, the contiguous layout, a combine of 40 and 128 splits) through the same glue with
 torch tensors. Nothing here has been run on a Blackwell GPU: none was available when it was written.
 """
 
@@ -36,3 +36,12 @@ def test_decode_sm100(glue, kw, check_kw):
     from tests.gpu.test_decode import full_check, make_case
 
     full_check(glue, make_case(7, **kw), splits=(1, 3), repeat=2, **check_kw)
+
+
+@pytest.mark.parametrize("splits", [40, 128])
+def test_decode_combine_many_splits_sm100(glue, splits):
+    """The combine's 2-8 warps per row (combine.warps_per_row) and its cp.async-staged partials on the Blackwell
+    binary: against the oracle, bitwise repeatable, within tolerance of the unsplit result."""
+    from tests.gpu.test_decode import full_check, make_case
+
+    full_check(glue, make_case(90 + splits, lens=[0, 5, 3000, 9000], group=8, hkv=1), splits=(1, splits), repeat=2)
