@@ -78,6 +78,9 @@ CASES = [
     # the same with FA's dense [B] lengths / [B, n] table (one kernel variant reads them for every kv head), Hkv 4
     Case("decode_paged_dense", "decode", dict(lens=(0, 1, 37, 300), hkv=4, g=4, sq=2, d=128, page=16, splits=3,
                                                 block_size=64, dense=True)),
+    # one kv head (G 8) over 40 splits: the combine's warps per row (3 here) and its cp.async-staged partials
+    Case("decode_many_splits", "decode", dict(lens=(0, 5, 3000, 9000), hkv=1, g=8, sq=1, d=128, page=16, splits=40,
+                                                block_size=64, dense=True)),
     Case("canary_hang", "canary_hang", canary=True),
     Case("canary_mismatch", "canary_mismatch", dict(b=1, sq=130, sk=130, hq=2, hkv=2, d=64), canary=True),
 ]
@@ -699,9 +702,9 @@ def _case_decode(fw, cc: int, p: dict):
     ttab = fw.put(table[:, 0].copy() if dense else table, "int32")
     cfg = dl.decode_config(tq, tk, layout="hnd", causal_or_right=True, has_left=False, softcap=False, block_size=bs,
                            split=True, arch=cc, dense_index=dense)
-    info = dict(kernel="DecodeFwd + DecodeCombine", config=repr(cfg))
+    info = dict(kernel="DecodeSplitStep (DecodeFwd + DecodeCombine)", config=repr(cfg))
     _phase("compile")
-    dl.compile_decode(cfg)
+    dl.compile_decode_step(cfg)
     _phase("launch")
     out = fw.full(q.shape, float("nan"), "bfloat16")
     lse = fw.full((bsz, hq, sq), float("nan"), "float32")
