@@ -100,10 +100,12 @@ class DecodeFwd:
         # d 256: one CTA per SM is all ptxas may assume (.minnctapersm 1); without it the CUDA 12 ptxas for sm_100a
         # capped the warp pairs' kernel at 168 registers (3 CTAs of 128 threads) and spilled 8 B. Shared memory
         # allows 2 CTAs per SM, which 255 registers still do.
-        # SM100: the same hint for every config. Without it the CUDA 13 ptxas for sm_100a capped the d 64 dense-index
-        # split configs at 128 registers and spilled 32 B (shared memory allows 2 CTAs per SM, which 255 registers
-        # still do). SM90 keeps its GPU-verified allocation.
-        occupancy = {"min_blocks_per_mp": 1} if const_expr(cfg.d_split > 1 or cfg.arch >= 100) else {}
+        # SM100 (every config) and d 64: the same hint. Without it the CUDA 13 ptxas capped d 64 configs at 128
+        # registers (4 CTAs per SM, which the ~100 KB of shared memory never allows) and spilled: 32 B in five
+        # dense-index split configs on sm_100a, 8 B in the two softcap + window + block_logit ones on sm_90a. The
+        # sm_90a d 128 configs, which take 165-251 registers without it, keep their GPU-verified allocation.
+        occupancy = ({"min_blocks_per_mp": 1} if const_expr(cfg.d_split > 1 or cfg.arch >= 100 or cfg.head_dim <= 64)
+                     else {})
         self.kernel(mQ, mK, mV, mSeq, mTable, mO, mLse, mBL, softmax_scale, softcap, window_left,
                     window_right).launch(grid=[bh * cfg.row_blocks, splits, 1], block=[32 * WARPS, 1, 1],
                                          smem=cfg.smem_bytes, stream=stream, **occupancy)
