@@ -209,3 +209,23 @@ def test_direct_call_keeps_anything_else():
     odd = SimpleNamespace(execution_args=SimpleNamespace(has_pointer_address_arg_specs=False), _tvm_ffi_function=plain,
                           _kwargs_wrapper=wrapper)
     assert direct_call(odd) is odd
+
+
+def test_combine_partition_covers_every_split_once():
+    """The combine's split partition (combine.warps_per_row, the kernel's chunking): for every split count the
+    launcher may pass, the row's warps fit one CTA, each takes at most one stage of splits per round trip
+    (``stage_splits`` at d <= 128), the parts are contiguous, in order, and cover 0..S-1 exactly once."""
+    from cute_kernels.decode.combine import MAX_SPLITS, UNROLL, WARPS, stage_splits, warps_per_row
+
+    assert stage_splits(128) == UNROLL and stage_splits(256) == UNROLL // 2
+    for n in range(1, MAX_SPLITS + 1):
+        wpr = warps_per_row(n)
+        assert 1 <= wpr <= WARPS and WARPS // wpr >= 1
+        chunk = -(-n // wpr)
+        assert chunk <= UNROLL, (n, wpr, chunk)
+        covered = []
+        for part in range(wpr):
+            lo, hi = part * chunk, min(n, part * chunk + chunk)
+            covered += list(range(lo, hi))
+        assert covered == list(range(n)), n
+    assert warps_per_row(16) == 1 and warps_per_row(17) == 2 and warps_per_row(128) == 8
