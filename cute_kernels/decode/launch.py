@@ -106,7 +106,6 @@ def compile_decode_step(cfg: DecodeConfig):
     """The split config's kernel and the combine as one compiled function (``DecodeSplitStep``): ``step(q, k, v,
     seqlens, table, o_part, lse_part, block_logit, out, lse, scale, softcap, window_left, window_right)``."""
     import cutlass
-    import cutlass.cute as cute
 
     from cute_kernels.fake import arch_options, fake_stream, fake_tensor, sym
 
