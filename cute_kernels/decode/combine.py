@@ -11,9 +11,10 @@ splits a warp however many splits there are (one kv head over 128 SMs leaves few
 splits each; one warp per row took 8 dependent rounds there). Lane ``i`` owns the ``D / 32``
 contiguous elements at ``i * D / 32``. A warp's partials arrive through ``cp.async`` into its own
 shared-memory stage (``stage_splits`` splits at once, each lane reading back only its own copies):
-plain loads of 16 splits compiled to 34-42 registers, so ptxas had not kept them in flight together. Every warp of a row computes the split weights over all S
-(lane i: splits i, i + 32, ...; max and sum by butterfly, a fixed pattern; the same instructions on the
-same data, so the same weights) into its own row of shared memory; warp ``p`` of the row sums the
+plain loads of 16 splits compiled to 34-42 registers, so ptxas had not kept them in flight together.
+Every warp of a row computes the split weights over all S (lane i: splits i, i + 32, ...; max and sum
+by butterfly, a fixed pattern; the same instructions on the same data, so the same weights) into its
+own row of shared memory; warp ``p`` of the row sums the
 weighted partials of its contiguous part of the splits in split order, and the row's first warp adds
 the parts' sums in part order. The order depends on S alone: results are bitwise repeatable and
 depend only on the inputs and the split count. At most ``MAX_SPLITS`` splits.
