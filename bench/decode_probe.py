@@ -42,6 +42,9 @@ SHAPES = {
     "m8_32k": dict(b=8, sk=32768, hq=8, hkv=1, layout="contiguous", page=0),
     "m64_4k": dict(b=64, sk=4096, hq=8, hkv=1, layout="contiguous", page=0),
     "m256_2k": dict(b=256, sk=2048, hq=8, hkv=1, layout="contiguous", page=0),
+    # sparse decode (bench_decode.py's rows): 16 blocks of 64 + the last 128 tokens of a 32K pool, 32/8, P 64
+    "sp1_32k": dict(b=1, sk=32768, hq=32, hkv=8, layout="hnd", page=64, sparse=True, pool=32768),
+    "sp8_32k": dict(b=8, sk=32768, hq=32, hkv=8, layout="hnd", page=64, sparse=True, pool=32768),
 }
 
 
