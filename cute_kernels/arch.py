@@ -87,6 +87,21 @@ def compile_only() -> bool:
     return os.environ.get("CUTE_KERNELS_COMPILE_ONLY", "0") == "1"
 
 
+def dsl_cuda() -> int | None:
+    """The CUDA major version of the DSL build doing the compiling (12: the default ``nvidia-cutlass-dsl`` wheel,
+    13: ``nvidia-cutlass-dsl[cu13]``, picked at import: the newest one installed that the driver supports, the newest
+    without a driver), read from the loaded IR module's file name; None before cutlass is imported or when the name
+    says nothing. Its ptxas allocates registers differently: the same kernel can spill under one and not the other
+    (the latent dK/dV kernel did under 13 only, docs/benchmarks.md Run AO8), so ``python -m cute_kernels.check``
+    names it and the few register splits that depend on it read it here."""
+    import re
+    import sys
+
+    mod = sys.modules.get("cutlass._mlir._mlir_libs._cutlass_ir")
+    m = re.search(r"\.cu(\d+)\.", os.path.basename(getattr(mod, "__file__", "") or ""))
+    return int(m.group(1)) if m else None
+
+
 def _device_attrs(device_index: int, *names: str) -> tuple | None:
     """Driver attributes ``CU_DEVICE_ATTRIBUTE_<name>`` of one CUDA device, or None without a GPU."""
     try:

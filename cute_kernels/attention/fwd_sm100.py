@@ -137,6 +137,12 @@ NUM_THREADS = 512
 # fit the smaller budget, which made ptxas spill). One Q stage: the softmax WG at 240 (at 232 the CUDA 13 ptxas
 # spilled 8 B there for d 256 + causal + softcap + block_logit, bf16; CUDA 12 did not; docs/benchmarks.md, Runs AP).
 REGS = {2: (192, 192, 72, 56), 1: (240, 32, 176, 64)}
+# d 256 with softcap and document-relative block_logit on blocks of under 32 keys (block_bos, block 16): the softmax
+# WG holds the row's 128 scores with their tanh and the 8 + 1 maxima of the row's own block grid at once. At 240
+# registers ptxas spilled 32 B (sm_103a, the DSL's CUDA 12 build) and 16 B (sm_100a, CUDA 13); at 256 (the
+# correction WG at 160) those two and sm_100a CUDA 12 compile clean, but sm_103a under CUDA 13 spills 16 B, where
+# 240 is clean (2026-12-07). So that one (target, ptxas) pair keeps REGS[1] (``role_regs``).
+REGS_BOS_FINE = (256, 32, 160, 64)
 O_CHUNK = 16  # O columns the correction WG moves per TMEM load/store (16 fp32 registers)
 HEAD_DIMS = ((64, 64), (128, 128), (192, 192), (256, 256), (192, 128))
 
@@ -335,7 +341,13 @@ class FlashFwdSm100:
         return None
 
     def role_regs(self) -> tuple:
-        """setmaxnreg per warpgroup (softmax 0, softmax 1, correction, other): ``REGS[q_stage]``."""
+        """setmaxnreg per warpgroup (softmax 0, softmax 1, correction, other): ``REGS[q_stage]``, or
+        ``REGS_BOS_FINE`` for the d 256 softcap block_bos builds on blocks under 32 keys where that split fits."""
+        cfg = self.cfg
+        fine = (self.q_stage == 1 and cfg.block_bos and cfg.head_dim == 256 and cfg.has_softcap
+                and cfg.block_size < 32)
+        if fine and not (cfg.arch == 103 and _arch.dsl_cuda() == 13):
+            return REGS_BOS_FINE
         return REGS[self.q_stage]
 
     @staticmethod

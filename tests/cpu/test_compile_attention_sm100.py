@@ -129,7 +129,8 @@ def test_smem_and_tmem_plan_fits_every_config():
         assert k.kv_stage >= 2, cfg
         assert k.q_stage * (m.TILE_N + cfg.head_dim_v) <= 512, cfg
         assert k.tmem_o_offset[-1] + cfg.head_dim_v <= k.tmem_cols, cfg
-        regs = m.REGS[k.q_stage]
+        regs = k.role_regs()
+        assert regs in (m.REGS[k.q_stage], m.REGS_BOS_FINE), cfg
         assert sum(regs) <= 4 * 128 and all(r % 8 == 0 and 24 <= r <= 256 for r in regs)
 
 
@@ -200,3 +201,22 @@ def test_exp2_polynomial_constants():
     rel = np.abs(y / np.exp2(x.astype(np.float64)) - 1.0)
     assert rel.max() < 1e-4, rel.max()
     assert (frac >= 0).all() and (frac < 1).all()
+
+
+def test_bos_fine_register_split_follows_target_and_build(monkeypatch):
+    """d 256 softcap block_bos builds on 16-key blocks take REGS_BOS_FINE (the split their ptxas fits) except on
+    sm_103a under the DSL's CUDA 13 build; every other config keeps REGS[q_stage]."""
+    from cute_kernels import arch as A
+    from cute_kernels.attention import fwd_sm100 as m
+    from cute_kernels.attention.launch import config_matrix
+
+    for build in (12, 13):
+        monkeypatch.setattr(A, "dsl_cuda", lambda build=build: build)
+        for arch in (100, 103):
+            cfgs = [c for c in config_matrix(arch, True) if c.block_bos]
+            fine = [c for c in cfgs if c.head_dim == 256 and c.has_softcap and c.block_size == 16]
+            assert len(fine) == 2, fine  # causal, and the 4-column FlashMask line
+            for cfg in cfgs:
+                k = m.FlashFwdSm100(cfg)
+                want = m.REGS_BOS_FINE if cfg in fine and not (arch == 103 and build == 13) else m.REGS[k.q_stage]
+                assert k.role_regs() == want, (build, cfg)
