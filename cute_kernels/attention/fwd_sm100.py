@@ -139,10 +139,12 @@ NUM_THREADS = 512
 REGS = {2: (192, 192, 72, 56), 1: (240, 32, 176, 64)}
 # d 256 with softcap and document-relative block_logit on blocks of under 32 keys (block_bos, block 16): the softmax
 # WG holds the row's 128 scores with their tanh and the 8 + 1 maxima of the row's own block grid at once. At 240
-# registers ptxas spilled 32 B (sm_103a, the DSL's CUDA 12 build) and 16 B (sm_100a, CUDA 13); at 256 (the
-# correction WG at 160) those two and sm_100a CUDA 12 compile clean, but sm_103a under CUDA 13 spills 16 B, where
-# 240 is clean (2026-12-07). So that one (target, ptxas) pair keeps REGS[1] (``role_regs``).
+# registers ptxas spilled 32 B (sm_103a, the DSL's CUDA 12 build) and 16 B (sm_100a, CUDA 13), and those two
+# compile clean at 256 (the correction WG at 160), where sm_100a under CUDA 12 spills 8 B instead (2026-12-07).
+# So the split depends on the (target, ptxas) pair: REGS_BOS_FINE where it is the one that fits
+# (``role_regs``), REGS[1] (clean there) on sm_100a CUDA 12 and sm_103a CUDA 13.
 REGS_BOS_FINE = (256, 32, 160, 64)
+REGS_BOS_FINE_BUILDS = ((100, 13), (103, 12))  # (compute capability, the DSL's CUDA major)
 O_CHUNK = 16  # O columns the correction WG moves per TMEM load/store (16 fp32 registers)
 HEAD_DIMS = ((64, 64), (128, 128), (192, 192), (256, 256), (192, 128))
 
@@ -342,11 +344,12 @@ class FlashFwdSm100:
 
     def role_regs(self) -> tuple:
         """setmaxnreg per warpgroup (softmax 0, softmax 1, correction, other): ``REGS[q_stage]``, or
-        ``REGS_BOS_FINE`` for the d 256 softcap block_bos builds on blocks under 32 keys where that split fits."""
+        ``REGS_BOS_FINE`` for the d 256 softcap block_bos builds on blocks under 32 keys on the targets and DSL
+        builds where that split is the one that fits (``REGS_BOS_FINE_BUILDS``)."""
         cfg = self.cfg
         fine = (self.q_stage == 1 and cfg.block_bos and cfg.head_dim == 256 and cfg.has_softcap
                 and cfg.block_size < 32)
-        if fine and not (cfg.arch == 103 and _arch.dsl_cuda() == 13):
+        if fine and (cfg.arch, _arch.dsl_cuda()) in REGS_BOS_FINE_BUILDS:
             return REGS_BOS_FINE
         return REGS[self.q_stage]
 
