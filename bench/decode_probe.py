@@ -36,6 +36,7 @@ SHAPES = {
     "b1_8k": dict(b=1, sk=8192, hq=32, hkv=8, layout="hnd", page=64),
     "b8_8k": dict(b=8, sk=8192, hq=32, hkv=8, layout="hnd", page=64),
     "b1_32k_c": dict(b=1, sk=32768, hq=32, hkv=8, layout="contiguous", page=0),
+    "c8_8k": dict(b=8, sk=8192, hq=32, hkv=8, layout="contiguous", page=0),
     # one kv head (Hq / Hkv 8 / 1), contiguous: the shapes that miss the bars
     "m1_32k": dict(b=1, sk=32768, hq=8, hkv=1, layout="contiguous", page=0),
     "m1_128k": dict(b=1, sk=131072, hq=8, hkv=1, layout="contiguous", page=0),
