@@ -481,3 +481,24 @@ def test_cute_glue_block_bos_plumbing(monkeypatch):
     paddle_fa4.flash_attn_fwd(q, k, k, causal=True, startend_row_indices=se, return_block_logit=True,
                               block_size=64, backend="cute")
     assert seen["cfg"]["block_bos"] is False and "block_bos" not in seen["run"]
+
+
+def test_flashmask_attention_signature_is_paddles():
+    """Replacing the import is the whole migration: every parameter of Paddle's own
+    ``paddle.nn.functional.flashmask_attention`` exists here with the same kind and default, in the same order;
+    ours only adds keyword-only parameters after them."""
+    import inspect
+
+    import paddle
+
+    import paddle_fa4
+
+    theirs = getattr(paddle.nn.functional, "flashmask_attention", None)
+    if theirs is None:
+        pytest.skip("this Paddle build has no paddle.nn.functional.flashmask_attention")
+    p_theirs = list(inspect.signature(theirs).parameters.values())
+    p_ours = list(inspect.signature(paddle_fa4.flashmask_attention).parameters.values())
+    assert [p.name for p in p_ours[:len(p_theirs)]] == [p.name for p in p_theirs]
+    for a, b in zip(p_ours, p_theirs):
+        assert a.kind == b.kind and a.default == b.default, (a, b)
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in p_ours[len(p_theirs):])

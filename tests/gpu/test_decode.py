@@ -7,7 +7,7 @@ unused page tails and unlisted pages, Sq 1/2/4/16 bottom-right causal, window, s
 and MQA (G 64), D 64/128/256 (d 256's warp pairs: GQA groups, page sizes 1/8/16 and contiguous,
 block_logit, window + softcap, split and unsplit), bf16/fp16, the three cache layouts, per-kv-head (sparse) tables,
 block_logit's exact -inf pattern, split vs unsplit within tolerance and each bitwise repeatable over
-3 runs, CUDA-graph capture then replay with changed lengths, FA's dense [B] / [B, n] index form (read in
+3 runs, ``h2o.select_pages``'s kernel output fed in as it is, CUDA-graph capture then replay with changed lengths, FA's dense [B] / [B, n] index form (read in
 place by every kv head) bitwise equal to the per-kv-head form.
 """
 
@@ -172,33 +172,33 @@ def test_paged_basic_ragged_nan_padding(glue):
 
 @pytest.mark.parametrize("page", [1, 8, 64, 128])
 def test_page_sizes(glue, page):
-    full_check(glue, make_case(page, lens=[0, 1, page + 3, 700, 5 * page - 1], page=page), splits=(1, 4), repeat=2)
+    full_check(glue, make_case(page, lens=[0, 1, page + 3, 700, 5 * page - 1], page=page), splits=(1, 4))
 
 
 @pytest.mark.parametrize("sq,group", [(2, 4), (4, 8), (16, 4)])
 def test_multi_token_causal(glue, sq, group):
-    full_check(glue, make_case(10 + sq, lens=[3, 40, 517], sq=sq, group=group), splits=(1, 3), repeat=2)
+    full_check(glue, make_case(10 + sq, lens=[3, 40, 517], sq=sq, group=group), splits=(1, 3))
 
 
 def test_window_softcap(glue):
     full_check(glue, make_case(20, lens=[0, 5, 130, 900], sq=4), causal=False, left=100, right=2, softcap=30.0,
-               splits=(1, 3), repeat=2)
+               splits=(1, 3))
 
 
 @pytest.mark.parametrize("group,hkv", [(1, 4), (8, 2), (16, 2), (64, 1)])
 def test_gqa_groups_and_mqa(glue, group, hkv):
-    full_check(glue, make_case(30 + group, lens=[1, 77, 600], group=group, hkv=hkv), splits=(1, 2), repeat=2)
+    full_check(glue, make_case(30 + group, lens=[1, 77, 600], group=group, hkv=hkv), splits=(1, 2))
 
 
 @pytest.mark.parametrize("d", [64, 256])
 def test_head_dims(glue, d):
-    full_check(glue, make_case(40 + d, lens=[0, 33, 400], d=d, sq=2), splits=(1, 3), repeat=2)
+    full_check(glue, make_case(40 + d, lens=[0, 33, 400], d=d, sq=2), splits=(1, 3))
 
 
 def test_d256_page1_and_d64_page8(glue):
     """The grouped page reads of P < 16 (one table read per page group of a lane's rows)."""
-    full_check(glue, make_case(45, lens=[0, 5, 200], d=256, page=1, sq=2), splits=(1, 3), repeat=2)
-    full_check(glue, make_case(46, lens=[7, 8, 333], d=64, page=8, group=8), splits=(1, 3), repeat=2)
+    full_check(glue, make_case(45, lens=[0, 5, 200], d=256, page=1, sq=2), splits=(1, 3))
+    full_check(glue, make_case(46, lens=[7, 8, 333], d=64, page=8, group=8), splits=(1, 3))
 
 
 @pytest.mark.parametrize("layout,page,group,sq,bs,dtype,left,softcap", [
@@ -215,23 +215,23 @@ def test_d256_warp_pairs(glue, layout, page, group, sq, bs, dtype, left, softcap
     case = make_case(130 + page + group, lens=[0, 3, 45, 777], d=256, page=max(page, 1), group=group, sq=sq,
                      layout=layout, dtype=dtype)
     full_check(glue, case, layout=layout, bs=bs, causal=left < 0, left=left, right=0, softcap=softcap,
-               splits=(1, 3), repeat=2)
+               splits=(1, 3))
 
 
 def test_fp16(glue):
-    full_check(glue, make_case(50, lens=[9, 250, 1000], dtype=torch.float16), splits=(1, 3), repeat=2)
+    full_check(glue, make_case(50, lens=[9, 250, 1000], dtype=torch.float16), splits=(1, 3))
 
 
 @pytest.mark.parametrize("bs,sq,left", [(64, 4, -1), (16, 1, 90), (128, 2, 300)])
 def test_block_logit(glue, bs, sq, left):
     case = make_case(60 + bs, lens=[0, 1, 70, 333, 1200], sq=sq, page=16)
-    full_check(glue, case, bs=bs, causal=left < 0, left=left, right=0, splits=(1, 4), repeat=2)
+    full_check(glue, case, bs=bs, causal=left < 0, left=left, right=0, splits=(1, 4))
 
 
 @pytest.mark.parametrize("layout", ["nhd", "contiguous"])
 def test_layouts(glue, layout):
     case = make_case(70, lens=[0, 1, 31, 450], layout=layout, page=32)
-    full_check(glue, case, layout=layout, splits=(1, 3), repeat=2)
+    full_check(glue, case, layout=layout, splits=(1, 3))
 
 
 def test_recycled_pages_before_window(glue):
@@ -248,7 +248,7 @@ def test_recycled_pages_before_window(glue):
                 pid = int(table[b, 0, j])
                 k[pid] = float("nan")
                 v[pid] = float("nan")
-        full_check(glue, case, bs=bs, causal=False, left=left, right=0, splits=(1, 3), repeat=2)
+        full_check(glue, case, bs=bs, causal=False, left=left, right=0, splits=(1, 3))
 
 
 def test_per_kv_head_tables(glue):
@@ -336,7 +336,7 @@ def test_combine_many_splits(glue, splits):
     """The combine's warps per row (1 per 16 splits, up to 8: combine.warps_per_row) and its staged loads: a row's
     splits spread over 2-8 warps whose part sums are added in part order; against the oracle, bitwise repeatable,
     and within tolerance of the unsplit result (ragged lengths: empty splits and rows)."""
-    full_check(glue, make_case(90 + splits, lens=[0, 5, 3000, 9000], group=8, hkv=1), splits=(1, splits), repeat=2)
+    full_check(glue, make_case(90 + splits, lens=[0, 5, 3000, 9000], group=8, hkv=1), splits=(1, splits))
 
 
 def test_auto_splits_long(glue):
@@ -347,6 +347,29 @@ def test_auto_splits_long(glue):
     b = run_glue(glue, case, splits=None)
     check(a, ref, torch.bfloat16)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("eos", [1, 0])
+def test_select_pages_output_feeds_sparse_decode(glue, eos):
+    """``h2o.select_pages``'s CuTe kernel output (``sparse_block_tables [B, Hkv, K]`` with -1 slots,
+    ``sparse_seq_lens [B, Hkv]``) handed to the decode kernels as it is, on the GPU: against the fp64 oracle over
+    the pages it lists, split and unsplit, bitwise repeatable; the cache's unused page tails hold NaN (the real
+    last page is partial), and with ``eos = 0`` the last page is in the list only where the top-k picked it."""
+    from cute_kernels.h2o import launch as H
+
+    page, hkv, topk, bos = 16, 2, 5, 1
+    q, k, v, seq, table = make_case(120 + eos, lens=[16 * 40 + 7, 16 * 12 + 1, 5, 16 * 9], hkv=hkv, group=4,
+                                    page=page, pad="neg")
+    tables, lens = table[:, 0].contiguous(), seq[:, 0].contiguous()  # FA's [B, n] / [B] form of the same cache
+    rng = np.random.default_rng(7)
+    scores = torch.as_tensor(rng.standard_normal((lens.shape[0], hkv, tables.shape[1])), dtype=torch.float32,
+                             device=q.device)
+    width = bos + topk + eos
+    sel = torch.full((lens.shape[0], hkv, width), 99, dtype=torch.int32, device=q.device)
+    sel_lens = torch.full((lens.shape[0], hkv), 99, dtype=torch.int32, device=q.device)
+    H.run_select_pages(scores, tables, lens, sel, sel_lens, page_size=page, topk=topk, bos=bos, eos=eos)
+    assert (sel == -1).any(), "the case should leave unused slots (-1) in the short requests' rows"
+    full_check(glue, (q, k, v, sel_lens, sel), splits=(1, 3))
 
 
 def test_cuda_graph_replay_with_new_lengths(glue):

@@ -233,6 +233,17 @@ def test_document_mask_equals_varlen():
     o2, lse2 = run_plain(q[0], k[0], v[0], True, cu=cu, max_s=max(docs))
     assert (out[0].float() - o2.float()).abs().max().item() <= 1e-2
     assert (lse[0] - lse2).abs().max().item() <= 1e-4
+    # the backward: the masked call against the varlen backward over the same documents
+    from tests.gpu.test_bwd_sm90 import run_bwd_ours
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(out.shape, device="cuda", generator=g).to(q.dtype)
+    ours = run_fm_bwd(q, k, v, out, lse, do, se, True)
+    vl = run_bwd_ours(q[0], k[0], v[0], o2, lse2, do[0], causal=True, cu_q=cu, cu_k=cu, max_sq=max(docs),
+                      max_sk=max(docs))
+    for label, a, b in zip(("dq", "dk", "dv"), ours, vl):
+        err = (a[0].float() - b.float()).abs().max().item()
+        assert err <= 2e-2 * max(1.0, b.float().abs().max().item()), f"{label}: masked vs varlen {err:.3e}"
 
 
 def test_nan_in_skipped_key_tiles_does_not_leak():
@@ -279,8 +290,8 @@ def run_fm_bwd(q, k, v, out, lse, do, se, causal, window=(-1, -1), deterministic
 
 
 def ref_grads(q, k, v, do, vis, dtype):
-    """Autograd of the dense masked attention in ``dtype`` (float32: the reference; q's dtype: the
-    same-precision comparison point). Rows without keys give 0."""
+    """Autograd of the dense masked attention in ``dtype`` (float64: the reference; q's dtype: the
+    same-precision comparison point, softmax in float32). Rows without keys give 0."""
     vis = torch.as_tensor(vis, device="cuda")
     qq, kk, vv = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
     rep = q.shape[2] // k.shape[2]
@@ -290,10 +301,11 @@ def ref_grads(q, k, v, do, vis, dtype):
     live = vis.any(-1, keepdim=True)
     s = torch.where(vis, s, torch.full_like(s, -math.inf))
     s = torch.where(live, s, torch.zeros_like(s))
-    p = torch.softmax(s.float(), dim=-1).to(dtype) * live
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    p = torch.softmax(s.to(acc), dim=-1).to(dtype) * live
     out = (p @ vf).permute(0, 2, 1, 3)
-    (out.float() * do.float()).sum().backward()
-    return qq.grad.float(), kk.grad.float(), vv.grad.float()
+    (out.to(acc) * do.to(acc)).sum().backward()
+    return qq.grad.to(acc), kk.grad.to(acc), vv.grad.to(acc)
 
 
 def check_bwd(q, k, v, se, causal, window=(-1, -1), deterministic=False, seed=0):
@@ -304,19 +316,18 @@ def check_bwd(q, k, v, se, causal, window=(-1, -1), deterministic=False, seed=0)
     do = torch.randn(*q.shape[:-1], v.shape[-1], device="cuda", generator=g).to(q.dtype)
     out, lse, _ = run_fm(q, k, v, se_np, causal, window)
     ours = run_fm_bwd(q, k, v, out, lse, do, se_np, causal, window, deterministic)
-    ref = ref_grads(q, k, v, do, vis, torch.float32)
+    ref = ref_grads(q, k, v, do, vis, torch.float64)
     lowp = ref_grads(q, k, v, do, vis, q.dtype)
     for label, o, r, lp in zip(("dq", "dk", "dv"), ours, ref, lowp):
         assert not torch.isnan(o).any(), f"{label}: NaN (unwritten or bad)"
-        err = (o.float() - r).abs().max().item()
-        err_lp = (lp - r).abs().max().item()
+        err = (o.double() - r).abs().max().item()
+        err_lp = (lp.double() - r).abs().max().item()
         atol = 1e-3 * max(1.0, r.abs().max().item()) + 1e-5
         assert err <= 2.0 * err_lp + atol, f"{label} err {err:.3e} vs same-precision {err_lp:.3e}"
     return ours, vis
 
 
-BWD_MASKS = ("causal_document", "share_question", "global_sliding_window", "prefix_lm_documents",
-             "causal_blockwise", "random_eviction")
+BWD_MASKS = tuple(sorted(USER_MASKS))  # all nine
 
 
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
@@ -326,6 +337,14 @@ def test_backward_user_masks(mask, d):
     s = se.shape[2]
     q, k, v = make_qkv(1, s, s, 4, 2, d, seed=d)
     check_bwd(q, k, v, se, causal)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (300, -1)), (False, (200, 100))])
+def test_backward_window_and_mask(causal, window):
+    """The window and the column bounds together in the backward (the forward's test_window_and_mask)."""
+    se = (F.causal_document if causal else F.bidirectional_document)([400, 600, 280])[0]
+    q, k, v = make_qkv(1, 1280, 1280, 4, 2, 128)
+    check_bwd(q, k, v, se, causal, window=window)
 
 
 @pytest.mark.parametrize("causal,cols", list(LAYOUT))
@@ -374,3 +393,18 @@ def test_backward_deterministic_bitwise(hkv):
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
     check_bwd(q, k, v, se, causal, deterministic=True)
+
+
+def test_memcheck_cases():
+    """Small forward + backward cases for compute-sanitizer (tests/gpu/run_memcheck.sh): a 4-column mask with
+    Sq != Sk and a short last tile, a causal 2-column mask with empty rows, GQA with one mask head."""
+    rng = np.random.default_rng(77)
+    se = F.random_mask(rng, 1, 1, 200, 333, False, 4)
+    q, k, v = make_qkv(1, 200, 333, 4, 2, 64)
+    check(q, k, v, se, False)
+    check_bwd(q, k, v, se, False)
+    se = np.full((1, 1, 190, 2), 190, np.int32)
+    se[..., 0] = 150
+    q, k, v = make_qkv(1, 190, 190, 2, 1, 128)
+    check(q, k, v, se, True, block_size=64)
+    check_bwd(q, k, v, se, True)
