@@ -25,6 +25,13 @@ RING_BYTES_PER_WARP = 24 * 1024  # target bytes of K + V in each warp's cp.async
 MAX_GROUP_ROWS = 256  # G * Sq
 MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 256
+# Where the split would be 2 (an unsplit grid of about half the SMs), no split on a contiguous cache, nor on a paged
+# one shorter than this:
+# H100, one process (bench/decode_probe.py, 2026-12-07): at 64 CTAs on 132 SMs, 2 splits against none took 54.0 /
+# 52.9 us (8/1 contiguous B 64 Sk 4K), 95.7 / 92.9 (32/8 contiguous B 8 Sk 8K), 23.3 / 20.4 (sparse decode, 32/8
+# P 64 B 8, 1152 keys a kv head), but 97.6 / 106.5 (32/8 P 64 B 8 Sk 8K): a paged cache needs the second wave of
+# CTAs to reach the read rate at long Sk, the others lose the combine (~3 us). 4096 lies between the paged points.
+PAGED_SPLIT_MIN_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,8 @@ def choose_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, sk_max: int,
     """Split count from shapes only (never a device read, so a CUDA graph can capture it).
 
     Enough CTAs to give every SM one (``sm_count``), at least ``MIN_KEYS_PER_SPLIT`` keys a split,
-    and among the counts that qualify the smallest whose waves are within 5 % of the fullest.
+    and among the counts that qualify the smallest whose waves are within 5 % of the fullest; where that is 2,
+    none, unless the cache is paged and at least ``PAGED_SPLIT_MIN_KEYS`` long.
     """
     base = max(1, batch * num_kv_heads * cfg.row_blocks)
     # one CTA per SM, not every resident slot: on an H100 at B 1, Sk 32K, Hkv 8, 16 splits (128 CTAs) took
@@ -167,4 +175,7 @@ def choose_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, sk_max: int,
         ctas = base * s
         scores[s] = ctas / (-(-ctas // slots) * slots)
     top = max(scores.values())
-    return min(s for s, v in scores.items() if v >= 0.95 * top)
+    best = min(s for s, v in scores.items() if v >= 0.95 * top)
+    if best == 2 and (cfg.layout == "contiguous" or sk_max < PAGED_SPLIT_MIN_KEYS):
+        return 1  # the second wave of CTAs is not worth the combine here (PAGED_SPLIT_MIN_KEYS)
+    return best

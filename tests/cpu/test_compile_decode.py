@@ -97,6 +97,19 @@ def test_choose_splits_from_shapes_only():
     assert 16 <= s <= MAX_SPLITS
     assert choose_splits(cfg, 1, 8, 512, 132) <= 512 // MIN_KEYS_PER_SPLIT
     assert choose_splits(cfg, 1, 8, 100, 132) == 1
+    # where 2 splits would fill the SMs: none on a contiguous cache or a short paged one (sparse decode's tables),
+    # 2 on a long paged one (the measured points in config.PAGED_SPLIT_MIN_KEYS's comment)
+    from cute_kernels.decode.config import PAGED_SPLIT_MIN_KEYS
+
+    contiguous = DecodeConfig(arch=90, split=True, layout="contiguous", page_size=0, group=8)
+    assert choose_splits(contiguous, 64, 1, 4096, 132) == 1
+    assert choose_splits(contiguous, 8, 8, 8192, 132) == 1
+    paged = DecodeConfig(arch=90, split=True, layout="hnd", page_size=64, group=4)
+    assert choose_splits(paged, 8, 8, 1152, 132) == 1
+    assert choose_splits(paged, 8, 8, PAGED_SPLIT_MIN_KEYS - 1, 132) == 1
+    assert choose_splits(paged, 8, 8, 8192, 132) == 2
+    assert choose_splits(paged, 1, 8, 1152, 132) == 4  # 8 CTAs unsplit: still split
+    assert choose_splits(contiguous, 8, 1, 32768, 132) == 16
     # deterministic in its inputs
     assert all(choose_splits(cfg, 8, 8, 32768, 132) == choose_splits(cfg, 8, 8, 32768, 132) for _ in range(3))
 
