@@ -341,6 +341,8 @@ def _fm_matrix(arch: int) -> list[BwdConfig]:
             ("bfloat16", 96, 1, True, False, False, "lts"),
             ("bfloat16", 256, 1, False, False, True, "lts_lte_uts_ute"),
             ("bfloat16", 192, 4, True, False, False, "lts_lte"))]
+    # (192, 128) on both archs: a 4-column mask with GQA, deterministic
+    out.append(bwd_config(arch, "bfloat16", 192, 128, 2, False, False, False, False, True, startend="lts_lte_uts_ute"))
     return out
 
 

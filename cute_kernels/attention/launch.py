@@ -279,8 +279,8 @@ def _dense_matrix(arch: int, full: bool) -> list[FwdConfig]:
 
 def _fm_matrix(arch: int) -> list[FwdConfig]:
     """FlashMask (startend_row_indices) lines of the compile matrix, default and full alike."""
-    # every layout (4 columns included), block_logit, window, GQA on both archs; SM90 also both consumer-WG
-    # counts (d 64: 3) and the (192, 128)-class d 192
+    # every layout (4 columns included), block_logit, window, GQA and (192, 128) on both archs; SM90 also both
+    # consumer-WG counts (d 64: 3) and d 192
     lines = [("bfloat16", 128, 1, True, False, 0, "lts"),
              ("bfloat16", 128, 4, True, False, 64, "lts_lte"),
              ("bfloat16", 128, 1, False, False, 0, "lts_ute"),
@@ -291,7 +291,9 @@ def _fm_matrix(arch: int) -> list[FwdConfig]:
     lines.append(("bfloat16", 256, 1, True, True, 0, "lts_lte"))
     if _arch.family(arch) == 90:
         lines.append(("bfloat16", 192, 1, False, False, 32, "lts_ute"))
-    return [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in lines]
+    out = [fwd_config(arch, dt, d, d, r, c, w, False, b, False, startend=se) for dt, d, r, c, w, b, se in lines]
+    # (192, 128), its own build on both archs: a 4-column mask with GQA
+    return out + [fwd_config(arch, "bfloat16", 192, 128, 2, False, False, False, 0, False, startend="lts_lte_uts_ute")]
 
 
 def _bos_matrix(arch: int, full: bool) -> list[FwdConfig]:

@@ -408,3 +408,15 @@ def test_memcheck_cases():
     q, k, v = make_qkv(1, 190, 190, 2, 1, 128)
     check(q, k, v, se, True, block_size=64)
     check_bwd(q, k, v, se, True)
+
+
+@pytest.mark.parametrize("mask", ["share_question", "prefix_lm_documents"])
+def test_head_dims_192_128(mask):
+    """(192, 128) (its own build): forward against the fp64 oracle and the backward (deterministic, GQA) against
+    fp64 gradients, with a mask whose visited tiles are partial (share-question) or 4-column (prefix-LM docs)."""
+    se, causal, _ = USER_MASKS[mask]()
+    s = se.shape[2]
+    q, k, _ = make_qkv(1, s, s, 4, 2, 192, seed=3)
+    v = make_qkv(1, s, s, 4, 2, 128, seed=4)[2]
+    check(q, k, v, se, causal)
+    check_bwd(q, k, v, se, causal, deterministic=True)
