@@ -157,3 +157,29 @@ def test_bench_json_feeds_plot(tmp_path):
                    ("block_sparse", "gqa 16K", "fwd vs token path")]
     e = plot.entries_from_bench(fwd, "f")[0]
     assert e["ratio"] == fwd["rows"][0]["ratios"]["bl_over_fa4"]["median"] and e["gpu"] == "FakeGPU"
+
+
+def test_flashmask_tiles_counts():
+    """bench/flashmask_tiles.py's counts on masks small enough to count by hand: causal over two 128-key tiles visits
+    3 tiles (2 diagonal, partial) holding 256 * 257 / 2 visible pairs; two causal 128-token documents visit only the
+    2 diagonal tiles, as the varlen count over the same documents does; a bidirectional (n = 2) mask with every row
+    masked visits none."""
+    import importlib.util
+
+    import numpy as np
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
+                        "flashmask_tiles.py")
+    spec = importlib.util.spec_from_file_location("flashmask_tiles", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    causal = np.full((256, 1), 256, np.int32)
+    st = mod.tile_stats(causal, True)
+    assert (st["visited"], st["partial"], st["pairs"]) == (3, 2, 256 * 257 // 2)
+    docs = np.array([[128]] * 128 + [[256]] * 128, np.int32)  # LTS = each key's document end
+    st = mod.tile_stats(docs, True)
+    assert (st["visited"], st["partial"], st["pairs"]) == (2, 2, 2 * 128 * 129 // 2)
+    vl = mod.varlen_stats([128, 128])
+    assert (vl["visited"], vl["partial"], vl["pairs"]) == (2, 2, 2 * 128 * 129 // 2)
+    none = np.zeros((256, 2), np.int32)  # non-causal [LTS, UTE]: rows >= 0 masked
+    assert mod.tile_stats(none, False)["visited"] == 0
