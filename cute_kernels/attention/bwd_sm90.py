@@ -86,6 +86,12 @@ CTA of the same key tile and the previous query head, which has the smaller bloc
 launched before it; with the dQ counters (which also wait only on earlier CTAs) the earliest
 unfinished CTA never waits. Key tiles no query sees (steps = 0, the same for every head of the
 group) skip the counter; their last rank writes the zeros.
+
+Note [scrubbed K / V] (NaN / Inf in keys and values a row cannot see; common/nonfinite.py): K and V of the
+CTA's key tile stay in shared memory for every step, so after they land all 256 consumer threads zero their
+non-finite elements once and flag their keys (``scrub_kv``); the flags come back as NaN where the unscrubbed
+tiles would have put one into a visible entry (S^T on a flagged K row, dS^T where P^T != 0 on a flagged V
+row), and masked entries, P^T = dS^T = 0, meet only zeros in dP^T = V dO^T and dQ = dS K.
 """
 
 from __future__ import annotations
@@ -103,13 +109,15 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels import arch as _arch
 from cute_kernels.common import flashmask as fm
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import softcap_logit
 from cute_kernels.common.tile_range import (QueryTileRange, first_key_tile, head_swizzled_tile, last_key_tile,
                                              normalize_window, swizzle_heads)
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
-                                       ld_acquire_gpu, red_release_add_gpu, select_modes, sm90_thread0_cols,
+                                       ld_acquire_gpu, red_release_add_gpu, reread_tid_x, select_modes,
+                                       sm90_thread0_cols,
                                        stage_acc_16bit, transpose_view, wgmma_gemm, wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
 
@@ -134,6 +142,7 @@ DQ_FULL_BARRIER = 2  # + wg: WG wg staged its dQ region, warp 1 waits
 DQ_EMPTY_BARRIER = 4  # + wg: warp 1 has read WG wg's region (staging free again), WG wg waits
 PDS_EMPTY_BARRIER = 6  # wide schedule, one P^T / dS^T stage: both WGs' GEMMs of the last step have read it
 KV_TURN_BARRIER = 7  # group split: both consumer WGs, around the dK / dV turn (Note [group split])
+SCRUB_BARRIER = 9  # both consumer WGs: K / V scrubbed (Note [scrubbed K / V]), flags readable
 KV_FREE_BARRIER = 8  # staged dK / dV epilogue: both consumer WGs done with K / V smem, then staged into it
 
 
@@ -256,7 +265,8 @@ class FlashBwdSm90:
         # FlashMask: the skipped query-tile ranges of each query head the CTA walks (4 int32 each)
         heads = 1 if group_split(cfg) else cfg.qhead_per_kvhead
         fm_skips = 16 * heads + 16 if cfg.startend else 0  # (an upper bound)
-        return sum(-(-x // 1024) * 1024 for x in tiles) + stats + barriers + fm_skips + 1024
+        flags = 2 * t.tile_n + 16 + 4 * 2 * THREADS_PER_WG + 16  # Note [scrubbed K / V]
+        return sum(-(-x // 1024) * 1024 for x in tiles) + stats + barriers + fm_skips + flags + 1024
 
     # ------------------------------------------------------------------ host launch
     def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
@@ -266,6 +276,8 @@ class FlashBwdSm90:
             "mbar_kv": cute.struct.MemRange[Int64, 2],
             "sLSE": cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 128],
             "sdPsum": cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.do_stages], 128],
+            "sKVFlags": cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * self.tile_n], 16],
+            "sKVBits": cute.struct.Align[cute.struct.MemRange[Int32, 2 * THREADS_PER_WG], 16],
             "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
             "sdO": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024],
             "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
@@ -277,7 +289,7 @@ class FlashBwdSm90:
             fields["sP"] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
         if self.fm_skip_steps:  # FlashMask: per query head walked, (first start, length, second start, length);
             # placed with the small fields (at the end it grew the struct by a 1024-byte alignment step)
-            small = {k: fields.pop(k) for k in ("mbar_q", "mbar_do", "mbar_kv", "sLSE", "sdPsum")}
+            small = {k: fields.pop(k) for k in ("mbar_q", "mbar_do", "mbar_kv", "sLSE", "sdPsum", "sKVFlags", "sKVBits")}
             small["sFmSkips"] = cute.struct.Align[cute.struct.MemRange[Int32, 4 * self.heads_per_cta], 16]
             fields = {**small, **fields}
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -479,17 +491,19 @@ class FlashBwdSm90:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 # the last four: the TMA store of Note [staged dK / dV epilogue] (None where not used)
                 kv_out = (mdK, mdV, mdKaccum, mdVaccum, mdKVsem, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV)
+                sKVFlags = (storage.sKVFlags.get_tensor(cute.make_layout((self.tile_n, 2))),
+                            storage.sKVBits.get_tensor(cute.make_layout(2 * THREADS_PER_WG)))
                 if const_expr(self.wide):
                     sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
                     self.consume_wide(kv_out, sQ, sK, sV, sdO, sP, sdS, sdQ, sLSE, sdPsum, pipeline_q,
                                       pipeline_do, pipeline_kv, seqlen, qtiles, steps, left, right, n_tile,
                                       head_kv, head_y, batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap,
-                                      mCuSeqlensK, fmask, live_steps)
+                                      mCuSeqlensK, fmask, live_steps, sKVFlags)
                 else:
                     self.consume(kv_out, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do,
                                  pipeline_kv, seqlen, qtiles, steps, left, right, n_tile, head_kv, head_y,
                                  batch_idx, tidx - THREADS_PER_WG, softmax_scale, softcap, mCuSeqlensK, fmask,
-                                 live_steps)
+                                 live_steps, sKVFlags)
 
     # ------------------------------------------------------------------ producer
     def _seq_view(self, t: cute.Tensor, offset, batch_idx):
@@ -664,7 +678,8 @@ class FlashBwdSm90:
     def consume(self, kv_out, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sdPsum, pipeline_q, pipeline_do, pipeline_kv,
                 seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32, right: Int32,
                 n_tile: Int32, head_kv: Int32, head_y: Int32, batch_idx: Int32, ctidx: Int32,
-                softmax_scale: Float32, softcap: Float32, mCuSeqlensK, fmask=None, live_steps=None):
+                softmax_scale: Float32, softcap: Float32, mCuSeqlensK, fmask=None, live_steps=None,
+                sKVFlags=None):
         """``steps``: the structural step count (the dK / dV epilogue's protocol); ``live_steps``: the steps
         that compute (FlashMask: those the column bounds do not skip; None = ``steps``)."""
         cfg = self.cfg
@@ -737,6 +752,7 @@ class FlashBwdSm90:
         if live_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_kv.consumer_wait(kv_state)
+            self.scrub_kv(sK, sV, sKVFlags, ctidx, sc, n_tile)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             step = Int32(0)
             for hi in cutlass.range(self.heads_per_cta, unroll=1):
@@ -750,7 +766,7 @@ class FlashBwdSm90:
                     acc_S, acc_dP = self.score_gemms(mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q, state,
                                                      pipeline_do, state)
                     self.probs_and_grads(acc_S, acc_dP, sc, m, step_masked, sLSE, sdPsum,
-                                         stage, stage, self.tile_m == 128, fmh, fm_partial)
+                                         stage, stage, self.tile_m == 128, fmh, fm_partial, sKVFlags[1])
                     convert_to_16bit(acc_as_operand_a(acc_S), tVrP)
                     if const_expr(self.dq_before_dk):
                         wgmma_gemm(mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, stage], False)
@@ -837,7 +853,7 @@ class FlashBwdSm90:
                      pipeline_kv, seqlen: SeqlenInfo, qtiles: QueryTileRange, steps: Int32, left: Int32,
                      right: Int32, n_tile: Int32, head_kv: Int32, head_y: Int32, batch_idx: Int32,
                      ctidx: Int32, softmax_scale: Float32, softcap: Float32, mCuSeqlensK, fmask=None,
-                     live_steps=None):
+                     live_steps=None, sKVFlags=None):
         """Both WGs see all 64 keys of the tile: WG w computes S^T / dP^T for query rows [32 w, 32 w + 32)
         of the step, writes P^T / dS^T to smem, then owns columns [w d / 2, (w + 1) d / 2) of dK, dV
         (SS wgmma over the whole P^T / dS^T) and of the dQ tile (Note [wide schedule]). ``live_steps`` as in
@@ -909,6 +925,7 @@ class FlashBwdSm90:
         if live_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_kv.consumer_wait(kv_state)
+            self.scrub_kv(sK, sV, sKVFlags, ctidx, sc, n_tile)
             state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
             state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
             step = Int32(0)
@@ -924,7 +941,7 @@ class FlashBwdSm90:
                     acc_S, acc_dP = self.score_gemms(mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q,
                                                      state_q, pipeline_do, state_do)
                     self.probs_and_grads(acc_S, acc_dP, sc, m, step_masked, sLSE, sdPsum,
-                                         sq, sd, False, fmh, fm_partial)
+                                         sq, sd, False, fmh, fm_partial, sKVFlags[1])
                     rP = cute.make_rmem_tensor(acc_S_shape, dt)
                     rdS = cute.make_rmem_tensor(acc_S_shape, dt)
                     convert_to_16bit(acc_S, rP)
@@ -960,6 +977,28 @@ class FlashBwdSm90:
         # Epilogue: dK * scale, dV (this WG's column halves); keys past seqlen_k are not written.
         self.finish_kv(kv_out, acc_dK, acc_dV, thr_dk, thr_dv, seqlen, mCuSeqlensK, key_base, n_tile, head_kv,
                        head_y, batch_idx, steps, ctidx, softmax_scale, dh, dvh, wg * dh, wg * dvh)
+
+    @cute.jit
+    def scrub_kv(self, sK, sV, sKVFlags, ctidx: Int32, sc, n_tile: Int32):
+        """Note [scrubbed K / V]: the CTA's K and V tiles stay in shared memory for every step, so both are
+        scrubbed once, here, by all consumer threads (common/nonfinite.py): non-finite elements zeroed, their
+        keys flagged. Each thread keeps its key rows' flags (bit r: K of ``sc.keys[r]``, bit 8 + r: its V) in
+        its ``sKVBits`` word (in a register across the step loop it spilled), which ``probs_and_grads`` turns back into the NaN the unscrubbed tiles give the rows that see them:
+        S^T = NaN on a flagged K row (before the mask), dS^T = NaN where P^T != 0 on a flagged V row. dQ = dS K
+        then reads zeros where dS = 0, and dP^T reads no NaN where P^T = 0."""
+        threads = 2 * THREADS_PER_WG
+        sKVFlags, sKVBits = sKVFlags
+        nf.scrub_rows(sK, sKVFlags[None, 0], ctidx, threads,
+                      nf.threads_per_row(self.tile_n, self.hdim, threads, self.dtype))
+        nf.scrub_rows(sV, sKVFlags[None, 1], ctidx, threads,
+                      nf.threads_per_row(self.tile_n, self.hdimv, threads, self.dtype))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=SCRUB_BARRIER, number_of_threads=threads)
+        bits = Int32(0)
+        for r in cutlass.range_constexpr(len(sc.keys)):
+            local = sc.keys[r] - n_tile * self.tile_n
+            bits = bits | (Int32(sKVFlags[local, 0]) << r) | (Int32(sKVFlags[local, 1]) << (8 + r))
+        sKVBits[ctidx] = bits  # read back by this thread only
 
     @cute.jit
     def score_gemms(self, mma_sdp, acc_S_shape, tSrK, tSrQ, tPrV, tPrdO, pipeline_q, state_q, pipeline_do,
@@ -1087,9 +1126,9 @@ class FlashBwdSm90:
 
     @cute.jit
     def probs_and_grads(self, acc_S, acc_dP, sc, m: Int32, masked, sLSE, sdPsum, s_lse: Int32, s_dps: Int32,
-                        column_outer: cutlass.Constexpr, fmh=None, fm_partial=False):
-        """acc_S: S^T -> P^T (softcap, mask where ``masked``, exp2 against the rows' lse from sLSE stage
-        ``s_lse``); then, once every wgmma is done, acc_dP: dP^T -> dS^T (dpsum from sdPsum stage ``s_dps``).
+                        column_outer: cutlass.Constexpr, fmh=None, fm_partial=False, sKVBits=None):
+        """acc_S: S^T -> P^T (softcap, exp2 against the rows' lse from sLSE stage ``s_lse``, mask where
+        ``masked``); then, once every wgmma is done, acc_dP: dP^T -> dS^T (dpsum from sdPsum stage ``s_dps``).
         column_outer: query row (column) outer, so each lse / dpsum value is live for its column only
         (holding all 32 of each spilled at tile_m 128)."""
         cfg = self.cfg
@@ -1097,9 +1136,13 @@ class FlashBwdSm90:
         if const_expr(cfg.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[i] = softcap_logit(acc_S[i], sc.softcap_in, sc.softcap)
-        if masked:
-            apply_mask_kv_major(S, sc.cols, sc.keys, m * self.tile_m + sc.thr_col, sc.seqlen.seqlen_k,
-                                sc.shift, sc.left, sc.right, sc.mask_right, cfg.has_window)
+        nonfinite = sKVBits[reread_tid_x() - THREADS_PER_WG]
+        if nonfinite & 0xFF != 0:
+            # Note [scrubbed K / V]: a flagged key row's scores are NaN, as its unscrubbed K gave them.
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                if (nonfinite >> r) & 1 != 0:
+                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                        S[r, c] = Float32.nan
         dP = acc_mn_view(acc_dP)
         cols, ncols = sc.cols, sc.ncols
         if const_expr(column_outer):
@@ -1107,6 +1150,7 @@ class FlashBwdSm90:
                 lse_c = sLSE[sc.thr_col + cols[c], s_lse]
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                     S[r, c] = cute.math.exp2(S[r, c] * sc.scale_log2 - lse_c, fastmath=True)
+            self.mask_probs(S, sc, m, masked)
             warpgroup.wait_group(0)
             self.fm_zero_probs(S, sc, m, fm_partial, fmh)
             for c in cutlass.range_constexpr(ncols):
@@ -1114,17 +1158,52 @@ class FlashBwdSm90:
                 lse_c = sLSE[sc.thr_col + cols[c], s_lse] if const_expr(cfg.has_softcap) else None
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                     dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps_c, lse_c, sc.inv_cap_log2)
+            self.guard_masked_ds(S, dP, sc, sdPsum, s_dps)
         else:
             lse = [sLSE[sc.thr_col + cols[c], s_lse] for c in range(ncols)]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(ncols):
                     S[r, c] = cute.math.exp2(S[r, c] * sc.scale_log2 - lse[c], fastmath=True)
+            self.mask_probs(S, sc, m, masked)
             warpgroup.wait_group(0)
             self.fm_zero_probs(S, sc, m, fm_partial, fmh)
             dps = [sdPsum[sc.thr_col + cols[c], s_dps] for c in range(ncols)]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(ncols):
                     dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], sc.inv_cap_log2)
+            self.guard_masked_ds(S, dP, sc, sdPsum, s_dps)
+        nonfinite = sKVBits[reread_tid_x() - THREADS_PER_WG]
+        if nonfinite >> 8 != 0:
+            # Note [scrubbed K / V]: dS^T = NaN where a visible P^T meets a flagged value row (as dP^T = dO V^T
+            # with the unscrubbed V gave it); P^T = 0 keeps its dS^T = 0.
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                if (nonfinite >> (8 + r)) & 1 != 0:
+                    for c in cutlass.range_constexpr(ncols):
+                        dP[r, c] = Float32.nan if S[r, c] != Float32(0.0) else dP[r, c]
+
+    @cute.jit
+    def guard_masked_ds(self, P, dS, sc, sdPsum, s_dps: Int32):
+        """dS^T = 0 where P^T = 0 in the columns (query rows) whose D is NaN: a row that sees a NaN / Inf value has
+        a NaN out, so D = rowsum(dO * O) is NaN and P (dP - D) = 0 * NaN would carry it to the dK of keys the
+        row cannot see (Note [scrubbed K / V]). Rare: the columns are tested first (the D values again from
+        shared memory; a per-element select in ``grad_score`` spilled 72 B at 240 registers)."""
+        bad = Int32(0)
+        for c in cutlass.range_constexpr(sc.ncols):
+            d = sdPsum[sc.thr_col + sc.cols[c], s_dps]
+            bad = bad | (Int32(0) if d == d else Int32(1))
+        if bad != 0:
+            for c in cutlass.range_constexpr(sc.ncols):
+                for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
+                    dS[r, c] = Float32(0.0) if P[r, c] == Float32(0.0) else dS[r, c]
+
+    @cute.jit
+    def mask_probs(self, P, sc, m: Int32, masked):
+        """P^T = 0 where the seqlen / causal / window mask cuts step ``m`` (on ``masked`` steps): applied to the
+        probabilities, not as -inf to the scores, so a masked pair stays 0 even where the row's lse is NaN (a
+        row that saw a NaN / Inf key) -- Note [scrubbed K / V]. The same values otherwise."""
+        if masked:
+            apply_mask_kv_major(P, sc.cols, sc.keys, m * self.tile_m + sc.thr_col, sc.seqlen.seqlen_k,
+                                sc.shift, sc.left, sc.right, sc.mask_right, self.cfg.has_window, 0.0)
 
     @cute.jit
     def fm_zero_probs(self, P, sc, m: Int32, fm_partial, fmh):

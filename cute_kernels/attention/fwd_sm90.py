@@ -61,6 +61,18 @@ all-reduces them across the quad, and the quad's lane r stores row r's finished 
 ids; the block cut by the tile's lower edge is carried to the next tile (common/block_logit.py, the
 document-relative section). The softmax reduces its own row maxima (no sharing with block_logit), the
 deferred/early-reduce machinery above is off. Built and compile-checked only (no GPU run yet).
+
+Note [scrubbed value tiles] (NaN / Inf in values a row cannot see; common/nonfinite.py). On a partially
+masked key tile the PV MMA multiplies P = 0 by every value row, so a non-finite value a row cannot see would
+reach it. Before the PV of a masked tile (``v_tile_masked``: the tiles of the consumers' masked runs, and
+FlashMask tiles its bounds do not leave whole), outside any WG's wgmma turn, the consumers wait for the V
+tile, the first SCRUB_THREADS of them zero its non-finite elements in shared memory and flag their keys
+(one byte per key, one ballot word per warp), fence the async proxy, and all consumer WGs meet on
+SCRUB_BARRIER; the PV then reads the scrubbed tile. Where a warp found one (rare; the OR of the words is
+CTA-uniform) ``poison_bits`` marks the output rows whose P is non-zero on a flagged key, which the
+unscrubbed tile would have made non-finite. Unmasked tiles are untouched (every row sees every key there).
+A first version scrubbed in one producer warp and cost 8-30 % (one warp's serial scan on the consumers'
+critical path; H100, `bench/ab_trees.py`).
 """
 
 from __future__ import annotations
@@ -71,11 +83,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.common import block_logit as bl
 from cute_kernels.common import flashmask as fm
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import OnlineSoftmax, softcap_logit
@@ -95,6 +108,10 @@ REGS = {2: (24, 240), 3: (32, 160)}
 # Named barrier ids (0 is __syncthreads): consumer WG w waits on WG_SCHEDULER_BARRIER + w; the consumers
 # meet on O_STAGED_BARRIER before one thread TMA-stores the staged O tile (Note [staged O epilogue]).
 WG_SCHEDULER_BARRIER = 1
+# Note [scrubbed value tiles]: the consumers meet on SCRUB_BARRIER once a masked V tile is scrubbed; the first
+# SCRUB_THREADS consumer threads (two WGs) scan it.
+SCRUB_BARRIER = 5
+SCRUB_THREADS = 256
 O_STAGED_BARRIER = 4
 
 
@@ -137,6 +154,9 @@ class FlashFwdSm90:
         self.num_threads = THREADS_PER_WG * (self.num_wg + 1)
         self.producer_regs, self.consumer_regs = REGS[self.num_wg]
         assert self.producer_regs + self.num_wg * self.consumer_regs <= 512, "setmaxnreg over the register file"
+        # Note [scrubbed value tiles]: a tile's visible-key bits live in its stage's slot until its PV one step
+        # later, while the next tile writes the other stage's.
+        assert self.kv_stages >= 2
         self.use_scheduler_barrier = cfg.head_dim <= 128
         self.bl_shape = (bl.BlockLogitShape(self.tile_n, cfg.block_size, rows_per_thread=2, threads_per_row=4)
                          if cfg.has_block_logit else None)
@@ -162,6 +182,8 @@ class FlashFwdSm90:
         # range included. Not with block_logit, whose deferred / carried block maxima assume consecutive
         # tiles: there a skipped tile inside the range is computed fully masked.
         self.fm_gap_skip = cfg.has_startend and not cfg.has_block_logit
+        # Note [scrubbed value tiles]: adjacent scan threads per V row.
+        self.v_per_row = nf.threads_per_row(self.tile_n, self.hdimv, SCRUB_THREADS, self.dtype)
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -194,8 +216,10 @@ class FlashFwdSm90:
         k = tile_n * cfg.head_dim * elem * stages
         v = tile_n * cfg.head_dim_v * elem * stages
         barriers = 8 * (2 + 4 * stages)
+        # Note [scrubbed value tiles]: ballots, key flags, the rows' visible-key bits
+        flags = 8 + (SCRUB_THREADS // 32) * stages + tile_n * stages + 8 * tile_m * stages
         # Each buffer is 1024-byte aligned.
-        return sum(-(-x // 1024) * 1024 for x in (q, k, v)) + 1024 + barriers
+        return sum(-(-x // 1024) * 1024 for x in (q, k, v)) + 1024 + barriers + flags
 
     # ------------------------------------------------------------------ host launch
     def _smem_layout(self, rows: int, cols: int, stages: int | None):
@@ -211,6 +235,9 @@ class FlashFwdSm90:
             "mbar_q": cute.struct.MemRange[Int64, 2],
             "mbar_k": cute.struct.MemRange[Int64, 2 * self.kv_stages],
             "mbar_v": cute.struct.MemRange[Int64, 2 * self.kv_stages],
+            "v_any": cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SCRUB_THREADS // 32 * self.kv_stages], 8],
+            "v_vis": cute.struct.MemRange[cutlass.Uint32, 2 * self.num_wg * THREADS_PER_WG * self.kv_stages],
+            "v_flags": cute.struct.MemRange[cutlass.Uint8, self.tile_n * self.kv_stages],
             "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
             "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
             "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024],
@@ -305,6 +332,8 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # (the flag tensors are made where they are used: made here they failed the IR's dominance check)
+        scrub = SimpleNamespace(storage=storage)
         sO = None
         if const_expr(tma_atom_O is not None):
             sO_layout = self._smem_layout(self.tile_m, self.hdimv, None)
@@ -347,7 +376,7 @@ class FlashFwdSm90:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                              seqlen, tiles, left, right, m_tile, head_idx, batch_idx, tidx - THREADS_PER_WG,
-                             softmax_scale, softcap, tma_atom_O, sO, fmask, mBlockBos)
+                             softmax_scale, softcap, tma_atom_O, sO, fmask, mBlockBos, scrub)
 
     # ------------------------------------------------------------------ producer
     def _batch_view(self, t: cute.Tensor, offset, batch_idx, varlen: bool):
@@ -440,6 +469,20 @@ class FlashFwdSm90:
             cute.copy(tma_atom_V, tVgV[None, self.fm_live(fmask, p_lo)], tVsV[None, kv_state.index],
                       tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
 
+    @cute.jit
+    def v_tile_masked(self, n_tile: Int32, seqlen: SeqlenInfo, tiles: TileRange, fmask):
+        """Whether some row of this query tile cannot see some key of tile ``n_tile``: the consumers' masked
+        runs (cut by the right bound, by the window's left bound, the seqlen tail) or a FlashMask tile its
+        bounds do not leave whole. Exactly the tiles where a P = 0 meets the tile's values."""
+        masked = n_tile >= tiles.n_right_mask or (n_tile + 1) * self.tile_n > seqlen.seqlen_k
+        if const_expr(self.cfg.has_window):
+            masked = masked or n_tile < tiles.n_left_mask
+        if const_expr(self.cfg.has_startend):
+            lo, hi = fm.load_tile_minmax(fmask.minmax, n_tile, self.cfg.startend)
+            _skip, whole = fm.classify_tile(fmask.m_start, fmask.m_end, lo, hi, self.cfg.startend)
+            masked = masked or not whole
+        return masked
+
     def _block_logit_rows(self, mBlockLogit, seqlen: SeqlenInfo, head_idx, batch_idx):
         """(Sq, nb) view of this (batch, head)'s block_logit rows (varlen: shifted to the sequence)."""
         if const_expr(self.cfg.varlen):
@@ -486,7 +529,7 @@ class FlashFwdSm90:
     def consume(self, mO, mLSE, mBlockLogit, sQ, sK, sV, pipeline_q, pipeline_k, pipeline_v,
                 seqlen: SeqlenInfo, tiles: TileRange, left: Int32, right: Int32, m_tile: Int32,
                 head_idx: Int32, batch_idx: Int32, ctidx: Int32, softmax_scale: Float32, softcap: Float32,
-                tma_atom_O, sO, fmask=None, mBlockBos=None):
+                tma_atom_O, sO, fmask=None, mBlockBos=None, scrub=None):
         cfg = self.cfg
         wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
         lane = ctidx % 32
@@ -585,15 +628,16 @@ class FlashFwdSm90:
                               left=left, right=right, seqlen=seqlen, tiles=tiles, lane=lane, bl_addr=bl_addr,
                               bl_layout=bl_layout, bl_limit=bl_limit, bl_row_sel=bl_row_sel, carry=carry,
                               bl_scale=bl_scale, softcap=softcap, softcap_in=softcap_in, softmax=softmax,
-                              fmask=fmask, bos=bos_ctx)
+                              fmask=fmask, bos=bos_ctx, scrub=scrub, sV=sV, ctidx=ctidx)
         if const_expr(self.bl_early_reduce):
             ctx.bl_pending = cute.make_rmem_tensor((self.bl_shape.owned,), Float32)
         elif const_expr(self.bl_deferred):
             ctx.bl_pending = cute.make_rmem_tensor((2, self.bl_shape.blocks_per_tile), Float32)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        poison = Int32(0)  # rows the last PV's scrubbed tile leaves non-finite (Note [scrubbed value tiles])
         if const_expr(self.fm_gap_skip):
-            self.consume_fm(ctx, tiles, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn,
+            poison = self.consume_fm(ctx, tiles, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn,
                             acc_O, acc_S_shape, pipeline_q, pipeline_k, pipeline_v, wg)
         else:
             if tiles.n_min < tiles.n_max:
@@ -607,28 +651,34 @@ class FlashFwdSm90:
                 self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
                 pipeline_k.consumer_release(kv_state)
                 self.process_scores(ctx, acc_S, n_tile, True, True, True, fm_whole)
+                vm = self.v_tile_masked(n_tile, seqlen, tiles, fmask)
+                self.store_visibility(ctx, acc_S, kv_state, vm)
                 convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
                 # 2. Remaining tiles, descending; masked where causal/window cut through them.
                 n_hi = n_tile
                 n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
                 for i in cutlass.range(n_hi - n_lo_a, unroll=1):
-                    kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
+                    kv_state, vm = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
                                                  tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
-                                                 pipeline_k, pipeline_v, wg, ctx)
+                                                 pipeline_k, pipeline_v, wg, ctx,
+                                                 vm)
                 n_hi = cutlass.min(n_hi, n_lo_a)
                 n_lo_b = cutlass.min(cutlass.max(tiles.n_left_mask, tiles.n_min), n_hi)
                 for i in cutlass.range(n_hi - n_lo_b, unroll=1):
-                    kv_state = self.overlap_step(n_hi - 1 - i, False, kv_state, tiled_mma_qk, tiled_mma_pv,
+                    kv_state, vm = self.overlap_step(n_hi - 1 - i, False, kv_state, tiled_mma_qk, tiled_mma_pv,
                                                  tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
-                                                 pipeline_k, pipeline_v, wg, ctx)
+                                                 pipeline_k, pipeline_v, wg, ctx,
+                                                 vm)
                 n_hi = n_lo_b
                 if const_expr(cfg.has_window):
                     for i in cutlass.range(n_hi - tiles.n_min, unroll=1):
-                        kv_state = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
+                        kv_state, vm = self.overlap_step(n_hi - 1 - i, True, kv_state, tiled_mma_qk, tiled_mma_pv,
                                                      tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
-                                                     pipeline_k, pipeline_v, wg, ctx)
+                                                     pipeline_k, pipeline_v, wg, ctx,
+                                                     vm)
                 pipeline_q.consumer_release(q_state)
                 # 3. PV of the last tile (deferred block_logit: the last tile's block maxima meanwhile).
+                poison = self.scrub_v_tile(ctx, pipeline_v, kv_state, vm)
                 pipeline_v.consumer_wait(kv_state)
                 self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
                 if const_expr(self.bl_deferred):
@@ -638,6 +688,7 @@ class FlashFwdSm90:
 
         # 4. Epilogue: O /= l, lse; rows past seqlen_q are not written.
         row_scale, lse = softmax.finalize()
+        nf.poison_scale(row_scale, poison)
         softmax.rescale(acc_O_mn, row_scale)
         self.epilogue(acc_O, lse, mO, mLSE, seqlen, tiled_mma_pv, thr_mma_pv, m_tile, head_idx, batch_idx,
                       ctidx, tma_atom_O, sO)
@@ -651,6 +702,7 @@ class FlashFwdSm90:
         fmask = ctx.fmask
         p_lo = self.fm_prefix(fmask, tiles.n_min)
         p_hi = self.fm_prefix(fmask, tiles.n_max)
+        poison = Int32(0)
         if p_lo < p_hi:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_q.consumer_wait(q_state)
@@ -662,6 +714,8 @@ class FlashFwdSm90:
             self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
             pipeline_k.consumer_release(kv_state)
             self.process_scores(ctx, acc_S, n_first, True, True, True, fm_whole)
+            vm = self.v_tile_masked(n_first, ctx.seqlen, tiles, fmask)
+            self.store_visibility(ctx, acc_S, kv_state, vm)
             convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
             # 2. The live tiles below it, descending: [n_right_mask, n_first) masked, then unmasked, then the
             #    window's left run masked (positions in the list: prefix counts).
@@ -670,27 +724,102 @@ class FlashFwdSm90:
             p_top = p_hi - 1
             p_a = cutlass.min(self.fm_prefix(fmask, cutlass.min(n_lo_a, n_hi)), p_top)
             for i in cutlass.range(p_top - p_a, unroll=1):
-                kv_state = self.overlap_step(self.fm_live(fmask, p_top - 1 - i), True, kv_state, tiled_mma_qk,
+                kv_state, vm = self.overlap_step(self.fm_live(fmask, p_top - 1 - i), True, kv_state, tiled_mma_qk,
                                              tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
-                                             pipeline_k, pipeline_v, wg, ctx)
+                                             pipeline_k, pipeline_v, wg, ctx,
+                                             vm)
             n_hi = cutlass.min(n_hi, n_lo_a)
             n_lo_b = cutlass.min(cutlass.max(tiles.n_left_mask, tiles.n_min), n_hi)
             p_b = self.fm_prefix(fmask, n_lo_b)
             for i in cutlass.range(p_a - p_b, unroll=1):
-                kv_state = self.overlap_step(self.fm_live(fmask, p_a - 1 - i), False, kv_state, tiled_mma_qk,
+                kv_state, vm = self.overlap_step(self.fm_live(fmask, p_a - 1 - i), False, kv_state, tiled_mma_qk,
                                              tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape,
-                                             pipeline_k, pipeline_v, wg, ctx)
+                                             pipeline_k, pipeline_v, wg, ctx,
+                                             vm)
             if const_expr(cfg.has_window):
                 for i in cutlass.range(p_b - p_lo, unroll=1):
-                    kv_state = self.overlap_step(self.fm_live(fmask, p_b - 1 - i), True, kv_state, tiled_mma_qk,
+                    kv_state, vm = self.overlap_step(self.fm_live(fmask, p_b - 1 - i), True, kv_state, tiled_mma_qk,
                                                  tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O,
-                                                 acc_S_shape, pipeline_k, pipeline_v, wg, ctx)
+                                                 acc_S_shape, pipeline_k, pipeline_v, wg, ctx,
+                                                 vm)
             pipeline_q.consumer_release(q_state)
             # 3. PV of the last tile.
+            poison = self.scrub_v_tile(ctx, pipeline_v, kv_state, vm)
             pipeline_v.consumer_wait(kv_state)
             self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(kv_state)
+        return poison
+
+    def scrub_flags(self, scrub):
+        """Note [scrubbed value tiles]: (per-warp "found" bytes [warp, stage], per-key flags [key, stage]) in
+        shared memory, made where used (made once in ``kernel`` they failed the IR's dominance check)."""
+        return (scrub.storage.v_any.get_tensor(cute.make_layout((SCRUB_THREADS // 32, self.kv_stages))),
+                scrub.storage.v_flags.get_tensor(cute.make_layout((self.tile_n, self.kv_stages))))
+
+    def vis_slots(self, scrub):
+        """Note [scrubbed value tiles]: each consumer thread's visible-key bits of its two rows, per stage."""
+        return scrub.storage.v_vis.get_tensor(cute.make_layout((2, self.num_wg * THREADS_PER_WG, self.kv_stages)))
+
+    @cute.jit
+    def store_visibility(self, ctx, acc_S, state, s_masked):
+        """Note [scrubbed value tiles]: on a masked tile, right after its softmax (acc_S holds P), this thread's
+        rows' visible keys (P != 0) go to shared memory for the tile's PV a step later (in registers across the
+        step they spilled at 160 registers)."""
+        if s_masked:
+            vis = nf.visible_bits(acc_mn_view(acc_S))
+            slots = self.vis_slots(ctx.scrub)
+            ctidx = ctx.ctidx
+            if const_expr(self.reread_coords):
+                ctidx = reread_tid_x() - THREADS_PER_WG
+            for r in cutlass.range_constexpr(2):
+                slots[r, ctidx, state.index] = vis[r]
+
+    @cute.jit
+    def scrub_v_tile(self, ctx, pipeline_v, v_state, v_masked):
+        """Note [scrubbed value tiles]: if the V tile of stage ``v_state`` is masked for some row (``v_masked``),
+        wait for it, zero its non-finite values and flag their keys (the first SCRUB_THREADS consumer threads),
+        and meet the other consumers on SCRUB_BARRIER. Returns ``poison_bits`` (0 when not masked): computed here,
+        at the top of the step where few registers are live, and applied to the rows' O rescale after the PV."""
+        bits = Int32(0)
+        if v_masked:
+            pipeline_v.consumer_wait(v_state)
+            words, flags = self.scrub_flags(ctx.scrub)
+            ctidx = ctx.ctidx
+            if const_expr(self.reread_coords):
+                ctidx = reread_tid_x() - THREADS_PER_WG
+            if ctidx < SCRUB_THREADS:  # whole warps
+                found = nf.scrub_rows(ctx.sV[None, None, v_state.index], flags[None, v_state.index], ctidx,
+                                      SCRUB_THREADS, self.v_per_row)
+                cute.arch.fence_view_async_shared()
+                ballot = cute.arch.vote_ballot_sync(found != 0)
+                if ctidx % 32 == 0:
+                    words[ctidx // 32, v_state.index] = cutlass.Uint8(1) if ballot != 0 else cutlass.Uint8(0)
+            cute.arch.barrier(barrier_id=SCRUB_BARRIER, number_of_threads=self.num_wg * THREADS_PER_WG)
+            bits = self.poison_bits(ctx, v_state)
+        return bits
+
+    @cute.jit
+    def poison_bits(self, ctx, v_state) -> Int32:
+        """The rows (bit r) whose P was non-zero on a key the scrub of stage ``v_state`` flagged
+        (``store_visibility``'s bits), which the unscrubbed tile would make non-finite in the PV; 0 when no warp
+        found one (the common case: one test of the scanning warps' bytes). The caller turns them into NaN
+        through the rows' O rescale after the PV."""
+        words, flags = self.scrub_flags(ctx.scrub)
+        # one byte per scanning warp, read as words
+        w32 = cute.recast_tensor(words, Uint32)
+        per = SCRUB_THREADS // 32 // 4
+        found = Uint32(0)
+        for w in cutlass.range_constexpr(per):
+            found = found | w32[per * v_state.index + w]
+        bits = Int32(0)
+        if found != 0:
+            ctidx = reread_tid_x() - THREADS_PER_WG
+            slots = self.vis_slots(ctx.scrub)
+            vis = [slots[r, ctidx, v_state.index] for r in range(2)]
+            flagged = nf.flag_bits_sm90(flags[None, v_state.index], ctidx % 32, self.tile_n)
+            bits = nf.row_poison_bits(vis, flagged, 4)
+        return bits
 
     def _thr_col(self, tiled_mma_qk, ctidx: Int32) -> Int32:
         """Column (within a key tile) of consumer thread ``ctidx``'s first S fragment entry."""
@@ -704,10 +833,14 @@ class FlashFwdSm90:
     @cute.jit
     def overlap_step(self, n_tile: Int32, masked: cutlass.Constexpr, kv_state, tiled_mma_qk, tiled_mma_pv,
                      tSrQ, tSrK, tOrVt, tOrP, acc_O_mn, acc_O, acc_S_shape, pipeline_k, pipeline_v,
-                     wg: Int32, ctx):
-        """QK^T of tile n in flight with PV of tile n+1; then softmax of tile n and O rescale."""
+                     wg: Int32, ctx, v_masked):
+        """QK^T of tile n in flight with PV of the previous tile (n + 1, or the previous live tile of FlashMask's
+        list; ``v_masked``: whether some row cannot see some of its keys, as its step returned); then softmax of
+        tile n and O rescale. Returns the pipeline state and whether tile n is masked for some row."""
         v_state = kv_state.clone()
         kv_state.advance()
+        # Note [scrubbed value tiles]: before this WG takes its wgmma turn (the consumers meet on a barrier).
+        poison = self.scrub_v_tile(ctx, pipeline_v, v_state, v_masked)
         fm_whole = self.fm_tile_whole(ctx, n_tile)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipeline_k.consumer_wait(kv_state)
@@ -721,11 +854,17 @@ class FlashFwdSm90:
         warpgroup.wait_group(0 if const_expr(self.bl_early_reduce) else 1)
         pipeline_k.consumer_release(kv_state)
         row_scale = self.process_scores(ctx, acc_S, n_tile, False, False, masked, fm_whole)
+        s_masked = cutlass.Boolean(masked)
+        if const_expr(self.cfg.has_startend and not masked):
+            s_masked = cutlass.Boolean(True) if fm_whole == False else cutlass.Boolean(False)  # noqa: E712
+        self.store_visibility(ctx, acc_S, kv_state, s_masked)
         warpgroup.wait_group(0)
-        pipeline_v.consumer_release(v_state)
-        ctx.softmax.rescale(acc_O_mn, row_scale)
+        # P to 16 bits first: acc_S is dead before the poison test (in between it spilled at 160 registers)
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
-        return kv_state
+        pipeline_v.consumer_release(v_state)
+        nf.poison_scale(row_scale, poison)
+        ctx.softmax.rescale(acc_O_mn, row_scale)
+        return kv_state, s_masked
 
     @cute.jit
     def process_scores(self, ctx, acc_S: cute.Tensor, n_tile: Int32, is_first: cutlass.Constexpr,

@@ -48,10 +48,12 @@ def apply_mask(acc_mn: cute.Tensor, cols: cutlass.Constexpr, rows: list, col_off
 @cute.jit
 def apply_mask_kv_major(acc_mn: cute.Tensor, cols: cutlass.Constexpr, keys: list, col_offset: Int32,
                         seqlen_k: Int32, shift: Int32, left: Int32, right: Int32,
-                        mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr):
+                        mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr,
+                        fill: cutlass.Constexpr = float("-inf")):
     """The same rule on a transposed tile (the backward's S^T): register row r holds key keys[r], register
     column c query row cols[c] + col_offset. Key t is kept for rows i with t < seqlen_k and
-    t - shift - right <= i (``mask_right``) and i <= t - shift + left (``mask_left``); else -inf."""
+    t - shift - right <= i (``mask_right``) and i <= t - shift + left (``mask_left``); else ``fill`` (-inf on
+    scores; 0 on probabilities, which keeps P = 0 even where a row's lse is NaN)."""
     for r in cutlass.range_constexpr(len(keys)):
         key_ok = keys[r] < seqlen_k
         lo = Int32(0)
@@ -66,4 +68,4 @@ def apply_mask_kv_major(acc_mn: cute.Tensor, cols: cutlass.Constexpr, keys: list
                 keep = keep and cols[c] >= lo
             if const_expr(mask_left):
                 keep = keep and cols[c] <= hi
-            acc_mn[r, c] = acc_mn[r, c] if keep else -Float32.inf
+            acc_mn[r, c] = acc_mn[r, c] if keep else Float32(fill)

@@ -347,7 +347,9 @@ def _chunk_bwd(spec, dout, q, kf, vf, out, lse, dlse, dk, dv, row0: int, sq: int
     delta = paddle.sum(p * dp, axis=-1)  # [Hq, rows]
     if dlse is not None:
         delta = delta - dlse
-    ds = p * (dp - delta.unsqueeze(-1))
+    # dS = 0 where P = 0 (masked): a row whose D is NaN (it sees a NaN / Inf value) must not reach, through
+    # 0 * NaN, the dK of keys it cannot see (the kernels do the same: bwd_sm90's grad_score)
+    ds = paddle.where(live, p * (dp - delta.unsqueeze(-1)), zero)
     if spec.softcap > 0:  # tanh only where visible: a NaN / Inf key's tanh must not reach dS through a 0 * NaN
         ds = ds * paddle.where(live, 1.0 - tanh * tanh, zero)
     ds = ds.reshape([hkv, group * rows, sk])

@@ -131,6 +131,11 @@ def test_rows_keep_clean_of_keys_they_cannot_see(value, where):
     for name, a, b in zip(("out", "dq"), (got[0], got[2]), (want[0], want[2])):
         np.testing.assert_array_equal(a[:, clean_rows], b[:, clean_rows], err_msg=name)
     assert not np.isfinite(got[0][:, dirty_rows]).all()  # the rows that see a poisoned key do get it
+    if where == "window":
+        # keys 5.. are seen by rows 4.. only: the rows that see a poisoned key (their out and D = rowsum(dO * O)
+        # are NaN) must not reach them through a masked pair, dS = P (dP - D) with P = 0
+        for name, a, b in zip(("dk", "dv"), got[3:], want[3:]):
+            np.testing.assert_array_equal(a[:, 5:], b[:, 5:], err_msg=name)
     np.testing.assert_array_equal(got[1][:, :, clean_rows], want[1][:, :, clean_rows], err_msg="lse")
     # block_logit: the max logit of each block over the visible keys
     kwb = dict(kw, return_block_logit=True, block_size=16)

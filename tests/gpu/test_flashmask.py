@@ -262,6 +262,33 @@ def test_nan_in_skipped_key_tiles_does_not_leak():
     assert not torch.isfinite(out[:, 256:512].float()).all()
 
 
+def test_nan_in_partial_tiles_does_not_leak():
+    """Documents that do not align to the 128-key tiles: the tile holding a document boundary is visited by
+    both documents' query tiles, masked for part of its rows. NaN / Inf values and keys of the second
+    document there must not reach the first document's rows (out, lse; dq, dk, dv of its keys) -- the kernels
+    scrub masked tiles (common/nonfinite.py) -- while the second document's rows that see them stay
+    non-finite. Without the scrub the forward's P = 0 times the NaN value gave NaN rows (H100, 2026-12-07)."""
+    se, causal, _ = F.causal_document([200, 312])
+    s = se.shape[2]
+    q, k, v = make_qkv(1, s, s, 2, 2, 128)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    do = torch.randn(q.shape, device="cuda", generator=g).to(q.dtype)
+    out0, lse0, _ = run_fm(q, k, v, se, True)
+    grads0 = run_fm_bwd(q, k, v, out0, lse0, do, se, True, deterministic=True)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 230, :, 3] = float("nan")  # key tile [128, 256): rows 128..199 (document 1) cannot see it
+    v2[0, 240, :, 1] = float("inf")
+    v2[0, 250, :, 5] = float("nan")
+    out, lse, _ = run_fm(q, k2, v2, se, True)
+    first = slice(0, 200)
+    assert torch.equal(out[:, first], out0[:, first]) and torch.equal(lse[:, :, first], lse0[:, :, first])
+    assert not torch.isfinite(out[:, 250:].float()).all(dim=-1).any()  # rows that see key 250 (and 240)
+    grads = run_fm_bwd(q, k2, v2, out, lse, do, se, True, deterministic=True)
+    for label, a, b in zip(("dq", "dk", "dv"), grads, grads0):
+        assert torch.equal(a[:, first], b[:, first]), f"{label}: the first document changed"
+    assert not torch.isfinite(grads[0][:, 250:].float()).all(dim=-1).any()
+
+
 # ---------------------------------------------------------------------------------------------
 # backward
 

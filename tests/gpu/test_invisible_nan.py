@@ -12,9 +12,10 @@ Two geometries per mask, with tiles of at most 128 x 128:
 - ``near``: the poisoned keys sit in a key tile the checked rows' query tile visits, masked for those rows.
   The kernels set masked scores to -inf (a NaN / Inf key is harmless in S) but then multiply P = 0 by the
   value rows (forward O += P V, backward dP = dO V^T and dS = P (dP - D)) and dS = 0 by the key rows
-  (dQ += dS K): IEEE 0 * NaN = NaN, 0 * Inf = NaN. So poisoned values reach every row of the tile, poisoned
-  keys reach dq. These cases are marked xfail(strict=True) from reading the kernels (not yet observed):
-  a strict xfail fails the run if the kernels turn out to keep those rows clean, so the marks get revisited.
+  (dQ += dS K): IEEE 0 * NaN = NaN, 0 * Inf = NaN. Without the kernels' scrub (common/nonfinite.py: the
+  forward's masked V tiles, the backward's K / V tiles) poisoned values reach every row of the tile and
+  poisoned keys reach dq; these cases failed on the H100 before it (12 strict xfails until 2026-12-07).
+  The rows that do see a poisoned key must still come out non-finite (the scrub re-injects the NaN).
 """
 
 from __future__ import annotations
@@ -45,22 +46,18 @@ GEOMETRY = {
     ("window", "near"): (128, 640, True, (128, 0), [392, 393], range(10, 128), None),
 }
 
-# (mask, where, poisoned tensor, direction) predicted to fail: see the module docstring
-PREDICTED = {
-    ("near", "v", "fwd"): "O += P V multiplies P = 0 by the poisoned value row (0 * NaN) for every row of the tile",
-    ("near", "v", "bwd"): "dP = dO V^T carries the poisoned value row to every row of the tile, dS = 0 * NaN",
-    ("near", "k", "bwd"): "dQ += dS K multiplies dS = 0 by the poisoned key row (0 * NaN)",
-}
-# (mask, where, poisoned, direction) seen failing on the GPU though the reading above predicted it clean. Empty: the
-# one entry it held (window / near / k / fwd, H100, 2026-12-07) came from this file's geometry, which checked row 9
-# although row 9 sees poisoned key 393 (fixed above, not yet re-run on a GPU).
-OBSERVED: dict = {}
+# Keys that only rows without a poisoned key see: their dk / dv must not change. Window near: rows 0..9 see a
+# poisoned key (and so get a NaN out and D = rowsum(dO * O), or a NaN lse); keys 522.. are seen by rows 10.. only
+# (row i sees keys up to 512 + i), but sit in a key tile rows 0..9 visit, masked for them: P there must be 0 and
+# dS = P (dP - D) = 0, not 0 * NaN. (Run once with 521: row 9 sees key 521, so its dk changed rightly, H100.)
+CLEAN_KEYS = {("window", "near"): range(522, 640)}
+
+# Rows that do see a poisoned key: (sq, sk, causal, window) geometry -> rows seeing keys [440, 441] / [392, 393].
+SEEING = {"causal": range(441, 512), "window": range(0, 9)}
 
 
 def _case(mask, where, poisoned, direction):
-    reason = PREDICTED.get((where, poisoned, direction)) or OBSERVED.get((mask, where, poisoned, direction))
-    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-    return pytest.param(mask, where, poisoned, direction, marks=marks, id=f"{mask}-{where}-{poisoned}-{direction}")
+    return pytest.param(mask, where, poisoned, direction, id=f"{mask}-{where}-{poisoned}-{direction}")
 
 
 CASES = [_case(m, w, p, d) for m in ("causal", "window") for w in ("far", "near") for p in ("k", "v")
@@ -100,3 +97,16 @@ def test_invisible_keys_never_reach_a_row(mask, where, poisoned, direction, valu
             assert torch.count_nonzero(a) == 0, f"{name}: keys no row sees got a gradient"
         assert torch.isfinite(a).all(), f"{name}: rows that cannot see the poisoned keys are not finite"
         assert torch.equal(a, b), f"{name}: rows that cannot see the poisoned keys changed"
+    keys_clean = CLEAN_KEYS.get((mask, where))
+    if keys_clean is not None and direction == "bwd":
+        for name in ("dk", "dv"):
+            a, b = dirty[name][:, list(keys_clean)], clean[name][:, list(keys_clean)]
+            assert torch.isfinite(a).all() and torch.equal(a, b), f"{name}: keys only clean rows see changed"
+    if where == "near" and not (poisoned == "k" and direction == "fwd" and value == math.inf):
+        # The rows that see a poisoned key still show it (the scrub must not hide a visible NaN / Inf):
+        # out (a poisoned value), dq (either). A +Inf key gives +Inf scores, which the kernels' softmax turns
+        # into NaN as IEEE does; we only ask for non-finite.
+        seeing = list(SEEING[mask])
+        name = "out" if direction == "fwd" else "dq"
+        got = dirty[name][:, seeing]
+        assert not torch.isfinite(got).all(dim=-1).any(), f"{name}: a row that sees a poisoned key is finite"

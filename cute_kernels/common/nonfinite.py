@@ -1,0 +1,167 @@
+"""NaN / Inf in keys and values a row cannot see (docs/api.md, "NaN and Inf in keys a row cannot see").
+
+The dense kernels mask a score by replacing it with -inf, so a non-finite *key* never reaches a masked
+entry of S. Values and the backward's key reads are different: inside a partially masked tile the MMAs
+multiply P = 0 (forward O += P V, backward dP = dO V^T then dS = P (dP - D)) or dS = 0 (dQ += dS K) by
+every row of the tile, and IEEE 0 * NaN = 0 * Inf = NaN. The one rule here, used by every kernel that
+meets it:
+
+1. ``scrub_rows``: before an MMA reads a shared-memory tile of keys / values, zero each non-finite element
+   of the tile in place and record, per tile row (key), whether it had one (``flags``: 1 / 0).
+2. Poison what should be poisoned: a query row whose *visible* P meets a flagged key gets NaN where the
+   unscrubbed tile would have given a non-finite result (forward: its output row, ``poison_rows``;
+   backward: S = NaN on a flagged key row before the mask, dS = NaN where P != 0 on a flagged value row).
+   "Visible" is P != 0 after the mask; a visible weight that underflows to exactly 0 in fp32 counts as
+   not visible (documented).
+
+Rows that cannot see a flagged key then get exactly the values they get with finite keys there (the
+scrubbed element is multiplied by P = 0 or dS = 0 only). Tiles nobody masks are not scrubbed: every row
+sees every key there, so the MMA's own NaN is the right answer.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32, const_expr
+
+COPY_BITS = 128
+
+
+def exponent_mask(dtype) -> int:
+    """Exponent bits of a 16-bit float (all set: Inf or NaN)."""
+    if dtype is cutlass.BFloat16:
+        return 0x7F80
+    if dtype is cutlass.Float16:
+        return 0x7C00
+    raise TypeError(f"nonfinite: 16-bit float expected, got {dtype}")
+
+
+def pair_constants(dtype) -> tuple[int, int]:
+    """(exponent fields of both halves of a 32-bit word, their lowest bits): the SWAR test of ``scrub_rows``,
+    ``((w & e) + one) & 0x80008000``, sets bit 15 of exactly the halves that are Inf or NaN (an all-ones
+    exponent plus its lowest bit carries into the sign bit; a smaller one never does, and no carry crosses
+    into the other half)."""
+    e = exponent_mask(dtype)
+    return e * 0x10001, (e & -e) * 0x10001
+
+
+def threads_per_row(rows: int, cols: int, threads: int, dtype, bits: int = COPY_BITS) -> int:
+    """Adjacent threads sharing one tile row in ``scrub_rows``: rows spread over the threads first (one
+    thread may own several rows), then each row's 16-byte chunks over ``threads // rows`` threads."""
+    chunks = cols * dtype.width // bits
+    per_row = max(1, threads // rows)
+    assert threads % per_row == 0 and rows % (threads // per_row) == 0, (rows, threads)
+    assert chunks % per_row == 0 and per_row <= 32 and (per_row & (per_row - 1)) == 0, (cols, per_row)
+    return per_row
+
+
+@cute.jit
+def scrub_rows(sX: cute.Tensor, flags: cute.Tensor, tid: Int32, threads: cutlass.Constexpr,
+               per_row: cutlass.Constexpr, bits: cutlass.Constexpr = COPY_BITS) -> Int32:
+    """Zero every non-finite element of the shared-memory tile ``sX`` (rows, cols; any swizzle) in place and
+    write ``flags[row]`` = 1 where row had one, else 0 (every row written: no clearing needed), by the
+    ``threads`` threads ``tid`` in [0, threads) (whole warps; all of them must call), ``per_row`` adjacent
+    threads to a row (``threads_per_row`` with the same ``bits``), ``bits`` per load. Returns 1 if this
+    thread found one. The caller fences the async proxy and synchronises before an MMA or a reader of
+    ``flags`` depends on it."""
+    dtype = sX.element_type
+    elems = bits // dtype.width
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+    tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((threads // per_row, per_row), stride=(per_row, 1)),
+                                    cute.make_layout((1, elems)))
+    thr = tiled.get_slice(tid)
+    tXsX = thr.partition_S(sX)  # (CPY, M, N)
+    pair_e, pair_one = pair_constants(dtype)
+    # Python values only, fixed before the dynamic loop (a name it reads becomes a staged Int32 there).
+    offsets = [1 << k for k in range(per_row.bit_length() - 1)]
+    n_chunks = cute.size(tXsX, mode=[2])
+    row_step = threads // per_row  # thread t's m-th row: m * row_step + t // per_row
+    owner = tid % per_row == 0
+    first_row = tid // per_row
+    found = Int32(0)
+    row_bad = Int32(0)
+    # One flat loop over (row, chunk), not unrolled: the forward's producer warp runs it within 24 registers.
+    for i in cutlass.range(cute.size(tXsX, mode=[1]) * n_chunks, unroll=1):
+        m = i // n_chunks
+        n = i - m * n_chunks
+        frag = cute.make_rmem_tensor(cute.make_layout(elems), dtype)
+        cute.autovec_copy(tXsX[None, m, n], frag)
+        words = cute.recast_tensor(frag, Uint32)
+        # SWAR: a half's exponent field all ones (Inf / NaN) plus its lowest bit carries into bit 15.
+        hits = Uint32(0)
+        for k in cutlass.range_constexpr(elems // 2):
+            hits = hits | (((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000))
+        bad = Int32(0)
+        if hits != Uint32(0):  # rare: zero the non-finite halves, write the chunk back
+            for k in cutlass.range_constexpr(elems // 2):
+                h = ((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000)
+                words[k] = words[k] & ~((h >> Uint32(15)) * Uint32(0xFFFF))
+            cute.autovec_copy(frag, tXsX[None, m, n])
+            bad = Int32(1)
+        row_bad = row_bad | bad
+        if n == n_chunks - 1:  # the row's last chunk (uniform across the threads: shuffles are safe)
+            for k in cutlass.range_constexpr(len(offsets)):
+                row_bad = row_bad | cute.arch.shuffle_sync_bfly(row_bad, offset=offsets[k])
+            if owner:
+                flags[m * row_step + first_row] = row_bad.to(flags.element_type)
+            found = found | row_bad
+            row_bad = Int32(0)
+    return found
+
+
+@cute.jit
+def visible_bits(p_mn: cute.Tensor) -> list:
+    """Per register row r of this thread's P tile (``p_mn``, rows x at most 32 columns): a word with bit c set
+    where P[r, c] != 0, i.e. the keys the row sees (a weight that underflowed to 0 counts as not seen)."""
+    out = []
+    for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+        bits = Uint32(0)
+        for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
+            bits = bits | (Uint32(1 << c) if p_mn[r, c] != Float32(0.0) else Uint32(0))
+        out.append(bits)
+    return out
+
+
+@cute.jit
+def flag_bits_sm90(flags: cute.Tensor, lane: Int32, tile_n: cutlass.Constexpr) -> Uint32:
+    """This thread's key flags (one byte per key of the ``tile_n``-key tile) as a word in ``visible_bits``'
+    column order, for the SM90 wgmma accumulator: lane ``lane``'s register column c is tile column
+    8 (c // 2) + 2 q + c % 2, q = lane % 4. Lane l loads flag bytes 4 l .. 4 l + 3 as one word and four ballots
+    give every lane every flag (bit l of ballot k: column 4 l + k); then column c is bit 2 (c // 2) + q // 2 of
+    ballot 2 (q % 2) + c % 2. No per-lane addressing: loads at lane-dependent offsets spilled at 160
+    registers. Warp-uniform call."""
+    words = cute.recast_tensor(flags, Uint32)
+    w = Uint32(0)
+    if lane < tile_n // 4:
+        w = words[lane]
+    q = lane % 4
+    even = Uint32(0)  # ballot 2 (q % 2), kept as the ballots are taken (all four live spilled at 160 registers)
+    odd = Uint32(0)  # ballot 2 (q % 2) + 1
+    for k in cutlass.range(4, unroll=1):  # a loop: unrolled, it spilled at 160 registers
+        bk = Uint32(cute.arch.vote_ballot_sync(((w >> Uint32(8 * k)) & Uint32(0xFF)) != Uint32(0)))
+        even = bk if 2 * (q % 2) == k else even
+        odd = bk if 2 * (q % 2) + 1 == k else odd
+    h = Uint32(q // 2)
+    return ((even >> h) & Uint32(0x55555555)) | (((odd >> h) & Uint32(0x55555555)) << Uint32(1))
+
+
+@cute.jit
+def row_poison_bits(vis: list, flagged: Uint32, quad: cutlass.Constexpr) -> Int32:
+    """Bit r set where register row r sees a flagged key (``vis[r] & flagged``) in this thread or in any of the
+    ``quad`` adjacent lanes that share the row. Warp-uniform call (shuffles)."""
+    bits = Int32(0)
+    for r in cutlass.range_constexpr(len(vis)):
+        h = Int32(0) if (vis[r] & flagged) == Uint32(0) else Int32(1)
+        for k in cutlass.range_constexpr(quad.bit_length() - 1):
+            h = h | cute.arch.shuffle_sync_bfly(h, offset=1 << k)
+        bits = bits | (h << r)
+    return bits
+
+
+@cute.jit
+def poison_scale(row_scale: cute.Tensor, bits: Int32):
+    """NaN into the O rescale factor of the rows of ``bits`` (``row_poison_bits``), so the rescale that follows
+    turns those accumulator rows into NaN (and they stay NaN: every later rescale multiplies)."""
+    for r in cutlass.range_constexpr(cute.size(row_scale)):
+        row_scale[r] = Float32.nan if (bits >> r) & 1 != 0 else row_scale[r]
