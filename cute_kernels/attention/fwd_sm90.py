@@ -652,8 +652,8 @@ class FlashFwdSm90:
                 pipeline_k.consumer_release(kv_state)
                 self.process_scores(ctx, acc_S, n_tile, True, True, True, fm_whole)
                 vm = self.v_tile_masked(n_tile, seqlen, tiles, fmask)
-                self.store_visibility(ctx, acc_S, kv_state, vm)
                 convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+                self.store_visibility(ctx, tOrP, kv_state, vm)
                 # 2. Remaining tiles, descending; masked where causal/window cut through them.
                 n_hi = n_tile
                 n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
@@ -715,8 +715,8 @@ class FlashFwdSm90:
             pipeline_k.consumer_release(kv_state)
             self.process_scores(ctx, acc_S, n_first, True, True, True, fm_whole)
             vm = self.v_tile_masked(n_first, ctx.seqlen, tiles, fmask)
-            self.store_visibility(ctx, acc_S, kv_state, vm)
             convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+            self.store_visibility(ctx, tOrP, kv_state, vm)
             # 2. The live tiles below it, descending: [n_right_mask, n_first) masked, then unmasked, then the
             #    window's left run masked (positions in the list: prefix counts).
             n_hi = n_first
@@ -762,12 +762,12 @@ class FlashFwdSm90:
         return scrub.storage.v_vis.get_tensor(cute.make_layout((2, self.num_wg * THREADS_PER_WG, self.kv_stages)))
 
     @cute.jit
-    def store_visibility(self, ctx, acc_S, state, s_masked):
-        """Note [scrubbed value tiles]: on a masked tile, right after its softmax (acc_S holds P), this thread's
-        rows' visible keys (P != 0) go to shared memory for the tile's PV a step later (in registers across the
-        step they spilled at 160 registers)."""
+    def store_visibility(self, ctx, tOrP, state, s_masked):
+        """Note [scrubbed value tiles]: on a masked tile, once its P is in tOrP (16-bit), this thread's rows'
+        visible keys (P != 0) go to shared memory for the scrub of the tile's PV a step later (in registers
+        across the step they spilled at 160 registers)."""
         if s_masked:
-            vis = nf.visible_bits(acc_mn_view(acc_S))
+            vis = nf.visible_bits_sm90(tOrP)
             slots = self.vis_slots(ctx.scrub)
             ctidx = ctx.ctidx
             if const_expr(self.reread_coords):
@@ -857,10 +857,11 @@ class FlashFwdSm90:
         s_masked = cutlass.Boolean(masked)
         if const_expr(self.cfg.has_startend and not masked):
             s_masked = cutlass.Boolean(True) if fm_whole == False else cutlass.Boolean(False)  # noqa: E712
-        self.store_visibility(ctx, acc_S, kv_state, s_masked)
         warpgroup.wait_group(0)
-        # P to 16 bits first: acc_S is dead before the poison test (in between it spilled at 160 registers)
+        # P to 16 bits first (acc_S dead), then its visible keys from tOrP: taken from acc_S they spilled at 160
+        # registers
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+        self.store_visibility(ctx, tOrP, kv_state, s_masked)
         pipeline_v.consumer_release(v_state)
         nf.poison_scale(row_scale, poison)
         ctx.softmax.rescale(acc_O_mn, row_scale)

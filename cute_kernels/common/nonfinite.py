@@ -9,10 +9,11 @@ meets it:
 1. ``scrub_rows``: before an MMA reads a shared-memory tile of keys / values, zero each non-finite element
    of the tile in place and record, per tile row (key), whether it had one (``flags``: 1 / 0).
 2. Poison what should be poisoned: a query row whose *visible* P meets a flagged key gets NaN where the
-   unscrubbed tile would have given a non-finite result (forward: its output row, ``poison_rows``;
+   unscrubbed tile would have given a non-finite result (forward: its output row through its O rescale,
+   ``visible_bits_sm90`` / ``flag_bits_sm90`` / ``row_poison_bits`` / ``poison_scale``;
    backward: S = NaN on a flagged key row before the mask, dS = NaN where P != 0 on a flagged value row).
-   "Visible" is P != 0 after the mask; a visible weight that underflows to exactly 0 in fp32 counts as
-   not visible (documented).
+   "Visible" is P != 0 after the mask; a visible weight that underflows to exactly 0 counts as not visible
+   (docs/api.md).
 
 Rows that cannot see a flagged key then get exactly the values they get with finite keys there (the
 scrubbed element is multiplied by P = 0 or dS = 0 only). Tiles nobody masks are not scrubbed: every row
@@ -111,15 +112,19 @@ def scrub_rows(sX: cute.Tensor, flags: cute.Tensor, tid: Int32, threads: cutlass
 
 
 @cute.jit
-def visible_bits(p_mn: cute.Tensor) -> list:
-    """Per register row r of this thread's P tile (``p_mn``, rows x at most 32 columns): a word with bit c set
-    where P[r, c] != 0, i.e. the keys the row sees (a weight that underflowed to 0 counts as not seen)."""
-    out = []
-    for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
-        bits = Uint32(0)
-        for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
-            bits = bits | (Uint32(1 << c) if p_mn[r, c] != Float32(0.0) else Uint32(0))
-        out.append(bits)
+def visible_bits_sm90(p16: cute.Tensor) -> list:
+    """Per register row r (0, 1) of this thread's 16-bit P fragment as the SM90 PV wgmma's A operand holds it
+    (acc_S's element order: 32-bit word w = row w % 2, register columns 2 (w // 2) + {0, 1}): a word with bit c
+    set where P[r, c] != 0, i.e. the keys the row sees (a weight that underflowed to 0 counts as not seen).
+    Both halves of a word are tested at once: ``((w & 0x7FFF7FFF) + 0x7FFF7FFF) & 0x80008000`` sets bit 15 / 31
+    exactly where the half is non-zero (+0 and -0 count as zero)."""
+    words = cute.recast_tensor(p16, Uint32)
+    out = [Uint32(0), Uint32(0)]
+    for j in cutlass.range_constexpr(cute.size(words) // 2):
+        for r in cutlass.range_constexpr(2):
+            nz = ((words[2 * j + r] & Uint32(0x7FFF7FFF)) + Uint32(0x7FFF7FFF)) & Uint32(0x80008000)
+            out[r] = (out[r] | (((nz >> Uint32(15)) & Uint32(1)) << Uint32(2 * j))
+                      | ((nz >> Uint32(31)) << Uint32(2 * j + 1)))
     return out
 
 
