@@ -154,9 +154,6 @@ class FlashFwdSm90:
         self.num_threads = THREADS_PER_WG * (self.num_wg + 1)
         self.producer_regs, self.consumer_regs = REGS[self.num_wg]
         assert self.producer_regs + self.num_wg * self.consumer_regs <= 512, "setmaxnreg over the register file"
-        # Note [scrubbed value tiles]: a tile's visible-key bits live in its stage's slot until its PV one step
-        # later, while the next tile writes the other stage's.
-        assert self.kv_stages >= 2
         self.use_scheduler_barrier = cfg.head_dim <= 128
         self.bl_shape = (bl.BlockLogitShape(self.tile_n, cfg.block_size, rows_per_thread=2, threads_per_row=4)
                          if cfg.has_block_logit else None)
@@ -216,8 +213,7 @@ class FlashFwdSm90:
         k = tile_n * cfg.head_dim * elem * stages
         v = tile_n * cfg.head_dim_v * elem * stages
         barriers = 8 * (2 + 4 * stages)
-        # Note [scrubbed value tiles]: ballots, key flags, the rows' visible-key bits
-        flags = 8 + (SCRUB_THREADS // 32) * stages + tile_n * stages + 8 * tile_m * stages
+        flags = 8 + (SCRUB_THREADS // 32) * stages + tile_n * stages  # Note [scrubbed value tiles]
         # Each buffer is 1024-byte aligned.
         return sum(-(-x // 1024) * 1024 for x in (q, k, v)) + 1024 + barriers + flags
 
@@ -236,7 +232,6 @@ class FlashFwdSm90:
             "mbar_k": cute.struct.MemRange[Int64, 2 * self.kv_stages],
             "mbar_v": cute.struct.MemRange[Int64, 2 * self.kv_stages],
             "v_any": cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SCRUB_THREADS // 32 * self.kv_stages], 8],
-            "v_vis": cute.struct.MemRange[cutlass.Uint32, 2 * self.num_wg * THREADS_PER_WG * self.kv_stages],
             "v_flags": cute.struct.MemRange[cutlass.Uint8, self.tile_n * self.kv_stages],
             "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
             "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
@@ -653,7 +648,6 @@ class FlashFwdSm90:
                 self.process_scores(ctx, acc_S, n_tile, True, True, True, fm_whole)
                 vm = self.v_tile_masked(n_tile, seqlen, tiles, fmask)
                 convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
-                self.store_visibility(ctx, tOrP, kv_state, vm)
                 # 2. Remaining tiles, descending; masked where causal/window cut through them.
                 n_hi = n_tile
                 n_lo_a = cutlass.max(tiles.n_right_mask, tiles.n_min)
@@ -678,7 +672,7 @@ class FlashFwdSm90:
                                                      vm)
                 pipeline_q.consumer_release(q_state)
                 # 3. PV of the last tile (deferred block_logit: the last tile's block maxima meanwhile).
-                poison = self.scrub_v_tile(ctx, pipeline_v, kv_state, vm)
+                poison = self.scrub_v_tile(ctx, pipeline_v, kv_state, vm, tOrP)
                 pipeline_v.consumer_wait(kv_state)
                 self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
                 if const_expr(self.bl_deferred):
@@ -716,7 +710,6 @@ class FlashFwdSm90:
             self.process_scores(ctx, acc_S, n_first, True, True, True, fm_whole)
             vm = self.v_tile_masked(n_first, ctx.seqlen, tiles, fmask)
             convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
-            self.store_visibility(ctx, tOrP, kv_state, vm)
             # 2. The live tiles below it, descending: [n_right_mask, n_first) masked, then unmasked, then the
             #    window's left run masked (positions in the list: prefix counts).
             n_hi = n_first
@@ -744,7 +737,7 @@ class FlashFwdSm90:
                                                  vm)
             pipeline_q.consumer_release(q_state)
             # 3. PV of the last tile.
-            poison = self.scrub_v_tile(ctx, pipeline_v, kv_state, vm)
+            poison = self.scrub_v_tile(ctx, pipeline_v, kv_state, vm, tOrP)
             pipeline_v.consumer_wait(kv_state)
             self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
             warpgroup.wait_group(0)
@@ -757,26 +750,8 @@ class FlashFwdSm90:
         return (scrub.storage.v_any.get_tensor(cute.make_layout((SCRUB_THREADS // 32, self.kv_stages))),
                 scrub.storage.v_flags.get_tensor(cute.make_layout((self.tile_n, self.kv_stages))))
 
-    def vis_slots(self, scrub):
-        """Note [scrubbed value tiles]: each consumer thread's visible-key bits of its two rows, per stage."""
-        return scrub.storage.v_vis.get_tensor(cute.make_layout((2, self.num_wg * THREADS_PER_WG, self.kv_stages)))
-
     @cute.jit
-    def store_visibility(self, ctx, tOrP, state, s_masked):
-        """Note [scrubbed value tiles]: on a masked tile, once its P is in tOrP (16-bit), this thread's rows'
-        visible keys (P != 0) go to shared memory for the scrub of the tile's PV a step later (in registers
-        across the step they spilled at 160 registers)."""
-        if s_masked:
-            vis = nf.visible_bits_sm90(tOrP)
-            slots = self.vis_slots(ctx.scrub)
-            ctidx = ctx.ctidx
-            if const_expr(self.reread_coords):
-                ctidx = reread_tid_x() - THREADS_PER_WG
-            for r in cutlass.range_constexpr(2):
-                slots[r, ctidx, state.index] = vis[r]
-
-    @cute.jit
-    def scrub_v_tile(self, ctx, pipeline_v, v_state, v_masked):
+    def scrub_v_tile(self, ctx, pipeline_v, v_state, v_masked, tOrP):
         """Note [scrubbed value tiles]: if the V tile of stage ``v_state`` is masked for some row (``v_masked``),
         wait for it, zero its non-finite values and flag their keys (the first SCRUB_THREADS consumer threads),
         and meet the other consumers on SCRUB_BARRIER. Returns ``poison_bits`` (0 when not masked): computed here,
@@ -796,13 +771,13 @@ class FlashFwdSm90:
                 if ctidx % 32 == 0:
                     words[ctidx // 32, v_state.index] = cutlass.Uint8(1) if ballot != 0 else cutlass.Uint8(0)
             cute.arch.barrier(barrier_id=SCRUB_BARRIER, number_of_threads=self.num_wg * THREADS_PER_WG)
-            bits = self.poison_bits(ctx, v_state)
+            bits = self.poison_bits(ctx, v_state, tOrP)
         return bits
 
     @cute.jit
-    def poison_bits(self, ctx, v_state) -> Int32:
+    def poison_bits(self, ctx, v_state, tOrP) -> Int32:
         """The rows (bit r) whose P was non-zero on a key the scrub of stage ``v_state`` flagged
-        (``store_visibility``'s bits), which the unscrubbed tile would make non-finite in the PV; 0 when no warp
+        (from its 16-bit P, still in tOrP), which the unscrubbed tile would make non-finite in the PV; 0 when no warp
         found one (the common case: one test of the scanning warps' bytes). The caller turns them into NaN
         through the rows' O rescale after the PV."""
         words, flags = self.scrub_flags(ctx.scrub)
@@ -814,10 +789,10 @@ class FlashFwdSm90:
             found = found | w32[per * v_state.index + w]
         bits = Int32(0)
         if found != 0:
-            ctidx = reread_tid_x() - THREADS_PER_WG
-            slots = self.vis_slots(ctx.scrub)
-            vis = [slots[r, ctidx, v_state.index] for r in range(2)]
-            flagged = nf.flag_bits_sm90(flags[None, v_state.index], ctidx % 32, self.tile_n)
+            # tOrP still holds this tile's P: the PV that reads it comes next in the step
+            vis = nf.visible_bits_sm90(tOrP)
+            flagged = nf.flag_bits_sm90(flags[None, v_state.index], (reread_tid_x() - THREADS_PER_WG) % 32,
+                                        self.tile_n)
             bits = nf.row_poison_bits(vis, flagged, 4)
         return bits
 
@@ -840,7 +815,7 @@ class FlashFwdSm90:
         v_state = kv_state.clone()
         kv_state.advance()
         # Note [scrubbed value tiles]: before this WG takes its wgmma turn (the consumers meet on a barrier).
-        poison = self.scrub_v_tile(ctx, pipeline_v, v_state, v_masked)
+        poison = self.scrub_v_tile(ctx, pipeline_v, v_state, v_masked, tOrP)
         fm_whole = self.fm_tile_whole(ctx, n_tile)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipeline_k.consumer_wait(kv_state)
@@ -858,10 +833,8 @@ class FlashFwdSm90:
         if const_expr(self.cfg.has_startend and not masked):
             s_masked = cutlass.Boolean(True) if fm_whole == False else cutlass.Boolean(False)  # noqa: E712
         warpgroup.wait_group(0)
-        # P to 16 bits first (acc_S dead), then its visible keys from tOrP: taken from acc_S they spilled at 160
-        # registers
+        # P to 16 bits first: acc_S is dead before the O rescale
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
-        self.store_visibility(ctx, tOrP, kv_state, s_masked)
         pipeline_v.consumer_release(v_state)
         nf.poison_scale(row_scale, poison)
         ctx.softmax.rescale(acc_O_mn, row_scale)
