@@ -67,10 +67,10 @@ masked key tile the PV MMA multiplies P = 0 by every value row, so a non-finite 
 reach it. Before the PV of a masked tile (``v_tile_masked``: the tiles of the consumers' masked runs, and
 FlashMask tiles its bounds do not leave whole), outside any WG's wgmma turn, the consumers wait for the V
 tile, the first SCRUB_THREADS of them zero its non-finite elements in shared memory and flag their keys
-(one byte per key, one ballot word per warp), fence the async proxy, and all consumer WGs meet on
-SCRUB_BARRIER; the PV then reads the scrubbed tile. Where a warp found one (rare; the OR of the words is
-CTA-uniform) ``poison_bits`` marks the output rows whose P is non-zero on a flagged key, which the
-unscrubbed tile would have made non-finite. Unmasked tiles are untouched (every row sees every key there).
+(one byte per key, one byte per scanning warp), fence the async proxy, and all consumer WGs meet on
+SCRUB_BARRIER; the PV then reads the scrubbed tile. Where a warp found one (rare; the OR of the bytes is
+CTA-uniform) ``poison_bits`` marks, from the tile's P still in tOrP, the output rows whose P is non-zero on a
+flagged key, which the unscrubbed tile would have made non-finite; they become NaN through the O rescale. Unmasked tiles are untouched (every row sees every key there).
 A first version scrubbed in one producer warp and cost 8-30 % (one warp's serial scan on the consumers'
 critical path; H100, `bench/ab_trees.py`).
 """
