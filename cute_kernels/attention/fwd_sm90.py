@@ -630,9 +630,8 @@ class FlashFwdSm90:
             ctx.bl_pending = cute.make_rmem_tensor((2, self.bl_shape.blocks_per_tile), Float32)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        poison = Int32(0)  # rows the last PV's scrubbed tile leaves non-finite (Note [scrubbed value tiles])
         if const_expr(self.fm_gap_skip):
-            poison = self.consume_fm(ctx, tiles, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn,
+            self.consume_fm(ctx, tiles, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O_mn,
                             acc_O, acc_S_shape, pipeline_q, pipeline_k, pipeline_v, wg)
         else:
             if tiles.n_min < tiles.n_max:
@@ -672,7 +671,7 @@ class FlashFwdSm90:
                                                      vm)
                 pipeline_q.consumer_release(q_state)
                 # 3. PV of the last tile (deferred block_logit: the last tile's block maxima meanwhile).
-                poison = self.scrub_v_tile(ctx, pipeline_v, kv_state, vm, tOrP)
+                self.scrub_v_tile(ctx, pipeline_v, kv_state, vm, tOrP, acc_O_mn)
                 pipeline_v.consumer_wait(kv_state)
                 self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
                 if const_expr(self.bl_deferred):
@@ -682,7 +681,6 @@ class FlashFwdSm90:
 
         # 4. Epilogue: O /= l, lse; rows past seqlen_q are not written.
         row_scale, lse = softmax.finalize()
-        nf.poison_scale(row_scale, poison)
         softmax.rescale(acc_O_mn, row_scale)
         self.epilogue(acc_O, lse, mO, mLSE, seqlen, tiled_mma_pv, thr_mma_pv, m_tile, head_idx, batch_idx,
                       ctidx, tma_atom_O, sO)
@@ -696,7 +694,6 @@ class FlashFwdSm90:
         fmask = ctx.fmask
         p_lo = self.fm_prefix(fmask, tiles.n_min)
         p_hi = self.fm_prefix(fmask, tiles.n_max)
-        poison = Int32(0)
         if p_lo < p_hi:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_q.consumer_wait(q_state)
@@ -737,12 +734,11 @@ class FlashFwdSm90:
                                                  vm)
             pipeline_q.consumer_release(q_state)
             # 3. PV of the last tile.
-            poison = self.scrub_v_tile(ctx, pipeline_v, kv_state, vm, tOrP)
+            self.scrub_v_tile(ctx, pipeline_v, kv_state, vm, tOrP, acc_O_mn)
             pipeline_v.consumer_wait(kv_state)
             self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, -1)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(kv_state)
-        return poison
 
     def scrub_flags(self, scrub):
         """Note [scrubbed value tiles]: (per-warp "found" bytes [warp, stage], per-key flags [key, stage]) in
@@ -751,12 +747,12 @@ class FlashFwdSm90:
                 scrub.storage.v_flags.get_tensor(cute.make_layout((self.tile_n, self.kv_stages))))
 
     @cute.jit
-    def scrub_v_tile(self, ctx, pipeline_v, v_state, v_masked, tOrP):
+    def scrub_v_tile(self, ctx, pipeline_v, v_state, v_masked, tOrP, acc_O_mn):
         """Note [scrubbed value tiles]: if the V tile of stage ``v_state`` is masked for some row (``v_masked``),
         wait for it, zero its non-finite values and flag their keys (the first SCRUB_THREADS consumer threads),
-        and meet the other consumers on SCRUB_BARRIER. Returns ``poison_bits`` (0 when not masked): computed here,
-        at the top of the step where few registers are live, and applied to the rows' O rescale after the PV."""
-        bits = Int32(0)
+        and meet the other consumers on SCRUB_BARRIER. Then the rows ``poison_bits`` names get NaN in acc_O now,
+        before the PV adds the tile (no wgmma is in flight here): kept in a register until the step's O rescale
+        they spilled at 240 registers (d 192)."""
         if v_masked:
             pipeline_v.consumer_wait(v_state)
             words, flags = self.scrub_flags(ctx.scrub)
@@ -772,14 +768,14 @@ class FlashFwdSm90:
                     words[ctidx // 32, v_state.index] = cutlass.Uint8(1) if ballot != 0 else cutlass.Uint8(0)
             cute.arch.barrier(barrier_id=SCRUB_BARRIER, number_of_threads=self.num_wg * THREADS_PER_WG)
             bits = self.poison_bits(ctx, v_state, tOrP)
-        return bits
+            if bits != 0:
+                nf.poison_acc(acc_O_mn, bits)
 
     @cute.jit
     def poison_bits(self, ctx, v_state, tOrP) -> Int32:
         """The rows (bit r) whose P was non-zero on a key the scrub of stage ``v_state`` flagged
         (from its 16-bit P, still in tOrP), which the unscrubbed tile would make non-finite in the PV; 0 when no warp
-        found one (the common case: one test of the scanning warps' bytes). The caller turns them into NaN
-        through the rows' O rescale after the PV."""
+        found one (the common case: one test of the scanning warps' bytes)."""
         words, flags = self.scrub_flags(ctx.scrub)
         # one byte per scanning warp, read as words
         w32 = cute.recast_tensor(words, Uint32)
@@ -815,7 +811,7 @@ class FlashFwdSm90:
         v_state = kv_state.clone()
         kv_state.advance()
         # Note [scrubbed value tiles]: before this WG takes its wgmma turn (the consumers meet on a barrier).
-        poison = self.scrub_v_tile(ctx, pipeline_v, v_state, v_masked, tOrP)
+        self.scrub_v_tile(ctx, pipeline_v, v_state, v_masked, tOrP, acc_O_mn)
         fm_whole = self.fm_tile_whole(ctx, n_tile)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipeline_k.consumer_wait(kv_state)
@@ -836,7 +832,6 @@ class FlashFwdSm90:
         # P to 16 bits first: acc_S is dead before the O rescale
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
         pipeline_v.consumer_release(v_state)
-        nf.poison_scale(row_scale, poison)
         ctx.softmax.rescale(acc_O_mn, row_scale)
         return kv_state, s_masked
 

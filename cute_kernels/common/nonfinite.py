@@ -130,25 +130,17 @@ def visible_bits_sm90(p16: cute.Tensor) -> list:
 
 @cute.jit
 def flag_bits_sm90(flags: cute.Tensor, lane: Int32, tile_n: cutlass.Constexpr) -> Uint32:
-    """This thread's key flags (one byte per key of the ``tile_n``-key tile) as a word in ``visible_bits``'
+    """This thread's key flags (one byte per key of the ``tile_n``-key tile) as a word in ``visible_bits_sm90``'s
     column order, for the SM90 wgmma accumulator: lane ``lane``'s register column c is tile column
-    8 (c // 2) + 2 q + c % 2, q = lane % 4. Lane l loads flag bytes 4 l .. 4 l + 3 as one word and four ballots
-    give every lane every flag (bit l of ballot k: column 4 l + k); then column c is bit 2 (c // 2) + q // 2 of
-    ballot 2 (q % 2) + c % 2. No per-lane addressing: loads at lane-dependent offsets spilled at 160
-    registers. Warp-uniform call."""
-    words = cute.recast_tensor(flags, Uint32)
-    w = Uint32(0)
-    if lane < tile_n // 4:
-        w = words[lane]
-    q = lane % 4
-    even = Uint32(0)  # ballot 2 (q % 2), kept as the ballots are taken (all four live spilled at 160 registers)
-    odd = Uint32(0)  # ballot 2 (q % 2) + 1
-    for k in cutlass.range(4, unroll=1):  # a loop: unrolled, it spilled at 160 registers
-        bk = Uint32(cute.arch.vote_ballot_sync(((w >> Uint32(8 * k)) & Uint32(0xFF)) != Uint32(0)))
-        even = bk if 2 * (q % 2) == k else even
-        odd = bk if 2 * (q % 2) + 1 == k else odd
-    h = Uint32(q // 2)
-    return ((even >> h) & Uint32(0x55555555)) | (((odd >> h) & Uint32(0x55555555)) << Uint32(1))
+    8 (c // 2) + 2 q + c % 2, q = lane % 4; one 16-bit load per column pair. (Four ballots over the flag words
+    instead spilled 56-88 B at 240 registers, d 192.)"""
+    f16 = cute.recast_tensor(flags, cutlass.Uint16)
+    base = lane % 4
+    bits = Uint32(0)
+    for j in cutlass.range_constexpr(tile_n // 8):
+        f = Uint32(f16[base + 4 * j])
+        bits = bits | ((f & Uint32(1)) << Uint32(2 * j)) | (((f >> Uint32(8)) & Uint32(1)) << Uint32(2 * j + 1))
+    return bits
 
 
 @cute.jit
@@ -165,8 +157,10 @@ def row_poison_bits(vis: list, flagged: Uint32, quad: cutlass.Constexpr) -> Int3
 
 
 @cute.jit
-def poison_scale(row_scale: cute.Tensor, bits: Int32):
-    """NaN into the O rescale factor of the rows of ``bits`` (``row_poison_bits``), so the rescale that follows
-    turns those accumulator rows into NaN (and they stay NaN: every later rescale multiplies)."""
-    for r in cutlass.range_constexpr(cute.size(row_scale)):
-        row_scale[r] = Float32.nan if (bits >> r) & 1 != 0 else row_scale[r]
+def poison_acc(acc_mn: cute.Tensor, bits: Int32):
+    """NaN into this thread's part of accumulator row r for each bit r of ``bits`` (``row_poison_bits``); every
+    later rescale and MMA keeps the row NaN."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        if (bits >> r) & 1 != 0:
+            for d in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                acc_mn[r, d] = Float32.nan
