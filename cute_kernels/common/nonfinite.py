@@ -9,8 +9,8 @@ meets it:
 1. ``scrub_rows``: before an MMA reads a shared-memory tile of keys / values, zero each non-finite element
    of the tile in place and record, per tile row (key), whether it had one (``flags``: 1 / 0).
 2. Poison what should be poisoned: a query row whose *visible* P meets a flagged key gets NaN where the
-   unscrubbed tile would have given a non-finite result (forward: its output row through its O rescale,
-   ``visible_bits_sm90`` / ``flag_bits_sm90`` / ``row_poison_bits`` / ``poison_scale``;
+   unscrubbed tile would have given a non-finite result (forward: its accumulator row before the tile's PV,
+   ``visible_bits_sm90`` / ``flag_bits_sm90`` / ``row_poison_bits`` / ``poison_acc``;
    backward: S = NaN on a flagged key row before the mask, dS = NaN where P != 0 on a flagged value row).
    "Visible" is P != 0 after the mask; a visible weight that underflows to exactly 0 counts as not visible
    (docs/api.md).
