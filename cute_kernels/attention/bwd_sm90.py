@@ -1158,7 +1158,8 @@ class FlashBwdSm90:
                 lse_c = sLSE[sc.thr_col + cols[c], s_lse] if const_expr(cfg.has_softcap) else None
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                     dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps_c, lse_c, sc.inv_cap_log2)
-            self.guard_masked_ds(S, dP, sc, sdPsum, s_dps)
+            if const_expr(not cfg.has_softcap):  # with softcap grad_score already gives P <= 0 (or NaN) dS = 0
+                self.guard_masked_ds(S, dP, sc, sdPsum, s_dps)
         else:
             lse = [sLSE[sc.thr_col + cols[c], s_lse] for c in range(ncols)]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
@@ -1171,7 +1172,8 @@ class FlashBwdSm90:
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(ncols):
                     dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], sc.inv_cap_log2)
-            self.guard_masked_ds(S, dP, sc, sdPsum, s_dps)
+            if const_expr(not cfg.has_softcap):  # with softcap grad_score already gives P <= 0 (or NaN) dS = 0
+                self.guard_masked_ds(S, dP, sc, sdPsum, s_dps)
         nonfinite = sKVBits[reread_tid_x() - THREADS_PER_WG]
         if nonfinite >> 8 != 0:
             # Note [scrubbed K / V]: dS^T = NaN where a visible P^T meets a flagged value row (as dP^T = dO V^T
