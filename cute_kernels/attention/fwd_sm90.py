@@ -72,7 +72,8 @@ SCRUB_BARRIER; the PV then reads the scrubbed tile. Where a warp found one (rare
 CTA-uniform) ``poison_bits`` marks, from the tile's P still in tOrP, the output rows whose P is non-zero on a
 flagged key, which the unscrubbed tile would have made non-finite, and they get NaN in acc_O before the PV.
 Every piece of this rare path sits at the step top, where the fewest registers are live: after the PV or
-kept across the step it spilled (16-88 B at 160 / 240 registers). Unmasked tiles are untouched (every row sees every key there).
+kept across the step it spilled (16-88 B at 160 / 240 registers). Unmasked tiles are untouched (every row
+sees every key there).
 A first version scrubbed in one producer warp and cost 8-30 % (one warp's serial scan on the consumers'
 critical path; H100, `bench/ab_trees.py`).
 """
