@@ -1174,6 +1174,7 @@ class FlashBwdSm90:
                     dP[r, c] = self.grad_score(S[r, c], dP[r, c], dps[c], lse[c], sc.inv_cap_log2)
             if const_expr(not cfg.has_softcap):  # with softcap grad_score already gives P <= 0 (or NaN) dS = 0
                 self.guard_masked_ds(S, dP, sc, sdPsum, s_dps)
+        # read again rather than kept from the read above: live across the exp2 / dS loops it spilled (one LDS)
         nonfinite = sKVBits[reread_tid_x() - THREADS_PER_WG]
         if nonfinite >> 8 != 0:
             # Note [scrubbed K / V]: dS^T = NaN where a visible P^T meets a flagged value row (as dP^T = dO V^T
