@@ -18,7 +18,7 @@ written once, in q's dtype. 512 threads, warp-specialised:
                  128 key rows (TMEM lane = key row); P^T -> TMEM (16-bit over S^T), dS^T -> smem;
                  after the loop the dK / dV epilogue (WG w: head-dim columns [d/2 w, d/2 (w + 1)))
     warp 12      MMA: single-thread tcgen05 issue; warp 13: TMA loads (K, V once; Q, dO per query tile)
-    warps 14-15  idle
+    warps 14-15  scrub K and V once (Note [scrubbed K / V, SM100])
 
 TMEM columns (512 allocated):  S^T / P^T [0, 128) | dP^T, then dQ [128, 256) | dV | dK  (d <= 128).
 Shared memory: K, V (one tile each), Q (2 stages), dO (2 stages if they fit, else 1: d 128, as FA4's
@@ -51,7 +51,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
@@ -59,6 +59,7 @@ from cute_kernels import arch as _arch
 from cute_kernels.common.barriers import check_arrivals as _check_arrivals
 from cute_kernels.common.barriers import pipeline_counts
 from cute_kernels.common import flashmask as fm
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.mask import apply_mask_kv_major
 from cute_kernels.common.seqlen import SeqlenInfo
 from cute_kernels.common.softmax import softcap_logit
@@ -119,6 +120,19 @@ from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
 # after the reduce warps drained dQ(t) (pipe_dQ empty) instead of right after dV(t); everything else is
 # the order of Note [SM100 backward handshakes]. (192, 128) keeps the pipelined order.
 
+# Note [scrubbed K / V, SM100] (NaN / Inf in keys and values a row cannot see; common/nonfinite.py, the rule
+# the SM90 kernel's Note [scrubbed K / V] follows too). The CTA's K and V tiles meet every query row of every
+# step, masked pairs included: S^T = K Q^T, dP^T = V dO^T and dQ += dS K multiply P = 0 / dS = 0 by every key,
+# and 0 * NaN = NaN. So the otherwise idle warps 14-15 wait for the K / V load (they only read its barrier:
+# one load per CTA), zero the non-finite elements of both tiles in shared memory, flag their keys (one byte
+# per key and tile) and hand them on (``kvs``) to the MMA warp, which waits before its first MMA, and to the
+# compute warps, which give back the NaN the unscrubbed tiles give the pairs a row sees: P^T = NaN where
+# P^T != 0 on a flagged K row, dS^T = NaN where P^T != 0 on a flagged V row (dV = P^T dO does not read V).
+# Two more rules keep a row that saw a NaN (its lse, out and D are NaN) from reaching keys it cannot see: the
+# mask zeroes P after the exponential instead of putting -inf into S (exp2(-inf - NaN) is NaN), and dS^T = 0
+# where P^T = 0 in columns whose D is NaN (without softcap; softcap_grad already gives 0 where P = 0).
+# Compile-verified only (no Blackwell GPU here).
+
 TILE_M = 128  # query rows per query tile, head dims <= 128 (= ACCUM_ROW_PAD: one dq_sem counter per tile)
 TILE_M_WIDE = 64  # query rows per query tile of the wide schedule (head_dim 192 / 256, (192, 128))
 TILE_N = 128  # keys per CTA (TMEM lane = key row)
@@ -131,6 +145,7 @@ Q_STAGE = 2  # >= 2 in the pipelined order: S^T(t+1) is issued before Q(t) is re
 _WARPS_REDUCE = (0, 1, 2, 3)
 _WARPS_COMPUTE = (4, 5, 6, 7, 8, 9, 10, 11)
 _WARP_MMA, _WARP_LOAD = 12, 13
+_WARPS_SCRUB = (14, 15)  # Note [scrubbed K / V, SM100]
 # setmaxnreg per warpgroup: reduce, compute (x2 WGs), MMA/load/idle; sum <= 4 * 128.
 REGS = (64, 192, 64)
 EPI_CHUNK = 16  # dK / dV columns per TMEM load in the epilogue
@@ -158,23 +173,26 @@ class BwdBarrier(IntEnum):
 
 # Edge trace of a traced build (common/trace.py): role slots and the edges they wait on (dq_turn: the
 # deterministic dQ turn counter of the query tile given as the count).
-TRACE_ROLES = ("reduce", "compute", "mma", "load")
+TRACE_ROLES = ("reduce", "compute", "mma", "load", "scrub")
 ROLE_THREADS = {"reduce": 32 * len(_WARPS_REDUCE), "compute": 32 * len(_WARPS_COMPUTE), "mma": 1,
-                "load": 1}
+                "load": 1, "mma_warp": 32, "scrub": 32 * len(_WARPS_SCRUB)}
 # pipeline name -> (producer role, consumer role). tcgen05 / TMA sides arrive from one elected thread.
 PIPES = {"kv": ("load", "mma"), "q": ("load", "mma"), "do": ("load", "mma"), "S": ("mma", "compute"),
          "dP": ("mma", "compute"), "dS": ("compute", "mma"), "dQ": ("mma", "reduce"),
          "dKV": ("mma", "compute")}
 BARRIERS = {BwdBarrier.Compute: ("compute",), BwdBarrier.Reduce: ("reduce",),
             BwdBarrier.TmemFree: ("compute", "reduce")}
-TRACE_EDGES = edge_names(PIPES) + ["tmem_free", "dq_turn"]
+# Note [scrubbed K / V, SM100]: the scrub warps hand the scrubbed K / V tiles and their key flags to the MMA
+# warp (all 32 threads arrive) and the compute warps.
+SCRUB_PIPES = {"kvs": ("scrub", ("mma_warp", "compute"))}
+TRACE_EDGES = edge_names(PIPES) + ["tmem_free", "dq_turn"] + edge_names(SCRUB_PIPES)
 
 
 def check_arrivals(groups: dict, barriers: dict) -> None:
     """Trace-time check (common/barriers.py, the rule the SM100 forward follows too): every pipeline's
     producer / consumer arrival count and every named barrier's thread count equal the threads of
     the roles that arrive (ArrivalCountError, a ValueError, otherwise)."""
-    _check_arrivals(groups, barriers, pipes=PIPES, barriers=BARRIERS, role_threads=ROLE_THREADS)
+    _check_arrivals(groups, barriers, pipes=dict(PIPES, **SCRUB_PIPES), barriers=BARRIERS, role_threads=ROLE_THREADS)
 
 
 def is_wide(cfg: BwdConfig) -> bool:
@@ -543,6 +561,8 @@ class FlashBwdSm100:
             bar_dS: cute.struct.MemRange[Int64, 2]
             bar_dQ: cute.struct.MemRange[Int64, 2]
             bar_dKV: cute.struct.MemRange[Int64, 2]
+            bar_kvs: cute.struct.MemRange[Int64, 2]
+            kv_flags: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * TILE_N], 16]
             tmem_holding: Int32
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -618,7 +638,11 @@ class FlashBwdSm100:
             return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
 
         rt = ROLE_THREADS
-        counts = {name: (rt[p], rt[c]) for name, (p, c) in PIPES.items()}
+
+        def threads(roles):
+            return sum(rt[r] for r in ((roles,) if isinstance(roles, str) else roles))
+
+        counts = {name: (threads(p), threads(c)) for name, (p, c) in dict(PIPES, **SCRUB_PIPES).items()}
         g = {name: (group(p), group(c)) for name, (p, c) in counts.items()}
 
         pipe_kv = pipeline.PipelineTmaUmma.create(
@@ -645,8 +669,11 @@ class FlashBwdSm100:
         pipe_dKV = pipeline.PipelineUmmaAsync.create(
             num_stages=1, producer_group=g["dKV"][0], consumer_group=g["dKV"][1],
             barrier_storage=storage.bar_dKV.data_ptr(), defer_sync=True)
+        pipe_kvs = pipeline.PipelineAsync.create(
+            num_stages=1, producer_group=g["kvs"][0], consumer_group=g["kvs"][1],
+            barrier_storage=storage.bar_kvs.data_ptr(), defer_sync=True)
         pipes = (pipe_kv, pipe_q, pipe_do, pipe_S, pipe_dP, pipe_dS, pipe_dQ, pipe_dKV)
-        check_arrivals({name: pipeline_counts(name, p) for name, p in zip(PIPES, pipes)},
+        check_arrivals({name: pipeline_counts(name, p) for name, p in zip(list(PIPES) + ["kvs"], pipes + (pipe_kvs,))},
                        {b: sum(rt[r] for r in roles) for b, roles in BARRIERS.items()})
 
         if warp_idx == _WARPS_REDUCE[0]:
@@ -689,7 +716,9 @@ class FlashBwdSm100:
         tile_args = (mCuSeqlensQ, mCuSeqlensK, mQ, mK, window_left, window_right)
         # Each role's view of the pipelines (traced builds: every wait marks its edge; slots = TRACE_ROLES;
         # built outside the role branches, which may carry only runtime values).
-        tp = [traced_pipes(dict(zip(PIPES, pipes)), trace, slot) for slot in range(len(TRACE_ROLES))]
+        tp = [traced_pipes(dict(zip(list(PIPES) + ["kvs"], pipes + (pipe_kvs,))), trace, slot)
+              for slot in range(len(TRACE_ROLES))]
+        kv_flags = storage.kv_flags.get_tensor(cute.make_layout((TILE_N, 2)))
 
         if warp_idx <= _WARPS_REDUCE[-1]:
             cute.arch.setmaxregister_decrease(REGS[0])
@@ -712,7 +741,7 @@ class FlashBwdSm100:
                 fmask = (mStartend, mFmMinMax, fm_head_div)
             self.compute(tStS, tdPtdP, tdVtdV, tdKtdK, sdS_epi, mLSElog2, mdPsum, mdK, mdV,
                          tp[1]["S"], tp[1]["dP"], tp[1]["dS"], tp[1]["dKV"], tile, mCuSeqlensQ,
-                         softmax_scale, scale_log2, softcap_in, softcap, fmask)
+                         softmax_scale, scale_log2, softcap_in, softcap, fmask, (tp[1]["kvs"], kv_flags))
             if const_expr(trace is not None):
                 trace.done(1)
             pipeline.NamedBarrier(barrier_id=int(BwdBarrier.TmemFree),
@@ -721,7 +750,8 @@ class FlashBwdSm100:
             cute.arch.setmaxregister_decrease(REGS[2])
             tile = self.tile_info(*tile_args)
             self.mma(mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, sK, sV, sQ, sdO, sQt, sdOt, sKt, sdSt, sdS,
-                     tP_layout, tmem_ptr, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ, tuple(tp[2][n] for n in PIPES), tile)
+                     tP_layout, tmem_ptr, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ, tuple(tp[2][n] for n in PIPES), tile,
+                     tp[2]["kvs"])
             if const_expr(trace is not None):
                 trace.done(2)
         elif warp_idx == _WARP_LOAD:
@@ -732,7 +762,53 @@ class FlashBwdSm100:
             if const_expr(trace is not None):
                 trace.done(3)
         else:
+            # ------------------------------------------------------------ SCRUB warps 14-15
             cute.arch.setmaxregister_decrease(REGS[2])
+            tile = self.tile_info(*tile_args)
+            self.scrub_kv(sK, sV, sK_layout, sV_layout, kv_flags, tp[4]["kv"], tp[4]["kvs"], tile)
+            if const_expr(trace is not None):
+                trace.done(4)
+
+    # ------------------------------------------------------------------ Note [scrubbed K / V, SM100]
+    @staticmethod
+    def key_major(layout):
+        """(keys, head dims) view of a K-major A-operand buffer (((128 keys, 16 dims), 1, dim groups, 1) layout;
+        the swizzle rides on the buffer's pointer)."""
+        outer = layout.outer
+        (keys, k16), one, kb = outer.shape[0], outer.shape[1], outer.shape[2]
+        (key_stride, k16_stride), _zero, kb_stride = outer.stride[0], outer.stride[1], outer.stride[2]
+        assert one == 1 and keys == TILE_N and k16 == 16, outer
+        return cute.make_layout((keys, (k16, kb)), stride=(key_stride, (k16_stride, kb_stride)))
+
+    @cute.jit
+    def scrub_kv(self, sK, sV, sK_layout, sV_layout, kv_flags, pipe_kv, pipe_kvs, tile):
+        """Warps 14-15 (otherwise idle): once K and V have landed, zero their non-finite elements in shared
+        memory and flag their keys (``kv_flags[key, 0 / 1]``; common/nonfinite.scrub_rows), then hand both to
+        the MMA warp and the compute warps (``kvs``). They only read the kv barrier (the CTA loads K / V once)."""
+        n_iter = tile[9]
+        if n_iter > 0:
+            threads = 32 * len(_WARPS_SCRUB)
+            tid = cute.arch.thread_idx()[0] - 32 * _WARPS_SCRUB[0]
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kvs_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_kv.consumer_wait(kv_state)
+            pipe_kvs.producer_acquire(kvs_state)
+            for x, layout, j, d in ((sK, sK_layout, 0, self.head_dim), (sV, sV_layout, 1, self.head_dim_v)):
+                nf.scrub_rows(cute.make_tensor(x[None, None, None, 0].iterator, self.key_major(layout)),
+                              kv_flags[None, j], tid, threads, nf.threads_per_row(TILE_N, d, threads, self.dtype),
+                              batch=1)
+            cute.arch.fence_view_async_shared()
+            pipe_kvs.producer_commit(kvs_state)
+
+    @cute.jit
+    def nan_where_seen(self, x, n: cutlass.Constexpr, bad: Int32, warp_bad: Int32, p=None):
+        """NaN into ``x[k]`` where this thread's key is flagged (``bad``) and P (``p[k]``, else ``x[k]``) is not 0:
+        what the unscrubbed K / V tile gives a pair the mask lets through (Note [scrubbed K / V, SM100]). One
+        warp-uniform test when no key of the warp is flagged."""
+        if warp_bad != 0:
+            for k in cutlass.range_constexpr(n):
+                pk = x[k] if const_expr(p is None) else p[k]
+                x[k] = Float32.nan if (bad != 0) & (pk != Float32(0.0)) else x[k]
 
     # ------------------------------------------------------------------ work of this CTA
     @cute.jit
@@ -839,7 +915,7 @@ class FlashBwdSm100:
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
     def mma(self, mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, sK, sV, sQ, sdO, sQt, sdOt, sKt, sdSt, sdS,
-            tP_layout, tmem_ptr, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ, pipes, tile):
+            tP_layout, tmem_ptr, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ, pipes, tile, pipe_kvs):
         pipe_kv, pipe_q, pipe_do, pipe_S, pipe_dP, pipe_dS, pipe_dQ, pipe_dKV = pipes
         n_iter, split = tile[9], tile[13]
         thr_S, thr_dP, thr_dV = mma_S.get_slice(0), mma_dP.get_slice(0), mma_dV.get_slice(0)
@@ -877,6 +953,9 @@ class FlashBwdSm100:
             ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             dkv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.consumer_wait(kv_state)
+            kvs_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kvs.consumer_wait(kvs_state)  # K / V scrubbed (Note [scrubbed K / V, SM100])
+            pipe_kvs.consumer_release(kvs_state)
             q_s = q_state.clone()  # Q of the next S^T to issue (one query tile ahead of q_state)
             ops = (mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ,
                    tdQrdS, tdQrK, tStS, tdPtdP, tdVtdV, tdKtdK, tdQtdQ)
@@ -978,7 +1057,9 @@ class FlashBwdSm100:
     @cute.jit
     def compute(self, tStS, tdPtdP, tdVtdV, tdKtdK, sdS_epi, mLSElog2, mdPsum, mdK, mdV,
                 pipe_S, pipe_dP, pipe_dS, pipe_dKV, tile, mCuSeqlensQ,
-                softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32, fmask=None):
+                softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32, fmask=None,
+                scrub=None):
+        """``scrub``: (the kvs pipeline, the key flags) of Note [scrubbed K / V, SM100]."""
         cfg = self.cfg
         n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k = tile[:7]
         n_iter, accum_row0, left, right = tile[9], tile[10], tile[11], tile[12]
@@ -1018,6 +1099,15 @@ class FlashBwdSm100:
         shift = seqlen_k - seqlen_q
         cols = list(range(half))
         if n_iter > 0:
+            # Note [scrubbed K / V, SM100]: this thread's key flags (K, V) and whether any key of the warp has one
+            pipe_kvs, kv_flags = scrub
+            kvs_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kvs.consumer_wait(kvs_state)
+            k_bad = Int32(kv_flags[tidx, 0])
+            v_bad = Int32(kv_flags[tidx, 1])
+            pipe_kvs.consumer_release(kvs_state)
+            k_warp = Int32(cute.arch.vote_ballot_sync(k_bad != 0))
+            v_warp = Int32(cute.arch.vote_ballot_sync(v_bad != 0))
             s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             dp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -1062,6 +1152,7 @@ class FlashBwdSm100:
                 else:
                     self.s_to_p(rS, thr_t2r_c, tS_t2r0, rdP_shape, half * wg, False, cols, key, q0, seqlen_k, shift,
                                 left, right, mLSElog2, stats_off, seqlen_q, scale_log2, softcap_in, softcap, None)
+                self.nan_where_seen(rS, half, k_bad, k_warp)  # a flagged K row: P = NaN where the pair is seen
                 # 3. P^T (16-bit) over S^T once every compute thread has read its S^T columns
                 rP = cute.make_rmem_tensor(rP_shape, Float32)
                 rP_h = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), cute.make_layout(half))
@@ -1098,6 +1189,11 @@ class FlashBwdSm100:
                                 a1 = self.softcap_grad(a1, rS[k + 1], rL[kk + 1], tanh_coef)
                             rdP[c] = a0
                             rdP[c + 1] = a1
+                        if const_expr(not cfg.has_softcap):
+                            self.guard_masked_ds(rdP, rS, rD, jj * STAT_CHUNK, j * DS_CHUNK + jj * STAT_CHUNK)
+                    # a flagged V row: dS^T = NaN where P^T != 0 (Note [scrubbed K / V, SM100])
+                    self.nan_where_seen(cute.make_tensor(rdP.iterator, cute.make_layout(DS_CHUNK)), DS_CHUNK, v_bad,
+                                        v_warp, cute.make_tensor(rS.iterator + j * DS_CHUNK, cute.make_layout(DS_CHUNK)))
                     rdS = cute.make_rmem_tensor(rdP_shape, self.dtype)
                     rdS.store(rdP.load().to(self.dtype))
                     # dS^T rows = keys, columns = query rows [q0 + DS_CHUNK j, ..) of the tile
@@ -1152,13 +1248,6 @@ class FlashBwdSm100:
             if const_expr(cfg.has_softcap):
                 for k in cutlass.range_constexpr(c0, c0 + DS_CHUNK):
                     rS[k] = softcap_logit(rS[k], softcap_in, softcap)
-            if const_expr(masked):
-                apply_mask_kv_major(cute.make_tensor(rS.iterator + c0, cute.make_layout((1, DS_CHUNK), stride=(0, 1))),
-                                    cols[c0:c0 + DS_CHUNK], [key], q0, seqlen_k, shift, left, right,
-                                    cfg.causal or cfg.has_window, cfg.has_window)
-                if const_expr(kb is not None):
-                    for k in cutlass.range_constexpr(c0, c0 + DS_CHUNK):
-                        rS[k] = -Float32.inf if fm.row_masked(cols[k], kb, cfg.startend) else rS[k]
             for jj in cutlass.range_constexpr(DS_CHUNK // STAT_CHUNK):
                 rLSE = self.load_row_stats(mLSElog2, stats_off, q0, j * DS_CHUNK // STAT_CHUNK + jj, seqlen_q,
                                            Float32.inf)
@@ -1168,6 +1257,28 @@ class FlashBwdSm100:
                                                         (-rLSE[kk], -rLSE[kk + 1]))
                     rS[k] = cute.math.exp2(x0, fastmath=True)
                     rS[k + 1] = cute.math.exp2(x1, fastmath=True)
+            # the mask on P (0), not as -inf on S: a masked pair stays 0 where the row's lse is NaN (a row that saw
+            # a NaN / Inf key; Note [scrubbed K / V, SM100]). The same values otherwise.
+            if const_expr(masked):
+                apply_mask_kv_major(cute.make_tensor(rS.iterator + c0, cute.make_layout((1, DS_CHUNK), stride=(0, 1))),
+                                    cols[c0:c0 + DS_CHUNK], [key], q0, seqlen_k, shift, left, right,
+                                    cfg.causal or cfg.has_window, cfg.has_window, 0.0)
+                if const_expr(kb is not None):
+                    for k in cutlass.range_constexpr(c0, c0 + DS_CHUNK):
+                        rS[k] = Float32(0.0) if fm.row_masked(cols[k], kb, cfg.startend) else rS[k]
+
+    @cute.jit
+    def guard_masked_ds(self, rdS, rP, rD, c0: cutlass.Constexpr, k0: cutlass.Constexpr):
+        """dS^T = 0 where P^T = 0 in the STAT_CHUNK columns from ``c0`` of ``rdS`` (P from ``k0`` of ``rP``) when
+        some of their D is NaN: a row that saw a NaN / Inf value has a NaN out, so D = rowsum(dO * O) is NaN and
+        P (dP - D) = 0 * NaN would carry it to the dK of keys the row cannot see (the SM90 kernel's rule,
+        bwd_sm90.guard_masked_ds). D is the same in every thread of the warp: one uniform test per chunk."""
+        bad = Int32(0)
+        for kk in cutlass.range_constexpr(STAT_CHUNK):
+            bad = bad | (Int32(0) if rD[kk] == rD[kk] else Int32(1))
+        if bad != 0:
+            for kk in cutlass.range_constexpr(STAT_CHUNK):
+                rdS[c0 + kk] = Float32(0.0) if rP[k0 + kk] == Float32(0.0) else rdS[c0 + kk]
 
     @cute.jit
     def softcap_grad(self, ds: Float32, p: Float32, lse_log2: Float32, tanh_coef: Float32) -> Float32:

@@ -19,7 +19,8 @@ of one (batch, head), which every role takes from one ``TileScheduler`` as ``Wor
                  (O / row_sum -> bf16/fp16 -> global, and lse); warp 8 owns the TMEM allocation
     warp 12      MMA: single-thread tcgen05 issue of S_i = Q_i K^T and O_i += P_i V
     warp 13      load: TMA of Q (once per tile) and of K, V (ring of kv_stage buffers)
-    warps 14-15  idle (registers given back)
+    warps 14-15  scrub: zero non-finite values of masked V tiles before their PV (Note [scrubbed value
+                 tiles, SM100]); registers given back
 
     TMEM columns: S_i at 128*i (P_i written over its upper half as 16-bit), O_i at 128*q_stage + dv*i.
     q_stage = 2 for head_dim_v <= 128 (two 128-row Q tiles ping-pong through S_0 / S_1: while the
@@ -31,6 +32,8 @@ Cross-role edges, each a ``cutlass.pipeline`` object (slot i = Q stage i; Note [
     s        MMA --S_i full--> softmax_i;  softmax_i + correction --P_i written, O_i ready--> MMA
                                                 (PipelineUmmaAsync)
     scale    softmax_i --row rescale factor (smem)--> correction          (PipelineAsync)
+    vready   MMA --V tile landed--> scrub                                 (PipelineAsync, every V tile)
+    scrub    scrub --V tile scrubbed, key flags--> MMA + softmax_i       (PipelineAsync)
     o        MMA --O_i final--> correction;  correction --O_i read--> MMA  (PipelineUmmaAsync)
     stats    softmax_i --row sum / max (smem)--> correction                (PipelineAsync)
 
@@ -52,13 +55,14 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from cute_kernels import arch as _arch
 from cute_kernels.common import block_logit as blk
 from cute_kernels.common.barriers import check_arrivals, pipeline_counts
 from cute_kernels.common import flashmask as fm
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.math_sm100 import exp2_poly, max_tree
 from cute_kernels.common.seqlen import SeqlenInfo
@@ -159,10 +163,28 @@ class FwdBarrier(IntEnum):
     TmemFree = 1  # the correction threads: every TMEM read done before warp 8 frees the columns
 
 
+_WARPS_SCRUB = (14, 15)
+# Note [scrubbed value tiles, SM100] (NaN / Inf in values a row cannot see; common/nonfinite.py). Inside a
+# partially masked key tile the PV multiplies P = 0 by every value row, and 0 * NaN = NaN. So a V tile some
+# row of the work tile cannot wholly see (past the first row's causal / window limit, before the last row's
+# window start, the sequence's key tail, a FlashMask tile its bounds cut: ``v_tile_masked``) is scrubbed
+# before its PV (in a FlashMask build, every visited tile). Every V tile goes through two edges, two slots deep: the MMA warp, once the tile has landed,
+# hands it to the scrub warps 14-15 (``vready``, otherwise idle warps); they zero a masked tile's non-finite
+# elements in shared memory, flag their keys (one byte per key, one per warp: found one), fence the async
+# proxy and hand it on (``scrub``) to the MMA warp, which waits for it before the tile's PV, and to the
+# softmax WGs, which, after storing the tile's P and only where a warp found one (rare), read their P row
+# back and make it NaN if it is non-zero on a flagged key: what the unscrubbed tile gives that row. Only the
+# scrub warps evaluate ``v_tile_masked`` (an unmasked tile is passed on with no flag): the MMA warp's 56
+# registers did not hold the FlashMask tile test. Compile-verified only (no Blackwell GPU here); the SM90
+# kernel's scrub (fwd_sm90.py) is the same rule and runs on Hopper.
+SCRUB_SLOTS = 2
+SCRUB_BATCH = 1  # 16-byte chunks a scrub thread loads before one test: 2 and 4 spilled in the scrub warps' 56 registers
+
 # Roles (common/barriers.py): the threads one signal of each role arrives with. A softmax role is the
-# warpgroup of one Q stage; the MMA and load warps signal through one elected thread.
+# warpgroup of one Q stage; the MMA and load warps signal through one elected thread, except on the
+# scrub edges, where the MMA warp's 32 threads arrive ("mma_warp").
 ROLE_THREADS = {"softmax": 32 * len(_WARPS_SOFTMAX[0]), "correction": 32 * len(_WARPS_CORRECTION),
-                "mma": 1, "load": 1}
+                "mma": 1, "load": 1, "mma_warp": 32, "scrub": 32 * len(_WARPS_SCRUB)}
 # pipeline -> (roles arriving on its full barrier, roles arriving on its empty barrier)
 PIPES = {"q": ("load", "mma"), "kv": ("load", "mma"), "s": ("mma", ("softmax", "correction")),
          "scale": ("softmax", "correction"), "o": ("mma", "correction"), "stats": ("softmax", "correction")}
@@ -172,9 +194,23 @@ BARRIERS = {FwdBarrier.TmemFree: ("correction",)}
 ARRIVALS = {"q": (1, 1), "kv": (1, 1), "s": (1, 2 * TILE_M), "scale": (TILE_M, TILE_M),
             "o": (1, TILE_M), "stats": (TILE_M, TILE_M)}
 NAMED_THREADS = {FwdBarrier.TmemFree: 4 * 32}
+# The scrub edges (Note [scrubbed value tiles, SM100]); the consumers of ``scrub``: the MMA warp and every
+# softmax WG (one per Q stage).
+SCRUB_PIPES = {"vready": ("mma_warp", "scrub")}
+
+
+def scrub_pipes(q_stage: int) -> dict:
+    return dict(SCRUB_PIPES, scrub=("scrub", ("mma_warp",) + ("softmax",) * q_stage))
+
+
+def scrub_arrivals(q_stage: int) -> dict:
+    return {"vready": (32, 32 * len(_WARPS_SCRUB)),
+            "scrub": (32 * len(_WARPS_SCRUB), 32 + q_stage * TILE_M)}
+
+
 # Edge trace of a traced build (common/trace.py): role slots and the edges they wait on.
-TRACE_ROLES = ("softmax0", "softmax1", "correction", "mma", "load")
-TRACE_EDGES = edge_names(PIPES) + ["tmem_free"]
+TRACE_ROLES = ("softmax0", "softmax1", "correction", "mma", "load", "scrub")
+TRACE_EDGES = edge_names(PIPES) + ["tmem_free"] + edge_names(scrub_pipes(2))
 
 
 def _q_stage(cfg: FwdConfig) -> int:
@@ -187,6 +223,7 @@ def _smem_bytes(head_dim: int, q_stage: int, kv_stage: int) -> int:
     (each 1024-B aligned; a ring buffer holds a K tile, V tiles are no wider), plus 1024 B in case
     the dynamic smem base needs aligning."""
     small = 8 * (2 * q_stage + 2 * kv_stage + 8 * q_stage) + 4 + 3 * q_stage * TILE_M * 4
+    small += 8 * 4 * SCRUB_SLOTS + 16 + SCRUB_SLOTS * (TILE_N + 4)  # scrub barriers, flags (Note [scrubbed ...])
     q_bytes = q_stage * TILE_M * head_dim * 2
     kv_bytes = kv_stage * TILE_N * head_dim * 2
     return 1024 + ((small + 1023) // 1024) * 1024 + q_bytes + kv_bytes
@@ -298,6 +335,9 @@ class FlashFwdSm100:
     #: this one may give a pipeline another use).
     ARRIVALS = ARRIVALS
     PIPES = PIPES
+    #: Note [scrubbed value tiles, SM100] (a kernel built on this one that does not walk key tiles the same
+    #: way turns it off)
+    SCRUB_V = True
 
     def __init__(self, cfg: FwdConfig, sm_count: int = 148):
         reason = self.unsupported_reason(cfg)
@@ -319,6 +359,9 @@ class FlashFwdSm100:
         # rows_per_thread = threads_per_row = 1 and no cross-lane reduction is needed.
         self.bl_shape = blk.BlockLogitShape(TILE_N, cfg.block_size, 1, 1) if cfg.has_block_logit else None
         self.bos_shape = blk.RowRelativeShape(TILE_N, cfg.block_size) if cfg.block_bos else None
+        if self.SCRUB_V:
+            self.PIPES = dict(self.PIPES, **scrub_pipes(self.q_stage))
+            self.ARRIVALS = dict(self.ARRIVALS, **scrub_arrivals(self.q_stage))
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -390,6 +433,10 @@ class FlashFwdSm100:
         fields = {f"bar_{name}": cute.struct.MemRange[Int64, 2 * n]
                   for name, n in (("q", q_stage), ("kv", kv_stage), ("s", q_stage), ("scale", q_stage),
                                   ("o", q_stage), ("stats", q_stage))}
+        if self.SCRUB_V:  # Note [scrubbed value tiles, SM100]
+            fields.update({f"bar_{name}": cute.struct.MemRange[Int64, 2 * SCRUB_SLOTS] for name in ("vready", "scrub")})
+            fields["scrub_flags"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SCRUB_SLOTS * TILE_N], 16]
+            fields["scrub_any"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SCRUB_SLOTS * 4], 4]
         fields["tmem_holding"] = Int32
         fields.update({name: cute.struct.MemRange[Float32, q_stage * TILE_M] for name in ("sScale", "sRowSum", "sRowMax")})
         fields.update({name: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
@@ -526,6 +573,9 @@ class FlashFwdSm100:
             "o": make(pipeline.PipelineUmmaAsync, "o", storage.bar_o, self.q_stage),
             "stats": make(pipeline.PipelineAsync, "stats", storage.bar_stats, self.q_stage),
         }
+        if const_expr(self.SCRUB_V):
+            pipes["vready"] = make(pipeline.PipelineAsync, "vready", storage.bar_vready, SCRUB_SLOTS)
+            pipes["scrub"] = make(pipeline.PipelineAsync, "scrub", storage.bar_scrub, SCRUB_SLOTS)
         tmem_free = pipeline.NamedBarrier(barrier_id=int(FwdBarrier.TmemFree),
                                           num_threads=NAMED_THREADS[FwdBarrier.TmemFree])
         check_arrivals({name: pipeline_counts(name, p) for name, p in pipes.items()},
@@ -543,6 +593,10 @@ class FlashFwdSm100:
         sScale = storage.sScale.get_tensor(cute.make_layout((TILE_M, self.q_stage)))
         sRowSum = storage.sRowSum.get_tensor(cute.make_layout((TILE_M, self.q_stage)))
         sRowMax = storage.sRowMax.get_tensor(cute.make_layout((TILE_M, self.q_stage)))
+        scrub = None
+        if const_expr(self.SCRUB_V):
+            scrub = (storage.scrub_flags.get_tensor(cute.make_layout((TILE_N, SCRUB_SLOTS))),
+                     storage.scrub_any.get_tensor(cute.make_layout((4, SCRUB_SLOTS))))
 
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, storage.tmem_holding.ptr)
         thr_mma_qk = tiled_mma_qk.get_slice(0)
@@ -564,12 +618,17 @@ class FlashFwdSm100:
         tp_correction = traced_pipes(pipes, trace, 2)
         tp_mma = traced_pipes(pipes, trace, 3)
         tp_load = traced_pipes(pipes, trace, 4)
+        tp_scrub = traced_pipes(pipes, trace, 5)
         if warp_idx < 4 * self.q_stage:
             # ------------------------------------------------------------ SOFTMAX (one WG per Q stage)
             cute.arch.setmaxregister_increase(regs_softmax)
             stage = Int32(0) if const_expr(self.q_stage == 1) else warp_idx // 4
-            self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, tp_softmax["s"], tp_softmax["scale"],
-                         tp_softmax["stats"], sched, softmax_args)
+            if const_expr(self.SCRUB_V):
+                self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, tp_softmax["s"], tp_softmax["scale"],
+                             tp_softmax["stats"], sched, softmax_args, scrub=(tp_softmax["scrub"],) + scrub)
+            else:
+                self.softmax(stage, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, tp_softmax["s"], tp_softmax["scale"],
+                             tp_softmax["stats"], sched, softmax_args)
             if const_expr(trace is not None):
                 trace.done(stage)
         elif warp_idx < _WARPS_CORRECTION[0]:
@@ -594,9 +653,14 @@ class FlashFwdSm100:
         elif warp_idx == _WARP_MMA:
             # ------------------------------------------------------------ MMA
             cute.arch.setmaxregister_decrease(regs_other)
-            self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
-                     tmem_ptr, tStS, tOtO, tp_mma["q"], tp_mma["kv"], tp_mma["s"], tp_mma["o"], sched,
-                     tp_mma["scale"])
+            if const_expr(self.SCRUB_V):
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
+                         tmem_ptr, tStS, tOtO, tp_mma["q"], tp_mma["kv"], tp_mma["s"], tp_mma["o"], sched,
+                         tp_mma["scale"], scrub=(tp_mma["vready"], tp_mma["scrub"]))
+            else:
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
+                         tmem_ptr, tStS, tOtO, tp_mma["q"], tp_mma["kv"], tp_mma["s"], tp_mma["o"], sched,
+                         tp_mma["scale"])
             if const_expr(trace is not None):
                 trace.done(3)
         elif warp_idx == _WARP_LOAD:
@@ -606,8 +670,12 @@ class FlashFwdSm100:
             if const_expr(trace is not None):
                 trace.done(4)
         else:
-            # ------------------------------------------------------------ IDLE warps 14-15
+            # ------------------------------------------------------------ SCRUB warps 14-15 (else idle)
             cute.arch.setmaxregister_decrease(regs_other)
+            if const_expr(self.SCRUB_V):
+                self.scrub_role(sV, sV_layout, tp_scrub["vready"], tp_scrub["scrub"], scrub, sched)
+                if const_expr(trace is not None):
+                    trace.done(5)
 
     # ------------------------------------------------------------------ load warp
     @cute.jit
@@ -675,8 +743,10 @@ class FlashFwdSm100:
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, sQ, sK, sV, tP_layout,
-            tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, pipe_s, pipe_o, sched: TileScheduler, pipe_scale=None):
-        """``pipe_scale``: not used here (a kernel built on this one may give it another edge)."""
+            tmem_ptr, tStS, tOtO, pipe_q, pipe_kv, pipe_s, pipe_o, sched: TileScheduler, pipe_scale=None,
+            scrub=None):
+        """``pipe_scale``: not used here (a kernel built on this one may give it another edge). ``scrub``:
+        the (vready, scrub) pipelines of Note [scrubbed value tiles, SM100], None when off."""
         tSrQ = thr_mma_qk.make_fragment_A(sQ)
         tSrK = thr_mma_qk.make_fragment_B(sK)
         tOrV = thr_mma_pv.make_fragment_B(sV)
@@ -697,6 +767,8 @@ class FlashFwdSm100:
         for i in cutlass.range_constexpr(self.q_stage):
             pipe_s.producer_acquire(s_acquire)  # first round: free
             s_acquire.advance()
+        vr_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCRUB_SLOTS)
+        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCRUB_SLOTS)
         work_idx = sched.first()
         while work_idx < sched.total:
             tile = sched.work_tile(work_idx)
@@ -725,9 +797,15 @@ class FlashFwdSm100:
                     pipe_kv.consumer_wait(kv_state)  # V of the previous key tile
                     v_state = kv_state.clone()
                     kv_state.advance()
+                    if const_expr(scrub is not None):
+                        self.v_ready(scrub, vr_state)
+                        vr_state.advance()
                     for i in cutlass.range_constexpr(self.q_stage):
                         pipe_s.producer_acquire(s_acquire)  # P_i written, O_i ready
                         s_acquire.advance()
+                        if const_expr(i == 0 and scrub is not None):
+                            self.v_scrubbed(scrub, sc_state)
+                            sc_state.advance()
                         self.gemm(tiled_mma_pv, tOtO[i], tOrP[i], tOrV[None, None, None, v_state.index],
                                   step > 0)
                         if const_expr(i == 0):
@@ -745,9 +823,15 @@ class FlashFwdSm100:
                     q_release.advance()
                 # 4. PV_i(last key tile), then O_i is final
                 pipe_kv.consumer_wait(kv_state)
+                if const_expr(scrub is not None):
+                    self.v_ready(scrub, vr_state)
+                    vr_state.advance()
                 for i in cutlass.range_constexpr(self.q_stage):
                     pipe_s.producer_acquire(s_acquire)
                     s_acquire.advance()
+                    if const_expr(i == 0 and scrub is not None):
+                        self.v_scrubbed(scrub, sc_state)
+                        sc_state.advance()
                     self.gemm(tiled_mma_pv, tOtO[i], tOrP[i], tOrV[None, None, None, kv_state.index],
                               n_steps > 1)
                     pipe_o.producer_commit(o_commit)
@@ -755,6 +839,110 @@ class FlashFwdSm100:
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
             work_idx = sched.next(work_idx)
+
+    # ------------------------------------------------------------------ Note [scrubbed value tiles, SM100]
+    @cute.jit
+    def v_tile_masked(self, tile: WorkTile, n_tile: Int32):
+        """Whether the scrub warps scan V of key tile ``n_tile``: some row of ``tile`` cannot see some of its keys
+        (past the first row's causal / window limit, before the last row's window start, the sequence's key
+        tail), and every visited tile of a FlashMask build (its tile test beside the scan spilled the scrub
+        warps' 56 registers, 52 B on sm_103a under CUDA 13; scanning a tile every row sees changes nothing)."""
+        keys = tile.keys
+        masked = ((n_tile >= keys.n_right_mask) | (n_tile < keys.n_left_mask)
+                  | ((n_tile + 1) * TILE_N > tile.seqlen.seqlen_k))
+        if const_expr(self.cfg.has_startend):
+            masked = Boolean(True)
+        return masked
+
+    @cute.jit
+    def v_ready(self, scrub, vr_state):
+        """MMA warp, once a V tile has landed: hand it to the scrub warps (the caller advances the state)."""
+        scrub[0].producer_acquire(vr_state)
+        scrub[0].producer_commit(vr_state)
+
+    @cute.jit
+    def v_scrubbed(self, scrub, sc_state):
+        """MMA warp, before the PV of a V tile: wait until the scrub warps are done with it."""
+        scrub[1].consumer_wait(sc_state)
+        scrub[1].consumer_release(sc_state)
+
+    def v_key_major(self, sV_layout):
+        """(keys, dv) view of one V ring buffer (the PV operand's (((dv), 16 keys), 1, 8 key groups) layout;
+        the swizzle rides on the buffer's pointer)."""
+        outer = sV_layout.outer
+        (dv_shape, k16), one, kb = outer.shape[0], outer.shape[1], outer.shape[2]
+        (dv_stride, k16_stride), _zero, kb_stride = outer.stride[0], outer.stride[1], outer.stride[2]
+        assert one == 1 and k16 * kb == TILE_N and cute.size(dv_shape) == self.head_dim_v, outer
+        return cute.make_layout(((k16, kb), dv_shape), stride=((k16_stride, kb_stride), dv_stride))
+
+    @cute.jit
+    def scrub_role(self, sV, sV_layout, pipe_vready, pipe_scrub, scrub, sched: TileScheduler):
+        """Warps 14-15: for each masked key tile (``v_tile_masked``, in the order the MMA warp takes them), once
+        the MMA warp hands its V tile over, zero the tile's non-finite elements in shared memory and flag
+        their keys (common/nonfinite.scrub_rows; one byte per key, and one per warp: found one), then hand it
+        to the MMA warp and the softmax WGs. The ring buffer of each V tile is counted as the MMA warp counts it
+        (K, then V, per key tile)."""
+        flags, found_bytes = scrub
+        threads = 32 * len(_WARPS_SCRUB)
+        tid = cute.arch.thread_idx()[0] - 32 * _WARPS_SCRUB[0]
+        per_row = nf.threads_per_row(TILE_N, self.head_dim_v, threads, self.dtype)
+        vk_layout = self.v_key_major(sV_layout)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
+        vr_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCRUB_SLOTS)
+        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCRUB_SLOTS)
+        work_idx = sched.first()
+        while work_idx < sched.total:
+            tile = sched.work_tile(work_idx)
+            if tile.has_keys:
+                for step in cutlass.range(tile.keys.n_max - tile.keys.n_min, unroll=1):
+                    kv_state.advance()  # the key tile's K
+                    pipe_vready.consumer_wait(vr_state)
+                    pipe_scrub.producer_acquire(sc_state)
+                    found = Int32(0)
+                    if self.v_tile_masked(tile, tile.keys.n_max - 1 - step):
+                        sVk = cute.make_tensor(sV[None, None, None, kv_state.index].iterator, vk_layout)
+                        found = nf.scrub_rows(sVk, flags[None, sc_state.index], tid, threads, per_row,
+                                              batch=SCRUB_BATCH)
+                        cute.arch.fence_view_async_shared()
+                    ballot = cute.arch.vote_ballot_sync(found != 0)
+                    if tid % 32 == 0:
+                        found_bytes[tid // 32, sc_state.index] = (cutlass.Uint8(1) if ballot != 0
+                                                                  else cutlass.Uint8(0))
+                    pipe_scrub.producer_commit(sc_state)
+                    sc_state.advance()
+                    pipe_vready.consumer_release(vr_state)
+                    vr_state.advance()
+                    kv_state.advance()  # its V
+            work_idx = sched.next(work_idx)
+
+    @cute.jit
+    def poison_p_row(self, tmem, flags: cute.Tensor, found_bytes: cute.Tensor):
+        """Softmax thread, P of this key tile stored: if the scrub warps found a non-finite value in the tile
+        (CTA-uniform, rare), read the row's 16-bit P back and make it NaN where P != 0 on a flagged key, which
+        the unscrubbed tile would have made non-finite in the PV (common/nonfinite.py). P column c holds the
+        keys 2c (low half) and 2c + 1. ``flags`` / ``found_bytes``: the scrub slot's (one byte per key; per
+        scrub warp)."""
+        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP, thr_p_t2r, tStP_t2r = tmem
+        f_any = cute.recast_tensor(found_bytes, cutlass.Uint16)
+        if f_any[0] != cutlass.Uint16(0):  # the two scrub warps' bytes
+            cute.arch.fence_view_async_tmem_store()
+            rP = cute.make_rmem_tensor(tPcP.shape, Float32)
+            chunks = cute.size(tStP_r2t.shape[2])
+            for j in cutlass.range_constexpr(chunks):
+                cute.copy(thr_p_t2r, tStP_t2r[None, None, j], rP[None, None, j])
+            cute.arch.fence_view_async_tmem_load()
+            words = cute.recast_tensor(rP, Uint32)
+            f16 = cute.recast_tensor(flags, cutlass.Uint16)
+            hit = Uint32(0)
+            for w in cutlass.range_constexpr(cute.size(words)):
+                nz = ((words[w] & Uint32(0x7FFF7FFF)) + Uint32(0x7FFF7FFF)) & Uint32(0x80008000)
+                f = Uint32(f16[w])
+                hit = hit | (nz & (((f & Uint32(1)) << Uint32(15)) | (((f >> Uint32(8)) & Uint32(1)) << Uint32(31))))
+            if hit != Uint32(0):
+                for w in cutlass.range_constexpr(cute.size(words)):
+                    words[w] = Uint32(0x7FFF7FFF)  # NaN in both halves (bf16 and fp16)
+            for j in cutlass.range_constexpr(chunks):
+                cute.copy(thr_r2t, rP[None, None, j], tStP_r2t[None, None, j])
 
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
@@ -773,9 +961,11 @@ class FlashFwdSm100:
     # ------------------------------------------------------------------ softmax warpgroups
     @cute.jit
     def softmax(self, stage: Int32, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_stats,
-                sched: TileScheduler, args: tuple):
+                sched: TileScheduler, args: tuple, scrub=None):
+        """``scrub``: (the scrub pipeline, its flags, its found bytes) of Note [scrubbed value tiles, SM100]."""
         mBlockLogit, scale_log2, softcap_in, softcap, logit_scale, mBlockBos = args
         tidx, tmem = self.softmax_tmem(stage, thr_mma_qk, tStS)
+        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCRUB_SLOTS)
         s_state = _slot_state(self.q_stage, stage, producer=False)
         scale_state = _slot_state(self.q_stage, stage, producer=True)
         stats_state = _slot_state(self.q_stage, stage, producer=True)
@@ -815,12 +1005,17 @@ class FlashFwdSm100:
                             stage_row0, cutlass.min(stage_row0 + TILE_M, tile.seqlen.seqlen_q), lo, hi,
                             self.cfg.startend)
                         need_mask = need_mask | (not whole)
+                    scrub_step = None
+                    if const_expr(scrub is not None):
+                        scrub_step = (scrub[0], sc_state, scrub[1], scrub[2])
                     row_max, row_sum = self.softmax_step(
                         step, need_mask, n_tile, tile, row, row_max, row_sum, carry, gBL, stage, tmem, sScale,
                         pipe_s, s_state, pipe_scale, scale_state, scale_log2, softcap_in, softcap, logit_scale,
-                        tidx, bos)
+                        tidx, bos, scrub_step)
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
+                    if const_expr(scrub is not None):
+                        sc_state.advance()
                 self.publish_row_stats(pipe_stats, stats_state, sRowSum, sRowMax, tidx, stage, row_sum, row_max)
                 stats_state.advance(self.q_stage)
             if const_expr(mBlockLogit is not None):
@@ -874,20 +1069,28 @@ class FlashFwdSm100:
         stage_cols = stage * TILE_N  # TMEM column offset of S_stage
         tStS_t2r = cute.make_tensor(tStS_t2r.iterator + stage_cols, tStS_t2r.layout)
         tStP_r2t = cute.make_tensor(tStP_r2t.iterator + stage_cols, tStP_r2t.layout)
-        tmem = (thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP)
+        # the same P columns read back (Note [scrubbed value tiles, SM100])
+        p_t2r_atom = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(p_cols // 4)), Float32)
+        thr_p_t2r = tcgen05.make_tmem_copy(p_t2r_atom, tStP).get_slice(tidx)
+        tStP_t2r = thr_p_t2r.partition_S(tStP)
+        tStP_t2r = cute.make_tensor(tStP_t2r.iterator + stage_cols, tStP_t2r.layout)
+        tmem = (thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP, thr_p_t2r, tStP_t2r)
         return tidx, tmem
 
     @cute.jit
     def softmax_step(self, step: Int32, need_mask, n_tile: Int32, tile: WorkTile, row: Int32,
                      row_max: Float32, row_sum: Float32, carry: cute.Tensor, gBL, stage: Int32, tmem,
                      sScale, pipe_s, s_state, pipe_scale, scale_state, scale_log2: Float32,
-                     softcap_in: Float32, softcap: Float32, logit_scale: Float32, tidx: Int32, bos=None):
+                     softcap_in: Float32, softcap: Float32, logit_scale: Float32, tidx: Int32, bos=None,
+                     scrub_step=None):
         """One key tile of one query row: S -> (softcap, mask) -> block maxima, row max -> P, sum.
         ``bos`` (block_bos builds): (the row's origin, the number of blocks it stores: nb, 0 past the
         sequence); ``carry`` then holds the block carried down to the next key tile (common/block_logit.py,
-        one row per thread)."""
+        one row per thread). ``scrub_step``: (the scrub pipeline, its state, flags, found bytes), Note
+        [scrubbed value tiles, SM100]."""
         cfg = self.cfg
-        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP = tmem
+        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP = tmem[:6]
         # 1. wait for S_stage = Q K^T of this key tile and load the whole row (128 fp32)
         pipe_s.consumer_wait(s_state)
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
@@ -964,6 +1167,12 @@ class FlashFwdSm100:
             chunk_p = cute.logical_divide(rP_h, cute.make_layout(per_chunk))[None, j]
             chunk_p.store(chunk_s.load().to(self.dtype))
             cute.copy(thr_r2t, rP[None, None, j], tStP_r2t[None, None, j])
+        # 7b. a masked tile's V scrubbed: NaN into P rows that see a flagged key (Note [scrubbed value tiles, SM100])
+        if const_expr(scrub_step is not None):
+            pipe_scrub, sc_state, flags, found_bytes = scrub_step
+            pipe_scrub.consumer_wait(sc_state)
+            self.poison_p_row(tmem, flags[None, sc_state.index], found_bytes[None, sc_state.index])
+            pipe_scrub.consumer_release(sc_state)
         # 8. P visible to the tensor core, then hand the stage to the MMA warp
         cute.arch.fence_view_async_tmem_store()
         pipe_s.consumer_release(s_state)

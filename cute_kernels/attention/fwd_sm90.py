@@ -188,6 +188,8 @@ class FlashFwdSm90:
         # Note [scrubbed value tiles]: adjacent scan threads per V row.
         self.v_per_row = nf.threads_per_row(self.tile_n, self.hdimv, SCRUB_THREADS, self.dtype)
         assert SCRUB_BARRIER + self.kv_stages <= SCRUB_WG_BARRIER, "a scrub barrier per V stage"
+        # 8 chunks at once spilled beside d 256's acc_O (56 B, block_bos): 4 above d 128
+        self.scrub_batch = SCRUB_BATCH if self.hdimv <= 128 else SCRUB_BATCH // 2
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -769,7 +771,7 @@ class FlashFwdSm90:
             if ctidx < SCRUB_THREADS:  # the first consumer WG
                 pipeline_v.consumer_wait(v_state)
                 found = nf.scrub_rows(ctx.sV[None, None, v_state.index], flags[None, v_state.index], ctidx,
-                                      SCRUB_THREADS, self.v_per_row, batch=SCRUB_BATCH)
+                                      SCRUB_THREADS, self.v_per_row, batch=self.scrub_batch)
                 cute.arch.fence_view_async_shared()
                 ballot = cute.arch.vote_ballot_sync(found != 0)
                 if ctidx % 32 == 0:

@@ -145,6 +145,9 @@ class RowTileScheduler(TileScheduler):
 
 
 class BlockSparseFwdSm100(FlashFwdSm100):
+    # The dense kernel's V scrub walks the dense key-tile order; this kernel's rows take their own tiles.
+    SCRUB_V = False
+
     def __init__(self, cfg: FwdConfig, sm_count: int = 148):
         if cfg.arch // 10 != 10:
             raise ValueError(f"{type(self).__name__} is the SM100 kernel, got arch {cfg.arch}")
