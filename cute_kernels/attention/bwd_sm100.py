@@ -795,8 +795,7 @@ class FlashBwdSm100:
             pipe_kvs.producer_acquire(kvs_state)
             for x, layout, j, d in ((sK, sK_layout, 0, self.head_dim), (sV, sV_layout, 1, self.head_dim_v)):
                 nf.scrub_rows(cute.make_tensor(x[None, None, None, 0].iterator, self.key_major(layout)),
-                              kv_flags[None, j], tid, threads, nf.threads_per_row(TILE_N, d, threads, self.dtype),
-                              batch=1)
+                              kv_flags[None, j], tid, threads, nf.threads_per_row(TILE_N, d, threads, self.dtype))
             cute.arch.fence_view_async_shared()
             pipe_kvs.producer_commit(kvs_state)
 

@@ -178,7 +178,6 @@ _WARPS_SCRUB = (14, 15)
 # registers did not hold the FlashMask tile test. Compile-verified only (no Blackwell GPU here); the SM90
 # kernel's scrub (fwd_sm90.py) is the same rule and runs on Hopper.
 SCRUB_SLOTS = 2
-SCRUB_BATCH = 1  # 16-byte chunks a scrub thread loads before one test: 2 and 4 spilled in the scrub warps' 56 registers
 
 # Roles (common/barriers.py): the threads one signal of each role arrives with. A softmax role is the
 # warpgroup of one Q stage; the MMA and load warps signal through one elected thread, except on the
@@ -901,8 +900,7 @@ class FlashFwdSm100:
                     found = Int32(0)
                     if self.v_tile_masked(tile, tile.keys.n_max - 1 - step):
                         sVk = cute.make_tensor(sV[None, None, None, kv_state.index].iterator, vk_layout)
-                        found = nf.scrub_rows(sVk, flags[None, sc_state.index], tid, threads, per_row,
-                                              batch=SCRUB_BATCH)
+                        found = nf.scrub_rows(sVk, flags[None, sc_state.index], tid, threads, per_row)
                         cute.arch.fence_view_async_shared()
                     ballot = cute.arch.vote_ballot_sync(found != 0)
                     if tid % 32 == 0:

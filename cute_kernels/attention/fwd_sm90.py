@@ -111,13 +111,10 @@ REGS = {2: (24, 240), 3: (32, 160)}
 # Named barrier ids (0 is __syncthreads): consumer WG w waits on WG_SCHEDULER_BARRIER + w; the consumers
 # meet on O_STAGED_BARRIER before one thread TMA-stores the staged O tile (Note [staged O epilogue]).
 WG_SCHEDULER_BARRIER = 1
-# Note [scrubbed value tiles]: the first consumer WG (SCRUB_THREADS threads) scans a masked V tile, meets its
-# own threads on SCRUB_WG_BARRIER and arrives on SCRUB_BARRIER + the tile's stage (5, 6), where the other WGs
-# wait; SCRUB_BATCH 16-byte chunks per thread are loaded before one test.
+# Note [scrubbed value tiles]: the consumers meet on SCRUB_BARRIER once a masked V tile is scrubbed; the first
+# SCRUB_THREADS consumer threads (two WGs) scan it.
 SCRUB_BARRIER = 5
-SCRUB_WG_BARRIER = 7
-SCRUB_THREADS = 128
-SCRUB_BATCH = 8
+SCRUB_THREADS = 256
 O_STAGED_BARRIER = 4
 
 
@@ -187,9 +184,6 @@ class FlashFwdSm90:
         self.fm_gap_skip = cfg.has_startend and not cfg.has_block_logit
         # Note [scrubbed value tiles]: adjacent scan threads per V row.
         self.v_per_row = nf.threads_per_row(self.tile_n, self.hdimv, SCRUB_THREADS, self.dtype)
-        assert SCRUB_BARRIER + self.kv_stages <= SCRUB_WG_BARRIER, "a scrub barrier per V stage"
-        # 8 chunks at once spilled beside d 256's acc_O (56 B, block_bos): 4 above d 128
-        self.scrub_batch = SCRUB_BATCH if self.hdimv <= 128 else SCRUB_BATCH // 2
 
     # ------------------------------------------------------------------ host-side facts
     @staticmethod
@@ -758,30 +752,24 @@ class FlashFwdSm90:
     @cute.jit
     def scrub_v_tile(self, ctx, pipeline_v, v_state, v_masked, tOrP, acc_O_mn):
         """Note [scrubbed value tiles]: if the V tile of stage ``v_state`` is masked for some row (``v_masked``),
-        the first consumer WG waits for it, zeroes its non-finite values, flags their keys, meets its own
-        threads on SCRUB_WG_BARRIER and arrives (without waiting) on the stage's SCRUB_BARRIER, where the other
-        consumer WGs wait. Then the rows ``poison_bits`` names get NaN in acc_O now, before the PV adds the tile
-        (no wgmma is in flight here): kept in a register until the step's O rescale they spilled at 240
-        registers (d 192)."""
+        wait for it, zero its non-finite values and flag their keys (the first SCRUB_THREADS consumer threads),
+        and meet the other consumers on SCRUB_BARRIER. Then the rows ``poison_bits`` names get NaN in acc_O now,
+        before the PV adds the tile (no wgmma is in flight here): kept in a register until the step's O rescale
+        they spilled at 240 registers (d 192)."""
         if v_masked:
+            pipeline_v.consumer_wait(v_state)
             words, flags = self.scrub_flags(ctx.scrub)
             ctidx = ctx.ctidx
             if const_expr(self.reread_coords):
                 ctidx = reread_tid_x() - THREADS_PER_WG
-            if ctidx < SCRUB_THREADS:  # the first consumer WG
-                pipeline_v.consumer_wait(v_state)
+            if ctidx < SCRUB_THREADS:  # whole warps
                 found = nf.scrub_rows(ctx.sV[None, None, v_state.index], flags[None, v_state.index], ctidx,
-                                      SCRUB_THREADS, self.v_per_row, batch=self.scrub_batch)
+                                      SCRUB_THREADS, self.v_per_row)
                 cute.arch.fence_view_async_shared()
                 ballot = cute.arch.vote_ballot_sync(found != 0)
                 if ctidx % 32 == 0:
                     words[ctidx // 32, v_state.index] = cutlass.Uint8(1) if ballot != 0 else cutlass.Uint8(0)
-                cute.arch.barrier(barrier_id=SCRUB_WG_BARRIER, number_of_threads=SCRUB_THREADS)
-                cute.arch.barrier_arrive(barrier_id=SCRUB_BARRIER + v_state.index,
-                                         number_of_threads=self.num_wg * THREADS_PER_WG)
-            else:
-                cute.arch.barrier(barrier_id=SCRUB_BARRIER + v_state.index,
-                                  number_of_threads=self.num_wg * THREADS_PER_WG)
+            cute.arch.barrier(barrier_id=SCRUB_BARRIER, number_of_threads=self.num_wg * THREADS_PER_WG)
             bits = self.poison_bits(ctx, v_state, tOrP)
             if bits != 0:
                 nf.poison_acc(acc_O_mn, bits)

@@ -59,18 +59,13 @@ def threads_per_row(rows: int, cols: int, threads: int, dtype, bits: int = COPY_
 
 @cute.jit
 def scrub_rows(sX: cute.Tensor, flags: cute.Tensor, tid: Int32, threads: cutlass.Constexpr,
-               per_row: cutlass.Constexpr, bits: cutlass.Constexpr = COPY_BITS,
-               batch: cutlass.Constexpr = 8) -> Int32:
+               per_row: cutlass.Constexpr, bits: cutlass.Constexpr = COPY_BITS) -> Int32:
     """Zero every non-finite element of the shared-memory tile ``sX`` (rows, cols; any swizzle) in place and
     write ``flags[row]`` = 1 where row had one, else 0 (every row written: no clearing needed), by the
     ``threads`` threads ``tid`` in [0, threads) (whole warps; all of them must call), ``per_row`` adjacent
     threads to a row (``threads_per_row`` with the same ``bits``), ``bits`` per load. Returns 1 if this
     thread found one. The caller fences the async proxy and synchronises before an MMA or a reader of
-    ``flags`` depends on it.
-
-    A thread's chunks of one row are loaded ``batch`` at a time and tested with one branch per batch (their
-    loads in flight at once: a loop of load, test, branch per chunk put every load's latency on the
-    consumers' path); the rare write-back of non-finite chunks is that branch's."""
+    ``flags`` depends on it."""
     dtype = sX.element_type
     elems = bits // dtype.width
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
@@ -82,36 +77,38 @@ def scrub_rows(sX: cute.Tensor, flags: cute.Tensor, tid: Int32, threads: cutlass
     # Python values only, fixed before the dynamic loop (a name it reads becomes a staged Int32 there).
     offsets = [1 << k for k in range(per_row.bit_length() - 1)]
     n_chunks = cute.size(tXsX, mode=[2])
-    words_per_chunk = elems // 2
     row_step = threads // per_row  # thread t's m-th row: m * row_step + t // per_row
     owner = tid % per_row == 0
     first_row = tid // per_row
     found = Int32(0)
-    for m in cutlass.range(cute.size(tXsX, mode=[1]), unroll=1):
-        row_bad = Int32(0)
-        for g in cutlass.range_constexpr(0, n_chunks, batch):
-            nb = min(batch, n_chunks - g)
-            frag = cute.make_rmem_tensor(cute.make_layout((elems, nb)), dtype)
-            for n in cutlass.range_constexpr(nb):
-                cute.autovec_copy(tXsX[None, m, g + n], frag[None, n])
-            words = cute.recast_tensor(frag, Uint32)
-            # SWAR: a half's exponent field all ones (Inf / NaN) plus its lowest bit carries into bit 15.
-            hits = Uint32(0)
-            for k in cutlass.range_constexpr(words_per_chunk * nb):
-                hits = hits | (((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000))
-            if hits != Uint32(0):  # rare: zero the non-finite halves, write the chunks back
-                for k in cutlass.range_constexpr(words_per_chunk * nb):
-                    h = ((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000)
-                    words[k] = words[k] & ~((h >> Uint32(15)) * Uint32(0xFFFF))
-                for n in cutlass.range_constexpr(nb):
-                    cute.autovec_copy(frag[None, n], tXsX[None, m, g + n])
-                row_bad = Int32(1)
-        # every thread of the row reaches this (uniform across the threads: shuffles are safe)
-        for k in cutlass.range_constexpr(len(offsets)):
-            row_bad = row_bad | cute.arch.shuffle_sync_bfly(row_bad, offset=offsets[k])
-        if owner:
-            flags[m * row_step + first_row] = row_bad.to(flags.element_type)
-        found = found | row_bad
+    row_bad = Int32(0)
+    # One flat loop over (row, chunk), not unrolled: the SM100 scrub warps run it within 56 registers (loading a
+    # row's chunks together spilled there); the SM90 consumers call it between their wgmma turns.
+    for i in cutlass.range(cute.size(tXsX, mode=[1]) * n_chunks, unroll=1):
+        m = i // n_chunks
+        n = i - m * n_chunks
+        frag = cute.make_rmem_tensor(cute.make_layout(elems), dtype)
+        cute.autovec_copy(tXsX[None, m, n], frag)
+        words = cute.recast_tensor(frag, Uint32)
+        # SWAR: a half's exponent field all ones (Inf / NaN) plus its lowest bit carries into bit 15.
+        hits = Uint32(0)
+        for k in cutlass.range_constexpr(elems // 2):
+            hits = hits | (((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000))
+        bad = Int32(0)
+        if hits != Uint32(0):  # rare: zero the non-finite halves, write the chunk back
+            for k in cutlass.range_constexpr(elems // 2):
+                h = ((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000)
+                words[k] = words[k] & ~((h >> Uint32(15)) * Uint32(0xFFFF))
+            cute.autovec_copy(frag, tXsX[None, m, n])
+            bad = Int32(1)
+        row_bad = row_bad | bad
+        if n == n_chunks - 1:  # the row's last chunk (uniform across the threads: shuffles are safe)
+            for k in cutlass.range_constexpr(len(offsets)):
+                row_bad = row_bad | cute.arch.shuffle_sync_bfly(row_bad, offset=offsets[k])
+            if owner:
+                flags[m * row_step + first_row] = row_bad.to(flags.element_type)
+            found = found | row_bad
+            row_bad = Int32(0)
     return found
 
 
