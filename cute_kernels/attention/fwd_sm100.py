@@ -924,23 +924,32 @@ class FlashFwdSm100:
         f_any = cute.recast_tensor(found_bytes, cutlass.Uint16)
         if f_any[0] != cutlass.Uint16(0):  # the two scrub warps' bytes
             cute.arch.fence_view_async_tmem_store()
-            rP = cute.make_rmem_tensor(tPcP.shape, Float32)
-            chunks = cute.size(tStP_r2t.shape[2])
-            for j in cutlass.range_constexpr(chunks):
-                cute.copy(thr_p_t2r, tStP_t2r[None, None, j], rP[None, None, j])
-            cute.arch.fence_view_async_tmem_load()
-            words = cute.recast_tensor(rP, Uint32)
             f16 = cute.recast_tensor(flags, cutlass.Uint16)
+            chunks = cute.size(tStP_r2t.shape[2])
+            chunk_shape = cute.slice_(tPcP, (None, None, 0)).shape
+            per = cute.size(chunk_shape)
+            # one chunk of P columns at a time (the whole row at once spilled 240 B beside block_bos, sm_100a)
             hit = Uint32(0)
-            for w in cutlass.range_constexpr(cute.size(words)):
-                nz = ((words[w] & Uint32(0x7FFF7FFF)) + Uint32(0x7FFF7FFF)) & Uint32(0x80008000)
-                f = Uint32(f16[w])
-                hit = hit | (nz & (((f & Uint32(1)) << Uint32(15)) | (((f >> Uint32(8)) & Uint32(1)) << Uint32(31))))
-            if hit != Uint32(0):
-                for w in cutlass.range_constexpr(cute.size(words)):
-                    words[w] = Uint32(0x7FFF7FFF)  # NaN in both halves (bf16 and fp16)
             for j in cutlass.range_constexpr(chunks):
-                cute.copy(thr_r2t, rP[None, None, j], tStP_r2t[None, None, j])
+                rP = cute.make_rmem_tensor(chunk_shape, Float32)
+                cute.copy(thr_p_t2r, tStP_t2r[None, None, j], rP)
+                cute.arch.fence_view_async_tmem_load()
+                words = cute.recast_tensor(rP, Uint32)
+                for w in cutlass.range_constexpr(per):
+                    nz = ((words[w] & Uint32(0x7FFF7FFF)) + Uint32(0x7FFF7FFF)) & Uint32(0x80008000)
+                    f = Uint32(f16[j * per + w])
+                    hit = hit | (nz & (((f & Uint32(1)) << Uint32(15))
+                                       | (((f >> Uint32(8)) & Uint32(1)) << Uint32(31))))
+            # the TMEM stores are warp-collective: a warp with a hit row rewrites its rows (NaN or as read)
+            if cute.arch.vote_ballot_sync(hit != Uint32(0)) != 0:
+                for j in cutlass.range_constexpr(chunks):
+                    rP = cute.make_rmem_tensor(chunk_shape, Float32)
+                    cute.copy(thr_p_t2r, tStP_t2r[None, None, j], rP)
+                    cute.arch.fence_view_async_tmem_load()
+                    words = cute.recast_tensor(rP, Uint32)
+                    for w in cutlass.range_constexpr(per):
+                        words[w] = Uint32(0x7FFF7FFF) if hit != Uint32(0) else words[w]  # NaN in both halves
+                    cute.copy(thr_r2t, rP, tStP_r2t[None, None, j])
 
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
@@ -1010,6 +1019,8 @@ class FlashFwdSm100:
                         step, need_mask, n_tile, tile, row, row_max, row_sum, carry, gBL, stage, tmem, sScale,
                         pipe_s, s_state, pipe_scale, scale_state, scale_log2, softcap_in, softcap, logit_scale,
                         tidx, bos, scrub_step)
+                    if const_expr(scrub is not None):
+                        self.scrub_p(tmem, scrub_step, pipe_s, s_state)
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
                     if const_expr(scrub is not None):
@@ -1165,16 +1176,24 @@ class FlashFwdSm100:
             chunk_p = cute.logical_divide(rP_h, cute.make_layout(per_chunk))[None, j]
             chunk_p.store(chunk_s.load().to(self.dtype))
             cute.copy(thr_r2t, rP[None, None, j], tStP_r2t[None, None, j])
-        # 7b. a masked tile's V scrubbed: NaN into P rows that see a flagged key (Note [scrubbed value tiles, SM100])
-        if const_expr(scrub_step is not None):
-            pipe_scrub, sc_state, flags, found_bytes = scrub_step
-            pipe_scrub.consumer_wait(sc_state)
-            self.poison_p_row(tmem, flags[None, sc_state.index], found_bytes[None, sc_state.index])
-            pipe_scrub.consumer_release(sc_state)
-        # 8. P visible to the tensor core, then hand the stage to the MMA warp
+        # 8. P visible to the tensor core, then hand the stage to the MMA warp (with the scrub: the caller does,
+        # after ``scrub_p``)
+        if const_expr(scrub_step is None):
+            cute.arch.fence_view_async_tmem_store()
+            pipe_s.consumer_release(s_state)
+        return row_max_use, row_sum * acc_scale + (sums[0] + sums[1])
+
+    @cute.jit
+    def scrub_p(self, tmem, scrub_step, pipe_s, s_state):
+        """Step 8 of ``softmax_step`` with Note [scrubbed value tiles, SM100]: once the scrub warps are done with
+        this key tile's V, NaN into the P rows that see a flagged key, then P to the MMA warp. Outside
+        ``softmax_step``: inside it the rare path spilled 240 B beside block_bos (sm_100a, CUDA 12)."""
+        pipe_scrub, sc_state, flags, found_bytes = scrub_step
+        pipe_scrub.consumer_wait(sc_state)
+        self.poison_p_row(tmem, flags[None, sc_state.index], found_bytes[None, sc_state.index])
+        pipe_scrub.consumer_release(sc_state)
         cute.arch.fence_view_async_tmem_store()
         pipe_s.consumer_release(s_state)
-        return row_max_use, row_sum * acc_scale + (sums[0] + sums[1])
 
     @cute.jit
     def mask_scores(self, tSrS: cute.Tensor, n_tile: Int32, tile: WorkTile, row: Int32):
