@@ -19,12 +19,13 @@ def make_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
 
 
 def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=0, fill=None, scale=None,
-             cu_q=None, cu_k=None, max_sq=None, max_sk=None, bl_offset=0, out_tail=0):
+             cu_q=None, cu_k=None, max_sq=None, max_sk=None, bl_offset=0, out_tail=0, arch=90):
     """One forward through ``run_fwd``; block_logit (block_size > 0) starts filled with ``fill``
     (default SENTINEL) so unwritten entries show. ``bl_offset`` > 0: block_logit is a contiguous view
     starting that many fp32 into a larger SENTINEL-filled storage (an under-aligned buffer; the skipped head must stay untouched).
     ``out_tail`` > 0 (batch 1, not varlen): out is the contiguous head of a SENTINEL-filled storage with that
     many more elements behind it (the caller checks they stay untouched).
+    ``arch``: the kernel's compute capability (90; tests/sm100 pass their GPU's).
     Returns (out, lse, block_logit or None)."""
     from cute_kernels.attention.launch import fwd_config, run_fwd
 
@@ -33,7 +34,7 @@ def run_ours(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, block_size=
     hq, hkv = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     has_window = tuple(window) != (-1, -1)
-    cfg = fwd_config(90, q.dtype, d, dv, hq // hkv, causal, has_window, softcap > 0, block_size, varlen)
+    cfg = fwd_config(arch, q.dtype, d, dv, hq // hkv, causal, has_window, softcap > 0, block_size, varlen)
     out_shape = (*q.shape[:-1], dv)
     if out_tail:
         assert cu_q is None and q.shape[0] == 1, "out_tail: batch 1, not varlen (out must stay contiguous)"

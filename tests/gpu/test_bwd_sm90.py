@@ -94,7 +94,7 @@ def poison_like(x):
 
 
 def run_bwd_ours(q, k, v, out, lse, do, *, causal=False, window=(-1, -1), softcap=0.0, scale=None,
-                 deterministic=False, dlse=None, cu_q=None, cu_k=None, max_sq=None, max_sk=None):
+                 deterministic=False, dlse=None, cu_q=None, cu_k=None, max_sq=None, max_sk=None, arch=90):
     from cute_kernels.attention.bwd_launch import bwd_config, run_bwd, workspace_shapes
 
     varlen = cu_q is not None
@@ -102,7 +102,7 @@ def run_bwd_ours(q, k, v, out, lse, do, *, causal=False, window=(-1, -1), softca
     hq, hkv = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     has_window = tuple(window) != (-1, -1)
-    cfg = bwd_config(90, q.dtype, d, dv, hq // hkv, causal, has_window, softcap > 0, varlen, deterministic,
+    cfg = bwd_config(arch, q.dtype, d, dv, hq // hkv, causal, has_window, softcap > 0, varlen, deterministic,
                      dlse is not None)
     if varlen:
         batch = cu_q.shape[0] - 1

@@ -64,25 +64,30 @@ CASES = [_case(m, w, p, d) for m in ("causal", "window") for w in ("far", "near"
          for d in ("fwd", "bwd")]
 
 
-def _run(q, k, v, do, causal, window, direction):
-    out, lse, _ = run_ours(q, k, v, causal=causal, window=window)
+def _run(q, k, v, do, causal, window, direction, arch):
+    out, lse, _ = run_ours(q, k, v, causal=causal, window=window, arch=arch)
     if direction == "fwd":
         return {"out": out, "lse": lse}
-    dq, dk, dv = run_bwd_ours(q, k, v, out, lse, do, causal=causal, window=window, deterministic=True)
+    dq, dk, dv = run_bwd_ours(q, k, v, out, lse, do, causal=causal, window=window, deterministic=True, arch=arch)
     return {"dq": dq, "dk": dk, "dv": dv}
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
 @pytest.mark.parametrize("mask,where,poisoned,direction", CASES)
 def test_invisible_keys_never_reach_a_row(mask, where, poisoned, direction, value):
+    check_invisible(mask, where, poisoned, direction, value, 90)
+
+
+def check_invisible(mask, where, poisoned, direction, value, arch):
+    """The case on the kernels of compute capability ``arch`` (tests/sm100/test_invisible_nan_sm100.py: 100 / 103)."""
     sq, sk, causal, window, keys, rows, unseen = GEOMETRY[(mask, where)]
     q, k, v = make_qkv(1, sq, sk, 4, 2, 128, seed=7)
     g = torch.Generator(device="cuda").manual_seed(8)
     do = torch.randn(q.shape, device="cuda", generator=g).to(q.dtype)
-    clean = _run(q, k, v, do, causal, window, direction)
+    clean = _run(q, k, v, do, causal, window, direction, arch)
     bad_k, bad_v = k.clone(), v.clone()
     (bad_k if poisoned == "k" else bad_v)[:, keys] = value
-    dirty = _run(q, bad_k, bad_v, do, causal, window, direction)
+    dirty = _run(q, bad_k, bad_v, do, causal, window, direction, arch)
     rows = list(rows)
     for name, want in clean.items():
         got = dirty[name]
