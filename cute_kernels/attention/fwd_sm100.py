@@ -435,7 +435,7 @@ class FlashFwdSm100:
         if self.SCRUB_V:  # Note [scrubbed value tiles, SM100]
             fields.update({f"bar_{name}": cute.struct.MemRange[Int64, 2 * SCRUB_SLOTS] for name in ("vready", "scrub")})
             fields["scrub_flags"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SCRUB_SLOTS * TILE_N], 16]
-            fields["scrub_any"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SCRUB_SLOTS * 4], 4]
+            fields["scrub_mask"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, SCRUB_SLOTS * 4], 16]
         fields["tmem_holding"] = Int32
         fields.update({name: cute.struct.MemRange[Float32, q_stage * TILE_M] for name in ("sScale", "sRowSum", "sRowMax")})
         fields.update({name: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
@@ -595,7 +595,7 @@ class FlashFwdSm100:
         scrub = None
         if const_expr(self.SCRUB_V):
             scrub = (storage.scrub_flags.get_tensor(cute.make_layout((TILE_N, SCRUB_SLOTS))),
-                     storage.scrub_any.get_tensor(cute.make_layout((4, SCRUB_SLOTS))))
+                     storage.scrub_mask.get_tensor(cute.make_layout((TILE_N // 32, SCRUB_SLOTS))))
 
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, storage.tmem_holding.ptr)
         thr_mma_qk = tiled_mma_qk.get_slice(0)
@@ -878,13 +878,14 @@ class FlashFwdSm100:
     def scrub_role(self, sV, sV_layout, pipe_vready, pipe_scrub, scrub, sched: TileScheduler):
         """Warps 14-15: for each masked key tile (``v_tile_masked``, in the order the MMA warp takes them), once
         the MMA warp hands its V tile over, zero the tile's non-finite elements in shared memory and flag
-        their keys (common/nonfinite.scrub_rows; one byte per key, and one per warp: found one), then hand it
-        to the MMA warp and the softmax WGs. The ring buffer of each V tile is counted as the MMA warp counts it
-        (K, then V, per key tile)."""
-        flags, found_bytes = scrub
+        their keys (common/nonfinite.scrub_rows: one byte per key), publish them as a bit mask (bit k of word
+        k // 32: key k; all 0 for an unmasked tile), then hand the tile to the MMA warp and the softmax WGs. The
+        ring buffer of each V tile is counted as the MMA warp counts it (K, then V, per key tile)."""
+        flags, mask = scrub
         threads = 32 * len(_WARPS_SCRUB)
         tid = cute.arch.thread_idx()[0] - 32 * _WARPS_SCRUB[0]
         per_row = nf.threads_per_row(TILE_N, self.head_dim_v, threads, self.dtype)
+        assert per_row == 1 and TILE_N == 2 * threads, "a scrub thread owns keys tid and tid + threads"
         vk_layout = self.v_key_major(sV_layout)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
         vr_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCRUB_SLOTS)
@@ -897,59 +898,26 @@ class FlashFwdSm100:
                     kv_state.advance()  # the key tile's K
                     pipe_vready.consumer_wait(vr_state)
                     pipe_scrub.producer_acquire(sc_state)
-                    found = Int32(0)
+                    bad_lo = Int32(0)
+                    bad_hi = Int32(0)
                     if self.v_tile_masked(tile, tile.keys.n_max - 1 - step):
                         sVk = cute.make_tensor(sV[None, None, None, kv_state.index].iterator, vk_layout)
-                        found = nf.scrub_rows(sVk, flags[None, sc_state.index], tid, threads, per_row)
+                        nf.scrub_rows(sVk, flags[None, sc_state.index], tid, threads, per_row)
                         cute.arch.fence_view_async_shared()
-                    ballot = cute.arch.vote_ballot_sync(found != 0)
+                        # this thread's rows are keys tid and tid + 64 (it wrote their flags)
+                        bad_lo = Int32(flags[tid, sc_state.index])
+                        bad_hi = Int32(flags[tid + threads, sc_state.index])
+                    word_lo = cute.arch.vote_ballot_sync(bad_lo != 0)
+                    word_hi = cute.arch.vote_ballot_sync(bad_hi != 0)
                     if tid % 32 == 0:
-                        found_bytes[tid // 32, sc_state.index] = (cutlass.Uint8(1) if ballot != 0
-                                                                  else cutlass.Uint8(0))
+                        mask[tid // 32, sc_state.index] = word_lo
+                        mask[tid // 32 + len(_WARPS_SCRUB), sc_state.index] = word_hi
                     pipe_scrub.producer_commit(sc_state)
                     sc_state.advance()
                     pipe_vready.consumer_release(vr_state)
                     vr_state.advance()
                     kv_state.advance()  # its V
             work_idx = sched.next(work_idx)
-
-    @cute.jit
-    def poison_p_row(self, tmem, flags: cute.Tensor, found_bytes: cute.Tensor):
-        """Softmax thread, P of this key tile stored: if the scrub warps found a non-finite value in the tile
-        (CTA-uniform, rare), read the row's 16-bit P back and make it NaN where P != 0 on a flagged key, which
-        the unscrubbed tile would have made non-finite in the PV (common/nonfinite.py). P column c holds the
-        keys 2c (low half) and 2c + 1. ``flags`` / ``found_bytes``: the scrub slot's (one byte per key; per
-        scrub warp)."""
-        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP, thr_p_t2r, tStP_t2r = tmem
-        f_any = cute.recast_tensor(found_bytes, cutlass.Uint16)
-        if f_any[0] != cutlass.Uint16(0):  # the two scrub warps' bytes
-            cute.arch.fence_view_async_tmem_store()
-            f16 = cute.recast_tensor(flags, cutlass.Uint16)
-            chunks = cute.size(tStP_r2t.shape[2])
-            chunk_shape = cute.slice_(tPcP, (None, None, 0)).shape
-            per = cute.size(chunk_shape)
-            # one chunk of P columns at a time (the whole row at once spilled 240 B beside block_bos, sm_100a)
-            hit = Uint32(0)
-            for j in cutlass.range_constexpr(chunks):
-                rP = cute.make_rmem_tensor(chunk_shape, Float32)
-                cute.copy(thr_p_t2r, tStP_t2r[None, None, j], rP)
-                cute.arch.fence_view_async_tmem_load()
-                words = cute.recast_tensor(rP, Uint32)
-                for w in cutlass.range_constexpr(per):
-                    nz = ((words[w] & Uint32(0x7FFF7FFF)) + Uint32(0x7FFF7FFF)) & Uint32(0x80008000)
-                    f = Uint32(f16[j * per + w])
-                    hit = hit | (nz & (((f & Uint32(1)) << Uint32(15))
-                                       | (((f >> Uint32(8)) & Uint32(1)) << Uint32(31))))
-            # the TMEM stores are warp-collective: a warp with a hit row rewrites its rows (NaN or as read)
-            if cute.arch.vote_ballot_sync(hit != Uint32(0)) != 0:
-                for j in cutlass.range_constexpr(chunks):
-                    rP = cute.make_rmem_tensor(chunk_shape, Float32)
-                    cute.copy(thr_p_t2r, tStP_t2r[None, None, j], rP)
-                    cute.arch.fence_view_async_tmem_load()
-                    words = cute.recast_tensor(rP, Uint32)
-                    for w in cutlass.range_constexpr(per):
-                        words[w] = Uint32(0x7FFF7FFF) if hit != Uint32(0) else words[w]  # NaN in both halves
-                    cute.copy(thr_r2t, rP, tStP_r2t[None, None, j])
 
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
@@ -1019,8 +987,6 @@ class FlashFwdSm100:
                         step, need_mask, n_tile, tile, row, row_max, row_sum, carry, gBL, stage, tmem, sScale,
                         pipe_s, s_state, pipe_scale, scale_state, scale_log2, softcap_in, softcap, logit_scale,
                         tidx, bos, scrub_step)
-                    if const_expr(scrub is not None):
-                        self.scrub_p(tmem, scrub_step, pipe_s, s_state)
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
                     if const_expr(scrub is not None):
@@ -1078,13 +1044,7 @@ class FlashFwdSm100:
         stage_cols = stage * TILE_N  # TMEM column offset of S_stage
         tStS_t2r = cute.make_tensor(tStS_t2r.iterator + stage_cols, tStS_t2r.layout)
         tStP_r2t = cute.make_tensor(tStP_r2t.iterator + stage_cols, tStP_r2t.layout)
-        # the same P columns read back (Note [scrubbed value tiles, SM100])
-        p_t2r_atom = cute.make_copy_atom(
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(p_cols // 4)), Float32)
-        thr_p_t2r = tcgen05.make_tmem_copy(p_t2r_atom, tStP).get_slice(tidx)
-        tStP_t2r = thr_p_t2r.partition_S(tStP)
-        tStP_t2r = cute.make_tensor(tStP_t2r.iterator + stage_cols, tStP_t2r.layout)
-        tmem = (thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP, thr_p_t2r, tStP_t2r)
+        tmem = (thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP)
         return tidx, tmem
 
     @cute.jit
@@ -1096,10 +1056,10 @@ class FlashFwdSm100:
         """One key tile of one query row: S -> (softcap, mask) -> block maxima, row max -> P, sum.
         ``bos`` (block_bos builds): (the row's origin, the number of blocks it stores: nb, 0 past the
         sequence); ``carry`` then holds the block carried down to the next key tile (common/block_logit.py,
-        one row per thread). ``scrub_step``: (the scrub pipeline, its state, flags, found bytes), Note
+        one row per thread). ``scrub_step``: (the scrub pipeline, its state, key flags, key mask), Note
         [scrubbed value tiles, SM100]."""
         cfg = self.cfg
-        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP = tmem[:6]
+        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP = tmem
         # 1. wait for S_stage = Q K^T of this key tile and load the whole row (128 fp32)
         pipe_s.consumer_wait(s_state)
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
@@ -1158,6 +1118,12 @@ class FlashFwdSm100:
         sums = [Float32(0.0), Float32(0.0)]
         chunks = cute.size(tStP_r2t.shape[2])
         per_chunk = n // chunks
+        key_mask = None
+        if const_expr(scrub_step is not None):
+            # Note [scrubbed value tiles, SM100]: this key tile's V scrubbed, its flagged keys as bits
+            assert per_chunk == 32, per_chunk
+            scrub_step[0].consumer_wait(scrub_step[1])
+            key_mask = scrub_step[3][None, scrub_step[1].index]
         for j in cutlass.range_constexpr(chunks):
             for k0 in cutlass.range_constexpr(j * per_chunk, (j + 1) * per_chunk, 2):
                 x0, x1 = cute.arch.fma_packed_f32x2((tSrS[k0], tSrS[k0 + 1]), (scale_log2, scale_log2),
@@ -1175,25 +1141,32 @@ class FlashFwdSm100:
             chunk_s = cute.logical_divide(tSrS, cute.make_layout(per_chunk))[None, j]
             chunk_p = cute.logical_divide(rP_h, cute.make_layout(per_chunk))[None, j]
             chunk_p.store(chunk_s.load().to(self.dtype))
+            if const_expr(key_mask is not None):
+                self.poison_seen_keys(rP[None, None, j], key_mask[j])
             cute.copy(thr_r2t, rP[None, None, j], tStP_r2t[None, None, j])
-        # 8. P visible to the tensor core, then hand the stage to the MMA warp (with the scrub: the caller does,
-        # after ``scrub_p``)
-        if const_expr(scrub_step is None):
-            cute.arch.fence_view_async_tmem_store()
-            pipe_s.consumer_release(s_state)
+        if const_expr(scrub_step is not None):
+            scrub_step[0].consumer_release(scrub_step[1])
+        # 8. P visible to the tensor core, then hand the stage to the MMA warp
+        cute.arch.fence_view_async_tmem_store()
+        pipe_s.consumer_release(s_state)
         return row_max_use, row_sum * acc_scale + (sums[0] + sums[1])
 
     @cute.jit
-    def scrub_p(self, tmem, scrub_step, pipe_s, s_state):
-        """Step 8 of ``softmax_step`` with Note [scrubbed value tiles, SM100]: once the scrub warps are done with
-        this key tile's V, NaN into the P rows that see a flagged key, then P to the MMA warp. Outside
-        ``softmax_step``: inside it the rare path spilled 240 B beside block_bos (sm_100a, CUDA 12)."""
-        pipe_scrub, sc_state, flags, found_bytes = scrub_step
-        pipe_scrub.consumer_wait(sc_state)
-        self.poison_p_row(tmem, flags[None, sc_state.index], found_bytes[None, sc_state.index])
-        pipe_scrub.consumer_release(sc_state)
-        cute.arch.fence_view_async_tmem_store()
-        pipe_s.consumer_release(s_state)
+    def poison_seen_keys(self, rP_chunk: cute.Tensor, keys: Uint32):
+        """Note [scrubbed value tiles, SM100]: in one chunk of this row's 16-bit P (word w: keys 2w, 2w + 1 of the
+        chunk's 32, as bits 2w, 2w + 1 of ``keys``), NaN where the row sees a flagged key (P != 0: the mask gave
+        exactly 0 elsewhere), which the unscrubbed tile would have made NaN in the PV. Nothing when no key of the
+        chunk is flagged (the same word in every thread: one uniform test). On the packed P (on the fp32 scores
+        the branch spilled beside block_bos, sm_103a under CUDA 13)."""
+        if keys != Uint32(0):
+            words = cute.recast_tensor(rP_chunk, Uint32)
+            for w in cutlass.range_constexpr(cute.size(words)):
+                x = words[w]
+                nz = ((x & Uint32(0x7FFF7FFF)) + Uint32(0x7FFF7FFF)) & Uint32(0x80008000)
+                hit = nz & ((((keys >> Uint32(2 * w)) & Uint32(1)) << Uint32(15))
+                            | (((keys >> Uint32(2 * w + 1)) & Uint32(1)) << Uint32(31)))
+                m = ((hit >> Uint32(15)) & Uint32(1)) * Uint32(0xFFFF) | (hit >> Uint32(31)) * Uint32(0xFFFF0000)
+                words[w] = (x & ~m) | (Uint32(0x7FFF7FFF) & m)  # NaN halves (bf16 and fp16)
 
     @cute.jit
     def mask_scores(self, tSrS: cute.Tensor, n_tile: Int32, tile: WorkTile, row: Int32):
