@@ -167,16 +167,18 @@ _WARPS_SCRUB = (14, 15)
 # Note [scrubbed value tiles, SM100] (NaN / Inf in values a row cannot see; common/nonfinite.py). Inside a
 # partially masked key tile the PV multiplies P = 0 by every value row, and 0 * NaN = NaN. So a V tile some
 # row of the work tile cannot wholly see (past the first row's causal / window limit, before the last row's
-# window start, the sequence's key tail, a FlashMask tile its bounds cut: ``v_tile_masked``) is scrubbed
-# before its PV (in a FlashMask build, every visited tile). Every V tile goes through two edges, two slots deep: the MMA warp, once the tile has landed,
-# hands it to the scrub warps 14-15 (``vready``, otherwise idle warps); they zero a masked tile's non-finite
-# elements in shared memory, flag their keys (one byte per key, one per warp: found one), fence the async
-# proxy and hand it on (``scrub``) to the MMA warp, which waits for it before the tile's PV, and to the
-# softmax WGs, which, after storing the tile's P and only where a warp found one (rare), read their P row
-# back and make it NaN if it is non-zero on a flagged key: what the unscrubbed tile gives that row. Only the
-# scrub warps evaluate ``v_tile_masked`` (an unmasked tile is passed on with no flag): the MMA warp's 56
-# registers did not hold the FlashMask tile test. Compile-verified only (no Blackwell GPU here); the SM90
-# kernel's scrub (fwd_sm90.py) is the same rule and runs on Hopper.
+# window start, the sequence's key tail: ``v_tile_masked``; in a FlashMask build every visited tile) is scrubbed
+# before its PV. Every V tile goes through two edges, two slots deep: the MMA warp, once the tile has landed,
+# hands it to the scrub warps 14-15 (``vready``; they were idle); they zero a masked tile's non-finite elements
+# in shared memory (common/nonfinite.scrub_rows, its flat loop: loading a row's chunks together spilled in their
+# 56 registers), fence the async proxy, publish the flagged keys as a bit mask (bit k of word k // 32; zero for
+# an unmasked tile) and hand the tile on (``scrub``) to the MMA warp, which waits for it before the tile's PV,
+# and to the softmax WGs, which wait for it before storing P and make NaN, in their packed 16-bit P, the
+# entries that are non-zero on a flagged key: what the unscrubbed tile gives the rows that see it; a chunk of
+# 32 keys with no flagged key costs one uniform test. Compile-verified only (no Blackwell GPU here); the SM90
+# forward's scrub (fwd_sm90.py) is the same rule and runs on Hopper. Tried and dropped for registers: the
+# FlashMask tile test in the scrub warps, reading P back from TMEM after storing it, poisoning the fp32 scores
+# (all spilled beside block_bos or FlashMask, sm_100a / sm_103a).
 SCRUB_SLOTS = 2
 
 # Roles (common/barriers.py): the threads one signal of each role arrives with. A softmax role is the
