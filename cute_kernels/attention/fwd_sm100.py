@@ -238,6 +238,14 @@ def _kv_stage(cfg: FwdConfig) -> int:
     return stages
 
 
+def fm_gap_skip(cfg: FwdConfig) -> bool:
+    """Note [FlashMask gap tiles, SM100]: whether the roles walk only the key tiles the column bounds do not
+    skip (fm_meta's live list) instead of the whole [n_min, n_max): FlashMask without block_logit, whose
+    unvisited blocks the softmax fills by range (Note [block_logit of unvisited blocks]), as the SM90 forward
+    (``fm_gap_skip`` there)."""
+    return cfg.has_startend and not cfg.has_block_logit
+
+
 def _slot_state(q_stage: int, slot, producer: bool) -> pipeline.PipelineState:
     """State of a role that owns one slot of a q_stage-slot pipeline (softmax_i: slot i). Advance it
     by q_stage: the same slot, the next phase. Producers start at phase 1 (the first acquire is free)."""
@@ -260,6 +268,11 @@ class WorkTile:
     has_keys: Boolean  # ... and sees a key: only these tiles load and compute (others: empty rows)
     fm_bounds: object = None  # FlashMask: the mask head's column bounds (Sk, n), else None
     fm_minmax: object = None  # ... and their per key tile min / max (NT, 2n) (attention/fm_meta.py)
+    # Note [FlashMask gap tiles, SM100] (no block_logit): the work tile's fm_meta row, the index in it of the
+    # highest live key tile of [n_min, n_max) and how many live tiles there are (the roles' key steps)
+    fm_ranges: object = None
+    fm_top: object = None
+    fm_steps: object = None
 
 
 class TileScheduler:
@@ -279,6 +292,7 @@ class TileScheduler:
             setattr(self, name, v)
         self.mask_right = cfg.causal or cfg.has_window
         self.mask_left = cfg.has_window
+        self.fm_gap_skip = fm_gap_skip(cfg)
 
     # The roles' persistent loops carry the scheduler: the DSL rebuilds it from its runtime values.
     def __extract_mlir_values__(self):
@@ -308,7 +322,7 @@ class TileScheduler:
         m_start = m_tile * self.tile_m
         keys = TileRange.create(m_start, seqlen.seqlen_q, seqlen.seqlen_k, left, right, self.tile_m, TILE_N,
                                 self.mask_right, self.mask_left)
-        fm_bounds = fm_minmax = None
+        fm_bounds = fm_minmax = fm_ranges = fm_top = fm_steps = None
         if const_expr(self.cfg.has_startend):
             # FlashMask: every role walks the key tiles the column bounds do not skip for the tile's rows
             # (fm_meta.FmQueryRanges with this kernel's tile_m), so load, MMA and softmax stay in step.
@@ -317,9 +331,20 @@ class TileScheduler:
             keys = fm.narrow_tile_range(keys, rng[0], rng[1])
             fm_bounds = self.mStartend[batch, mh, None, None]
             fm_minmax = self.mFmMinMax[batch, mh, None, None]
+            if const_expr(self.fm_gap_skip):
+                # Note [FlashMask gap tiles, SM100]: the live tiles of [n_min, n_max) from the row's prefix
+                # counts (rng[2 + n]: live tiles below n) and its ascending list (from rng[3 + NT])
+                p_lo = rng[2 + cutlass.min(keys.n_min, keys.n_max)]
+                p_hi = rng[2 + keys.n_max]
+                fm_ranges = rng
+                fm_steps = cutlass.max(p_hi - p_lo, 0)
+                fm_top = 3 + self.mFmMinMax.shape[2] + p_hi - 1
         has_rows = m_start < seqlen.seqlen_q
-        return WorkTile(m_tile, head, batch, seqlen, left, right, keys, has_rows,
-                        has_rows & (keys.n_min < keys.n_max), fm_bounds, fm_minmax)
+        has_keys = has_rows & (keys.n_min < keys.n_max)
+        if const_expr(self.fm_gap_skip):
+            has_keys = has_rows & (fm_steps > 0)
+        return WorkTile(m_tile, head, batch, seqlen, left, right, keys, has_rows, has_keys, fm_bounds, fm_minmax,
+                        fm_ranges, fm_top, fm_steps)
 
     @cute.jit
     def stage_keys(self, tile: WorkTile, stage: Int32) -> TileRange:
@@ -360,6 +385,7 @@ class FlashFwdSm100:
         # rows_per_thread = threads_per_row = 1 and no cross-lane reduction is needed.
         self.bl_shape = blk.BlockLogitShape(TILE_N, cfg.block_size, 1, 1) if cfg.has_block_logit else None
         self.bos_shape = blk.RowRelativeShape(TILE_N, cfg.block_size) if cfg.block_bos else None
+        self.fm_gap_skip = fm_gap_skip(cfg)
         if self.SCRUB_V:
             self.PIPES = dict(self.PIPES, **scrub_pipes(self.q_stage))
             self.ARRIVALS = dict(self.ARRIVALS, **scrub_arrivals(self.q_stage))
@@ -712,7 +738,7 @@ class FlashFwdSm100:
                     cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
                 # Order: Q0, K(last), Q1, V(last), then K, V of each earlier key tile (descending).
                 # It is the order the MMA warp consumes the K/V ring in.
-                n_last = tile.keys.n_max - 1
+                n_last = self.key_tile(tile, 0)
                 for i in cutlass.range_constexpr(self.q_stage):
                     pipe_q.producer_acquire(q_state)
                     cute.copy(tma_atom_Q, tQgQ[None, tile.m_tile * self.q_stage + i], tQsQ[None, q_state.index],
@@ -723,7 +749,8 @@ class FlashFwdSm100:
                         kv_state.advance()
                 self.load_kv_tile(tma_atom_V, tVgV, tVsV, n_last, pipe_kv, kv_state, v_bytes)
                 kv_state.advance()
-                for n_tile in cutlass.range(n_last - 1, tile.keys.n_min - 1, -1, unroll=1):
+                for step in cutlass.range(1, self.key_steps(tile), unroll=1):
+                    n_tile = self.key_tile(tile, step)
                     self.load_kv_tile(tma_atom_K, tKgK, tKsK, n_tile, pipe_kv, kv_state, None)
                     kv_state.advance()
                     self.load_kv_tile(tma_atom_V, tVgV, tVsV, n_tile, pipe_kv, kv_state, v_bytes)
@@ -774,7 +801,7 @@ class FlashFwdSm100:
         while work_idx < sched.total:
             tile = sched.work_tile(work_idx)
             if tile.has_keys:
-                n_steps = tile.keys.n_max - tile.keys.n_min
+                n_steps = self.key_steps(tile)
                 # 1. S_i = Q_i K(last)^T for every stage
                 q_release = q_state.clone()
                 for i in cutlass.range_constexpr(self.q_stage):
@@ -841,6 +868,19 @@ class FlashFwdSm100:
                 kv_state.advance()
             work_idx = sched.next(work_idx)
 
+    # ------------------------------------------------------------------ key steps
+    def key_steps(self, tile) -> Int32:
+        """How many key tiles every role walks for ``tile`` (Note [FlashMask gap tiles, SM100])."""
+        if const_expr(self.fm_gap_skip):
+            return tile.fm_steps
+        return tile.keys.n_max - tile.keys.n_min
+
+    def key_tile(self, tile, step: Int32) -> Int32:
+        """The key tile of step ``step`` (descending: step 0 is the highest)."""
+        if const_expr(self.fm_gap_skip):
+            return tile.fm_ranges[tile.fm_top - step]
+        return tile.keys.n_max - 1 - step
+
     # ------------------------------------------------------------------ Note [scrubbed value tiles, SM100]
     @cute.jit
     def v_tile_masked(self, tile: WorkTile, n_tile: Int32):
@@ -896,13 +936,13 @@ class FlashFwdSm100:
         while work_idx < sched.total:
             tile = sched.work_tile(work_idx)
             if tile.has_keys:
-                for step in cutlass.range(tile.keys.n_max - tile.keys.n_min, unroll=1):
+                for step in cutlass.range(self.key_steps(tile), unroll=1):
                     kv_state.advance()  # the key tile's K
                     pipe_vready.consumer_wait(vr_state)
                     pipe_scrub.producer_acquire(sc_state)
                     bad_lo = Int32(0)
                     bad_hi = Int32(0)
-                    if self.v_tile_masked(tile, tile.keys.n_max - 1 - step):
+                    if self.v_tile_masked(tile, self.key_tile(tile, step)):
                         sVk = cute.make_tensor(sV[None, None, None, kv_state.index].iterator, vk_layout)
                         nf.scrub_rows(sVk, flags[None, sc_state.index], tid, threads, per_row)
                         cute.arch.fence_view_async_shared()
@@ -970,8 +1010,8 @@ class FlashFwdSm100:
                     bos_limit = gBL.shape[1]
                 bos = (bos_row, bos_limit)
             if tile.has_keys:
-                for step in cutlass.range(tile.keys.n_max - tile.keys.n_min, unroll=1):
-                    n_tile = tile.keys.n_max - 1 - step
+                for step in cutlass.range(self.key_steps(tile), unroll=1):
+                    n_tile = self.key_tile(tile, step)
                     # a tile crossing a row limit of this stage, or the sequence's key tail
                     need_mask = ((n_tile >= rows.n_right_mask) | (n_tile < rows.n_left_mask)
                                  | ((n_tile + 1) * TILE_N > tile.seqlen.seqlen_k))
@@ -1239,7 +1279,7 @@ class FlashFwdSm100:
                 if tile.has_keys:
                     # per key step and stage: the factor, O_i rescaled if any row's max moved, then
                     # "O_i ready" (at step 0 the factor is 1: O_i was read by the previous epilogue)
-                    for step in cutlass.range(tile.keys.n_max - tile.keys.n_min, unroll=1):
+                    for step in cutlass.range(self.key_steps(tile), unroll=1):
                         for i in cutlass.range_constexpr(self.q_stage):
                             pipe_scale.consumer_wait(scale_state)
                             acc_scale = sScale[tidx, i]
