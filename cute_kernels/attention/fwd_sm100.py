@@ -238,11 +238,19 @@ def _kv_stage(cfg: FwdConfig) -> int:
     return stages
 
 
+# Note [FlashMask gap tiles, SM100]
+# fm_meta's row for a work tile (FmQueryRanges, built with this kernel's q_stage x 128 rows) holds the first and
+# last live key tile, the prefix counts of live tiles and their ascending list. The scheduler narrows every work
+# tile to [first, last + 1); without block_logit every role (load, MMA, softmax, correction, scrub) then walks
+# only the live tiles of that range, highest first (``key_steps`` / ``key_tile``), so key tiles the column
+# bounds skip inside it (a share-question or multi-segment prefix-LM mask leaves such gaps) are neither loaded
+# nor computed. With block_logit the whole range is walked: the softmax fills the blocks of unvisited tiles by
+# range (Note [block_logit of unvisited blocks]), and a skipped tile's blocks come out -inf from the mask. The
+# SM90 forward does the same (``fm_gap_skip`` there, run on an H100); here compile-verified only.
+
+
 def fm_gap_skip(cfg: FwdConfig) -> bool:
-    """Note [FlashMask gap tiles, SM100]: whether the roles walk only the key tiles the column bounds do not
-    skip (fm_meta's live list) instead of the whole [n_min, n_max): FlashMask without block_logit, whose
-    unvisited blocks the softmax fills by range (Note [block_logit of unvisited blocks]), as the SM90 forward
-    (``fm_gap_skip`` there)."""
+    """Note [FlashMask gap tiles, SM100]: whether the roles walk only fm_meta's live key tiles."""
     return cfg.has_startend and not cfg.has_block_logit
 
 
