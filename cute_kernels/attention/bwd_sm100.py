@@ -133,6 +133,17 @@ from .bwd_config import ACCUM_ROW_PAD, DQ_SEM_ROWS, BwdConfig
 # where P^T = 0 in columns whose D is NaN (without softcap; softcap_grad already gives 0 where P = 0).
 # Compile-verified only (no Blackwell GPU here).
 
+# Note [FlashMask skipped steps, SM100]. A key tile's per-bound min / max tell, in closed form, which query
+# tiles every column's interval covers (common/flashmask.skipped_query_tiles): those steps have P = dS = 0 for
+# every pair. Before the roles split, one thread writes each query head's skipped ranges, merged and clipped to
+# the tile's [m_min, m_min + num_m) (``write_skips``), to shared memory; every role then counts the steps that
+# compute (``tile_info``: n_iter) and walks them in the same head-major order (``first_coords`` /
+# ``next_coords`` jump past the ranges, past whole heads too), so a skipped step loads nothing and computes
+# nothing. With deterministic dQ the reduce warps walk every step of the range instead (n_struct) and a skipped
+# one still waits for its turn and passes it on, reducing nothing: the turn counters of the query tile count
+# every key tile that reaches it. The SM90 backward's stage B (bwd_sm90.py) is the same rule and runs on an
+# H100; here compile-verified only.
+
 TILE_M = 128  # query rows per query tile, head dims <= 128 (= ACCUM_ROW_PAD: one dq_sem counter per tile)
 TILE_M_WIDE = 64  # query rows per query tile of the wide schedule (head_dim 192 / 256, (192, 128))
 TILE_N = 128  # keys per CTA (TMEM lane = key row)
@@ -403,6 +414,8 @@ class FlashBwdSm100:
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
         self.group = cfg.qhead_per_kvhead
+        # Note [FlashMask skipped steps, SM100]
+        self.fm_skip_steps = bool(cfg.startend)
         sch = schedule(cfg)
         self.wide = is_wide(cfg)
         self.tile_m, self.n_split = sch["tile_m"], sch["n_split"]
@@ -563,6 +576,7 @@ class FlashBwdSm100:
             bar_dKV: cute.struct.MemRange[Int64, 2]
             bar_kvs: cute.struct.MemRange[Int64, 2]
             kv_flags: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * TILE_N], 16]
+            fm_skips: cute.struct.Align[cute.struct.MemRange[Int32, 4 * self.group if self.fm_skip_steps else 4], 16]
             tmem_holding: Int32
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -719,12 +733,21 @@ class FlashBwdSm100:
         tp = [traced_pipes(dict(zip(list(PIPES) + ["kvs"], pipes + (pipe_kvs,))), trace, slot)
               for slot in range(len(TRACE_ROLES))]
         kv_flags = storage.kv_flags.get_tensor(cute.make_layout((TILE_N, 2)))
+        # Note [FlashMask skipped steps, SM100]: the skipped ranges of each query head, written once, read by
+        # every role (tile_info's live step count, the coordinate walks)
+        fm_skips = None
+        if const_expr(self.fm_skip_steps):
+            fm_skips = storage.fm_skips.get_tensor(cute.make_layout((4, self.group)))
+            if cute.arch.thread_idx()[0] == 0:
+                self.write_skips(self.tile_info(*tile_args), fm_skips, mFmMinMax, fm_head_div)
+            cute.arch.barrier()
+        tile_args = tile_args + (fm_skips,)
 
         if warp_idx <= _WARPS_REDUCE[-1]:
             cute.arch.setmaxregister_decrease(REGS[0])
             tile = self.tile_info(*tile_args)
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-            self.reduce(tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, tp[0]["dQ"], tile, trace)
+            self.reduce(tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, tp[0]["dQ"], tile, trace, fm_skips)
             if const_expr(trace is not None):
                 trace.mark(0, "tmem_free", 0)
             pipeline.NamedBarrier(barrier_id=int(BwdBarrier.TmemFree),
@@ -741,7 +764,7 @@ class FlashBwdSm100:
                 fmask = (mStartend, mFmMinMax, fm_head_div)
             self.compute(tStS, tdPtdP, tdVtdV, tdKtdK, sdS_epi, mLSElog2, mdPsum, mdK, mdV,
                          tp[1]["S"], tp[1]["dP"], tp[1]["dS"], tp[1]["dKV"], tile, mCuSeqlensQ,
-                         softmax_scale, scale_log2, softcap_in, softcap, fmask, (tp[1]["kvs"], kv_flags))
+                         softmax_scale, scale_log2, softcap_in, softcap, fmask, (tp[1]["kvs"], kv_flags), fm_skips)
             if const_expr(trace is not None):
                 trace.done(1)
             pipeline.NamedBarrier(barrier_id=int(BwdBarrier.TmemFree),
@@ -758,7 +781,7 @@ class FlashBwdSm100:
             cute.arch.setmaxregister_decrease(REGS[2])
             tile = self.tile_info(*tile_args)
             self.load(mma_S, mma_dP, tma_atom_K, mK, tma_atom_V, mV, tma_atom_Q, mQ, tma_atom_dO, mdO,
-                      sK, sV, sQ, sdO, tp[3]["kv"], tp[3]["q"], tp[3]["do"], tile)
+                      sK, sV, sQ, sdO, tp[3]["kv"], tp[3]["q"], tp[3]["do"], tile, fm_skips)
             if const_expr(trace is not None):
                 trace.done(3)
         else:
@@ -811,10 +834,12 @@ class FlashBwdSm100:
 
     # ------------------------------------------------------------------ work of this CTA
     @cute.jit
-    def tile_info(self, mCuSeqlensQ, mCuSeqlensK, mQ, mK, window_left: Int32, window_right: Int32):
+    def tile_info(self, mCuSeqlensQ, mCuSeqlensK, mQ, mK, window_left: Int32, window_right: Int32, skips=None):
         """(n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k, m_min, num_m, n_iter,
-        accum_row0, left, right, split): the same values in every role (split: this CTA's slice of the
-        head dims when n_split > 1, else 0)."""
+        accum_row0, left, right, split, n_struct): the same values in every role (split: this CTA's slice of
+        the head dims when n_split > 1, else 0). ``n_iter``: the steps that compute; ``n_struct``: the
+        (query head, query tile) pairs of the range, which differ with ``skips`` (Note [FlashMask skipped
+        steps, SM100]: the merged ranges the column bounds skip, per query head of the group)."""
         cfg = self.cfg
         n_tile, head_kv, batch = cute.arch.block_idx()
         split = Int32(0)
@@ -840,29 +865,89 @@ class FlashBwdSm100:
                                         cfg.causal or cfg.has_window, cfg.has_window)
             m_min = rng.m_min
             num_m = cutlass.max(rng.m_max - rng.m_min, 0)
-        n_iter = num_m * self.group
+        n_struct = num_m * self.group
+        n_iter = n_struct
+        if const_expr(skips is not None):
+            n_iter = Int32(0)
+            for hi in cutlass.range_constexpr(self.group):
+                n_iter = n_iter + fm.live_count(m_min, m_min + num_m, self.head_skips(skips, hi))
         return (n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k, m_min, num_m, n_iter,
-                accum_row0, left, right, split)
+                accum_row0, left, right, split, n_struct)
 
-    def first_coords(self, tile):
-        """(query head, query tile) of iteration 0; ``next_coords`` steps them (head-major order over
-        the kv head's group, no division in the loops)."""
-        return tile[1] * self.group, tile[7]
+    def head_skips(self, skips, hi):
+        """Query head ``hi`` of the group's merged skipped ranges (common/flashmask.merged_skips)."""
+        return tuple(skips[c, hi] for c in range(4))
 
     @cute.jit
-    def next_coords(self, head: Int32, m_tile: Int32, tile):
+    def write_skips(self, tile, skips, mFmMinMax, fm_head_div: Int32):
+        """Note [FlashMask skipped steps, SM100]: one thread writes, per query head of the group, the query
+        tiles of [m_min, m_min + num_m) the column bounds skip against this key tile (from the key tile's
+        per-bound min / max, common/flashmask.skipped_query_tiles), merged and clipped to the range."""
+        n_tile, head_kv, batch, seqlen_q, m_min, num_m = tile[0], tile[1], tile[2], tile[5], tile[7], tile[8]
+        for hi in cutlass.range_constexpr(self.group):
+            sk = (m_min, Int32(0), m_min, Int32(0))
+            if num_m > 0:
+                mh = (head_kv * self.group + hi) // fm_head_div
+                lo, hi_ = fm.load_tile_minmax(mFmMinMax[batch, mh, None, None], n_tile, self.cfg.startend)
+                sk = fm.merged_skips(m_min, m_min + num_m,
+                                     fm.skipped_query_tiles(lo, hi_, self.cfg.startend, self.tile_m, seqlen_q))
+            for c in cutlass.range_constexpr(4):
+                skips[c, hi] = sk[c]
+
+    @cute.jit
+    def skip_to_live(self, head: Int32, m: Int32, tile, skips):
+        """The first (query head, query tile) at or after (``head``, ``m``) in the walk order that the column
+        bounds do not skip (the group's end when none is left)."""
+        m_min, num_m = tile[7], tile[8]
+        head0 = tile[1] * self.group
+        h = head
+        mm = m
+        go = Int32(1)
+        while go != 0:
+            if h - head0 >= self.group:
+                go = Int32(0)
+            else:
+                fa, fl, sa, sl = self.head_skips(skips, h - head0)
+                mm = fa + fl if (mm >= fa) & (mm < fa + fl) else mm
+                mm = sa + sl if (mm >= sa) & (mm < sa + sl) else mm
+                if mm >= m_min + num_m:
+                    h = h + 1
+                    mm = m_min
+                else:
+                    go = Int32(0)
+        return h, mm
+
+    @cute.jit
+    def step_skipped(self, head: Int32, m: Int32, tile, skips):
+        """Whether the column bounds skip (``head``, query tile ``m``)."""
+        fa, fl, sa, sl = self.head_skips(skips, head - tile[1] * self.group)
+        return ((m >= fa) & (m < fa + fl)) | ((m >= sa) & (m < sa + sl))
+
+    @cute.jit
+    def first_coords(self, tile, skips=None):
+        """(query head, query tile) of iteration 0; ``next_coords`` steps them (head-major order over
+        the kv head's group, no division in the loops). ``skips``: past the steps the column bounds skip."""
+        head, m = tile[1] * self.group, tile[7]
+        if const_expr(skips is not None):
+            head, m = self.skip_to_live(head, m, tile, skips)
+        return head, m
+
+    @cute.jit
+    def next_coords(self, head: Int32, m_tile: Int32, tile, skips=None):
         m_min, num_m = tile[7], tile[8]
         m_next = m_tile + 1
         head_next = head
         if m_next == m_min + num_m:
             m_next = m_min
             head_next = head + 1
+        if const_expr(skips is not None):
+            head_next, m_next = self.skip_to_live(head_next, m_next, tile, skips)
         return head_next, m_next
 
     # ------------------------------------------------------------------ load warp
     @cute.jit
     def load(self, mma_S, mma_dP, tma_atom_K, mK, tma_atom_V, mV, tma_atom_Q, mQ, tma_atom_dO, mdO,
-             sK, sV, sQ, sdO, pipe_kv, pipe_q, pipe_do, tile):
+             sK, sV, sQ, sdO, pipe_kv, pipe_q, pipe_do, tile, skips=None):
         n_tile, head_kv, batch, offset_q, offset_k = tile[0], tile[1], tile[2], tile[3], tile[4]
         n_iter = tile[9]
         thr_S = mma_S.get_slice(0)
@@ -883,7 +968,7 @@ class FlashBwdSm100:
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
             do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stage)
-            head, m_tile = self.first_coords(tile)
+            head, m_tile = self.first_coords(tile, skips)
             for it in cutlass.range(n_iter, unroll=1):
                 gQ = cute.local_tile(self.seq_view(mQ, offset_q, head, batch), (self.tile_m, self.head_dim),
                                      (None, 0))
@@ -902,7 +987,7 @@ class FlashBwdSm100:
                 cute.copy(tma_atom_dO, tdOgdO[None, m_tile], tdOsdO[None, do_state.index],
                           tma_bar_ptr=pipe_do.producer_get_barrier(do_state))
                 do_state.advance()
-                head, m_tile = self.next_coords(head, m_tile, tile)
+                head, m_tile = self.next_coords(head, m_tile, tile, skips)
 
     @cute.jit
     def seq_view(self, mX, offset: Int32, head: Int32, batch: Int32):
@@ -1057,8 +1142,9 @@ class FlashBwdSm100:
     def compute(self, tStS, tdPtdP, tdVtdV, tdKtdK, sdS_epi, mLSElog2, mdPsum, mdK, mdV,
                 pipe_S, pipe_dP, pipe_dS, pipe_dKV, tile, mCuSeqlensQ,
                 softmax_scale: Float32, scale_log2: Float32, softcap_in: Float32, softcap: Float32, fmask=None,
-                scrub=None):
-        """``scrub``: (the kvs pipeline, the key flags) of Note [scrubbed K / V, SM100]."""
+                scrub=None, skips=None):
+        """``scrub``: (the kvs pipeline, the key flags) of Note [scrubbed K / V, SM100]; ``skips``: Note
+        [FlashMask skipped steps, SM100]."""
         cfg = self.cfg
         n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k = tile[:7]
         n_iter, accum_row0, left, right = tile[9], tile[10], tile[11], tile[12]
@@ -1111,7 +1197,7 @@ class FlashBwdSm100:
             dp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             bar_compute = pipeline.NamedBarrier(barrier_id=int(BwdBarrier.Compute), num_threads=ROLE_THREADS["compute"])
-            head, m_tile = self.first_coords(tile)
+            head, m_tile = self.first_coords(tile, skips)
             fm_head = Int32(0)
             fm_head_rem = Int32(0)
             if const_expr(fmask is not None):
@@ -1202,9 +1288,10 @@ class FlashBwdSm100:
                 cute.arch.fence_view_async_shared()
                 pipe_dS.producer_commit(ds_state)
                 ds_state.advance()
-                head_next, m_tile = self.next_coords(head, m_tile, tile)
+                head_next, m_tile = self.next_coords(head, m_tile, tile, skips)
                 if const_expr(fmask is not None):
-                    if head_next != head:
+                    # one mask-head step per query head passed (a head whose steps are all skipped is passed too)
+                    for _h in cutlass.range(head_next - head, unroll=1):
                         fm_head_rem = fm_head_rem + 1
                         if fm_head_rem == fmask[2]:
                             fm_head_rem = Int32(0)
@@ -1342,26 +1429,36 @@ class FlashBwdSm100:
 
     # ------------------------------------------------------------------ dQ reduce warps
     @cute.jit
-    def reduce(self, tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, pipe_dQ, tile, trace=None):
+    def reduce(self, tdQtdQ, tma_atom_dQ, mdQacc, sdQ, mdQsem, pipe_dQ, tile, trace=None, skips=None):
         """dQ(t) of each query tile: TMEM -> registers -> fp32 smem stage -> TMA reduce-add
         (``cp.reduce.async.bulk.tensor ... add.f32``) into dq_accum (``drain`` / ``drain_wide``). Warp 0
         of the role issues the TMA and owns its bulk groups; a stage is rewritten only after warp 0 saw
         its previous reduce finish reading (wait_group read, then the Reduce barrier).
 
         Every query tile reduces whole tile_m-row boxes: rows past seqlen_q add exact zeros (their dS is
-        0) into accumulator rows the tile owns (Sq_pad rows, or the sequence's padded varlen rows)."""
+        0) into accumulator rows the tile owns (Sq_pad rows, or the sequence's padded varlen rows).
+
+        ``skips`` (Note [FlashMask skipped steps, SM100]): without deterministic dQ the role walks the steps that
+        compute; with it, every (query head, query tile) of the range, so that a step the column bounds skip
+        still takes its turn (waits for it and passes it on, reducing nothing)."""
         cfg = self.cfg
         n_tile, head_kv, batch, offset_q, offset_k, seqlen_q, seqlen_k = tile[:7]
         n_iter, accum_row0, left, right, split = tile[9], tile[10], tile[11], tile[12], tile[13]
+        walk_skips = skips  # the coordinate walk: the live steps ...
+        n_walk = n_iter
+        if const_expr(cfg.deterministic and skips is not None):
+            walk_skips = None  # ... or, taking turns, every step of the range
+            n_walk = tile[14]
         tidx = cute.arch.thread_idx()[0] % 128  # TMEM lane: query row (narrow) or head dim (wide)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - _WARPS_REDUCE[0]
         tm = self.tile_m
         box = (DQT_ROWS, DQT_BOX) if self.wide else (TILE_M, DQ_CHUNK)
-        if n_iter > 0:
+        if n_walk > 0:
             dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            it_live = Int32(0)  # steps drained so far (the staging buffers alternate over them)
             bar_reduce = pipeline.NamedBarrier(barrier_id=int(BwdBarrier.Reduce), num_threads=ROLE_THREADS["reduce"])
-            head, m_tile = self.first_coords(tile)
-            for it in cutlass.range(n_iter, unroll=1):
+            head, m_tile = self.first_coords(tile, walk_skips)
+            for it in cutlass.range(n_walk, unroll=1):
                 if const_expr(cfg.varlen):
                     gdQ = cute.local_tile(cute.domain_offset((accum_row0, 0), mdQacc[None, None, head]),
                                           box, (None, None))
@@ -1391,14 +1488,19 @@ class FlashBwdSm100:
                         seen = ld_acquire_gpu(sem_ptr)
                         while seen != turn:
                             seen = ld_acquire_gpu(sem_ptr)
-                pipe_dQ.consumer_wait(dq_state)
-                if const_expr(self.wide):
-                    self.drain_wide(tdQtdQ, tma_atom_dQ, tdQsdQ, tdQgdQ, sdQ, pipe_dQ, dq_state, bar_reduce, m_tile,
-                                    split, tidx, warp)
-                else:
-                    self.drain(tdQtdQ[0], tma_atom_dQ, tdQsdQ, tdQgdQ, sdQ, pipe_dQ, dq_state, bar_reduce, m_tile,
-                               it, tidx, warp)
-                dq_state.advance()
+                live = True
+                if const_expr(cfg.deterministic and skips is not None):
+                    live = not self.step_skipped(head, m_tile, tile, skips)
+                if live:
+                    pipe_dQ.consumer_wait(dq_state)
+                    if const_expr(self.wide):
+                        self.drain_wide(tdQtdQ, tma_atom_dQ, tdQsdQ, tdQgdQ, sdQ, pipe_dQ, dq_state, bar_reduce,
+                                        m_tile, split, tidx, warp)
+                    else:
+                        self.drain(tdQtdQ[0], tma_atom_dQ, tdQsdQ, tdQgdQ, sdQ, pipe_dQ, dq_state, bar_reduce,
+                                   m_tile, it_live, tidx, warp)
+                    dq_state.advance()
+                    it_live = it_live + 1
                 if const_expr(cfg.deterministic):
                     if warp == 0:
                         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done
@@ -1406,7 +1508,7 @@ class FlashBwdSm100:
                         if tidx == 0:
                             cute.arch.fence_acq_rel_gpu()
                             red_release_add_gpu(sem_ptr, 1)
-                head, m_tile = self.next_coords(head, m_tile, tile)
+                head, m_tile = self.next_coords(head, m_tile, tile, walk_skips)
             if warp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # smem and the adds outlive no CTA
 
