@@ -194,12 +194,22 @@ def test_arrival_check_rejects_wrong_counts():
     from cute_kernels.attention import bwd_sm100 as m
 
     rt = m.ROLE_THREADS
-    good = {name: (rt[p], rt[c]) for name, (p, c) in m.PIPES.items()}
+
+    def threads(roles):
+        return sum(rt[r] for r in ((roles,) if isinstance(roles, str) else roles))
+
+    good = {name: (threads(p), threads(c)) for name, (p, c) in {**m.PIPES, **m.SCRUB_PIPES}.items()}
     bars = {b: sum(rt[r] for r in roles) for b, roles in m.BARRIERS.items()}
     m.check_arrivals(good, bars)
     bad = dict(good, dS=(128, 1))  # one compute warpgroup instead of two
     with pytest.raises(ValueError, match="pipeline dS"):
         m.check_arrivals(bad, bars)
+    # Note [scrubbed K / V, SM100]: the scrub warps hand K / V to the MMA warp's 32 threads and the compute warps
+    assert good["kvs"] == (64, 32 + 256)
+    with pytest.raises(ValueError, match="pipeline kvs"):
+        m.check_arrivals(dict(good, kvs=(64, 256)), bars)  # the MMA warp's arrivals forgotten
+    with pytest.raises(ValueError, match="pipeline kvs"):
+        m.check_arrivals({k: v for k, v in good.items() if k != "kvs"}, bars)  # an unchecked edge
     with pytest.raises(ValueError, match="TmemFree"):
         m.check_arrivals(good, {**bars, m.BwdBarrier.TmemFree: 256})
     assert rt["compute"] == 32 * len(m._WARPS_COMPUTE) == 256 and rt["reduce"] == 128

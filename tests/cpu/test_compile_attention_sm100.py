@@ -149,6 +149,15 @@ def test_arrival_table_matches_the_roles():
     assert m.ROLE_THREADS["softmax"] == 32 * len(m._WARPS_SOFTMAX[0]) == m.TILE_M
     assert m.ROLE_THREADS["correction"] == 32 * len(m._WARPS_CORRECTION) == 128
     assert set(m.ARRIVALS) == set(m.PIPES) and len(m._WARPS_SOFTMAX) * 4 + 4 + 4 == m.NUM_THREADS // 32
+    # Note [scrubbed value tiles, SM100]: the vready / scrub edges a build adds, per Q-stage count
+    for q_stage in (1, 2):
+        pipes, arrivals = dict(m.PIPES, **m.scrub_pipes(q_stage)), dict(m.ARRIVALS, **m.scrub_arrivals(q_stage))
+        kw = dict(pipes=pipes, barriers=m.BARRIERS, role_threads=m.ROLE_THREADS)
+        check_arrivals(arrivals, m.NAMED_THREADS, **kw)
+        assert arrivals["scrub"] == (64, 32 + q_stage * m.TILE_M) and arrivals["vready"] == (32, 64)
+        with pytest.raises(ArrivalCountError, match="pipeline scrub"):
+            check_arrivals(dict(arrivals, scrub=(64, 32 + (3 - q_stage) * m.TILE_M)), m.NAMED_THREADS, **kw)
+    assert 32 * len(m._WARPS_SCRUB) == m.ROLE_THREADS["scrub"] and m._WARPS_SCRUB == (14, 15)
 
 
 _WRONG_COUNT_SCRIPT = r"""
