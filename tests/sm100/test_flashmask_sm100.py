@@ -25,5 +25,6 @@ from tests.gpu.test_flashmask import (  # noqa: E402,F401  (collected here under
     _no_tf32, test_backward_deterministic_bitwise, test_backward_mask_heads,
     test_backward_random_masks_sq_ne_sk, test_backward_rows_and_keys_without_partner, test_backward_user_masks,
     test_block_logit, test_causal_mask_as_startend_equals_causal_kernel, test_document_mask_equals_varlen,
-    test_empty_rows_and_query_tiles, test_mask_heads, test_nan_in_skipped_key_tiles_does_not_leak,
+    test_empty_rows_and_query_tiles, test_mask_heads, test_nan_in_partial_tiles_does_not_leak,
+    test_nan_in_skipped_key_tiles_does_not_leak,
     test_random_masks_sq_ne_sk, test_user_masks, test_window_and_mask)
