@@ -1211,12 +1211,7 @@ class FlashFwdSm100:
         if keys != Uint32(0):
             words = cute.recast_tensor(rP_chunk, Uint32)
             for w in cutlass.range_constexpr(cute.size(words)):
-                x = words[w]
-                nz = ((x & Uint32(0x7FFF7FFF)) + Uint32(0x7FFF7FFF)) & Uint32(0x80008000)
-                hit = nz & ((((keys >> Uint32(2 * w)) & Uint32(1)) << Uint32(15))
-                            | (((keys >> Uint32(2 * w + 1)) & Uint32(1)) << Uint32(31)))
-                m = ((hit >> Uint32(15)) & Uint32(1)) * Uint32(0xFFFF) | (hit >> Uint32(31)) * Uint32(0xFFFF0000)
-                words[w] = (x & ~m) | (Uint32(0x7FFF7FFF) & m)  # NaN halves (bf16 and fp16)
+                words[w] = nf.nan_seen_halves(words[w], keys >> Uint32(2 * w), Uint32)
 
     @cute.jit
     def mask_scores(self, tSrS: cute.Tensor, n_tile: Int32, tile: WorkTile, row: Int32):

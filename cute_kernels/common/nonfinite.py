@@ -112,6 +112,17 @@ def scrub_rows(sX: cute.Tensor, flags: cute.Tensor, tid: Int32, threads: cutlass
     return found
 
 
+def nan_seen_halves(x, pair_bits, u32):
+    """A 32-bit word ``x`` of two 16-bit probabilities (bf16 / fp16; low half first) with NaN (0x7FFF) in each
+    half that is non-zero (``P != +-0``: the key is seen) and whose key is flagged: bit 0 of ``pair_bits`` for the
+    low half, bit 1 for the high one (higher bits ignored). What a seen, flagged key gives the row in the
+    unscrubbed MMA. ``u32``: the 32-bit constructor (``Uint32`` in a kernel, ``numpy.uint32`` in the CPU test)."""
+    nz = ((x & u32(0x7FFF7FFF)) + u32(0x7FFF7FFF)) & u32(0x80008000)
+    hit = nz & (((pair_bits & u32(1)) << u32(15)) | (((pair_bits >> u32(1)) & u32(1)) << u32(31)))
+    m = ((hit >> u32(15)) & u32(1)) * u32(0xFFFF) | (hit >> u32(31)) * u32(0xFFFF0000)
+    return (x & ~m) | (u32(0x7FFF7FFF) & m)
+
+
 @cute.jit
 def visible_bits_sm90(p16: cute.Tensor) -> list:
     """Per register row r (0, 1) of this thread's 16-bit P fragment as the SM90 PV wgmma's A operand holds it

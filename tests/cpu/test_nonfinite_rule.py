@@ -60,3 +60,28 @@ def test_threads_per_row_layouts():
     assert nf.threads_per_row(128, 96, 256, bf16) == 2
     with pytest.raises(AssertionError):
         nf.threads_per_row(128, 8, 512, bf16)  # one 16-byte chunk cannot be shared by 4 threads
+
+
+def test_nan_seen_halves_poisons_exactly_the_seen_flagged_keys():
+    """The SM100 forward's P poison (nf.nan_seen_halves, Note [scrubbed value tiles, SM100]): a half becomes NaN
+    exactly when its key's bit is set and the half is not +-0 (a NaN P stays NaN); the other half is untouched.
+    Every 16-bit pattern in either half, next to a zero, a finite and a NaN neighbour, with every flag pair."""
+    u32 = np.uint32
+    patterns = np.arange(1 << 16, dtype=np.uint32)
+    nonzero = (patterns & u32(0x7FFF)) != 0
+    for other in (0x0000, 0x8000, 0x3C00, 0x7FC0):
+        for shift, other_shift in ((0, 16), (16, 0)):
+            words = (patterns << u32(shift)) | u32(other << other_shift)
+            for bits in range(8):  # bit 2 must be ignored
+                out = nf.nan_seen_halves(words, u32(bits), u32)
+                mine_flag = (bits >> (shift // 16)) & 1
+                other_flag = (bits >> (other_shift // 16)) & 1
+                mine = (out >> u32(shift)) & u32(0xFFFF)
+                want = np.where(nonzero & bool(mine_flag), 0x7FFF, patterns)
+                assert np.array_equal(mine, want), (other, shift, bits)
+                theirs = (out >> u32(other_shift)) & u32(0xFFFF)
+                other_seen = (other & 0x7FFF) != 0 and other_flag
+                assert np.all(theirs == (0x7FFF if other_seen else other)), (other, shift, bits)
+    # 0x7FFF is a NaN in both 16-bit formats
+    assert np.isnan(np.array([0x7FFF], np.uint16).view(np.float16)[0])
+    assert np.isnan(np.array([0x7FFF0000], np.uint32).view(np.float32)[0])
