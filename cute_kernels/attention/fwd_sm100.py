@@ -167,7 +167,7 @@ _WARPS_SCRUB = (14, 15)
 # Note [scrubbed value tiles, SM100] (NaN / Inf in values a row cannot see; common/nonfinite.py). Inside a
 # partially masked key tile the PV multiplies P = 0 by every value row, and 0 * NaN = NaN. So a V tile some
 # row of the work tile cannot wholly see (past the first row's causal / window limit, before the last row's
-# window start, the sequence's key tail: ``v_tile_masked``; in a FlashMask build every visited tile) is scrubbed
+# window start, the sequence's key tail, a FlashMask tile its bounds cut: ``v_tile_masked``) is scrubbed
 # before its PV. Every V tile goes through two edges, two slots deep: the MMA warp, once the tile has landed,
 # hands it to the scrub warps 14-15 (``vready``; they were idle); they zero a masked tile's non-finite elements
 # in shared memory (common/nonfinite.scrub_rows, its flat loop: loading a row's chunks together spilled in their
@@ -176,9 +176,9 @@ _WARPS_SCRUB = (14, 15)
 # and to the softmax WGs, which wait for it before storing P and make NaN, in their packed 16-bit P, the
 # entries that are non-zero on a flagged key: what the unscrubbed tile gives the rows that see it; a chunk of
 # 32 keys with no flagged key costs one uniform test. Compile-verified only (no Blackwell GPU here); the SM90
-# forward's scrub (fwd_sm90.py) is the same rule and runs on Hopper. Tried and dropped for registers: the
-# FlashMask tile test in the scrub warps, reading P back from TMEM after storing it, poisoning the fp32 scores
-# (all spilled beside block_bos or FlashMask, sm_100a / sm_103a).
+# forward's scrub (fwd_sm90.py) is the same rule and runs on Hopper. Tried and dropped for registers: reading P
+# back from TMEM after storing it, poisoning the fp32 scores (both spilled beside block_bos), loading a row's
+# chunks together in the scan (spilled in the scrub warps).
 SCRUB_SLOTS = 2
 
 # Roles (common/barriers.py): the threads one signal of each role arrives with. A softmax role is the
@@ -894,13 +894,18 @@ class FlashFwdSm100:
     def v_tile_masked(self, tile: WorkTile, n_tile: Int32):
         """Whether the scrub warps scan V of key tile ``n_tile``: some row of ``tile`` cannot see some of its keys
         (past the first row's causal / window limit, before the last row's window start, the sequence's key
-        tail), and every visited tile of a FlashMask build (its tile test beside the scan spilled the scrub
-        warps' 56 registers, 52 B on sm_103a under CUDA 13; scanning a tile every row sees changes nothing)."""
+        tail, a FlashMask tile the column bounds do not leave whole for the tile's rows). The scrub warps
+        evaluate it before their waits: between a wait and the scan its FlashMask loads spilled their 56
+        registers (52 B, sm_103a under CUDA 13)."""
         keys = tile.keys
         masked = ((n_tile >= keys.n_right_mask) | (n_tile < keys.n_left_mask)
                   | ((n_tile + 1) * TILE_N > tile.seqlen.seqlen_k))
         if const_expr(self.cfg.has_startend):
-            masked = Boolean(True)
+            m0 = tile.m_tile * self.tile_m_total
+            lo, hi = fm.load_tile_minmax(tile.fm_minmax, n_tile, self.cfg.startend)
+            _skip, whole = fm.classify_tile(m0, cutlass.min(m0 + self.tile_m_total, tile.seqlen.seqlen_q), lo, hi,
+                                            self.cfg.startend)
+            masked = masked | (not whole)
         return masked
 
     @cute.jit
@@ -946,11 +951,12 @@ class FlashFwdSm100:
             if tile.has_keys:
                 for step in cutlass.range(self.key_steps(tile), unroll=1):
                     kv_state.advance()  # the key tile's K
+                    vm = self.v_tile_masked(tile, self.key_tile(tile, step))
                     pipe_vready.consumer_wait(vr_state)
                     pipe_scrub.producer_acquire(sc_state)
                     bad_lo = Int32(0)
                     bad_hi = Int32(0)
-                    if self.v_tile_masked(tile, self.key_tile(tile, step)):
+                    if vm:
                         sVk = cute.make_tensor(sV[None, None, None, kv_state.index].iterator, vk_layout)
                         nf.scrub_rows(sVk, flags[None, sc_state.index], tid, threads, per_row)
                         cute.arch.fence_view_async_shared()
