@@ -199,6 +199,13 @@ SCRUB_PIPES = {"kvs": ("scrub", ("mma_warp", "compute"))}
 TRACE_EDGES = edge_names(PIPES) + ["tmem_free", "dq_turn"] + edge_names(SCRUB_PIPES)
 
 
+def _sum_tree(vals: list):
+    """The sum of ``vals`` as a pairwise tree (plain Python, unrolled where a kernel calls it)."""
+    while len(vals) > 1:
+        vals = [vals[i] + vals[i + 1] for i in range(0, len(vals), 2)]
+    return vals[0]
+
+
 def check_arrivals(groups: dict, barriers: dict) -> None:
     """Trace-time check (common/barriers.py, the rule the SM100 forward follows too): every pipeline's
     producer / consumer arrival count and every named barrier's thread count equal the threads of
@@ -1356,13 +1363,13 @@ class FlashBwdSm100:
     @cute.jit
     def guard_masked_ds(self, rdS, rP, rD, c0: cutlass.Constexpr, k0: cutlass.Constexpr):
         """dS^T = 0 where P^T = 0 in the STAT_CHUNK columns from ``c0`` of ``rdS`` (P from ``k0`` of ``rP``) when
-        some of their D is NaN: a row that saw a NaN / Inf value has a NaN out, so D = rowsum(dO * O) is NaN and
-        P (dP - D) = 0 * NaN would carry it to the dK of keys the row cannot see (the SM90 kernel's rule,
-        bwd_sm90.guard_masked_ds). D is the same in every thread of the warp: one uniform test per chunk."""
-        bad = Int32(0)
-        for kk in cutlass.range_constexpr(STAT_CHUNK):
-            bad = bad | (Int32(0) if rD[kk] == rD[kk] else Int32(1))
-        if bad != 0:
+        some of their D is not finite: a row that saw a NaN / Inf value has a NaN or +-Inf out, so D =
+        rowsum(dO * O) is too and P (dP - D) = 0 * NaN or 0 * Inf would carry it to the dK of keys the row cannot
+        see (the SM90 kernel's rule, bwd_sm90.guard_masked_ds, which tests for NaN only). D is the same in every
+        thread of the warp: one uniform test per chunk, on the sum of its values (x - x is 0 for every finite x,
+        NaN for NaN and +-Inf; a sum that overflows only applies the exact guard needlessly)."""
+        total = _sum_tree([rD[kk] for kk in range(STAT_CHUNK)])
+        if total - total != Float32(0.0):
             for kk in cutlass.range_constexpr(STAT_CHUNK):
                 rdS[c0 + kk] = Float32(0.0) if rP[k0 + kk] == Float32(0.0) else rdS[c0 + kk]
 
