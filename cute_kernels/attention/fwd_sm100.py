@@ -996,7 +996,6 @@ class FlashFwdSm100:
         """``scrub``: (the scrub pipeline, its flags, its found bytes) of Note [scrubbed value tiles, SM100]."""
         mBlockLogit, scale_log2, softcap_in, softcap, logit_scale, mBlockBos = args
         tidx, tmem = self.softmax_tmem(stage, thr_mma_qk, tStS)
-        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCRUB_SLOTS)
         s_state = _slot_state(self.q_stage, stage, producer=False)
         scale_state = _slot_state(self.q_stage, stage, producer=True)
         stats_state = _slot_state(self.q_stage, stage, producer=True)
@@ -1038,15 +1037,13 @@ class FlashFwdSm100:
                         need_mask = need_mask | (not whole)
                     scrub_step = None
                     if const_expr(scrub is not None):
-                        scrub_step = (scrub[0], sc_state, scrub[1], scrub[2])
+                        scrub_step = (scrub[0], None, scrub[1], scrub[2])
                     row_max, row_sum = self.softmax_step(
                         step, need_mask, n_tile, tile, row, row_max, row_sum, carry, gBL, stage, tmem, sScale,
                         pipe_s, s_state, pipe_scale, scale_state, scale_log2, softcap_in, softcap, logit_scale,
                         tidx, bos, scrub_step)
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
-                    if const_expr(scrub is not None):
-                        sc_state.advance()
                 self.publish_row_stats(pipe_stats, stats_state, sRowSum, sRowMax, tidx, stage, row_sum, row_max)
                 stats_state.advance(self.q_stage)
             if const_expr(mBlockLogit is not None):
@@ -1112,8 +1109,8 @@ class FlashFwdSm100:
         """One key tile of one query row: S -> (softcap, mask) -> block maxima, row max -> P, sum.
         ``bos`` (block_bos builds): (the row's origin, the number of blocks it stores: nb, 0 past the
         sequence); ``carry`` then holds the block carried down to the next key tile (common/block_logit.py,
-        one row per thread). ``scrub_step``: (the scrub pipeline, its state, key flags, key mask), Note
-        [scrubbed value tiles, SM100]."""
+        one row per thread). ``scrub_step``: (the scrub pipeline, None, key flags, key mask), Note
+        [scrubbed value tiles, SM100]; its state is derived from ``s_state``."""
         cfg = self.cfg
         thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP = tmem
         # 1. wait for S_stage = Q K^T of this key tile and load the whole row (128 fp32)
@@ -1169,17 +1166,42 @@ class FlashFwdSm100:
                     blk.store_blocks(gRow, blocks, n_tile // tpb, nb, row_valid, scale)
         # 7. P = exp2(S * scale_log2 - max * scale_log2), 32 columns at a time, into TMEM
         bias = -max_safe * scale_log2
+        if const_expr(scrub_step is None):
+            sums = self.p_to_tmem(tSrS, tmem, scale_log2, bias, None)
+        else:
+            # Note [scrubbed value tiles, SM100]: this key tile's V scrubbed, its flagged keys as bits; a tile with
+            # one (rare; the same in every thread) takes a copy of the loop that poisons every chunk (a test per
+            # chunk inside the one loop spilled beside block_bos, sm_103a under CUDA 13)
+            # the scrub edge's state from this WG's key-step count (s_state counts q_stage per step): one V tile
+            # per key step, two slots (carried through the key loop it took registers beside block_bos)
+            nv = s_state.count // self.q_stage
+            sc_state = pipeline.PipelineState(SCRUB_SLOTS, nv, nv % SCRUB_SLOTS, (nv // SCRUB_SLOTS) % 2)
+            scrub_step[0].consumer_wait(sc_state)
+            key_mask = scrub_step[3][None, sc_state.index]
+            sums = [Float32(0.0), Float32(0.0)]
+            if (key_mask[0] | key_mask[1] | key_mask[2] | key_mask[3]) != Uint32(0):
+                sums = self.p_to_tmem(tSrS, tmem, scale_log2, bias, key_mask)
+            else:
+                sums = self.p_to_tmem(tSrS, tmem, scale_log2, bias, None)
+            scrub_step[0].consumer_release(sc_state)
+        # 8. P visible to the tensor core, then hand the stage to the MMA warp
+        cute.arch.fence_view_async_tmem_store()
+        pipe_s.consumer_release(s_state)
+        return row_max_use, row_sum * acc_scale + (sums[0] + sums[1])
+
+    @cute.jit
+    def p_to_tmem(self, tSrS: cute.Tensor, tmem, scale_log2: Float32, bias: Float32, key_mask):
+        """Step 7 of ``softmax_step``: P = exp2(S * scale_log2 + bias) of the row, 32 columns at a time, as 16-bit
+        into TMEM; with ``key_mask`` (Note [scrubbed value tiles, SM100]) each chunk's seen flagged keys made NaN
+        first. Returns the two partial row sums (fp32, before any poison)."""
+        thr_t2r, thr_r2t, tStS_t2r, tStP_r2t, tScS_t2r, tPcP = tmem
+        n = cute.size(tSrS)
         rP = cute.make_rmem_tensor(tPcP.shape, Float32)
         rP_h = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), tSrS.layout)
         sums = [Float32(0.0), Float32(0.0)]
         chunks = cute.size(tStP_r2t.shape[2])
         per_chunk = n // chunks
-        key_mask = None
-        if const_expr(scrub_step is not None):
-            # Note [scrubbed value tiles, SM100]: this key tile's V scrubbed, its flagged keys as bits
-            assert per_chunk == 32, per_chunk
-            scrub_step[0].consumer_wait(scrub_step[1])
-            key_mask = scrub_step[3][None, scrub_step[1].index]
+        assert key_mask is None or per_chunk == 32, per_chunk
         for j in cutlass.range_constexpr(chunks):
             for k0 in cutlass.range_constexpr(j * per_chunk, (j + 1) * per_chunk, 2):
                 x0, x1 = cute.arch.fma_packed_f32x2((tSrS[k0], tSrS[k0 + 1]), (scale_log2, scale_log2),
@@ -1198,26 +1220,12 @@ class FlashFwdSm100:
             chunk_p = cute.logical_divide(rP_h, cute.make_layout(per_chunk))[None, j]
             chunk_p.store(chunk_s.load().to(self.dtype))
             if const_expr(key_mask is not None):
-                self.poison_seen_keys(rP[None, None, j], key_mask[j])
+                words = cute.recast_tensor(rP[None, None, j], Uint32)
+                keys = key_mask[j]
+                for w in cutlass.range_constexpr(cute.size(words)):
+                    words[w] = nf.nan_seen_halves(words[w], keys >> Uint32(2 * w), Uint32)
             cute.copy(thr_r2t, rP[None, None, j], tStP_r2t[None, None, j])
-        if const_expr(scrub_step is not None):
-            scrub_step[0].consumer_release(scrub_step[1])
-        # 8. P visible to the tensor core, then hand the stage to the MMA warp
-        cute.arch.fence_view_async_tmem_store()
-        pipe_s.consumer_release(s_state)
-        return row_max_use, row_sum * acc_scale + (sums[0] + sums[1])
-
-    @cute.jit
-    def poison_seen_keys(self, rP_chunk: cute.Tensor, keys: Uint32):
-        """Note [scrubbed value tiles, SM100]: in one chunk of this row's 16-bit P (word w: keys 2w, 2w + 1 of the
-        chunk's 32, as bits 2w, 2w + 1 of ``keys``), NaN where the row sees a flagged key (P != 0: the mask gave
-        exactly 0 elsewhere), which the unscrubbed tile would have made NaN in the PV. Nothing when no key of the
-        chunk is flagged (the same word in every thread: one uniform test). On the packed P (on the fp32 scores
-        the branch spilled beside block_bos, sm_103a under CUDA 13)."""
-        if keys != Uint32(0):
-            words = cute.recast_tensor(rP_chunk, Uint32)
-            for w in cutlass.range_constexpr(cute.size(words)):
-                words[w] = nf.nan_seen_halves(words[w], keys >> Uint32(2 * w), Uint32)
+        return sums
 
     @cute.jit
     def mask_scores(self, tSrS: cute.Tensor, n_tile: Int32, tile: WorkTile, row: Int32):
