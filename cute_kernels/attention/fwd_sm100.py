@@ -173,9 +173,9 @@ _WARPS_SCRUB = (14, 15)
 # in shared memory (common/nonfinite.scrub_rows, its flat loop: loading a row's chunks together spilled in their
 # 56 registers), fence the async proxy, publish the flagged keys as a bit mask (bit k of word k // 32; zero for
 # an unmasked tile) and hand the tile on (``scrub``) to the MMA warp, which waits for it before the tile's PV,
-# and to the softmax WGs, which wait for it before storing P and make NaN, in their packed 16-bit P, the
-# entries that are non-zero on a flagged key: what the unscrubbed tile gives the rows that see it; a chunk of
-# 32 keys with no flagged key costs one uniform test. Compile-verified only (no Blackwell GPU here); the SM90
+# and to the softmax WGs, which wait for it before storing P and, when a key of the tile is flagged (rare: one
+# uniform test per step), store P through a copy of their loop that makes NaN, in the packed 16-bit P, the
+# entries that are non-zero on a flagged key: what the unscrubbed tile gives the rows that see it. Compile-verified only (no Blackwell GPU here); the SM90
 # forward's scrub (fwd_sm90.py) is the same rule and runs on Hopper. Tried and dropped for registers: reading P
 # back from TMEM after storing it, poisoning the fp32 scores (both spilled beside block_bos), loading a row's
 # chunks together in the scan (spilled in the scrub warps).
