@@ -1171,9 +1171,9 @@ class FlashFwdSm100:
         else:
             # Note [scrubbed value tiles, SM100]: this key tile's V scrubbed, its flagged keys as bits; a tile with
             # one (rare; the same in every thread) takes a copy of the loop that poisons every chunk (a test per
-            # chunk inside the one loop spilled beside block_bos, sm_103a under CUDA 13)
-            # the scrub edge's state from this WG's key-step count (s_state counts q_stage per step): one V tile
-            # per key step, two slots (carried through the key loop it took registers beside block_bos)
+            # chunk inside the one loop spilled beside block_bos, sm_103a under CUDA 13). The edge's state comes
+            # from this WG's key-step count (s_state counts q_stage per step; one V tile per key step, every role
+            # walks the same ones): carried through the key loop it took registers beside block_bos.
             nv = s_state.count // self.q_stage
             sc_state = pipeline.PipelineState(SCRUB_SLOTS, nv, nv % SCRUB_SLOTS, (nv // SCRUB_SLOTS) % 2)
             scrub_step[0].consumer_wait(sc_state)
