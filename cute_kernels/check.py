@@ -1,7 +1,7 @@
 """Compile every kernel config for an arch without a GPU and report its resources.
 
     python -m cute_kernels.check --arch sm_90a|sm_100a|sm_103a [--kernel NAME] [--full] [--match TEXT ...]
-                                 [--limit N] [--json FILE]
+                                 [--limit N] [--shard K/N] [--json FILE]
 
 For each config prints: kernel, config, compile seconds, registers per thread, spill store/load
 bytes and the dynamic shared memory the launcher requests (vs the arch limit). Exits non-zero when
@@ -72,10 +72,11 @@ def parse_remarks(text: str) -> list[dict]:
 
 
 def check(arch_text: str, kernel: str | None = None, full: bool = False, limit: int | None = None,
-          match: list[str] | tuple[str, ...] = ()) -> list[dict]:
+          match: list[str] | tuple[str, ...] = (), shard: tuple[int, int] = (0, 1)) -> list[dict]:
     """Compile each kernel's config matrix for ``arch_text`` (``match``: only the configs whose repr contains
-    every one of these strings; ``limit``: at most that many configs per kernel, the first of its matrix after
-    ``match``) and return one result row per config."""
+    every one of these strings; ``shard`` (k, n): only the configs at positions k, k + n, k + 2n, ... of that
+    list, so n processes or sessions split a long ``--full`` matrix; ``limit``: at most that many configs per
+    kernel, the first of its selection) and return one result row per config."""
     from cute_kernels import arch as _arch
 
     arch = _arch.parse_arch(arch_text)
@@ -94,7 +95,7 @@ def check(arch_text: str, kernel: str | None = None, full: bool = False, limit: 
     for name, (matrix, compile_fn, smem_fn) in checks.items():
         if kernel is not None and name != kernel:
             continue
-        cfgs = [c for c in matrix(arch, full) if all(m in repr(c) for m in match)]
+        cfgs = [c for c in matrix(arch, full) if all(m in repr(c) for m in match)][shard[0]::shard[1]]
         for cfg in cfgs[:limit]:
             row = {"kernel": name, "config": repr(cfg), "ok": False}
             start = time.perf_counter()
@@ -146,9 +147,18 @@ def main(argv=None) -> int:
     ap.add_argument("--match", action="append", default=[], metavar="TEXT",
                     help="only configs whose repr contains TEXT (repeat: all of them), e.g. --match varlen=True")
     ap.add_argument("--limit", type=int, default=None, help="at most N configs per kernel (CI smoke)")
+    ap.add_argument("--shard", default="0/1", metavar="K/N",
+                    help="only every N-th config of each kernel's selection, starting at the K-th (0-based): N runs "
+                         "with K = 0 .. N-1 cover the matrix once")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
-    results = check(args.arch, args.kernel, args.full, args.limit, args.match)
+    try:
+        k, n = (int(x) for x in args.shard.split("/"))
+        if not (n >= 1 and 0 <= k < n):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--shard {args.shard!r}: expected K/N with N >= 1 and 0 <= K < N")
+    results = check(args.arch, args.kernel, args.full, args.limit, args.match, (k, n))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -6,6 +6,8 @@ second the form ptxas uses for another cause."""
 
 from __future__ import annotations
 
+import pytest
+
 from cute_kernels import check as C
 
 SERIALIZED = (
@@ -91,3 +93,30 @@ def test_match_compiles_only_the_configs_that_contain_every_text(monkeypatch):
     compiled.clear()
     C.main(["--arch", "sm_90a", "--match", "d=128,", "--match", "causal=False"])
     assert compiled == ["Cfg(d=128, causal=False)"]
+
+
+def test_shard_splits_each_kernels_selection_once(monkeypatch):
+    """``--shard K/N``: the N shards of a kernel's selection (after ``--match``) are disjoint and cover it once, in
+    matrix order; a malformed shard is a usage error before anything compiles."""
+    from cute_kernels import registry
+
+    compiled = []
+    matrix = lambda arch, full: [f"Cfg(i={i}, causal={i % 2 == 0})" for i in range(7)]  # noqa: E731
+    monkeypatch.setattr(registry, "all_checks", lambda: {"k1": (matrix, compiled.append, lambda cfg: None)})
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("CUTE_KERNELS_EXTRA_OPTS", "")
+    seen = []
+    for k in range(3):
+        compiled.clear()
+        C.check("sm_90a", shard=(k, 3))
+        seen.append(list(compiled))
+    assert seen[1] == ["Cfg(i=1, causal=False)", "Cfg(i=4, causal=True)"]
+    assert sorted(sum(seen, [])) == sorted(matrix("sm_90a", False))
+    compiled.clear()
+    C.main(["--arch", "sm_90a", "--match", "causal=True", "--shard", "1/2"])
+    assert compiled == ["Cfg(i=2, causal=True)", "Cfg(i=6, causal=True)"]
+    for bad in ("2/2", "x", "1/0"):
+        compiled.clear()
+        with pytest.raises(SystemExit):
+            C.main(["--arch", "sm_90a", "--shard", bad])
+        assert compiled == []
