@@ -1365,7 +1365,7 @@ class FlashBwdSm100:
         """dS^T = 0 where P^T = 0 in the STAT_CHUNK columns from ``c0`` of ``rdS`` (P from ``k0`` of ``rP``) when
         some of their D is not finite: a row that saw a NaN / Inf value has a NaN or +-Inf out, so D =
         rowsum(dO * O) is too and P (dP - D) = 0 * NaN or 0 * Inf would carry it to the dK of keys the row cannot
-        see (the SM90 kernel's rule, bwd_sm90.guard_masked_ds, which tests for NaN only). D is the same in every
+        see (the SM90 kernel's rule, bwd_sm90.guard_masked_ds, which tests each column). D is the same in every
         thread of the warp: one uniform test per chunk, on the sum of its values (x - x is 0 for every finite x,
         NaN for NaN and +-Inf; a sum that overflows only applies the exact guard needlessly)."""
         total = _sum_tree([rD[kk] for kk in range(STAT_CHUNK)])

@@ -1186,14 +1186,15 @@ class FlashBwdSm90:
 
     @cute.jit
     def guard_masked_ds(self, P, dS, sc, sdPsum, s_dps: Int32):
-        """dS^T = 0 where P^T = 0 in the columns (query rows) whose D is NaN: a row that sees a NaN / Inf value has
-        a NaN out, so D = rowsum(dO * O) is NaN and P (dP - D) = 0 * NaN would carry it to the dK of keys the
-        row cannot see (Note [scrubbed K / V]). Rare: the columns are tested first (the D values again from
-        shared memory; a per-element select in ``grad_score`` spilled 72 B at 240 registers)."""
+        """dS^T = 0 where P^T = 0 in the columns (query rows) whose D is not finite: a row that sees a NaN / Inf
+        value has a NaN or +-Inf out (NaN through a scrubbed tile, +-Inf through a tile nobody masks), so D =
+        rowsum(dO * O) is too and P (dP - D) = 0 * NaN or 0 * Inf would carry it to the dK of keys the row cannot
+        see (Note [scrubbed K / V]). Rare: the columns are tested first (the D values again from shared memory,
+        d - d is 0 for every finite d; a per-element select in ``grad_score`` spilled 72 B at 240 registers)."""
         bad = Int32(0)
         for c in cutlass.range_constexpr(sc.ncols):
             d = sdPsum[sc.thr_col + sc.cols[c], s_dps]
-            bad = bad | (Int32(0) if d == d else Int32(1))
+            bad = bad | (Int32(0) if d - d == Float32(0.0) else Int32(1))
         if bad != 0:
             for c in cutlass.range_constexpr(sc.ncols):
                 for r in cutlass.range_constexpr(cute.size(P, mode=[0])):

@@ -115,3 +115,41 @@ def check_invisible(mask, where, poisoned, direction, value, arch):
         name = "out" if direction == "fwd" else "dq"
         got = dirty[name][:, seeing]
         assert not torch.isfinite(got).all(dim=-1).any(), f"{name}: a row that sees a poisoned key is finite"
+
+
+# An Inf value in a key tile nobody masks (issue 43, section 4; docs/attention_bwd.md): Sq = Sk = 1024, causal,
+# window (300, 0): row i sees keys i - 300 .. i. One element of value row 600 (head dim 5) is +Inf. Rows whose query
+# tile meets key 600's key tile unmasked (about rows 640..767 for 64- or 128-wide tiles) get out[..., 5] = +-Inf,
+# not NaN (no scrub there), so D = rowsum(dO * O) = +-Inf; their query tiles visit keys below 340 masked (the
+# window's left edge). Keys below 300 are seen only by rows below 600, none of which sees key 600: their dk / dv
+# (and those rows' dq) must equal a run with a finite value there. A guard that zeroes dS^T = P (dP - D) at P = 0
+# only when D is NaN gives 0 * Inf = NaN in those keys' dk.
+INF_D = dict(sq=1024, causal=True, window=(300, 0), key=600, dim=5, clean_keys=range(0, 300), clean_rows=range(0, 600))
+
+
+def test_inf_out_rows_keep_masked_gradients_clean():
+    check_inf_d(90)
+
+
+def check_inf_d(arch):
+    """The Inf-D case on the kernels of compute capability ``arch`` (tests/sm100 reuses it)."""
+    c = INF_D
+    q, k, v = make_qkv(1, c["sq"], c["sq"], 4, 2, 128, seed=11)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    do = torch.randn(q.shape, device="cuda", generator=g).to(q.dtype)
+    bad_v = v.clone()
+    bad_v[:, c["key"], :, c["dim"]] = math.inf
+    runs = {}
+    for name, vv in (("clean", v), ("dirty", bad_v)):
+        out, lse, _ = run_ours(q, k, vv, causal=c["causal"], window=c["window"], arch=arch)
+        dq, dk, dv = run_bwd_ours(q, k, vv, out, lse, do, causal=c["causal"], window=c["window"],
+                                  deterministic=True, arch=arch)
+        runs[name] = dict(out=out, dq=dq, dk=dk, dv=dv)
+    out = runs["dirty"]["out"][..., c["dim"]].float()
+    # The case must exercise what it is about: some rows carry an infinite (not NaN) out, hence D = +-Inf.
+    assert torch.isinf(out).any(), "no row got an infinite out: the case does not test an Inf D"
+    keys, rows = list(c["clean_keys"]), list(c["clean_rows"])
+    for name, sel in (("dk", keys), ("dv", keys), ("dq", rows)):
+        a, b = runs["dirty"][name][:, sel], runs["clean"][name][:, sel]
+        assert torch.isfinite(a).all(), f"{name}: gradients that no Inf-seeing row reaches are not finite"
+        assert torch.equal(a, b), f"{name}: gradients that no Inf-seeing row reaches changed"

@@ -24,10 +24,14 @@ pytestmark = [pytest.mark.sm100,
                                         "the kernels are sm_100a / sm_103a builds, which load only there")]
 
 pytest.importorskip("torch", reason="drives the SM100 launchers with torch tensors")
-from tests.gpu.test_invisible_nan import CASES, check_invisible  # noqa: E402
+from tests.gpu.test_invisible_nan import CASES, check_inf_d, check_invisible  # noqa: E402
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
 @pytest.mark.parametrize("mask,where,poisoned,direction", CASES)
 def test_invisible_keys_never_reach_a_row_sm100(mask, where, poisoned, direction, value):
     check_invisible(mask, where, poisoned, direction, value, torch_cuda_arch())
+
+
+def test_inf_out_rows_keep_masked_gradients_clean_sm100():
+    check_inf_d(torch_cuda_arch())
