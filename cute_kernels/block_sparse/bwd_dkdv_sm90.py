@@ -435,7 +435,10 @@ class BlockSparseBwdDKDVSm90(BlockSparseSm90):
             acc_dP_mn = acc_mn_view(acc_dP)
             for k in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    acc_dP_mn[k, c] = acc_S_mn[k, c] * (acc_dP_mn[k, c] - delta[c])  # dS^T
+                    # dS^T, 0 where P^T = 0: a non-finite value row of this key (dP^T) or delta of a row that
+                    # cannot see it must not reach its dK as 0 * NaN (common/nonfinite.py)
+                    p = acc_S_mn[k, c]
+                    acc_dP_mn[k, c] = Float32(0.0) if p == Float32(0.0) else p * (acc_dP_mn[k, c] - delta[c])
             convert_to_16bit(acc_as_operand_a(acc_dP), tKrdS)
             self.gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False, 0)
             pipeline_rows.consumer_release(state)

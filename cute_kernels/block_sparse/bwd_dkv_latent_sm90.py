@@ -302,7 +302,10 @@ class BlockSparseLatentBwdDKVSm90(BlockSparseBwdDKDVSm90):
             acc_dP_mn = acc_mn_view(acc_dP)
             for k in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    acc_dP_mn[k, c] = (acc_S_mn[k, c] * softmax_scale) * (acc_dP_mn[k, c] - delta[c])
+                    # 0 where P^T = 0, not 0 * NaN (a non-finite latent row or delta the row cannot see)
+                    p = acc_S_mn[k, c]
+                    acc_dP_mn[k, c] = (Float32(0.0) if p == Float32(0.0)
+                                       else (p * softmax_scale) * (acc_dP_mn[k, c] - delta[c]))
             convert_to_16bit(acc_as_operand_a(acc_dP), tLrdS)
             # 4. Hand P^T and dS^T to WG 2.
             if j > 0:

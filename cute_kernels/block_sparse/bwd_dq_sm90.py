@@ -27,6 +27,16 @@ sweep the consumer computes S and dP of every block, masks them as below, and su
 block order: reproducible); the second sweep is the one described above with that delta, which is also what
 the dK / dV kernel reads. O is not read. Two more GEMMs per block (five instead of three).
 
+Note [non-finite keys a row cannot see] (common/nonfinite.py): a NaN / Inf in a key or value row a tile row
+did not select (or past its limit) must not reach that row's dq. S = Q K^T and dP = dO V^T read K and V as
+loaded: a non-finite K row gives NaN scores, which the block masks replace by -inf where the row cannot see the
+key, and NaN P (hence dS, dq) where it can, as it should; a non-finite V row gives NaN dP, so dS is taken as 0
+wherever P is 0 (``ds_where_seen``: not P (dP - delta) = 0 * NaN), which also keeps a row's non-finite delta
+(a row that saw a NaN) out of the keys it did not see. Only dQ += dS K multiplies dS = 0 by every K row: so in a
+block that needs masks the consumer zeroes the non-finite elements of the K stage in shared memory once the S
+GEMM that read them completed (``scrub_k_block``, before the dq GEMM; a visible key's NaN has already made its
+rows' dS NaN). Blocks every row sees in full are used as loaded.
+
 The blocks are visited in the plan's ascending order, so dq is bitwise reproducible. Rows with lse
 -inf (no key, no sink) and idle rows take lse = +inf: P = 0, dS = 0, dq = 0. ``lse`` includes the
 sink, so the sink needs nothing here (its gradient is ``-sum exp(sink - lse) delta``, a reduction
@@ -44,12 +54,14 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from cute_kernels.attention.bwd_pre import vec_ptr
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, row_allreduce,
                                        transpose_view, wgmma_smem_layout)
 
 from .common import shared_storage, smem_tensors
 from .config import TILE_M
-from .fwd_sm90 import CONSUMER_REGS, KV_STAGES, O_STAGED_WG, PRODUCER_REGS, THREADS_PER_WG, BlockSparseFwdSm90
+from .fwd_sm90 import (CONSUMER_REGS, KV_STAGES, O_STAGED_WG, PRODUCER_REGS, SCRUB_WG, THREADS_PER_WG,
+                       BlockSparseFwdSm90)
 
 
 class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
@@ -62,7 +74,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
     def smem_bytes(cfg) -> int:
         rows = TILE_M * (cfg.head_dim + cfg.head_dim_v) * 2
         kv = 64 * (cfg.head_dim + cfg.head_dim_v) * 2 * KV_STAGES
-        return rows + kv + 4 * 1024 + 8 * (1 + 4 * KV_STAGES)
+        return rows + kv + 4 * 1024 + 8 * (1 + 4 * KV_STAGES) + 64 * KV_STAGES
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mdO: cute.Tensor,
@@ -76,8 +88,8 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         tma_atom_dO, tma_dO, rows_do = self.rows_tma(mdO, self.dv)
         (tma_atom_K, tma_K), (tma_atom_V, tma_V) = self.kv_tmas(mK, mV, sK_layout, sV_layout)
         tma_atom_dQ, tma_dQ, rows_dq = self.rows_tma(mdQ, self.dk, store=True)  # Note [staged O] (fwd_sm90.py)
-        self.shared_storage = shared_storage(self.dtype, self.MBARS, sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout,
-                                             sV=sV_layout)
+        self.shared_storage = shared_storage(self.dtype, self.MBARS, {"k_flags": (cutlass.Uint8, 64 * KV_STAGES)},
+                                             sQ=sQ_layout, sdO=sdO_layout, sK=sK_layout, sV=sV_layout)
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
         atoms = (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_dQ)
         self.kernel(tma_Q, tma_dO, tma_K, tma_V, mO, mdO, mLSE, mDelta, mTileStart, mTileMask, mTileCount, mQLimit,
@@ -104,7 +116,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             out = SimpleNamespace(mdQ=mdQ, atom=atoms[4], rows=rows_dq, sQ_base=storage.sQ.data_ptr(),
-                                  sQ_layout=sQ_layout)
+                                  sQ_layout=sQ_layout, storage=storage)
             self.consume_dq(mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, out, sQ, sdO, sK, sV, mbar_q,
                             pipeline_k, pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
 
@@ -159,6 +171,7 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((TILE_M, self.dk)), Float32)
         acc_dQ.fill(0.0)
         ctx = self.row_context(thr_mma_s, mTileStart, mTileMask, mQLimit, tile)
+        ctx.sK, ctx.storage, ctx.ctidx = sK, out.storage, ctidx
         self.row_stats(ctx, mO, mdOg, mLSE, mDelta, tile, ctidx, softmax_scale)
         if tile.count > 0:
             cute.arch.mbarrier_wait(mbar_q, 0)
@@ -262,8 +275,12 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         acc_dP_mn = acc_mn_view(acc_dP)
         self.mask_block(ctx, acc_S_mn, meta)
         for r in cutlass.range_constexpr(2):
-            pdp = self.row_probs(ctx, acc_S_mn, r) * acc_dP_mn[r, None].load()
-            ctx.delta[r] = ctx.delta[r] + pdp.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            acc_S_mn[r, None].store(self.row_probs(ctx, acc_S_mn, r))
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                # Note [non-finite keys a row cannot see]: P dP = 0 where P = 0 (not 0 * NaN)
+                acc_S_mn[r, c] = self.ds_where_seen(acc_S_mn[r, c], acc_dP_mn[r, c], Float32(0.0))
+            part = acc_S_mn[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            ctx.delta[r] = ctx.delta[r] + part
 
     @cute.jit
     def finish_delta(self, ctx):
@@ -292,9 +309,33 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         acc_dP_mn = acc_mn_view(acc_dP)
         self.mask_block(ctx, acc_S_mn, meta)
         for r in cutlass.range_constexpr(2):
-            p = self.row_probs(ctx, acc_S_mn, r)
-            acc_S_mn[r, None].store(p * (acc_dP_mn[r, None].load() - ctx.delta[r]))  # dS
+            acc_S_mn[r, None].store(self.row_probs(ctx, acc_S_mn, r))
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                acc_S_mn[r, c] = self.ds_where_seen(acc_S_mn[r, c], acc_dP_mn[r, c], ctx.delta[r])
         convert_to_16bit(acc_as_operand_a(acc_S), tQrdS)
+
+    @cute.jit
+    def ds_where_seen(self, p: Float32, dp: Float32, delta: Float32) -> Float32:
+        """dS = P (dP - delta), 0 where P = 0 (Note [non-finite keys a row cannot see]: not 0 * NaN from a
+        non-finite value row or delta the row did not see)."""
+        return Float32(0.0) if p == Float32(0.0) else p * (dp - delta)
+
+    @cute.jit
+    def scrub_k_block(self, ctx, kv_state, meta):
+        """Note [non-finite keys a row cannot see]: in a block that needs masks, zero the non-finite elements of
+        K's stage in shared memory (the S GEMM that read it completed) for the dq GEMM, fenced for the async
+        proxy; the caller meets on SCRUB_WG before that GEMM (``scrub_k_barrier``)."""
+        flags = ctx.storage.k_flags.get_tensor(cute.make_layout((64, KV_STAGES)))
+        if self.block_masked(ctx, meta) != 0:
+            nf.scrub_rows(ctx.sK[None, None, kv_state.index], flags[None, kv_state.index], ctx.ctidx,
+                          THREADS_PER_WG, self.k_per_row)
+            cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def scrub_k_barrier(self, ctx, meta):
+        """The consumer warpgroup meets after ``scrub_k_block`` (the same blocks: the test is uniform)."""
+        if self.block_masked(ctx, meta) != 0:
+            cute.arch.barrier(barrier_id=SCRUB_WG, number_of_threads=THREADS_PER_WG)
 
     @cute.jit
     def dq_step(self, ctx, n: Int32, kv_state, tiled_mma_s, tiled_mma_dq, tSrQ, tSrdO, tSrK, tSrV, tQrKt, tQrdS,
@@ -308,6 +349,8 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         pipeline_v.consumer_wait(kv_state)
         self.gemm(tiled_mma_s, acc_dP, tSrdO, tSrV[None, None, None, kv_state.index], True, 0)
         pipeline_v.consumer_release(kv_state)
+        self.scrub_k_block(ctx, kv_state, meta)
         self.scores_to_ds(ctx, acc_S, acc_dP, meta, tQrdS)
+        self.scrub_k_barrier(ctx, meta)
         self.gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt[None, None, None, kv_state.index], False, 0)
         pipeline_k.consumer_release(kv_state)

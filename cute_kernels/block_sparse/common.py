@@ -11,6 +11,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.utils import (LOG2_E, convert_to_16bit, select_modes, stage_acc_16bit, transpose_view,
                                        wgmma_smem_layout)
 from cute_kernels.dtypes import cutlass_dtype
@@ -68,6 +69,9 @@ class BlockSparseSm90:
         self.chunks = cfg.group // self.gc
         self.wq = cfg.window_queries
         self.tile_n = BLOCK_SIZE
+        # scrub_rows' adjacent threads per key row of a value block (one consumer warpgroup scans it)
+        self.v_per_row = nf.threads_per_row(BLOCK_SIZE, self.dv, THREADS_PER_WG, self.dtype)
+        self.k_per_row = nf.threads_per_row(BLOCK_SIZE, self.dk, THREADS_PER_WG, self.dtype)
 
     def rows_tma(self, mX: cute.Tensor, d: int, stages=None, store: bool = False):
         """(atom, TMA tensor, row box) loading (``store``: storing) one (GC, d) box per tile query from (to) the

@@ -29,6 +29,16 @@ per-row key limit (``q_limit`` or 0), run only when some row needs it: the block
 every tile query, or it reaches past the smallest ``q_limit`` of the tile (the diagonal block of
 causal rows, a document's tail block). Every other block is used as loaded.
 
+Note [scrubbed value blocks] (NaN / Inf in values a row cannot see; common/nonfinite.py, the dense
+forward's Note [scrubbed value tiles]): where a block needs masks (above), the PV multiplies P = 0 of the rows
+that cannot see a key by its value row, and IEEE 0 * NaN = NaN. So before the PV of such a block the consumer
+warpgroup zeroes the non-finite elements of its V stage in shared memory (``nonfinite.scrub_rows``, 128
+threads, while the next block's QK^T runs) and flags their keys (one byte per key and stage, one byte per warp
+and stage for "some key flagged"); after a named barrier a row whose P is non-zero on a flagged key gets NaN in
+acc_O (what the unscrubbed PV gave it). Blocks every tile row sees in full are not scanned. The flags of a
+stage are rewritten only after the producer refilled it, which waits for every warp's release of the PV that
+read them.
+
 Note [Q in registers]: a block is 64 keys, so S = Q K^T is a wgmma of N = 64, and with both operands in
 shared memory each m64n64k16 reads 4 KiB for 32 cycles of math: as much shared-memory bandwidth (128 B per
 cycle) as the SM has, shared with PV's reads, the TMA's writes and a second CTA on the SM. Q is the same for
@@ -57,6 +67,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.mask import apply_mask
 from cute_kernels.common.softmax import OnlineSoftmax
 from cute_kernels.common.utils import (LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit,
@@ -70,6 +81,10 @@ KV_STAGES = 2
 PRODUCER_REGS, CONSUMER_REGS = 24, 232
 #: Named barrier of the consumer warpgroup before the O store (Note [staged O]; 0 is the CTA barrier).
 O_STAGED_WG = 1
+#: Named barrier of the consumer warpgroup after a V stage's scrub (Note [scrubbed value blocks]).
+SCRUB_WG = 2
+#: Shared bytes of the scrub's flags: one per key and stage, one per consumer warp and stage.
+SCRUB_BYTES = (BLOCK_SIZE + THREADS_PER_WG // 32) * KV_STAGES
 
 
 class BlockSparseFwdSm90(BlockSparseSm90):
@@ -77,7 +92,7 @@ class BlockSparseFwdSm90(BlockSparseSm90):
     def smem_bytes(cfg: FwdConfig) -> int:
         q = TILE_M * cfg.head_dim * 2
         kv = BLOCK_SIZE * (cfg.head_dim + cfg.head_dim_v) * 2 * KV_STAGES
-        return q + kv + 3 * 1024 + 8 * (1 + 4 * KV_STAGES)
+        return q + kv + 3 * 1024 + 8 * (1 + 4 * KV_STAGES) + SCRUB_BYTES
 
     # ------------------------------------------------------------------ host launch
     MBARS = {"mbar_q": 1, "mbar_k": 2 * KV_STAGES, "mbar_v": 2 * KV_STAGES}
@@ -93,7 +108,8 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         tma_atom_Q, tma_Q, rows = self.rows_tma(mQ, self.dk)  # stage 0 of its layout is laid out as sQ
         (tma_atom_K, tma_K), (tma_atom_V, tma_V) = self.kv_tmas(mK, mV, sK_layout, sV_layout)
         tma_atom_O, tma_O, rows_o = self.rows_tma(mO, self.dv, store=True)  # Note [staged O]
-        self.shared_storage = shared_storage(self.dtype, self.MBARS, sQ=sQ_layout, sK=sK_layout, sV=sV_layout)
+        self.shared_storage = shared_storage(self.dtype, self.MBARS, self.scrub_words(), sQ=sQ_layout,
+                                             sK=sK_layout, sV=sV_layout)
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
         self.kernel(tma_Q, tma_K, tma_V, mTileStart, mTileMask, mTileCount, mQLimit, mSink, tma_O, mLSE,
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, sQ_layout, sK_layout, sV_layout, rows, rows_o,
@@ -123,9 +139,19 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             out = SimpleNamespace(mO=mO, atom=tma_atom_O, rows=rows_o, sQ_base=storage.sQ.data_ptr(),
-                                  sQ_layout=sQ_layout)
+                                  sQ_layout=sQ_layout, storage=storage)
             self.consume(mTileStart, mTileMask, mQLimit, mSink, out, mLSE, sQ, sK, sV, mbar_q, pipeline_k,
                          pipeline_v, tile, tidx - THREADS_PER_WG, softmax_scale)
+
+    def scrub_words(self) -> dict:
+        """Note [scrubbed value blocks]: the flag bytes in the shared storage (``shared_storage``'s words)."""
+        return {"v_flags": (cutlass.Uint8, BLOCK_SIZE * KV_STAGES),
+                "v_any": (cutlass.Uint8, THREADS_PER_WG // 32 * KV_STAGES)}
+
+    def scrub_flags(self, storage):
+        """(per-warp "found" bytes [warp, stage], per-key flags [key, stage]), made where used."""
+        return (storage.v_any.get_tensor(cute.make_layout((THREADS_PER_WG // 32, KV_STAGES))),
+                storage.v_flags.get_tensor(cute.make_layout((BLOCK_SIZE, KV_STAGES))))
 
     def kv_tmas(self, mK, mV, sK_layout, sV_layout):
         """K / V block atoms (one stage of the staged layouts) and their stage byte counts."""
@@ -266,6 +292,7 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         softmax.reset()
         ctx = self.row_context(thr_mma_qk, mTileStart, mTileMask, mQLimit, tile)
         ctx.softmax = softmax
+        ctx.sV, ctx.storage, ctx.ctidx = sV, out.storage, ctidx
         row = ctx.row
         rows_valid = ctx.rows_valid
 
@@ -346,6 +373,8 @@ class BlockSparseFwdSm90(BlockSparseSm90):
                  acc_O_mn, acc_S_shape, pipeline_k, pipeline_v):
         """The listed blocks in order (Q complete): QK^T of block n in flight with PV of block n - 1."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        # Note [scrubbed value blocks]: whether the block whose PV comes next needs masks, carried over the loop
+        v_masked = cute.make_rmem_tensor((1,), Int32)
         # 1. First block: QK^T alone.
         meta = self.block_meta(ctx, 0)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
@@ -353,20 +382,23 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
         pipeline_k.consumer_release(kv_state)
         self.process_scores(ctx, acc_S, meta, True)
+        v_masked[0] = self.block_masked(ctx, meta)
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
         # 2. QK^T of block n in flight with PV of block n - 1.
         for n in cutlass.range(1, count, unroll=1):
             kv_state = self.overlap_step(ctx, n, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                                         acc_O, acc_O_mn, acc_S_shape, pipeline_k, pipeline_v)
+                                         acc_O, acc_O_mn, acc_S_shape, pipeline_k, pipeline_v, v_masked)
         # 3. PV of the last block.
         pipeline_v.consumer_wait(kv_state)
+        self.scrub_v_block(ctx, kv_state, v_masked[0], tOrP, acc_O_mn)
         self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False, 0)
         pipeline_v.consumer_release(kv_state)
 
     @cute.jit
     def overlap_step(self, ctx, n: Int32, kv_state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O,
-                     acc_O_mn, acc_S_shape, pipeline_k, pipeline_v):
-        """QK^T of block n in flight with PV of block n - 1; then softmax of block n and O rescale."""
+                     acc_O_mn, acc_S_shape, pipeline_k, pipeline_v, v_masked):
+        """QK^T of block n in flight with PV of block n - 1 (its V scrubbed first where ``v_masked[0]``, while the
+        QK^T runs: Note [scrubbed value blocks]); then softmax of block n and O rescale."""
         v_state = kv_state.clone()
         kv_state.advance()
         meta = self.block_meta(ctx, n)  # read before the MMAs: its latency hides behind them
@@ -374,10 +406,12 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         pipeline_k.consumer_wait(kv_state)
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
         pipeline_v.consumer_wait(v_state)
+        self.scrub_v_block(ctx, v_state, v_masked[0], tOrP, acc_O_mn)
         self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
         row_scale = self.process_scores(ctx, acc_S, meta, False)
+        v_masked[0] = self.block_masked(ctx, meta)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         ctx.softmax.rescale(acc_O_mn, row_scale)
@@ -398,6 +432,37 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         acc_S_mn = acc_mn_view(acc_S)
         self.mask_block(ctx, acc_S_mn, meta)
         return ctx.softmax.update(acc_S_mn, is_first)
+
+    @cute.jit
+    def block_masked(self, ctx, meta: cute.Tensor) -> Int32:
+        """Note [block masks]: 1 where some row of the tile cannot see some key of the block (meta = (start,
+        bits)): a tile query did not select it, or it reaches past the tile's smallest key limit."""
+        masked = Int32(0)
+        if (meta[1] & ctx.all_bits) != ctx.all_bits or meta[0] + self.tile_n > ctx.min_limit:
+            masked = Int32(1)
+        return masked
+
+    @cute.jit
+    def scrub_v_block(self, ctx, v_state, v_masked: Int32, tOrP, acc_O_mn):
+        """Note [scrubbed value blocks]: with V of ``v_state`` landed and ``v_masked``, the consumer warpgroup
+        zeroes its non-finite values and flags their keys, meets on SCRUB_WG, and gives NaN in acc_O to the rows
+        whose P (still in ``tOrP``) is non-zero on a flagged key. No PV may be in flight (acc_O is written)."""
+        if v_masked != 0:
+            words, flags = self.scrub_flags(ctx.storage)
+            found = nf.scrub_rows(ctx.sV[None, None, v_state.index], flags[None, v_state.index], ctx.ctidx,
+                                  THREADS_PER_WG, self.v_per_row)
+            cute.arch.fence_view_async_shared()
+            ballot = cute.arch.vote_ballot_sync(found != 0)
+            if ctx.ctidx % 32 == 0:
+                words[ctx.ctidx // 32, v_state.index] = cutlass.Uint8(1) if ballot != 0 else cutlass.Uint8(0)
+            cute.arch.barrier(barrier_id=SCRUB_WG, number_of_threads=THREADS_PER_WG)
+            # the four warps' bytes of the stage as one word
+            if cute.recast_tensor(words, cutlass.Uint32)[v_state.index] != cutlass.Uint32(0):
+                vis = nf.visible_bits_sm90(tOrP)
+                flagged = nf.flag_bits_sm90(flags[None, v_state.index], ctx.ctidx % 32, self.tile_n)
+                bits = nf.row_poison_bits(vis, flagged, 4)
+                if bits != 0:
+                    nf.poison_acc(acc_O_mn, bits)
 
     @cute.jit
     def mask_block(self, ctx, acc_S_mn: cute.Tensor, meta: cute.Tensor):
