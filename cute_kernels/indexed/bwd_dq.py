@@ -9,6 +9,13 @@ window's sorted key union), so dQ is accumulated in registers in a fixed order a
 deterministic. Per chunk: cp.async K and V rows (+ masks) | S = Q K^T, dP = dO V^T | P, dS |
 dQ += dS K. Tensors: mQ/mO/mdO/mdQ [B, Lq, Hq, D] bf16, mK/mV [B, Lkv, Hkv, D] bf16,
 mLSE/mDelta [B, Hq, Lq] fp32, plan tensors as in ``plan.py``.
+
+Note [scrubbed key chunks] (NaN / Inf in keys a row did not select; common/nonfinite.py): dS is 0 on the
+pairs a row did not select (a select, so a non-finite dP from an unselected value row stays out), but dQ += dS K
+multiplies that 0 by every K row of the chunk, the window's key union. So once a chunk's K rows landed the 128
+threads zero their non-finite elements in shared memory and flag their keys (``nonfinite.scrub_rows``), meet
+on a barrier, and S = Q K^T reads the scrubbed rows; S is then NaN on a flagged key's column (what the
+unscrubbed K gave), so a row that selected it still gets NaN P, dS and dq.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+
+from cute_kernels.common import nonfinite as nf
 
 from . import common as C
 from .config import TILE_M, AttnConfig
@@ -42,7 +51,7 @@ class IndexedBwdDQ:
     def smem_bytes(cfg: AttnConfig) -> int:
         tn = dq_tile_n(cfg.head_dim)
         st = cfg.dq_stages
-        return (2 * TILE_M + 2 * tn * st) * cfg.head_dim * 2 + tn * st * 4 + 2 * TILE_M * 4
+        return (2 * TILE_M + 2 * tn * st) * cfg.head_dim * 2 + tn * st * 4 + 2 * TILE_M * 4 + tn + 16
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -62,6 +71,8 @@ class IndexedBwdDQ:
             sMask: cute.struct.Align[cute.struct.MemRange[Int32, self.tile_n * self.stages], 16]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M], 16]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M], 16]
+            sFlag: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.tile_n], 16]  # Note [scrubbed ...]
+            sAny: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, THREADS // 32], 4]
 
         g2s, plain = C.gmem_copies(bf16, THREADS, self.d)
         tiled_mma = C.mma_bf16(THREADS // 32, 1)
@@ -103,6 +114,9 @@ class IndexedBwdDQ:
         sDelta = storage.sDelta.get_tensor(cute.make_layout(TILE_M))
         sKt_all = C.transposed_view(sK_all, TN, D, self.stages)  # (D, TN, stages)
         sKt = sKt_all[None, None, 0]
+        sFlag = storage.sFlag.get_tensor(cute.make_layout(TN))
+        sAny = storage.sAny.get_tensor(cute.make_layout(THREADS // 32))
+        k_per_row = nf.threads_per_row(TN, D, THREADS, cutlass.BFloat16)
 
         thr_g2s = g2s.get_slice(tidx)
         cQ = cute.make_identity_tensor((TILE_M, D))
@@ -167,6 +181,12 @@ class IndexedBwdDQ:
                     self.load_chunk(mK, mV, mWinKey, mWinMask, tKsK, tKsV, tKcK, sMask, g2s, s, win, h, b, count,
                                     n + 1, 1 - buf)
                 cute.arch.cp_async_commit_group()
+            # Note [scrubbed key chunks]: K(n) landed (the wait above)
+            found = nf.scrub_rows(sK_all[None, None, buf], sFlag, tidx, THREADS, k_per_row)
+            ballot = cute.arch.vote_ballot_sync(found != 0)
+            if tidx % 32 == 0:
+                sAny[tidx // 32] = cutlass.Uint8(1) if ballot != 0 else cutlass.Uint8(0)
+            cute.arch.barrier()
             # 2. S = Q K^T, dP = dO V^T
             acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TN)), Float32)
             acc_S.fill(0.0)
@@ -178,6 +198,12 @@ class IndexedBwdDQ:
             # 3. dS = P * (dP - delta), P = 0 off the selection
             S = C.mn_view(acc_S)
             dP = C.mn_view(acc_dP)
+            if cute.recast_tensor(sAny, cutlass.Uint32)[0] != cutlass.Uint32(0):
+                # Note [scrubbed key chunks]: NaN scores on the flagged keys' columns
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    if sFlag[tScS[0, c][1]] != cutlass.Uint8(0):
+                        for r in cutlass.range_constexpr(n_rows):
+                            S[r, c] = Float32.nan
             for r in cutlass.range_constexpr(n_rows):
                 row = tScS[r, 0][0]
                 qbit = row // G

@@ -19,6 +19,15 @@ Keys are visited in ascending order whatever the order of the index row, so the 
 depend on it. Chunk slots past the window's key count are zero rows with an all-zero mask.
 Warp-level mma.sync m16n8k16 (4 warps x 16 rows).
 
+Note [scrubbed value chunks] (NaN / Inf in values a row did not select; common/nonfinite.py): the chunk's
+keys are the window's union, so the PV multiplies P = 0 of the rows that did not select a key by its value
+row, and IEEE 0 * NaN = NaN. Once a chunk's V rows landed, the 128 threads zero its non-finite elements in
+shared memory and flag their keys (``nonfinite.scrub_rows``; one byte per key, one per warp for "some key
+flagged"), in the wait for the next chunk's K loads; after the barrier before the PV, a row whose 16-bit P is
+non-zero on a flagged key gets NaN in acc_O (what the unscrubbed PV gave it). Every chunk is scanned: in a
+window of queries that each select their own keys nearly every key is unselected by some row. Non-finite K
+rows need nothing: their NaN scores are replaced by -inf where the row did not select the key.
+
 Note [empty rows]: a row none of whose chunk keys is selected has S = -inf throughout; while its
 running max is still -inf the exponents use 0 as reference, so p = exp2(-inf) = 0 and the rescale
 factor exp2(-inf - 0) = 0 -- never NaN. A row with no selected key at all ends with sum 0: out 0,
@@ -31,6 +40,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+
+from cute_kernels.common import nonfinite as nf
 
 from . import common as C
 from .config import TILE_M, AttnConfig
@@ -59,7 +70,7 @@ class IndexedFwd:
     @staticmethod
     def smem_bytes(cfg: AttnConfig) -> int:
         tn = fwd_tile_n(cfg.head_dim, cfg.group)
-        return (TILE_M + 2 * tn) * cfg.head_dim * 2 + 2 * tn * 4
+        return (TILE_M + 2 * tn) * cfg.head_dim * 2 + 2 * tn * 4 + tn + 16
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mWinKey: cute.Tensor,
@@ -75,6 +86,8 @@ class IndexedFwd:
             sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sKV_layout)], 1024]
             sMask: cute.struct.Align[cute.struct.MemRange[Int32, 2 * self.tile_n], 16]
+            sFlag: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.tile_n], 16]  # Note [scrubbed ...]
+            sAny: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, THREADS // 32], 4]
 
         g2s, plain = C.gmem_copies(bf16, THREADS, self.d)
         tiled_mma = C.mma_bf16(THREADS // 32, 1)
@@ -108,6 +121,9 @@ class IndexedFwd:
         sV = storage.sV.get_tensor(sKV_layout)
         sMask = storage.sMask.get_tensor(cute.make_layout((TN, 2), stride=(1, TN)))  # (key slot, parity)
         sVt = C.transposed_view(sV, TN, D)
+        sFlag = storage.sFlag.get_tensor(cute.make_layout(TN))
+        sAny = storage.sAny.get_tensor(cute.make_layout(THREADS // 32))
+        v_per_row = nf.threads_per_row(TN, D, THREADS, cutlass.BFloat16)
 
         # ---- gmem -> smem partitions (row-gathered) ----
         thr_g2s = g2s.get_slice(tidx)
@@ -200,6 +216,12 @@ class IndexedFwd:
                                    n + 1, True)
                 cute.arch.cp_async_commit_group()
 
+            # Note [scrubbed value chunks]: V(n) landed (the wait above)
+            found = nf.scrub_rows(sV, sFlag, tidx, THREADS, v_per_row)
+            ballot = cute.arch.vote_ballot_sync(found != 0)
+            if tidx % 32 == 0:
+                sAny[tidx // 32] = cutlass.Uint8(1) if ballot != 0 else cutlass.Uint8(0)
+
             # masked online softmax (base 2); see Note [empty rows] in the module docstring
             S = C.mn_view(acc_S)
             O = C.mn_view(acc_O)
@@ -222,6 +244,9 @@ class IndexedFwd:
                 S[r, None] = p
             rP = cute.make_fragment_like(acc_S, cutlass.BFloat16)
             rP.store(acc_S.load().to(cutlass.BFloat16))
+            cute.arch.barrier()  # Note [scrubbed value chunks]: every thread's zeros and flags
+            if cute.recast_tensor(sAny, cutlass.Uint32)[0] != cutlass.Uint32(0):
+                self.poison_rows(rP, tScS, sFlag, O, n_rows)
             C.gemm_rs(tiled_mma, acc_O, C.as_a_operand(rP), tOrVt, copy_Bt, tOsVt, tOrVt_v)
 
         # ---- epilogue ----
@@ -256,6 +281,29 @@ class IndexedFwd:
                 qi = r // G
                 C.copy_row(plain, C.row_ptr(mO, (b, q0 + qi, h * G + r - qi * G, 0)), tOsO, tQcQ, m, D,
                            to_gmem=True)
+
+    @cute.jit
+    def poison_rows(self, rP: cute.Tensor, tScS: cute.Tensor, sFlag: cute.Tensor, O: cute.Tensor,
+                    n_rows: cutlass.Constexpr):
+        """Note [scrubbed value chunks]: NaN into acc_O's rows (``O``, its (row, col) view) whose 16-bit P is
+        non-zero on a key the chunk's scrub flagged (the columns by their coordinates in ``tScS``); the quad's
+        lanes share a row (``nonfinite.row_poison_bits``). Warp-uniform call."""
+        P = C.mn_view(rP)
+        ncols = cute.size(P, mode=[1])
+        flagged = cutlass.Uint32(0)
+        for c in cutlass.range_constexpr(ncols):
+            if sFlag[tScS[0, c][1]] != cutlass.Uint8(0):
+                flagged = flagged | (cutlass.Uint32(1) << cutlass.Uint32(c))
+        vis = []
+        for r in cutlass.range_constexpr(n_rows):
+            w = cutlass.Uint32(0)
+            for c in cutlass.range_constexpr(ncols):
+                if P[r, c].to(Float32) != Float32(0.0):
+                    w = w | (cutlass.Uint32(1) << cutlass.Uint32(c))
+            vis.append(w)
+        bits = nf.row_poison_bits(vis, flagged, 4)
+        if bits != 0:
+            nf.poison_acc(O, bits)
 
     @cute.jit
     def load_keys(self, mX: cute.Tensor, mWinKey: cute.Tensor, mWinMask: cute.Tensor, sMask: cute.Tensor,

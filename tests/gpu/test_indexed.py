@@ -320,3 +320,47 @@ def test_dkdv_wgmma_matches_mma_kernel_and_reference(group, D, per_head, Lkv):
             assert (x[untouched] == 0).all(), f"{name}: keys no query selects must be exact zeros"
         else:
             assert torch.equal(x, y), f"{name}: forward / dQ must not depend on the dK/dV kernel"
+
+
+@pytest.mark.parametrize("D,Hq", [(256, 24), (128, 8), (64, 2)], ids=["d256-g12", "d128-g4", "d64-g1"])
+@pytest.mark.parametrize("poisoned", ["k", "v"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_selected_keys_a_row_did_not_select_never_reach_it(D, Hq, poisoned, value):
+    """A few *selected* key rows poisoned (issue 43, section 4): each sits in the window's key union, so the
+    chunks that hold it multiply P = 0 / dS = 0 of the window's other rows by it unless the kernels scrub
+    (Note [scrubbed value chunks] in fwd.py, Note [scrubbed key chunks] in bwd_dq.py). A row that selected none
+    of them gets the out, lse and dq of a run with finite rows there (bitwise: deterministic kernels), a key
+    selected only by such rows the same dk / dv; a row that selected one gets a non-finite out (a value) or dq
+    (either)."""
+    B, Lq, Lkv, Hkv = 1, 96, 384, 2
+    q, k, v, dout = make_qkv(B, Lq, Lkv, Hq, Hkv, D, seed=11)
+    idx_np = src.uniform_indices(Lq, Lkv, 24, seed=12)
+    sel = np.zeros((Lq, Lkv), bool)
+    for r in range(Lq):
+        sel[r, idx_np[r][(idx_np[r] >= 0) & (idx_np[r] < Lkv)]] = True
+    # keys selected by exactly one or two rows: the window's other rows did not select them
+    counts = sel.sum(axis=0)
+    keys = [int(k_) for k_ in np.nonzero((counts >= 1) & (counts <= 2))[0][:4]]
+    assert len(keys) == 4, "the case needs keys only one or two rows selected"
+    seeing = sel[:, keys].any(axis=1)
+    clean_rows = torch.from_numpy(np.nonzero(~seeing)[0]).cuda()
+    clean_keys = torch.from_numpy(np.nonzero(sel.any(axis=0) & ~sel[seeing].any(axis=0))[0]).cuda()
+    assert len(clean_rows) > Lq // 2 and len(clean_keys) > 100
+    idx = torch.from_numpy(idx_np[None]).cuda()
+    clean = run_indexed(q, k, v, idx, dout)
+    bad_k, bad_v = k.clone(), v.clone()
+    (bad_k if poisoned == "k" else bad_v)[:, keys] = value
+    dirty = run_indexed(q, bad_k, bad_v, idx, dout)
+    for name, a, b, sl in zip(("out", "lse", "dq", "dk", "dv"), dirty, clean,
+                              ("rows", "lse", "rows", "keys", "keys")):
+        if sl == "lse":
+            a, b = a[:, :, clean_rows], b[:, :, clean_rows]
+        else:
+            pick = clean_rows if sl == "rows" else clean_keys
+            a, b = a[:, pick], b[:, pick]
+        assert torch.isfinite(a).all(), f"{name}: entries no poison-selecting row reaches are not finite"
+        assert torch.equal(a, b), f"{name}: entries no poison-selecting row reaches changed"
+    seen = torch.from_numpy(np.nonzero(seeing)[0]).cuda()
+    if poisoned == "v":
+        assert not torch.isfinite(dirty[0][:, seen]).all(dim=-1).any(), "out: a row that selected a poisoned value is finite"
+    assert not torch.isfinite(dirty[2][:, seen]).all(dim=-1).any(), "dq: a row that selected a poisoned key is finite"
