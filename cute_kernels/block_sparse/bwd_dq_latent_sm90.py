@@ -71,6 +71,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.utils import acc_mn_view, wgmma_gemm_k, wgmma_smem_layout
 
 from .bwd_dq_sm90 import BlockSparseBwdDQSm90
@@ -122,7 +123,8 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         parts_k = [self.kv_tma(mK, wgmma_smem_layout(self.dtype, (self.tile_n, w)), w) for _, w in self.key_parts]
         self.tx_bytes_parts = tuple(self.tile_n * w * 2 for _, w in self.key_parts)
         tma_atom_dQ, tma_dQ, rows_dq = self.rows_tma(mdQ, self.dk, store=True)
-        self.shared_storage = shared_storage(self.dtype, {"mbar_q": 1, "mbar_k": 2 * len(self.key_parts)}, sQ=sQ_layout,
+        self.shared_storage = shared_storage(self.dtype, {"mbar_q": 1, "mbar_k": 2 * len(self.key_parts)},
+                                             {"k_flags": (cutlass.Uint8, BLOCK_SIZE)}, sQ=sQ_layout,
                                              sdO=sdO_layout, sK=sK_layout, sdS=sdS_layout)
         assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
         grid = (mTileCount.shape[1], mK.shape[2] * self.chunks, mQ.shape[0])
@@ -166,7 +168,7 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctidx = tidx - THREADS_PER_WG
             wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
-            out = SimpleNamespace(mdQ=mdQ, atom=atoms[2], rows=rows_dq, sQ_base=storage.sQ.data_ptr(),
+            out = SimpleNamespace(mdQ=mdQ, atom=atoms[2], rows=rows_dq, sQ_base=storage.sQ.data_ptr(), storage=storage,
                                   sQ_layout=sQ_layout)
             if wg == 0:
                 self.consume_ds(mO, mdOg, mLSE, mDelta, mTileStart, mTileMask, mQLimit, out, sQ, sdO, sK,
@@ -247,6 +249,7 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         thr_st = st_copy.get_slice(ctidx)
         tDsdS = thr_st.partition_D(sdS)
         ctx = self.row_context(thr_mma_s, mTileStart, mTileMask, mQLimit, tile)
+        ctx.sK, ctx.storage, ctx.ctidx = sK, out.storage, ctidx
         self.row_stats(ctx, mO, mdOg, mLSE, mDelta, tile, ctidx, softmax_scale)
         if tile.count > 0:
             cute.arch.mbarrier_wait(mbar_q, 0)
@@ -274,6 +277,9 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
                 acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
                 acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
                 self.score_gemms(tiled_mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK0, pipes_k, (st0, st1, st2))
+                # Note [non-finite keys a row cannot see] (bwd_dq_sm90.py): the stage zeroed of non-finite elements
+                # for both dq GEMMs (WG 2 still holds parts 1 and 2; the hand-off below orders it before them)
+                self.scrub_latent_stage(ctx, meta)
                 pipes_k[1].consumer_release(st1)  # WG 1's last reads of parts 1 and 2
                 pipes_k[2].consumer_release(st2)
                 self.scores_to_ds(ctx, acc_S, acc_dP, meta, tQrdS)
@@ -297,6 +303,15 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         cute.arch.barrier(barrier_id=DQ_STAGED, number_of_threads=2 * THREADS_PER_WG)
         if ctidx == 0:
             self.store_row_boxes(out.atom, out.rows, out.mdQ, out.sQ_base, tile, self.dk)
+
+    @cute.jit
+    def scrub_latent_stage(self, ctx, meta):
+        """In a block that needs masks, WG 1 zeroes the non-finite elements of the key stage (its S / dP GEMMs
+        completed), fenced for the dq GEMMs' async proxy (bwd_dq_sm90.py's ``scrub_k_block`` on the one stage)."""
+        flags = ctx.storage.k_flags.get_tensor(cute.make_layout(BLOCK_SIZE))  # written, not read
+        if self.block_masked(ctx, meta) != 0:
+            nf.scrub_rows(ctx.sK[None, None, 0], flags, ctx.ctidx, THREADS_PER_WG, self.k_per_row)
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def consume_cols(self, out, sK_base, sK_layout, sdS, pipes_k, tile, ctidx: Int32, softmax_scale: Float32):

@@ -79,6 +79,14 @@ stage is released by WG 2 and WG 1's warps 1-3 at once and by warp 0 after that 
 refills it only then. (Until Run AM1 the staging used Q's buffer, which kept the next tile's Q waiting for
 the store; before Run AH3 each thread stored its fragments with 4-byte stores, 128 per thread at Dv 512.)
 
+Note [scrubbed latent blocks] (NaN / Inf in keys a row cannot see; common/nonfinite.py): in a block that needs
+masks (fwd_sm90.py, Note [block masks]) the PVs multiply P = 0 of the rows that cannot see a key by its latent
+row, and IEEE 0 * NaN = NaN. V is K's stage, which the block's QK^T has read by then: it made S NaN (so P NaN)
+for a row that sees a non-finite key and -inf (P 0) where the masks cut. So once that QK^T completed WG 1 zeroes
+the stage's non-finite elements in shared memory (``nonfinite.scrub_rows``) and fences them before its hand-off
+of P: both PVs read the scrubbed stage, a seeing row stays NaN through its P, every other row gets what finite
+values give. No flags are needed (the unscrubbed K already poisoned the seeing rows' S).
+
 Shared memory at Dk 576: Q 72 KiB, two 72 KiB key stages, sP 8 KiB, sScale 1 KiB: 225 KiB of the 227.
 """
 
@@ -94,6 +102,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.softmax import OnlineSoftmax
 from cute_kernels.common.utils import LOG2_E, acc_as_operand_a, acc_mn_view, convert_to_16bit, wgmma_smem_layout
 
@@ -144,7 +153,8 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         tma_atom_K, tma_K = self.kv_tma(mK, cute.select(sK_layout, mode=[0, 1]), self.dk)
         tma_atom_O, tma_O, rows_o = self.rows_tma(mO, self.dv, store=True)
-        self.shared_storage = shared_storage(self.dtype, self.MBARS, {"scale": (Float32, 2 * THREADS_PER_WG)},
+        self.shared_storage = shared_storage(self.dtype, self.MBARS, {"scale": (Float32, 2 * THREADS_PER_WG),
+                                                                      "k_flags": (cutlass.Uint8, BLOCK_SIZE)},
                                              sQ=sQ_layout, sK=sK_layout, sP=sP_layout)
         assert self.shared_storage.size_in_bytes() == self.smem_bytes(self.cfg), "smem_bytes is the struct's size"
         # Note [persistent latent tiles]: row tiles (query tile fastest, then kv head x head chunk, then batch)
@@ -191,7 +201,8 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
             ctidx = tidx - THREADS_PER_WG
             wg = cute.arch.make_warp_uniform(ctidx // THREADS_PER_WG)
             sK_base = storage.sK.data_ptr()
-            out = SimpleNamespace(mO=mO, atom=tma_atom_O, rows=rows_o, sK_base=sK_base, stage_layout=sQ_layout)
+            out = SimpleNamespace(mO=mO, atom=tma_atom_O, rows=rows_o, sK_base=sK_base, stage_layout=sQ_layout,
+                                  storage=storage)
             if wg == 0:
                 self.consume_s(mTileStart, mTileMask, mQLimit, mSink, out, mLSE, sQ, sK, sK_base, sK_layout, sP,
                                sScale, mbar_q, mbar_q_free, pipeline_k, sched, ctidx, softmax_scale)
@@ -279,6 +290,7 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
             softmax.reset()
             ctx = self.row_context(thr_mma_qk, mTileStart, mTileMask, mQLimit, tile)
             ctx.softmax = softmax
+            ctx.sK, ctx.storage, ctx.ctidx = sK, out.storage, ctidx
             if tile.count > 0:
                 kv_state = self.mainloop_s(ctx, tile.count, mbar_q, q_phase, mbar_q_free, tiled_mma_qk, tiled_mma_pv,
                                            tSrQ, tSrK, tOrVt, tOrP, acc_O, acc_O_mn, acc_S_shape, pipeline_k, hand,
@@ -317,6 +329,7 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipeline_k.consumer_wait(kv_state)
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, 0)
+        self.scrub_latent(ctx, kv_state, meta)
         row_scale = self.process_scores(ctx, acc_S, meta, True)
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
         self.hand_over(hand, tOrP, row_scale)
@@ -348,11 +361,22 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         warpgroup.wait_group(1)  # PV of block n - 1 done: its stage is free of WG 1
         pipeline_k.consumer_release(v_state)
         warpgroup.wait_group(0)
+        self.scrub_latent(ctx, kv_state, meta)
         row_scale = self.process_scores(ctx, acc_S, meta, False)
         convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
         self.hand_over(hand, tOrP, row_scale)  # first: WG 2's PV starts while this WG rescales its O
         ctx.softmax.rescale(acc_O_mn, row_scale)
         return kv_state
+
+    @cute.jit
+    def scrub_latent(self, ctx, kv_state, meta):
+        """Note [scrubbed latent blocks]: WG 1 zeroes the non-finite elements of the stage of ``kv_state`` (its
+        QK^T completed) where the block needs masks, fenced for the PVs' async proxy; the hand-off's barriers
+        order it before both PVs."""
+        flags = ctx.storage.k_flags.get_tensor(cute.make_layout(BLOCK_SIZE))  # written, not read
+        if self.block_masked(ctx, meta) != 0:
+            nf.scrub_rows(ctx.sK[None, None, kv_state.index], flags, ctx.ctidx, THREADS_PER_WG, self.k_per_row)
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def hand_over(self, hand, tOrP, row_scale):

@@ -538,21 +538,30 @@ def test_exact_delta_on_peaked_rows(kw):
 # NaN / Inf in keys a row cannot see (issue 43, section 4; Note [scrubbed value blocks] in fwd_sm90.py, Note
 # [non-finite keys a row cannot see] in bwd_dq_sm90.py)
 
-@pytest.mark.parametrize("keys", [(30, 36), (70, 131, 200)], ids=["doc1-tail", "doc2-inside"])
+CANNOT_SEE = [pytest.param(keys, p, lat, id=f"{kid}-{p}" + ("-latent" if lat else ""))
+              for keys, kid in (((30, 36), "doc1-tail"), ((70, 131, 200), "doc2-inside"))
+              for p, lat in (("k", False), ("v", False), ("k", True))]
+
+
+@pytest.mark.parametrize("keys,poisoned,latent", CANNOT_SEE)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("poisoned", ["k", "v"])
 @pytest.mark.parametrize("exact_delta", [False, True], ids=["delta", "exact_delta"])
-def test_keys_a_row_cannot_see_never_reach_it(keys, poisoned, value, exact_delta):
+def test_keys_a_row_cannot_see_never_reach_it(keys, poisoned, latent, value, exact_delta):
     """Key rows inside listed blocks poisoned: a row that sees none of them gets the out, lse and dq of a run
     with finite rows there (bitwise: the kernels are deterministic), a key seen only by such rows the same dk /
-    dv; a row that sees one gets a non-finite out (a value) or dq (either). Each poisoned key sits in a block
-    that row tiles load for queries of which some did not select it or end before it (``doc1-tail``: keys 30 /
-    36, seen by rows 30..36 only, in the tile of rows 32..39 whose rows 37.. start document 2; ``doc2-inside``:
-    blocks 11 to 28 tiles load with rows that did not select them), so the kernels multiply P = 0 or dS = 0 by
-    the poisoned rows unless they scrub (checked against the kernels before the scrub, H100)."""
-    c = make_case(9, B=1, S=320, Hq=16, Hkv=2, D=128, topk=2, cu=[0, 37, 320], pad=0.2)
+    dv; a row that sees one gets a non-finite out (a value; the latent's rows are both) or dq (either). Each
+    poisoned key sits in a block that row tiles load for queries of which some did not select it or end before it
+    (``doc1-tail``: keys 30 / 36, seen by rows 30..36 only, in blocks the tiles of document 1's earlier rows and of
+    document 2's first rows load; ``doc2-inside``: blocks 11 to 28 tiles load with rows that did not select them;
+    the latent has one query per tile, so there only the key limit cuts), so the kernels multiply P = 0 or dS = 0
+    by the poisoned rows unless they scrub (checked against the kernels before the scrub, H100)."""
+    if latent:
+        c = make_case(9, B=1, S=320, Hq=64, Hkv=1, D=576, topk=2, cu=[0, 37, 320], pad=0.2, latent_dv=512)
+    else:
+        c = make_case(9, B=1, S=320, Hq=16, Hkv=2, D=128, topk=2, cu=[0, 37, 320], pad=0.2)
+    hkv = c["k"].shape[2]
     mask = orc.token_mask(c["ids"], BS, True, c["cu"])[0, 0]  # [S, S] visible
-    written = listed_key_rows(orc.plan_arrays(c["ids"], BS, c["G"], True, c["cu"]), 1, 320, 2)[0, :, 0]
+    written = listed_key_rows(orc.plan_arrays(c["ids"], BS, c["G"], True, c["cu"]), 1, 320, hkv)[0, :, 0]
     keys = list(keys)
     assert written[keys].all() and mask[:, keys].any(axis=0).all(), "poisoned keys must be loaded and seen"
     seeing = mask[:, keys].any(axis=1)  # rows that see a poisoned key
@@ -560,7 +569,7 @@ def test_keys_a_row_cannot_see_never_reach_it(keys, poisoned, value, exact_delta
     clean_keys = np.nonzero(written & ~mask[seeing].any(axis=0))[0]  # keys no poison-seeing row sees
     assert len(clean_rows) > 100 and len(clean_keys) > 30 and seeing.sum() >= 7
     g = torch.Generator(device="cuda").manual_seed(10)
-    dout = torch.randn(c["q"].shape, device="cuda", generator=g).to(c["q"].dtype)
+    dout = torch.randn(c["q"].shape[:3] + (c["dv"],), device="cuda", generator=g).to(c["q"].dtype)
     want_delta = oracle_delta(c, dout) if exact_delta else None
     clean_out, clean_lse = run(c)
     clean = run_bwd(c, dout, exact_delta=exact_delta, want_delta=want_delta)
@@ -569,12 +578,14 @@ def test_keys_a_row_cannot_see_never_reach_it(keys, poisoned, value, exact_delta
     out, lse = run(bad)
     dirty = run_bwd(bad, dout, exact_delta=exact_delta, want_delta=want_delta, check_delta=False)
     rows, kk = torch.from_numpy(clean_rows).cuda(), torch.from_numpy(clean_keys).cuda()
-    for name, a, b in (("out", out[:, rows], clean_out[:, rows]), ("lse", lse[:, :, rows], clean_lse[:, :, rows]),
-                       ("dq", dirty[0][:, rows], clean[0][:, rows]), ("dk", dirty[1][:, kk], clean[1][:, kk]),
-                       ("dv", dirty[2][:, kk], clean[2][:, kk])):
+    checks = [("out", out[:, rows], clean_out[:, rows]), ("lse", lse[:, :, rows], clean_lse[:, :, rows]),
+              ("dq", dirty[0][:, rows], clean[0][:, rows]), ("dk", dirty[1][:, kk], clean[1][:, kk])]
+    if not latent:
+        checks.append(("dv", dirty[2][:, kk], clean[2][:, kk]))
+    for name, a, b in checks:
         assert torch.isfinite(a).all(), f"{name}: entries no poison-seeing row reaches are not finite"
         assert torch.equal(a, b), f"{name}: entries no poison-seeing row reaches changed"
     seen = torch.from_numpy(np.nonzero(seeing)[0]).cuda()
-    if poisoned == "v":
+    if poisoned == "v" or latent:
         assert not torch.isfinite(out[:, seen]).all(dim=-1).any(), "out: a row that sees a poisoned value is finite"
     assert not torch.isfinite(dirty[0][:, seen]).all(dim=-1).any(), "dq: a row that sees a poisoned key is finite"
