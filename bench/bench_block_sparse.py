@@ -76,9 +76,14 @@ def selection(torch, seqlen: int, kind: str, seed: int = 0):
     return ids, keys
 
 
-def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_delta=False):
-    from cute_kernels.block_sparse.launch import (bwd_config, dkdv_workspace_shapes, fwd_config, run_bwd_dkdv,
-                                                  run_bwd_dq, run_fwd)
+def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_delta=False, pkg="cute_kernels"):
+    """The timed variants on one shape and selection; ``pkg``: the kernels' package (bench/ab_sparse.py passes
+    another tree's copy)."""
+    import importlib
+
+    bl = importlib.import_module(f"{pkg}.block_sparse.launch")
+    bwd_config, dkdv_workspace_shapes, fwd_config = bl.bwd_config, bl.dkdv_workspace_shapes, bl.fwd_config
+    run_bwd_dkdv, run_bwd_dq, run_fwd = bl.run_bwd_dkdv, bl.run_bwd_dq, bl.run_fwd
     from tests.oracles import block_sparse as orc
 
     hq, hkv, dk_, dv_, latent = shape
@@ -153,12 +158,14 @@ def make_fns(torch, seqlen: int, shape: tuple, kind: str, min_segs=(), exact_del
         fns.update(bs_exact_dq=bs_exact_dq, bs_exact_fwd_bwd=bs_exact_fwd_bwd)
     for n in min_segs:
         fns[f"bs_dkdv_L{n}"] = dkdv_with(n)
-    from cute_kernels.indexed.config import GROUP_SIZES, window_queries
+    ic = importlib.import_module(f"{pkg}.indexed.config")
+    GROUP_SIZES, window_queries = ic.GROUP_SIZES, ic.window_queries
 
     if hq // hkv in GROUP_SIZES:
-        from cute_kernels.indexed.launch import attn_config, plan_shapes, run_bwd as idx_run_bwd, run_plan
-        from cute_kernels.indexed.launch import run_fwd as idx_run_fwd
-        from cute_kernels.select.launch import run_blocks_to_indices
+        il = importlib.import_module(f"{pkg}.indexed.launch")
+        attn_config, plan_shapes, idx_run_bwd, run_plan, idx_run_fwd = (il.attn_config, il.plan_shapes, il.run_bwd,
+                                                                        il.run_plan, il.run_fwd)
+        run_blocks_to_indices = importlib.import_module(f"{pkg}.select.launch").run_blocks_to_indices
 
         tokens = torch.empty(1, 1, seqlen, TOPK * BS, dtype=torch.int32, device="cuda")
         icfg = attn_config(q, k, per_kv_head=False)
