@@ -891,12 +891,13 @@ class FlashFwdSm100:
 
     # ------------------------------------------------------------------ Note [scrubbed value tiles, SM100]
     @cute.jit
-    def v_tile_masked(self, tile: WorkTile, n_tile: Int32):
+    def v_tile_masked(self, tile: WorkTile, n_tile: Int32, sched=None):
         """Whether the scrub warps scan V of key tile ``n_tile``: some row of ``tile`` cannot see some of its keys
         (past the first row's causal / window limit, before the last row's window start, the sequence's key
         tail, a FlashMask tile the column bounds do not leave whole for the tile's rows). The scrub warps
         evaluate it before their waits: between a wait and the scan its FlashMask loads spilled their 56
-        registers (52 B, sm_103a under CUDA 13)."""
+        registers (52 B, sm_103a under CUDA 13). ``sched``: the scheduler (a kernel built on this one reads its
+        plan there)."""
         keys = tile.keys
         masked = ((n_tile >= keys.n_right_mask) | (n_tile < keys.n_left_mask)
                   | ((n_tile + 1) * TILE_N > tile.seqlen.seqlen_k))
@@ -951,7 +952,7 @@ class FlashFwdSm100:
             if tile.has_keys:
                 for step in cutlass.range(self.key_steps(tile), unroll=1):
                     kv_state.advance()  # the key tile's K
-                    vm = self.v_tile_masked(tile, self.key_tile(tile, step))
+                    vm = self.v_tile_masked(tile, self.key_tile(tile, step), sched)
                     pipe_vready.consumer_wait(vr_state)
                     pipe_scrub.producer_acquire(sc_state)
                     bad_lo = Int32(0)

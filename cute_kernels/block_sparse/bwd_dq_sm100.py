@@ -142,6 +142,8 @@ class DqTileScheduler(RowTileScheduler):
 class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
     ARRIVALS = DQ_ARRIVALS
     PIPES = DQ_PIPES
+    # The forward's V scrub does not apply: this kernel's exposure is dQ += dS K (docs/api.md, open on SM100).
+    SCRUB_V = False
 
     def __init__(self, cfg: BwdConfig, sm_count: int = 148):
         if cfg.latent or cfg.head_dim != cfg.head_dim_v:
@@ -201,7 +203,7 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout, softmax_scale: Float32,
                num_tiles: Int32, num_hc: Int32, total: Int32):
         sched = DqTileScheduler(self.bs, self.tile_m_total, self.halves, mTileCount, mQLimit.shape[1], num_tiles,
-                                num_hc, total)
+                                num_hc, total, mTileStart, mTileMask, mQLimit)
         self.run_roles(tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout, sched, None,
                        (atom_q, atom_do, atom_k, atom_v),
                        (atom_q, tma_q, atom_do, tma_do, atom_k, tma_k, atom_v, tma_v, q_box, kv_box, mTileStart),

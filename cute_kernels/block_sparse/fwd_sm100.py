@@ -22,6 +22,12 @@ rescale and P-in-TMEM PV; what differs is where rows and keys come from:
   with the SM90 kernel), O / l and lse stored to the row's (query, head); idle rows (past S, past
   ``QS * GC`` of a stage, or past the tile's queries) are never stored.
 
+Note [scrubbed value steps, SM100] (NaN / Inf in values a row cannot see): the dense kernel's scrub (Note
+[scrubbed value tiles, SM100] in attention/fwd_sm100.py: warps 14-15 zero a masked V tile's non-finite elements
+in shared memory, the softmax makes NaN the P of a row that sees a flagged key) runs on this kernel's steps: a
+step is scanned where it needs masks (``needs_mask``, the rule the softmax's ``step_meta`` applies too),
+which also covers the odd tail's duplicated block. The scrub warps read the plan from the scheduler.
+
 Blocks are visited in ascending start order and nothing is accumulated across CTAs: out and lse do not
 depend on the order of the ids and are bitwise reproducible.
 
@@ -114,7 +120,7 @@ class RowTileScheduler(TileScheduler):
     """Static persistent schedule over (query tile fastest, kv head x head chunk, batch); ``cfg`` is the
     block-sparse FwdConfig."""
 
-    _FIELDS = ("mTileCount", "seqlen", "num_tiles", "num_hc", "total")
+    _FIELDS = ("mTileCount", "seqlen", "num_tiles", "num_hc", "total", "mTileStart", "mTileMask", "mQLimit")
 
     def __init__(self, cfg: FwdConfig, tile_m: int, *values):
         self.cfg = cfg
@@ -145,8 +151,8 @@ class RowTileScheduler(TileScheduler):
 
 
 class BlockSparseFwdSm100(FlashFwdSm100):
-    # The dense kernel's V scrub walks the dense key-tile order; this kernel's rows take their own tiles.
-    SCRUB_V = False
+    # Note [scrubbed value steps, SM100]: the dense kernel's V scrub over this kernel's steps
+    SCRUB_V = True
 
     def __init__(self, cfg: FwdConfig, sm_count: int = 148):
         if cfg.arch // 10 != 10:
@@ -238,7 +244,8 @@ class BlockSparseFwdSm100(FlashFwdSm100):
                mLSE: cute.Tensor, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout, scale_log2: Float32,
                num_tiles: Int32, num_hc: Int32, total: Int32):
-        sched = RowTileScheduler(self.bs, self.tile_m_total, mTileCount, mQLimit.shape[1], num_tiles, num_hc, total)
+        sched = RowTileScheduler(self.bs, self.tile_m_total, mTileCount, mQLimit.shape[1], num_tiles, num_hc, total,
+                                 mTileStart, mTileMask, mQLimit)
         self.run_roles(tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout, sched, None,
                        (atom_q, atom_k, atom_v), (atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, q_box, kv_box, mTileStart),
                        (mTileStart, mTileMask, mQLimit, scale_log2), (mO, mLSE, mSink, scale_log2))
@@ -318,8 +325,12 @@ class BlockSparseFwdSm100(FlashFwdSm100):
     # ------------------------------------------------------------------ softmax warpgroups
     @cute.jit
     def softmax(self, stage: Int32, thr_mma_qk, tStS, sScale, sRowSum, sRowMax, pipe_s, pipe_scale, pipe_stats,
-                sched, args: tuple):
+                sched, args: tuple, scrub=None):
+        """``scrub``: the dense softmax's (scrub pipeline, flags, mask), Note [scrubbed value steps, SM100]."""
         mTileStart, mTileMask, mQLimit, scale_log2 = args
+        scrub_step = None
+        if const_expr(scrub is not None):
+            scrub_step = (scrub[0], None, scrub[1], scrub[2])
         tidx, tmem = self.softmax_tmem(stage, thr_mma_qk, tStS)
         s_state = _slot_state(self.q_stage, stage, producer=False)
         scale_state = _slot_state(self.q_stage, stage, producer=True)
@@ -337,7 +348,7 @@ class BlockSparseFwdSm100(FlashFwdSm100):
                     row_max, row_sum = self.softmax_step(
                         step, need_mask, meta, ctx, Int32(0), row_max, row_sum, None, None, stage, tmem, sScale,
                         pipe_s, s_state, pipe_scale, scale_state, scale_log2, Float32(0.0), Float32(0.0),
-                        Float32(1.0), tidx)
+                        Float32(1.0), tidx, None, scrub_step)
                     s_state.advance(self.q_stage)
                     scale_state.advance(self.q_stage)
                 self.publish_row_stats(pipe_stats, stats_state, sRowSum, sRowMax, tidx, stage, row_sum, row_max)
@@ -368,7 +379,6 @@ class BlockSparseFwdSm100(FlashFwdSm100):
         bits), and whether the step needs masks (some block not selected by every tile query, or reaching
         past the tile's smallest key limit)."""
         meta = cute.make_rmem_tensor((2 * BLOCKS_PER_STEP,), Int32)
-        need = Boolean(False)
         for half in cutlass.range_constexpr(BLOCKS_PER_STEP):
             slot = step * BLOCKS_PER_STEP + half
             start = mTileStart[tile.s, tile.w, cutlass.min(slot, tile.count - 1)]
@@ -377,8 +387,31 @@ class BlockSparseFwdSm100(FlashFwdSm100):
                 bits = mTileMask[tile.s, tile.w, slot]
             meta[2 * half] = start
             meta[2 * half + 1] = bits
-            need = need | ((bits & ctx.all_bits) != ctx.all_bits) | (start + BLOCK_SIZE > ctx.min_limit)
-        return meta, need
+        return meta, self.needs_mask(meta, ctx.all_bits, ctx.min_limit)
+
+    @cute.jit
+    def needs_mask(self, meta: cute.Tensor, all_bits: Int32, min_limit: Int32):
+        """Note [block masks] for a step's (start, bits) pairs: some block not selected by every tile query
+        (``all_bits``) or reaching past the tile's smallest key limit."""
+        need = Boolean(False)
+        for half in cutlass.range_constexpr(BLOCKS_PER_STEP):
+            need = need | ((meta[2 * half + 1] & all_bits) != all_bits) | (meta[2 * half] + BLOCK_SIZE > min_limit)
+        return need
+
+    def key_tile(self, tile, step: Int32) -> Int32:
+        """This kernel walks its steps in ascending order (the scrub warps' step index)."""
+        return step
+
+    @cute.jit
+    def v_tile_masked(self, tile: RowTile, n_tile: Int32, sched=None):
+        """Note [scrubbed value steps, SM100]: whether step ``n_tile`` needs masks for some row of the tile (the
+        scrub warps' test; the plan from ``sched``)."""
+        all_bits = Int32(-1)
+        if tile.nq < 32:
+            all_bits = (Int32(1) << tile.nq) - 1
+        ctx = SimpleNamespace(all_bits=all_bits, min_limit=sched.mQLimit[tile.b, tile.q0])
+        _meta, need = self.step_meta(ctx, tile, n_tile, sched.mTileStart, sched.mTileMask)
+        return need
 
     @cute.jit
     def mask_scores(self, tSrS: cute.Tensor, meta: cute.Tensor, ctx, row: Int32):

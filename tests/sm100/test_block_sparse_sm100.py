@@ -285,3 +285,42 @@ def test_forward_row_tiles_match_oracle(d, hq, hkv):
     assert np.array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
     fin = np.isfinite(want_lse)
     assert _rel(got_out, want_out) <= OUT_TOL and np.abs(got_lse[fin] - want_lse[fin]).max() <= 2e-3
+
+
+@pytest.mark.parametrize("keys", [(30, 36), (70, 131, 200)], ids=["doc1-tail", "doc2-inside"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_forward_values_a_row_cannot_see_never_reach_it(keys, value, d):
+    """Note [scrubbed value steps, SM100] (block_sparse/fwd_sm100.py): value rows inside listed blocks poisoned
+    (the SM90 test's geometry, tests/gpu/test_block_sparse.py): rows that see none of them get the out and lse of a
+    run with finite rows there, bitwise; a row that sees one gets a non-finite out. (The SM100 dQ kernel does not
+    scrub yet, docs/api.md: forward only.)"""
+    paddle = pytest.importorskip("paddle")
+    import paddle_fa4
+
+    place = "cpu" if DRY else "gpu"
+    cu = [0, 37, 320]
+    ids = orc.random_ids(np.random.default_rng(9), 1, 320, 2, 64, True, cu, heads=None, pad=0.2, dup=0.1)
+    c = _case(paddle, np.random.default_rng(13), 320, 16, 2, d, True)
+    mask = orc.token_mask(ids, 64, True, np.asarray(cu))[0, 0]
+    seeing = mask[:, list(keys)].any(axis=1)
+    assert seeing.sum() >= 7 and (~seeing).sum() > 100
+
+    def fwd(v):
+        t = [paddle.to_tensor(a, place=place).astype("bfloat16") for a in (c["q"], c["k"], v)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback to the reference backend
+            out, lse = paddle_fa4.block_sparse_attention(
+                *t, paddle.to_tensor(ids, place=place), block_size=64, causal=True,
+                cu_seqlens=paddle.to_tensor(np.asarray(cu, np.int32), place=place), return_lse=True,
+                backend="reference" if DRY else "cute")
+        return out.astype("float32").numpy(), lse.numpy()
+
+    clean = fwd(c["v"])
+    bad = c["v"].copy()
+    bad[:, list(keys)] = value
+    out, lse = fwd(bad)
+    rows = ~seeing
+    assert np.isfinite(out[:, rows]).all() and np.array_equal(out[:, rows], clean[0][:, rows])
+    assert np.array_equal(lse[:, :, rows], clean[1][:, :, rows])
+    assert not np.isfinite(out[:, seeing]).all(axis=-1).any(), "a row that sees a poisoned value is finite"
