@@ -624,6 +624,7 @@ class FlashFwdSm100:
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        self.kv_ring = sK  # the K / V ring buffers (a kernel built on this one may read them in its softmax roles)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
         sScale = storage.sScale.get_tensor(cute.make_layout((TILE_M, self.q_stage)))
         sRowSum = storage.sRowSum.get_tensor(cute.make_layout((TILE_M, self.q_stage)))

@@ -25,6 +25,15 @@ plan's block order: bitwise reproducible. ``lse`` includes the sink, which needs
 
 With ``exact_delta`` delta = rowsum(P dP) from the kernel's own fp32 P and dP instead (Note [SM100 exact delta]).
 
+Note [non-finite keys, SM100 dQ] (NaN / Inf in keys and values a row cannot see; bwd_dq_sm90.py's Note
+[non-finite keys a row cannot see]): dS = 0 wherever P = 0 (not P (dP - delta) = 0 * NaN from a non-finite value
+row or delta), and before the dQ GEMM multiplies dS = 0 by every K row of the step, each softmax warpgroup zeroes
+the non-finite elements of its own block's 64 K rows in shared memory where that block needs masks (the S GEMM
+that read them completed: s was committed after dP), fenced for the tensor core before its ds commit, which the
+MMA warp waits for before that GEMM; K is released only after it. The ring index of the step's K is counted as
+the load warp fills the ring (K, V per step; both sweeps with exact_delta). Flags go to the forward's sScale
+buffer, unused here.
+
 Compile-verified only: no Blackwell GPU was available (its math and plan are those of the SM90 dQ kernel, which
 runs on the H200; its pipelines those of the SM100 forward). Not supported: the latent.
 """
@@ -42,6 +51,7 @@ from cutlass.cute.nvgpu import tcgen05
 from cute_kernels.attention import fwd_sm100 as dense
 from cute_kernels.attention.bwd_pre import vec_ptr
 from cute_kernels.attention.fwd_sm100 import NUM_THREADS, TILE_M, TILE_N, _slot_state
+from cute_kernels.common import nonfinite as nf
 from cute_kernels.common.utils import LOG2_E
 
 from .config import BLOCK_SIZE, BwdConfig, FwdConfig, q_stages_sm100, stage_queries_sm100
@@ -94,6 +104,20 @@ from .fwd_sm100 import BlockSparseFwdSm100, RowTile, RowTileScheduler
 # step (S and dP again), as on SM90.
 
 
+def ring_tiles(sweeps, n_steps):
+    """K / V tiles the load warp puts through the ring for a row tile of ``n_steps`` key steps: K, V per step, per
+    sweep (Note [SM100 exact delta])."""
+    return 2 * n_steps * sweeps
+
+
+def k_ring_position(kv_count, sweeps, n_steps, step):
+    """Position in the ring's fill order of K(step) of the last sweep of a row tile whose first tile is the
+    ``kv_count``-th (Note [non-finite keys, SM100 dQ]; ``load``'s order: K(0), V(0), then K, V of each further step
+    of each sweep). Plain arithmetic: ints here, Int32 in the kernel (tests/cpu/test_block_sparse_sm100_ring.py
+    checks it against the load order)."""
+    return kv_count + 2 * ((sweeps - 1) * n_steps + step)
+
+
 DELTA_UNROLL = 4  # row_delta: 16-byte load pairs in flight per thread (the correction WG's registers are few)
 S1_OFFSET = 3 * TILE_N  # TMEM column of S buffer 1 (Note [SM100 dQ TMEM])
 #: The forward's pipelines with the dQ kernel's use of "s" (both softmax WGs release), "scale" (ds: both softmax
@@ -142,7 +166,7 @@ class DqTileScheduler(RowTileScheduler):
 class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
     ARRIVALS = DQ_ARRIVALS
     PIPES = DQ_PIPES
-    # The forward's V scrub does not apply: this kernel's exposure is dQ += dS K (docs/api.md, open on SM100).
+    # The forward's V scrub does not apply: this kernel scrubs K before dQ += dS K (Note [non-finite keys, SM100 dQ]).
     SCRUB_V = False
 
     def __init__(self, cfg: BwdConfig, sm_count: int = 148):
@@ -204,6 +228,7 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                num_tiles: Int32, num_hc: Int32, total: Int32):
         sched = DqTileScheduler(self.bs, self.tile_m_total, self.halves, mTileCount, mQLimit.shape[1], num_tiles,
                                 num_hc, total, mTileStart, mTileMask, mQLimit)
+        self.kv_box = kv_box  # Note [non-finite keys, SM100 dQ]: a block's (64, D) view of a ring buffer
         self.run_roles(tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout, sched, None,
                        (atom_q, atom_do, atom_k, atom_v),
                        (atom_q, tma_q, atom_do, tma_do, atom_k, tma_k, atom_v, tma_v, q_box, kv_box, mTileStart),
@@ -429,6 +454,11 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
         pipe_ds = pipe_scale  # Note [SM100 dQ roles]
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
         seqlen = mQLimit.shape[1]
+        # Note [non-finite keys, SM100 dQ]: K / V tiles the ring has taken before this tile; this WG's flag bytes
+        kv_count = Int32(0)
+        flags = cute.make_tensor(cute.recast_ptr(sScale.iterator + block * (BLOCK_SIZE // 4), dtype=cutlass.Uint8),
+                                 cute.make_layout(BLOCK_SIZE))
+        k_per_row = nf.threads_per_row(BLOCK_SIZE, self.head_dim, TILE_M, self.dtype)
         work_idx = sched.first()
         while work_idx < sched.total:
             tile = sched.work_tile(work_idx)
@@ -478,18 +508,36 @@ class BlockSparseBwdDQSm100(BlockSparseFwdSm100):
                     s_state.advance(self.q_stage)
                     if need_mask:
                         self.mask_block(rS.iterator, start, bits, ctx)
-                    p = cute.math.exp2(rS.load() * scale_log2 - lse_log2, fastmath=True)
+                    rS.store(cute.math.exp2(rS.load() * scale_log2 - lse_log2, fastmath=True))  # P
+                    for k in cutlass.range_constexpr(BLOCK_SIZE):  # dS, 0 where P = 0 (Note [non-finite keys, ...])
+                        rdP[k] = Float32(0.0) if rS[k] == Float32(0.0) else rS[k] * (rdP[k] - delta)
                     rdS = cute.make_rmem_tensor((BLOCK_SIZE // 2,), Float32)  # 16-bit pairs
                     rdS_h = cute.make_tensor(cute.recast_ptr(rdS.iterator, dtype=self.dtype),
                                              cute.make_layout(BLOCK_SIZE))
-                    rdS_h.store((p * (rdP.load() - delta)).to(self.dtype))
+                    rdS_h.store(rdP.load().to(self.dtype))
                     for c in cutlass.range_constexpr(BLOCK_SIZE // DS_CHUNK):
                         cute.copy(thr_r2t, cute.make_tensor(rdS.iterator + c * (DS_CHUNK // 2), cute.make_layout(st_shape)),
                                   cute.make_tensor(dst_ds.iterator + buf + c * (DS_CHUNK // 2), dst_ds.layout))
                     cute.arch.fence_view_async_tmem_store()  # dS visible to the tensor core
+                    if need_mask:
+                        # Note [non-finite keys, SM100 dQ]: this block's K rows, for the dQ GEMM
+                        k_pos = k_ring_position(kv_count, self.sweeps, tile.keys.n_max, step)
+                        self.scrub_k_block(k_pos % self.kv_stage, block, flags, tidx, k_per_row)
                     pipe_ds.producer_commit(ds_state)
                     ds_state.advance()
+                kv_count += ring_tiles(self.sweeps, tile.keys.n_max)
             work_idx = sched.next(work_idx)
+
+    @cute.jit
+    def scrub_k_block(self, stage: Int32, block: Int32, flags: cute.Tensor, tidx: Int32, per_row: cutlass.Constexpr):
+        """Note [non-finite keys, SM100 dQ]: zero the non-finite elements of block ``block`` (64 keys) of ring
+        buffer ``stage``'s K tile in shared memory, by this warpgroup's 128 threads (the block's (64, D) view the
+        load warp's TMA box wrote, ``kv_box``), fenced for the tensor core's async proxy."""
+        d = self.head_dim
+        base = self.kv_ring.iterator + stage * (TILE_N * d) + block * (BLOCK_SIZE * 64)
+        sKb = cute.make_tensor(cute.recast_ptr(base, self.kv_box.inner), self.kv_box.outer)
+        nf.scrub_rows(sKb, flags, tidx, TILE_M, per_row)
+        cute.arch.fence_view_async_shared()
 
     @cute.jit
     def block_facts(self, ctx, tile: DqTile, step: Int32, block: Int32, mTileStart: cute.Tensor,

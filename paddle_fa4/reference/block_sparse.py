@@ -209,7 +209,9 @@ class _Rows:
         p = paddle.where(live, paddle.exp(self._scores(q) - row_lse), zero)  # [rows, Hkv, G, W]
         dp = paddle.matmul(do, self.v, transpose_y=True)
         delta = paddle.sum(p * dp, axis=-1, keepdim=True)  # [rows, Hkv, G, 1]; see reference/attention.py
-        ds = p * (dp - delta)
+        # dS = 0 where P = 0 (live only): a row whose delta is NaN (it sees a NaN / Inf value) must not reach, as
+        # 0 * NaN through an unused slot (gathered as token 0), the dK of a key it does not see
+        ds = paddle.where(live, p * (dp - delta), zero)
         dq = paddle.matmul(ds, self.k) * spec.scale
         grads.add(self.flat_index, paddle.matmul(ds, q, transpose_x=True) * spec.scale,
                   paddle.matmul(p, do, transpose_x=True))

@@ -149,7 +149,10 @@ class _Rows:
         zero = paddle.zeros([], dtype="float32", device=q.place)
         p = paddle.where(live, paddle.exp(self._scores(q) - row_lse), zero)  # [rows, Hkv, G, W]
         dp = paddle.matmul(do, self.v, transpose_y=True)  # [rows, Hkv, G, W]
-        ds = p * (dp - paddle.sum(p * dp, axis=-1, keepdim=True))  # D = rowsum(P dP), as reference/attention.py
+        # D = rowsum(P dP), as reference/attention.py; dS = 0 where P = 0 (live only): a row whose D is NaN (it
+        # selected a NaN / Inf value) must not reach, as 0 * NaN through an unused slot (gathered as token 0),
+        # the dK of a key it did not select
+        ds = paddle.where(live, p * (dp - paddle.sum(p * dp, axis=-1, keepdim=True)), zero)
         dq = paddle.matmul(ds, self.k) * self.spec.scale
         dk_rows = paddle.matmul(ds, q, transpose_x=True) * self.spec.scale  # [rows, Hkv, W, D]
         dv_rows = paddle.matmul(p, do, transpose_x=True)

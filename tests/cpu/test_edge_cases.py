@@ -163,6 +163,44 @@ def test_poisoned_keys_through_autograd_bf16():
     assert not np.isfinite(grads[1][0][:, :5]).all()
 
 
+def _sparse_grads(op, q, k, v, sel, **kw):
+    """out, dq, dk, dv of ``op`` (block_sparse_attention / indexed_attention, reference backend) with a fixed dout."""
+    tq, tk, tv = (_t(x) for x in (q, k, v))
+    for x in (tq, tk, tv):
+        x.stop_gradient = False
+    out = op(tq, tk, tv, _t(sel, "int32"), backend=REF, **kw)
+    dout = np.random.default_rng(7).standard_normal(out.shape).astype(np.float32)
+    paddle.autograd.backward([out], [_t(dout)])
+    return out.numpy(), tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
+
+
+@pytest.mark.parametrize("op", ["indexed", "block_sparse"])
+def test_sparse_ops_keep_gradients_clean_of_values_rows_did_not_select(op):
+    """A NaN value row selected by one row makes that row's out and D = rowsum(dO * O) NaN; the keys only the
+    other rows select keep their dk / dv, key 0 included: the references gather unused slots as token 0 with P = 0,
+    and dS = P (dP - D) = 0 * NaN there reached dk[0] (found 2026-12-08; dS is now 0 where P = 0)."""
+    if op == "indexed":
+        q, k, v = _qkv(8, 6, 12)
+        # row 0 selects key 5 (poisoned) and pads; key 0 is selected by rows 1..5 only
+        sel = np.array([[5, -1, -1, 3], [0, 1, 2, -1], [0, 2, 4, -1], [0, 3, -1, -1], [0, 6, 7, 8], [0, 9, 10, -1]])
+        run = lambda k_, v_: _sparse_grads(paddle_fa4.indexed_attention, q, k_, v_, sel[None])  # noqa: E731
+        bad, seeing, clean_keys = [5], [0], [0, 1, 2, 4, 6, 7, 8, 9, 10]
+    else:
+        q, k, v = _qkv(8, 130, 130)
+        # 64-key blocks, causal: rows 64.. select block 1 (keys 64..) and pad; rows < 64 select block 0 only
+        sel = np.full((1, 130, 2), -1)
+        sel[0, :, 0] = np.arange(130) // 64
+        run = lambda k_, v_: _sparse_grads(paddle_fa4.block_sparse_attention, q, k_, v_, sel,  # noqa: E731
+                                           block_size=64, causal=True)
+        bad, seeing, clean_keys = [64], list(range(64, 128)), list(range(64))  # key 64: rows 64..127 (block 1)
+    want = run(k, v)
+    got = run(k, _poison(v, bad, math.nan))
+    assert not np.isfinite(got[0][:, seeing]).all(axis=-1).any()  # the rows that selected it do get it
+    for name, a, b in zip(("dk", "dv"), got[2:], want[2:]):
+        np.testing.assert_array_equal(a[:, clean_keys], b[:, clean_keys], err_msg=name)
+        assert np.isfinite(a[:, clean_keys]).all(), name
+
+
 def test_key_matmul_ieee_values():
     """The guarded matmul gives each row the IEEE value of its products over the keys it sees (numpy's sum of
     those products): invisible NaN / Inf are dropped, visible ones give NaN (NaN, 0 * Inf, Inf - Inf) or +-Inf."""

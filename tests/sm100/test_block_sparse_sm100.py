@@ -324,3 +324,31 @@ def test_forward_values_a_row_cannot_see_never_reach_it(keys, value, d):
     assert np.isfinite(out[:, rows]).all() and np.array_equal(out[:, rows], clean[0][:, rows])
     assert np.array_equal(lse[:, :, rows], clean[1][:, :, rows])
     assert not np.isfinite(out[:, seeing]).all(axis=-1).any(), "a row that sees a poisoned value is finite"
+
+
+@pytest.mark.parametrize("keys", [(30, 36), (70, 131, 200)], ids=["doc1-tail", "doc2-inside"])
+@pytest.mark.parametrize("poisoned", ["k", "v"])
+@pytest.mark.parametrize("exact_delta", [False, True], ids=["delta", "exact_delta"])
+def test_backward_keys_a_row_cannot_see_never_reach_it(keys, poisoned, exact_delta):
+    """Head dim 128 (the tcgen05 dQ / dK dV kernels; Note [non-finite keys, SM100 dQ] in bwd_dq_sm100.py): key or
+    value rows inside listed blocks NaN; rows that see none of them get the out, lse and dq of a run with finite
+    rows there, keys only such rows see the same dk / dv (bitwise); a row that sees one gets a non-finite dq."""
+    paddle = pytest.importorskip("paddle")
+    cu = [0, 37, 320]
+    ids = orc.random_ids(np.random.default_rng(9), 1, 320, 2, 64, True, cu, heads=None, pad=0.2, dup=0.1)
+    c = _case(paddle, np.random.default_rng(14), 320, 16, 2, 128, True)
+    mask = orc.token_mask(ids, 64, True, np.asarray(cu))[0, 0]
+    seeing = mask[:, list(keys)].any(axis=1)
+    listed = mask.any(axis=0)
+    clean_keys = listed & ~mask[seeing].any(axis=0)
+    assert (~seeing).sum() > 100 and clean_keys.sum() > 30
+    clean = _run(paddle, c, ids, cu, exact_delta=exact_delta)
+    bad = dict(c, **{poisoned: c[poisoned].copy()})
+    bad[poisoned][:, list(keys)] = np.nan
+    got = _run(paddle, bad, ids, cu, exact_delta=exact_delta)
+    rows = ~seeing
+    for name, i, sel in (("out", 0, rows), ("dq", 2, rows), ("dk", 3, clean_keys), ("dv", 4, clean_keys)):
+        a, b = got[i][:, sel], clean[i][:, sel]
+        assert np.isfinite(a).all() and np.array_equal(a, b), name
+    assert np.array_equal(got[1][:, :, rows], clean[1][:, :, rows])
+    assert not np.isfinite(got[2][:, seeing]).all(axis=-1).any(), "dq: a row that sees a poisoned key is finite"
