@@ -150,9 +150,18 @@ class RowTileScheduler(TileScheduler):
                        h * bs.group + (hc - h * chunks) * head_chunk(bs.group))
 
 
+#: setmaxnreg (softmax 0, softmax 1, correction, other) with two Q stages: 8 more per softmax thread than the dense
+#: kernel's REGS[2], from the correction warpgroup (the rows' plan facts beside the scrub's wait spilled 16 B at
+#: 192 on sm_103a under CUDA 12, d 128, G 8 / 128; 200 / 56 compiles clean there).
+REGS_TWO_STAGES = (200, 200, 56, 56)
+
+
 class BlockSparseFwdSm100(FlashFwdSm100):
     # Note [scrubbed value steps, SM100]: the dense kernel's V scrub over this kernel's steps
     SCRUB_V = True
+
+    def role_regs(self) -> tuple:
+        return REGS_TWO_STAGES if self.q_stage == 2 else super().role_regs()
 
     def __init__(self, cfg: FwdConfig, sm_count: int = 148):
         if cfg.arch // 10 != 10:
