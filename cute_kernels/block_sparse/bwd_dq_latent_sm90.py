@@ -310,7 +310,7 @@ class BlockSparseLatentBwdDQSm90(BlockSparseBwdDQSm90):
         completed), fenced for the dq GEMMs' async proxy (bwd_dq_sm90.py's ``scrub_k_block`` on the one stage)."""
         flags = ctx.storage.k_flags.get_tensor(cute.make_layout(BLOCK_SIZE))  # written, not read
         if self.block_masked(ctx, meta) != 0:
-            nf.scrub_rows(ctx.sK[None, None, 0], flags, ctx.ctidx, THREADS_PER_WG, self.k_per_row)
+            nf.scrub_rows(ctx.sK[None, None, 0], flags, ctx.ctidx, THREADS_PER_WG, self.k_per_row, batch=self.k_batch)
             cute.arch.fence_view_async_shared()
 
     @cute.jit

@@ -328,7 +328,8 @@ class BlockSparseBwdDQSm90(BlockSparseFwdSm90):
         flags = ctx.storage.k_flags.get_tensor(cute.make_layout((64, KV_STAGES)))
         if self.block_masked(ctx, meta) != 0:
             nf.scrub_rows(ctx.sK[None, None, kv_state.index], flags[None, kv_state.index], ctx.ctidx,
-                          THREADS_PER_WG, self.k_per_row)
+                          THREADS_PER_WG, self.k_per_row,
+                          batch=1 if self.sweeps == 2 else self.k_batch)  # exact_delta: batch 2 spilled 32 B
             cute.arch.fence_view_async_shared()
 
     @cute.jit

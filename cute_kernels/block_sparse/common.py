@@ -72,6 +72,10 @@ class BlockSparseSm90:
         # scrub_rows' adjacent threads per key row of a value block (one consumer warpgroup scans it)
         self.v_per_row = nf.threads_per_row(BLOCK_SIZE, self.dv, THREADS_PER_WG, self.dtype)
         self.k_per_row = nf.threads_per_row(BLOCK_SIZE, self.dk, THREADS_PER_WG, self.dtype)
+        # and the chunks each scrub thread loads together (one shared-memory round trip per batch)
+        # (fewer where more spilled at sm_90a: the forward's d 256 consumer, the dQ consumer)
+        self.v_batch = nf.batch_for(self.dv, self.v_per_row, self.dtype, most=4 if self.dv <= 128 else 2)
+        self.k_batch = nf.batch_for(self.dk, self.k_per_row, self.dtype, most=2)
 
     def rows_tma(self, mX: cute.Tensor, d: int, stages=None, store: bool = False):
         """(atom, TMA tensor, row box) loading (``store``: storing) one (GC, d) box per tile query from (to) the

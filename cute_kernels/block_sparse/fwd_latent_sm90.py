@@ -375,7 +375,8 @@ class BlockSparseLatentFwdSm90(BlockSparseFwdSm90):
         order it before both PVs."""
         flags = ctx.storage.k_flags.get_tensor(cute.make_layout(BLOCK_SIZE))  # written, not read
         if self.block_masked(ctx, meta) != 0:
-            nf.scrub_rows(ctx.sK[None, None, kv_state.index], flags, ctx.ctidx, THREADS_PER_WG, self.k_per_row)
+            nf.scrub_rows(ctx.sK[None, None, kv_state.index], flags, ctx.ctidx, THREADS_PER_WG, self.k_per_row,
+                          batch=self.k_batch)
             cute.arch.fence_view_async_shared()
 
     @cute.jit

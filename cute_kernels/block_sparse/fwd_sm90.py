@@ -450,7 +450,7 @@ class BlockSparseFwdSm90(BlockSparseSm90):
         if v_masked != 0:
             words, flags = self.scrub_flags(ctx.storage)
             found = nf.scrub_rows(ctx.sV[None, None, v_state.index], flags[None, v_state.index], ctx.ctidx,
-                                  THREADS_PER_WG, self.v_per_row)
+                                  THREADS_PER_WG, self.v_per_row, batch=self.v_batch)
             cute.arch.fence_view_async_shared()
             ballot = cute.arch.vote_ballot_sync(found != 0)
             if ctx.ctidx % 32 == 0:

@@ -59,13 +59,15 @@ def threads_per_row(rows: int, cols: int, threads: int, dtype, bits: int = COPY_
 
 @cute.jit
 def scrub_rows(sX: cute.Tensor, flags: cute.Tensor, tid: Int32, threads: cutlass.Constexpr,
-               per_row: cutlass.Constexpr, bits: cutlass.Constexpr = COPY_BITS) -> Int32:
+               per_row: cutlass.Constexpr, bits: cutlass.Constexpr = COPY_BITS, batch: cutlass.Constexpr = 1) -> Int32:
     """Zero every non-finite element of the shared-memory tile ``sX`` (rows, cols; any swizzle) in place and
     write ``flags[row]`` = 1 where row had one, else 0 (every row written: no clearing needed), by the
     ``threads`` threads ``tid`` in [0, threads) (whole warps; all of them must call), ``per_row`` adjacent
     threads to a row (``threads_per_row`` with the same ``bits``), ``bits`` per load. Returns 1 if this
     thread found one. The caller fences the async proxy and synchronises before an MMA or a reader of
-    ``flags`` depends on it."""
+    ``flags`` depends on it. ``batch``: chunks of a row loaded together before their test (a divisor of the
+    thread's chunks per row; ``batch_for``): one shared-memory round trip per ``batch`` chunks instead of one per
+    chunk, for ``batch`` times the registers."""
     dtype = sX.element_type
     elems = bits // dtype.width
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
@@ -82,27 +84,33 @@ def scrub_rows(sX: cute.Tensor, flags: cute.Tensor, tid: Int32, threads: cutlass
     first_row = tid // per_row
     found = Int32(0)
     row_bad = Int32(0)
-    # One flat loop over (row, chunk), not unrolled: the SM100 scrub warps run it within 56 registers (loading a
-    # row's chunks together spilled there); the SM90 consumers call it between their wgmma turns.
-    for i in cutlass.range(cute.size(tXsX, mode=[1]) * n_chunks, unroll=1):
-        m = i // n_chunks
-        n = i - m * n_chunks
-        frag = cute.make_rmem_tensor(cute.make_layout(elems), dtype)
-        cute.autovec_copy(tXsX[None, m, n], frag)
-        words = cute.recast_tensor(frag, Uint32)
+    assert n_chunks % batch == 0, (n_chunks, batch)
+    groups = n_chunks // batch
+    # One flat loop over (row, group of chunks), not unrolled: the SM100 scrub warps run it within 56 registers
+    # (batch 1: loading a row's chunks together spilled there); the SM90 consumers call it between their wgmma turns.
+    for i in cutlass.range(cute.size(tXsX, mode=[1]) * groups, unroll=1):
+        m = i // groups
+        g = i - m * groups
+        frags = [cute.make_rmem_tensor(cute.make_layout(elems), dtype) for _ in range(batch)]
+        for b in cutlass.range_constexpr(batch):
+            cute.autovec_copy(tXsX[None, m, g * batch + b], frags[b])
         # SWAR: a half's exponent field all ones (Inf / NaN) plus its lowest bit carries into bit 15.
         hits = Uint32(0)
-        for k in cutlass.range_constexpr(elems // 2):
-            hits = hits | (((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000))
-        bad = Int32(0)
-        if hits != Uint32(0):  # rare: zero the non-finite halves, write the chunk back
+        for b in cutlass.range_constexpr(batch):
+            words = cute.recast_tensor(frags[b], Uint32)
             for k in cutlass.range_constexpr(elems // 2):
-                h = ((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000)
-                words[k] = words[k] & ~((h >> Uint32(15)) * Uint32(0xFFFF))
-            cute.autovec_copy(frag, tXsX[None, m, n])
+                hits = hits | (((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000))
+        bad = Int32(0)
+        if hits != Uint32(0):  # rare: zero the non-finite halves, write the chunks back
+            for b in cutlass.range_constexpr(batch):
+                words = cute.recast_tensor(frags[b], Uint32)
+                for k in cutlass.range_constexpr(elems // 2):
+                    h = ((words[k] & Uint32(pair_e)) + Uint32(pair_one)) & Uint32(0x80008000)
+                    words[k] = words[k] & ~((h >> Uint32(15)) * Uint32(0xFFFF))
+                cute.autovec_copy(frags[b], tXsX[None, m, g * batch + b])
             bad = Int32(1)
         row_bad = row_bad | bad
-        if n == n_chunks - 1:  # the row's last chunk (uniform across the threads: shuffles are safe)
+        if g == groups - 1:  # the row's last chunks (uniform across the threads: shuffles are safe)
             for k in cutlass.range_constexpr(len(offsets)):
                 row_bad = row_bad | cute.arch.shuffle_sync_bfly(row_bad, offset=offsets[k])
             if owner:
@@ -110,6 +118,16 @@ def scrub_rows(sX: cute.Tensor, flags: cute.Tensor, tid: Int32, threads: cutlass
             found = found | row_bad
             row_bad = Int32(0)
     return found
+
+
+def batch_for(cols: int, per_row: int, dtype, most: int = 4, bits: int = COPY_BITS) -> int:
+    """``scrub_rows``' ``batch`` for rows of ``cols`` elements, ``per_row`` threads to a row: the largest power of
+    two <= ``most`` dividing the thread's chunks per row."""
+    chunks = cols * dtype.width // bits // per_row
+    b = 1
+    while b * 2 <= most and chunks % (b * 2) == 0:
+        b *= 2
+    return b
 
 
 def nan_seen_halves(x, pair_bits, u32):

@@ -182,7 +182,8 @@ class IndexedBwdDQ:
                                     n + 1, 1 - buf)
                 cute.arch.cp_async_commit_group()
             # Note [scrubbed key chunks]: K(n) landed (the wait above)
-            found = nf.scrub_rows(sK_all[None, None, buf], sFlag, tidx, THREADS, k_per_row)
+            found = nf.scrub_rows(sK_all[None, None, buf], sFlag, tidx, THREADS, k_per_row,
+                                  batch=nf.batch_for(D, k_per_row, cutlass.BFloat16))
             ballot = cute.arch.vote_ballot_sync(found != 0)
             if tidx % 32 == 0:
                 sAny[tidx // 32] = cutlass.Uint8(1) if ballot != 0 else cutlass.Uint8(0)

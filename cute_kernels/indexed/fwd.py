@@ -217,7 +217,7 @@ class IndexedFwd:
                 cute.arch.cp_async_commit_group()
 
             # Note [scrubbed value chunks]: V(n) landed (the wait above)
-            found = nf.scrub_rows(sV, sFlag, tidx, THREADS, v_per_row)
+            found = nf.scrub_rows(sV, sFlag, tidx, THREADS, v_per_row, batch=nf.batch_for(D, v_per_row, cutlass.BFloat16))
             ballot = cute.arch.vote_ballot_sync(found != 0)
             if tidx % 32 == 0:
                 sAny[tidx // 32] = cutlass.Uint8(1) if ballot != 0 else cutlass.Uint8(0)
