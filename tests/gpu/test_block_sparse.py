@@ -554,7 +554,9 @@ def test_keys_a_row_cannot_see_never_reach_it(keys, poisoned, latent, value, exa
     (``doc1-tail``: keys 30 / 36, seen by rows 30..36 only, in blocks the tiles of document 1's earlier rows and of
     document 2's first rows load; ``doc2-inside``: blocks 11 to 28 tiles load with rows that did not select them;
     the latent has one query per tile, so there only the key limit cuts), so the kernels multiply P = 0 or dS = 0
-    by the poisoned rows unless they scrub (checked against the kernels before the scrub, H100)."""
+    by the poisoned rows unless they scrub. (Run on an H100 on 2026-12-08 before a fix of this test -- it asked
+    lse to be finite, and the case has rows without keys -- so neither the kernels before the scrub nor after it
+    were told apart by that run; the fixed test has not run on a GPU yet.)"""
     if latent:
         c = make_case(9, B=1, S=320, Hq=64, Hkv=1, D=576, topk=2, cu=[0, 37, 320], pad=0.2, latent_dv=512)
     else:
@@ -583,8 +585,9 @@ def test_keys_a_row_cannot_see_never_reach_it(keys, poisoned, latent, value, exa
     if not latent:
         checks.append(("dv", dirty[2][:, kk], clean[2][:, kk]))
     for name, a, b in checks:
-        assert torch.isfinite(a).all(), f"{name}: entries no poison-seeing row reaches are not finite"
-        assert torch.equal(a, b), f"{name}: entries no poison-seeing row reaches changed"
+        # lse may be -inf (rows without keys; the case has some), the rest is finite
+        assert name == "lse" or torch.isfinite(a).all(), f"{name}: entries no poison-seeing row reaches are not finite"
+        assert not torch.isnan(a).any() and torch.equal(a, b), f"{name}: entries no poison-seeing row reaches changed"
     seen = torch.from_numpy(np.nonzero(seeing)[0]).cuda()
     if poisoned == "v" or latent:
         assert not torch.isfinite(out[:, seen]).all(dim=-1).any(), "out: a row that sees a poisoned value is finite"
