@@ -150,9 +150,10 @@ class RowTileScheduler(TileScheduler):
                        h * bs.group + (hc - h * chunks) * head_chunk(bs.group))
 
 
-#: setmaxnreg (softmax 0, softmax 1, correction, other) with two Q stages: 8 more per softmax thread than the dense
-#: kernel's REGS[2], from the correction warpgroup (the rows' plan facts beside the scrub's wait spilled 16 B at
-#: 192 on sm_103a under CUDA 12, d 128, G 8 / 128; 200 / 56 compiles clean there).
+#: setmaxnreg (softmax 0, softmax 1, correction, other) with two Q stages and a power-of-two head chunk: 8 more per
+#: softmax thread than the dense kernel's REGS[2], from the correction warpgroup (the rows' plan facts beside the
+#: scrub's wait spilled 16 B at 192 on sm_103a under CUDA 12, d 128, G 8 / 128). G 12 keeps the dense split: its
+#: correction warpgroup (rows of 12 heads: divisions by 12) spilled 8-16 B at 56 under CUDA 12.
 REGS_TWO_STAGES = (200, 200, 56, 56)
 
 
@@ -161,7 +162,9 @@ class BlockSparseFwdSm100(FlashFwdSm100):
     SCRUB_V = True
 
     def role_regs(self) -> tuple:
-        return REGS_TWO_STAGES if self.q_stage == 2 else super().role_regs()
+        if self.q_stage == 2 and self.gc & (self.gc - 1) == 0:
+            return REGS_TWO_STAGES
+        return super().role_regs()
 
     def __init__(self, cfg: FwdConfig, sm_count: int = 148):
         if cfg.arch // 10 != 10:
